@@ -1,0 +1,20 @@
+"""substrax: data-parallel training in JAX and Flax NNX, with the collectives in view.
+
+Two paths to the same step:
+
+- ``substrax.spmd`` (implicit): the batch sharded over a mesh, one ``nnx.jit`` step,
+  and XLA inserts the gradient all-reduce.
+- ``substrax.explicit``: the same step under ``jax.shard_map``, the loss ``pmean``-ed
+  before ``grad``, metrics reduced with collectives; ``compare_gradients`` checks both
+  against a one-device reference.
+
+``make_train_step(loss_fn, mode)`` picks one with a word. ``substrax.mesh`` builds the
+meshes both use.
+"""
+
+from substrax import explicit, mesh, spmd
+from substrax._train_step import MODES, make_train_step
+
+__version__ = "0.1.0"
+
+__all__ = ["MODES", "__version__", "explicit", "make_train_step", "mesh", "spmd"]

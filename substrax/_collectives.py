@@ -1,0 +1,150 @@
+"""Collectives over a named mesh axis, applied to every array leaf of a metrics tree.
+
+These run inside ``jax.shard_map`` (or ``jax.pmap``), where each device holds its own
+value and ``axis_name`` names the axis to reduce over. Every array leaf, 0-d included,
+is reduced at any depth; any other leaf (a string, a Python number) passes through.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+import jax
+import numpy as np
+
+from substrax._tree import is_array, map_arrays
+
+__all__ = [
+    "all_gather",
+    "collect_from_devices",
+    "reduce_max_collective",
+    "reduce_mean_collective",
+    "reduce_min_collective",
+    "reduce_sum_collective",
+]
+
+T = TypeVar("T")
+V = TypeVar("V")
+
+
+def reduce_mean_collective(metrics: T, axis_name: str = "batch") -> T:
+    """Compute the mean of metrics using collective operations.
+
+    Only valid inside a pmap or shard_map context.
+
+    Args:
+      metrics: The metrics to reduce: a mapping, or any pytree of them.
+      axis_name: The name of the axis to reduce across.
+
+    Returns:
+      ``metrics`` with every array leaf averaged across the axis (``lax.pmean``).
+    """
+    return map_arrays(lambda x: jax.lax.pmean(x, axis_name), metrics)
+
+
+def reduce_sum_collective(metrics: T, axis_name: str = "batch") -> T:
+    """Compute the sum of metrics using collective operations.
+
+    Only valid inside a pmap or shard_map context.
+
+    Args:
+      metrics: The metrics to reduce: a mapping, or any pytree of them.
+      axis_name: The name of the axis to reduce across.
+
+    Returns:
+      ``metrics`` with every array leaf summed across the axis (``lax.psum``).
+    """
+    return map_arrays(lambda x: jax.lax.psum(x, axis_name), metrics)
+
+
+def reduce_max_collective(metrics: T, axis_name: str = "batch") -> T:
+    """Compute the elementwise maximum of metrics across devices.
+
+    Only valid inside a pmap or shard_map context.
+
+    Args:
+      metrics: The metrics to reduce: a mapping, or any pytree of them.
+      axis_name: The name of the axis to reduce across.
+
+    Returns:
+      ``metrics`` with every array leaf replaced by its maximum across the axis
+      (``lax.pmax``).
+    """
+    return map_arrays(lambda x: jax.lax.pmax(x, axis_name), metrics)
+
+
+def reduce_min_collective(metrics: T, axis_name: str = "batch") -> T:
+    """Compute the elementwise minimum of metrics across devices.
+
+    Only valid inside a pmap or shard_map context.
+
+    Args:
+      metrics: The metrics to reduce: a mapping, or any pytree of them.
+      axis_name: The name of the axis to reduce across.
+
+    Returns:
+      ``metrics`` with every array leaf replaced by its minimum across the axis
+      (``lax.pmin``).
+    """
+    return map_arrays(lambda x: jax.lax.pmin(x, axis_name), metrics)
+
+
+# jax >= 0.12 spells an all_gather whose result is equal on every device `to="invarying"`;
+# 0.11 had `all_gather_invariant`. Under check_vma=True only such a result may leave
+# shard_map through a replicated out_spec.
+if "to" in inspect.signature(jax.lax.all_gather).parameters:
+
+    def _gather_invariant(x: Any, axis_name: str, tiled: bool) -> Any:
+        return jax.lax.all_gather(x, axis_name, tiled=tiled, to="invarying")
+
+elif hasattr(jax.lax, "all_gather_invariant"):
+
+    def _gather_invariant(x: Any, axis_name: str, tiled: bool) -> Any:
+        return jax.lax.all_gather_invariant(x, axis_name, tiled=tiled)
+
+else:  # pragma: no cover - older jax than pyproject allows
+
+    def _gather_invariant(x: Any, axis_name: str, tiled: bool) -> Any:
+        return jax.lax.all_gather(x, axis_name, tiled=tiled)
+
+
+def all_gather(metrics: T, axis_name: str = "batch", *, tiled: bool = False) -> T:
+    """Gather metrics from all devices.
+
+    Only valid inside a pmap or shard_map context. The result is equal on every device,
+    so under ``shard_map(check_vma=True)`` it may leave through ``out_specs=P()``.
+
+    Args:
+      metrics: The metrics to gather: a mapping, or any pytree of them.
+      axis_name: The name of the axis to gather across.
+      tiled: ``False`` stacks the devices' values on a new leading axis (a scalar
+        becomes a vector with one entry per device); ``True`` concatenates them along
+        the existing leading axis (per-example values of the shards become the global
+        batch's, in order).
+
+    Returns:
+      ``metrics`` with every array leaf gathered across the axis.
+    """
+    return map_arrays(lambda x: _gather_invariant(x, axis_name, tiled), metrics)
+
+
+def collect_from_devices(metrics: Mapping[str, V]) -> dict[str, list[jax.Array] | V]:
+    """Collect metrics from all devices.
+
+    Call outside of a pmapped function to split per-device values from the leading
+    device axis.
+
+    Args:
+      metrics: The metrics from all devices, with the first dimension corresponding to
+        the device axis.
+
+    Returns:
+      A dictionary of metrics, with array values split into per-device lists; a value
+      that is not an array, or has no leading axis, is kept as it is.
+    """
+    return {
+        name: [value[i] for i in range(value.shape[0])] if is_array(value) and np.ndim(value) else value
+        for name, value in metrics.items()
+    }

@@ -1,0 +1,216 @@
+"""Put a host batch and a model's state on a mesh."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
+
+from substrax._tree import KeyPath, PyTree, broadcast_prefix, is_array, path_str
+
+__all__ = [
+    "create_data_parallel_sharding",
+    "place_batch_on_shards",
+    "place_nnx_state_on_shards",
+]
+
+
+def create_data_parallel_sharding(mesh: Mesh, data_axis: str = "data") -> NamedSharding:
+    """Create the sharding that splits a batch's leading axis over a mesh axis.
+
+    Args:
+      mesh: The device mesh to use for sharding.
+      data_axis: The name of the mesh axis to use for data parallelism.
+
+    Returns:
+      A NamedSharding over ``mesh`` with spec ``PartitionSpec(data_axis)``.
+
+    Raises:
+      ValueError: If ``data_axis`` is not an axis of ``mesh``; names the mesh's axes.
+    """
+    check_spec_axes(PartitionSpec(data_axis), mesh, where="create_data_parallel_sharding")
+    return NamedSharding(mesh, PartitionSpec(data_axis))
+
+
+def spec_axes(entry: Any) -> tuple[str, ...]:
+    """The mesh axis names one PartitionSpec entry splits a dimension over."""
+    if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+        return ()
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def check_spec_axes(spec: PartitionSpec, mesh: Any, *, where: str) -> None:
+    """Raise a ValueError naming any axis of ``spec`` that ``mesh`` lacks."""
+    for entry in spec:
+        for axis in spec_axes(entry):
+            if axis not in mesh.axis_names:
+                raise ValueError(
+                    f"{where}: axis {axis!r} of {spec} is not in the mesh, whose axes are "
+                    f"{tuple(mesh.axis_names)}. Use one of those axes, or build the mesh with "
+                    f"{axis!r}."
+                )
+
+
+def check_fits(
+    path: KeyPath, shape: tuple[int, ...], spec: PartitionSpec, mesh: Any, *, local: bool, root: str = "batch"
+) -> None:
+    """Raise a ValueError unless an array of ``shape`` can be split as ``spec`` says.
+
+    Args:
+      path: The leaf's key path, for the message.
+      shape: The leaf's shape (this process's rows when ``local``).
+      spec: The partition spec it goes on.
+      mesh: The mesh (concrete for ``local``; abstract is fine otherwise).
+      local: Whether ``shape`` is the process-local slice, split over the devices of
+        this process only.
+    """
+    partitioned = [i for i, entry in enumerate(spec) if spec_axes(entry)]
+    if partitioned and len(shape) <= partitioned[-1]:
+        raise ValueError(
+            f"{path_str(path, root)} has shape {shape} ({len(shape)} dimensions), but its sharding "
+            f"{spec} splits dimension {partitioned[-1]}. A value without a batch axis (a "
+            f"scalar, a batch-level setting) needs a replicated sharding such as "
+            f"NamedSharding(mesh, PartitionSpec()): pass a pytree prefix of shardings."
+        )
+    sizes = mesh.local_mesh.shape if local else mesh.shape
+    for dim in partitioned:
+        axes = spec_axes(spec[dim])
+        ways = math.prod(sizes[a] for a in axes)
+        if shape[dim] % ways:
+            axis_text = " x ".join(f"{a!r} ({mesh.shape[a]})" for a in axes)
+            scope = " on this process" if local and jax.process_count() > 1 else ""
+            raise ValueError(
+                f"{path_str(path, root)} has size {shape[dim]} along dimension {dim}{scope}, which "
+                f"does not divide by {ways}, the size of mesh axis {axis_text} it is split "
+                f"over. Make the batch size a multiple of {ways} (drop or pad the last rows)."
+            )
+
+
+def _named_spec(sharding: Sharding) -> tuple[PartitionSpec, Mesh] | None:
+    return (sharding.spec, sharding.mesh) if isinstance(sharding, NamedSharding) else None
+
+
+def place_batch_on_shards(batch: PyTree, sharding: Sharding | PyTree) -> PyTree:
+    """Turn this process's batch into global arrays, each subtree on its sharding.
+
+    Array leaves, whether ``jax.Array``, a NumPy array as a host data loader yields it,
+    or a NumPy scalar, go to ``jax.make_array_from_process_local_data`` in one call. On a
+    single process that is one batched ``jax.device_put``. On several processes each
+    process passes the slice of the global batch it loaded, and jax stitches the slices
+    into one global array in process order; a leaf on a replicated sharding must be
+    equal on every process (``substrax.spmd.check_replicated_equal`` checks it). Any
+    other leaf, such as a string, is returned as it is. Call it on the host batches a
+    loader yields, outside ``jax.jit``.
+
+    Args:
+      batch: The batch this process loaded.
+      sharding: One sharding for every array leaf, or a pytree prefix of ``batch`` whose
+        leaves are shardings, each applying to its subtree: rows sharded on the batch
+        axis and a batch-level field without one replicated, for example.
+
+    Returns:
+      The batch with every array leaf replaced by the global array on its sharding.
+
+    Raises:
+      ValueError: If a leaf has fewer dimensions than its sharding partitions (a scalar
+        under a sharding that splits the batch axis), if a split dimension does not
+        divide by its mesh axes, or if the sharding tree does not fit the batch; the
+        message names the leaf's path or the subtree.
+      TypeError: If a leaf is a traced value (the call is inside ``jax.jit``).
+    """
+    path_leaves, shardings, treedef = broadcast_prefix(
+        sharding, batch, lambda s: isinstance(s, Sharding), what="sharding"
+    )
+    out = [leaf for _, leaf in path_leaves]
+    todo: list[int] = []
+    for i, ((path, leaf), s) in enumerate(zip(path_leaves, shardings, strict=True)):
+        if isinstance(leaf, jax.core.Tracer):
+            raise TypeError(
+                f"{path_str(path)} is a traced value: place_batch_on_shards places host "
+                f"batches and must run outside jax.jit. Inside a jitted function use "
+                f"jax.lax.with_sharding_constraint."
+            )
+        if not is_array(leaf):
+            continue
+        named = _named_spec(s)
+        if named is not None:
+            check_fits(path, np.shape(leaf), named[0], named[1], local=True)
+        todo.append(i)
+    if todo:
+        placed = jax.make_array_from_process_local_data(
+            [shardings[i] for i in todo], [out[i] for i in todo]
+        )
+        for i, arr in zip(todo, placed, strict=True):
+            out[i] = arr
+    return jax.tree.unflatten(treedef, out)
+
+
+FilterSharding = (
+    PartitionSpec
+    | Sharding
+    | Mapping[Any, PartitionSpec | Sharding]
+    | Sequence[tuple[Any, PartitionSpec | Sharding]]
+    | None
+)
+
+
+def place_nnx_state_on_shards(state: nnx.State, mesh: Mesh, filter_sharding: FilterSharding) -> nnx.State:
+    """Shard a Flax NNX state tree using current NNX sharding helpers.
+
+    Args:
+      state: An ``nnx.State`` (from ``nnx.state(model)`` or ``nnx.split``).
+      mesh: The mesh to place it on.
+      filter_sharding: Where each variable goes. ``None`` uses the sharding metadata
+        the variables were declared with (``nnx.with_partitioning``), as
+        ``nnx.get_partition_spec`` reads it; variables without any are replicated. One
+        ``PartitionSpec`` or ``Sharding`` places every variable so. A mapping, or a
+        sequence of pairs, from an NNX filter (``nnx.Param``, ``"kernel"``, ``...``) to
+        a ``PartitionSpec`` or ``Sharding``: the first filter that matches a variable
+        decides, and unmatched variables are replicated.
+
+    Returns:
+      The state, same structure, with every variable's array placed by
+      ``jax.device_put``.
+
+    Raises:
+      ValueError: If a spec names an axis the mesh lacks, or a variable cannot be split
+        as its spec says; the message names the variable's path.
+    """
+
+    def as_sharding(spec: PartitionSpec | Sharding) -> Sharding:
+        if isinstance(spec, PartitionSpec):
+            check_spec_axes(spec, mesh, where="place_nnx_state_on_shards")
+            return NamedSharding(mesh, spec)
+        return spec
+
+    flat = list(nnx.to_flat_state(state))
+    if filter_sharding is None:
+        declared = jax.tree.leaves(nnx.get_partition_spec(state), is_leaf=lambda x: isinstance(x, PartitionSpec))
+        shardings = [as_sharding(spec) for spec in declared]
+    else:
+        if isinstance(filter_sharding, (PartitionSpec, Sharding)):
+            rules = [(..., filter_sharding)]
+        elif isinstance(filter_sharding, Mapping):
+            rules = list(filter_sharding.items())
+        else:
+            rules = list(filter_sharding)
+        matchers = [(nnx.filterlib.to_predicate(f), as_sharding(s)) for f, s in rules]
+        replicated = NamedSharding(mesh, PartitionSpec())
+        shardings = [
+            next((s for match, s in matchers if match(path, var)), replicated) for path, var in flat
+        ]
+
+    placed = []
+    for (path, var), s in zip(flat, shardings, strict=True):
+        value = var.get_value()
+        if is_array(value):
+            if isinstance(s, NamedSharding):
+                check_fits(path, np.shape(value), s.spec, mesh, local=False, root="state")
+            var = var.replace(jax.device_put(value, s))
+        placed.append((path, var))
+    return nnx.from_flat_state(placed)

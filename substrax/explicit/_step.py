@@ -1,0 +1,186 @@
+"""The explicit data-parallel step: the same step as ``spmd_train_step``, under ``jax.shard_map``.
+
+Every collective the step runs is written here: the loss is ``pmean``-ed over the data
+axis before ``grad`` (the gradient of the replicated parameters then arrives whole, see
+``substrax.explicit._grad``), and metrics are reduced with the ``reduce_*_collective``
+functions and ``all_gather``. ``check_vma=True`` is pinned, since the gradient rule
+depends on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from substrax._placement import check_fits, check_spec_axes
+from substrax._tree import PyTree, broadcast_prefix
+from substrax.explicit._grad import data_parallel_value_and_grad
+from substrax.explicit._metrics import reduce_metrics_collective
+from substrax.mesh import current_mesh
+
+__all__ = ["batch_partition_specs", "explicit_train_step", "explicit_value_and_grad"]
+
+M = TypeVar("M", bound=nnx.Module)
+BatchSpec = PartitionSpec | NamedSharding | PyTree
+
+
+def batch_partition_specs(batch: PyTree, batch_spec: BatchSpec | None, mesh: Any, data_axis: str) -> PyTree:
+    """One PartitionSpec per leaf of ``batch``: how ``shard_map`` splits it.
+
+    Args:
+      batch: The global batch (arrays or tracers).
+      batch_spec: One PartitionSpec or NamedSharding for every leaf, a pytree prefix of
+        ``batch`` of them (the convention of ``place_batch_on_shards``), or ``None``
+        for ``PartitionSpec(data_axis)`` on every leaf.
+      mesh: The mesh ``shard_map`` runs over.
+      data_axis: The batch axis.
+
+    Returns:
+      A tree of PartitionSpecs with the structure of ``batch``.
+
+    Raises:
+      ValueError: If the prefix does not fit, a spec names an axis the mesh lacks, or a
+        leaf cannot be split as its spec says; names the leaf's path.
+    """
+    if batch_spec is None:
+        batch_spec = PartitionSpec(data_axis)
+    path_leaves, specs, treedef = broadcast_prefix(
+        batch_spec, batch, lambda s: isinstance(s, (PartitionSpec, NamedSharding)), what="batch_spec"
+    )
+    out = []
+    for (path, leaf), spec in zip(path_leaves, specs, strict=True):
+        spec = spec.spec if isinstance(spec, NamedSharding) else spec
+        check_spec_axes(spec, mesh, where="batch_spec")
+        check_fits(path, np.shape(leaf), spec, mesh, local=False)
+        out.append(spec)
+    return jax.tree.unflatten(treedef, out)
+
+
+def _split_loss(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., tuple[Any, Any]]:
+    if has_aux:
+        return loss_fn
+    return lambda model, batch: (loss_fn(model, batch), {})
+
+
+def explicit_value_and_grad(
+    model: M,
+    loss_fn: Callable[[M, PyTree], Any],
+    batch: PyTree,
+    *,
+    mesh: Any = None,
+    data_axis: str = "data",
+    batch_spec: BatchSpec | None = None,
+) -> tuple[jax.Array, nnx.State]:
+    """The global loss and the gradient of ``model``'s parameters, computed under shard_map.
+
+    The gradient half of ``explicit_train_step``, without the update: what
+    ``compare_gradients`` checks against the implicit path and a one-device reference.
+
+    Args:
+      model: The NNX model, its parameters replicated.
+      loss_fn: ``(model, batch) -> loss``, on one device's shard.
+      batch: The global batch.
+      mesh: The mesh; ``None`` takes the one set by ``jax.set_mesh``.
+      data_axis: The mesh axis the batch is split over.
+      batch_spec: How to split the batch (see ``batch_partition_specs``).
+
+    Returns:
+      ``(loss, grads)``: the loss on the global batch and an ``nnx.State`` of gradients
+      with respect to ``nnx.Param``, both replicated.
+    """
+    mesh = current_mesh(mesh, required_axes=(data_axis,))
+    specs = batch_partition_specs(batch, batch_spec, mesh, data_axis)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def per_device(params: nnx.State, rest: nnx.State, shard: PyTree) -> tuple[jax.Array, nnx.State]:
+        def loss_of_params(params: nnx.State) -> jax.Array:
+            return loss_fn(nnx.merge(graphdef, params, rest), shard)
+
+        return data_parallel_value_and_grad(loss_of_params, data_axis)(params)
+
+    run = jax.shard_map(
+        per_device,
+        mesh=mesh,
+        in_specs=(PartitionSpec(), PartitionSpec(), specs),
+        out_specs=(PartitionSpec(), PartitionSpec()),
+        check_vma=True,
+    )
+    return run(params, rest, batch)
+
+
+def explicit_train_step(
+    model: M,
+    optimizer: nnx.Optimizer[M],
+    loss_fn: Callable[[M, PyTree], Any],
+    batch: PyTree,
+    *,
+    mesh: Any = None,
+    data_axis: str = "data",
+    batch_spec: BatchSpec | None = None,
+    has_aux: bool = False,
+    reduce: Mapping[str, str | None] | None = None,
+) -> jax.Array | tuple[jax.Array, dict[str, Any]]:
+    """Execute a data-parallel training step with every collective written out.
+
+    The explicit twin of ``substrax.spmd.spmd_train_step``, called the same way inside
+    ``nnx.jit``. The body runs under ``jax.shard_map`` with ``check_vma=True``: each
+    device sees its shard of the batch and the whole model and optimizer state,
+    replicated. The loss is ``pmean``-ed over ``data_axis`` before differentiating, so
+    each replicated parameter's gradient arrives as the full-batch gradient, equal on
+    every device, and every device applies the same optimizer update.
+
+    Args:
+      model: The NNX model to train; its state is replicated over the mesh.
+      optimizer: The NNX optimizer for ``model``; updated in place.
+      loss_fn: ``(model, shard) -> loss`` on one device's shard, or, with ``has_aux``,
+        ``(model, shard) -> (loss, metrics)`` with ``metrics`` a flat mapping from name
+        to this shard's value.
+      batch: The global batch (see ``substrax.spmd.place_batch_on_shards``).
+      mesh: The mesh; ``None`` takes the one set by ``jax.set_mesh``.
+      data_axis: The mesh axis the batch is split over; the loss is averaged over it.
+        Other mesh axes (a ``model`` axis, say) see the same shard on every device.
+      batch_spec: How ``shard_map`` splits the batch: one ``PartitionSpec``, or a pytree
+        prefix of ``batch`` of ``PartitionSpec`` or ``NamedSharding`` leaves (the prefix
+        convention of ``place_batch_on_shards``). Default: every leaf on ``data_axis``.
+      has_aux: Whether ``loss_fn`` returns ``(loss, metrics)``.
+      reduce: With ``has_aux``, metric name to ``"mean"``, ``"sum"``, ``"max"``,
+        ``"min"``, ``"gather"`` (the per-example values of the global batch, in order)
+        or ``None`` (the per-device values stacked on a leading device axis). Unlisted
+        metrics get ``"mean"``. See ``reduce_metrics_collective``.
+
+    Returns:
+      The global batch's loss, replicated; with ``has_aux``, ``(loss, metrics)``.
+
+    Raises:
+      ValueError: If there is no mesh or it lacks ``data_axis``, if ``batch_spec`` does
+        not fit the batch, if a leaf cannot be split over its axes, or if ``reduce``
+        names an unknown operation; each message names the axis, leaf or metric.
+    """
+    mesh = current_mesh(mesh, required_axes=(data_axis,))
+    specs = batch_partition_specs(batch, batch_spec, mesh, data_axis)
+    graphdef, state = nnx.split((model, optimizer))
+    split_loss = _split_loss(loss_fn, has_aux)
+
+    def per_device(state: nnx.State, shard: PyTree) -> tuple[nnx.State, jax.Array, dict[str, Any]]:
+        model, optimizer = nnx.merge(graphdef, state)
+        value_and_grad = data_parallel_value_and_grad(split_loss, data_axis, has_aux=True)
+        (loss, metrics), grads = value_and_grad(model, shard)
+        optimizer.update(model, grads)
+        metrics = reduce_metrics_collective(metrics, reduce, data_axis)
+        return nnx.state((model, optimizer)), loss, metrics
+
+    run = jax.shard_map(
+        per_device,
+        mesh=mesh,
+        in_specs=(PartitionSpec(), specs),
+        out_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec()),
+        check_vma=True,
+    )
+    new_state, loss, metrics = run(state, batch)
+    nnx.update((model, optimizer), new_state)
+    return (loss, metrics) if has_aux else loss

@@ -1,0 +1,202 @@
+"""Device meshes: build them, describe them, and emulate devices on the CPU.
+
+``jax.make_mesh`` on jax >= 0.11 gives every axis ``AxisType.Explicit``. Under Explicit
+axes a batch-sharded backward pass needs ``out_sharding=`` on every op whose sharding
+jax cannot infer, so the data-parallel steps here (which rely on the compiler to place
+the gradient all-reduce) would fail to trace. The meshes built here default to
+``AxisType.Auto`` instead; pass ``axis_types`` to choose otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+__all__ = [
+    "DeviceMeshManager",
+    "create_data_parallel_mesh",
+    "create_device_mesh",
+    "current_mesh",
+    "mesh_info",
+    "use_cpu_devices",
+]
+
+MeshShape = Mapping[str, int] | Sequence[tuple[str, int]]
+
+
+def _axes(mesh_shape: MeshShape) -> list[tuple[str, int]]:
+    pairs = list(mesh_shape.items()) if isinstance(mesh_shape, Mapping) else list(mesh_shape)
+    try:
+        return [(name, size) for name, size in pairs]
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"mesh_shape {mesh_shape!r} must be a mapping from axis name to size, or a list "
+            f"of (name, size) pairs, such as {{'data': 8}} or [('data', 4), ('model', 2)]."
+        ) from None
+
+
+def create_device_mesh(
+    mesh_shape: MeshShape,
+    devices: Sequence[jax.Device] | None = None,
+    *,
+    axis_types: Sequence[AxisType] | AxisType | None = None,
+) -> Mesh:
+    """Create a named device mesh.
+
+    Args:
+      mesh_shape: Axis name to size, as a mapping (``{"data": 4, "model": 2}``) or a list
+        of ``(name, size)`` pairs; the order is the mesh's axis order.
+      devices: The devices to lay out, in order. Defaults to ``jax.devices()``; only the
+        first ``prod(sizes)`` are used, through ``jax.make_mesh``'s topology-aware order.
+      axis_types: One ``jax.sharding.AxisType`` for every axis, or one per axis. Defaults
+        to ``AxisType.Auto`` for every axis (``jax.make_mesh`` itself defaults to
+        ``Explicit``, under which a batch-sharded backward pass needs ``out_sharding``
+        on every op: see the module docstring).
+
+    Returns:
+      A ``jax.sharding.Mesh`` with the given axis names and sizes.
+
+    Raises:
+      ValueError: If a size is not a positive int, an axis name repeats, or the shape
+        needs more devices than there are; the message names the shape and the count.
+    """
+    axes = _axes(mesh_shape)
+    available = list(devices) if devices is not None else jax.devices()
+    shape_text = dict(axes) if len({n for n, _ in axes}) == len(axes) else axes
+    for name, size in axes:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"Mesh axis names must be non-empty strings; got {name!r} in {shape_text}.")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(
+                f"Mesh axis {name!r} has size {size!r}; every size in {shape_text} must be a "
+                f"positive int."
+            )
+    names = [n for n, _ in axes]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"Mesh axis names {repeated} repeat in mesh_shape {axes}; name each axis once.")
+    needed = math.prod(s for _, s in axes)
+    if needed > len(available):
+        raise ValueError(
+            f"Mesh shape {shape_text} needs {needed} devices, but {len(available)} are "
+            f"available. Use a smaller shape, or on the CPU emulate more devices with "
+            f"substrax.mesh.use_cpu_devices({needed}) before jax starts."
+        )
+    if axis_types is None:
+        axis_types = AxisType.Auto
+    if isinstance(axis_types, AxisType):
+        axis_types = (axis_types,) * len(axes)
+    if len(axis_types) != len(axes):
+        raise ValueError(f"axis_types has {len(axis_types)} entries for {len(axes)} mesh axes {names}.")
+    return jax.make_mesh(
+        tuple(s for _, s in axes),
+        tuple(names),
+        axis_types=tuple(axis_types),
+        devices=available[:needed],
+    )
+
+
+def create_data_parallel_mesh(num_devices: int | None = None, *, data_axis: str = "data") -> Mesh:
+    """Create a one-axis mesh for data parallelism.
+
+    Args:
+      num_devices: How many devices the ``data`` axis spans; every device by default.
+      data_axis: The axis name.
+
+    Returns:
+      A mesh ``{data_axis: num_devices}`` with an Auto axis.
+
+    Raises:
+      ValueError: As ``create_device_mesh``.
+    """
+    return create_device_mesh({data_axis: jax.device_count() if num_devices is None else num_devices})
+
+
+def mesh_info(mesh: Mesh) -> dict[str, Any]:
+    """Describe a mesh: its axes, sizes, types and devices.
+
+    Args:
+      mesh: The mesh.
+
+    Returns:
+      A dict with ``axis_names``, ``shape`` (name to size), ``axis_types`` (name to type
+      name), ``num_devices``, ``platform``, ``process_count`` (processes owning its
+      devices) and ``local_shape`` (name to size over this process's devices).
+    """
+    devices = mesh.devices.flat
+    return {
+        "axis_names": tuple(mesh.axis_names),
+        "shape": dict(mesh.shape),
+        "axis_types": {n: t.name for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)},
+        "num_devices": mesh.size,
+        "platform": mesh.devices.flat[0].platform,
+        "process_count": len({d.process_index for d in devices}),
+        "local_shape": dict(mesh.local_mesh.shape),
+    }
+
+
+def current_mesh(mesh: Mesh | None = None, *, required_axes: Iterable[str] = ()) -> Mesh:
+    """Return ``mesh``, or the one set by ``jax.set_mesh``, checking it has ``required_axes``.
+
+    Raises:
+      ValueError: If there is no mesh, or an axis is missing; names the mesh's axes.
+    """
+    if mesh is None:
+        concrete = jax.sharding.get_mesh()
+        mesh = concrete if concrete.axis_names else None
+    if mesh is None:
+        raise ValueError(
+            "No mesh: pass mesh=, or call inside `with jax.set_mesh(mesh):` "
+            "(substrax.mesh.create_device_mesh builds one)."
+        )
+    for axis in required_axes:
+        if axis not in mesh.axis_names:
+            raise ValueError(
+                f"Axis {axis!r} is not in the mesh, whose axes are {tuple(mesh.axis_names)}; "
+                f"pass one of those as the axis name, or build the mesh with {axis!r}."
+            )
+    return mesh
+
+
+def use_cpu_devices(num_devices: int) -> None:
+    """Emulate ``num_devices`` CPU devices; call before jax touches a backend.
+
+    Tests, notebooks and demos use this to run data-parallel code on one CPU. It sets
+    ``jax_num_cpu_devices``, which jax reads once, when it first starts a backend.
+
+    Args:
+      num_devices: How many CPU devices jax should expose.
+
+    Raises:
+      ValueError: If ``num_devices`` is not a positive int.
+      RuntimeError: If jax's backend is already up with another device count; the message
+        says how to start over.
+    """
+    if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
+        raise ValueError(f"num_devices must be a positive int; got {num_devices!r}.")
+    from jax._src import xla_bridge  # The only way to ask without starting a backend.
+
+    if xla_bridge.backends_are_initialized():
+        have = jax.local_device_count()
+        if jax.default_backend() == "cpu" and have == num_devices:
+            return
+        raise RuntimeError(
+            f"jax's backend is already running with {have} {jax.default_backend()} "
+            f"device(s), so it cannot switch to {num_devices} emulated CPU devices. Call "
+            f"substrax.mesh.use_cpu_devices({num_devices}) right after `import jax`, before "
+            f"any array is created, or start Python with "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={num_devices}."
+        )
+    jax.config.update("jax_num_cpu_devices", num_devices)
+
+
+class DeviceMeshManager:
+    """Builds and describes device meshes (the names the reference uses)."""
+
+    create_device_mesh = staticmethod(create_device_mesh)
+    create_data_parallel_mesh = staticmethod(create_data_parallel_mesh)
+    mesh_info = staticmethod(mesh_info)

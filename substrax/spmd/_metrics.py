@@ -1,0 +1,147 @@
+"""Metric reductions over global arrays (the implicit path's view of a batch).
+
+Under ``nnx.jit`` with the batch sharded, a metric is one global array: reducing it is
+plain ``jnp`` math, and the compiler inserts whatever cross-device reduction that
+needs. Every array leaf with at least one dimension is reduced over all its elements;
+0-d arrays and non-array leaves pass through.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TypeVar
+
+import jax.numpy as jnp
+
+from substrax._reductions import METRIC_REDUCTIONS, check_reduce_fn
+from substrax._tree import is_array, map_arrays
+
+__all__ = ["reduce_custom", "reduce_max", "reduce_mean", "reduce_metrics", "reduce_min", "reduce_sum"]
+
+T = TypeVar("T")
+V = TypeVar("V")
+
+_REDUCE = {"mean": jnp.mean, "sum": jnp.sum, "max": jnp.max, "min": jnp.min}
+
+
+def reduce_mean(metrics: T) -> T:
+    """Compute the mean of metrics using standard JAX operations.
+
+    Works with global arrays in SPMD contexts (``nnx.jit`` + mesh). Every array leaf
+    with at least one dimension is reduced, at any depth of ``metrics``; every other
+    leaf passes through unchanged.
+
+    Args:
+      metrics: The metrics to reduce: a mapping, or any pytree of them.
+
+    Returns:
+      ``metrics`` with every array leaf mean-reduced.
+    """
+    return map_arrays(jnp.mean, metrics, min_ndim=1)
+
+
+def reduce_sum(metrics: T) -> T:
+    """Compute the sum of metrics using standard JAX operations.
+
+    Works with global arrays in SPMD contexts (``nnx.jit`` + mesh). Every array leaf
+    with at least one dimension is reduced, at any depth of ``metrics``; every other
+    leaf passes through unchanged.
+
+    Args:
+      metrics: The metrics to reduce: a mapping, or any pytree of them.
+
+    Returns:
+      ``metrics`` with every array leaf summed.
+    """
+    return map_arrays(jnp.sum, metrics, min_ndim=1)
+
+
+def reduce_max(metrics: T) -> T:
+    """Compute the maximum of metrics using standard JAX operations.
+
+    Works with global arrays in SPMD contexts (``nnx.jit`` + mesh). Every array leaf
+    with at least one dimension is reduced, at any depth of ``metrics``; every other
+    leaf passes through unchanged.
+
+    Args:
+      metrics: The metrics to reduce: a mapping, or any pytree of them.
+
+    Returns:
+      ``metrics`` with every array leaf reduced to its maximum.
+    """
+    return map_arrays(jnp.max, metrics, min_ndim=1)
+
+
+def reduce_min(metrics: T) -> T:
+    """Compute the minimum of metrics using standard JAX operations.
+
+    Works with global arrays in SPMD contexts (``nnx.jit`` + mesh). Every array leaf
+    with at least one dimension is reduced, at any depth of ``metrics``; every other
+    leaf passes through unchanged.
+
+    Args:
+      metrics: The metrics to reduce: a mapping, or any pytree of them.
+
+    Returns:
+      ``metrics`` with every array leaf reduced to its minimum.
+    """
+    return map_arrays(jnp.min, metrics, min_ndim=1)
+
+
+def reduce_custom(
+    metrics: Mapping[str, V], reduce_fn: Mapping[str, str | None] | None = None
+) -> dict[str, V | jnp.ndarray]:
+    """Apply custom reduction operations to metrics.
+
+    Uses standard JAX operations. Works in SPMD contexts. Each named value is reduced
+    by its operation when it is an array with at least one dimension; without
+    ``reduce_fn`` this is ``reduce_mean``.
+
+    Args:
+      metrics: The metrics to reduce, by name.
+      reduce_fn: A dictionary mapping metric names to reduction operations. Each
+        operation should be one of ``{"mean", "sum", "max", "min"}``, or ``None`` to
+        leave the metric as it is. A metric it does not name gets ``"mean"``. If
+        ``None``, defaults to ``"mean"`` for all metrics.
+
+    Returns:
+      A dictionary of reduced metrics.
+
+    Raises:
+      ValueError: If an operation is not one of the four names or ``None``; the
+        message names the metric and the operation.
+    """
+    ops = check_reduce_fn(metrics, reduce_fn)
+    reduced: dict[str, V | jnp.ndarray] = {}
+    for name, value in metrics.items():
+        op = ops[name]
+        reducible = op is not None and is_array(value) and jnp.ndim(value) > 0
+        reduced[name] = _REDUCE[op](value) if reducible else value
+    return reduced
+
+
+def reduce_metrics(metrics: Mapping[str, V], reduce: Mapping[str, str | None] | None = None) -> dict[str, V | jnp.ndarray]:
+    """Reduce a training step's metrics, computed on the global batch, by name.
+
+    The implicit twin of ``substrax.explicit.reduce_metrics_collective``: the same
+    ``reduce`` mapping gives the same values on both paths.
+
+    Args:
+      metrics: Metric name to its value on the global batch.
+      reduce: Metric name to ``"mean"``, ``"sum"``, ``"max"`` or ``"min"`` (reduce every
+        element), ``"gather"`` (keep the per-example values; they are already the
+        global batch's) or ``None`` (keep as it is). Unlisted names get ``"mean"``.
+
+    Returns:
+      The reduced metrics, by name.
+
+    Raises:
+      ValueError: If an operation is not one of the above; names the metric.
+    """
+    ops = check_reduce_fn(metrics, reduce, allowed=METRIC_REDUCTIONS)
+    reduced: dict[str, V | jnp.ndarray] = {}
+    for name, value in metrics.items():
+        op = ops[name]
+        reducible = op in _REDUCE and is_array(value)
+        reduced[name] = _REDUCE[op](value) if reducible else value
+    return reduced
