@@ -169,7 +169,7 @@ def place_nnx_state_on_shards(state: nnx.State, mesh: Mesh, filter_sharding: Fil
         the variables were declared with (``nnx.with_partitioning``), as
         ``nnx.get_partition_spec`` reads it; variables without any are replicated. One
         ``PartitionSpec`` or ``Sharding`` places every variable so. A mapping, or a
-        sequence of pairs, from an NNX filter (``nnx.Param``, ``"kernel"``, ``...``) to
+        sequence of pairs, from an NNX filter (``nnx.Param``, ``nnx.PathContains("kernel")``, ``...``) to
         a ``PartitionSpec`` or ``Sharding``: the first filter that matches a variable
         decides, and unmatched variables are replicated.
 

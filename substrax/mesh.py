@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh
 
 __all__ = [
     "DeviceMeshManager",
@@ -139,15 +139,23 @@ def mesh_info(mesh: Mesh) -> dict[str, Any]:
     }
 
 
-def current_mesh(mesh: Mesh | None = None, *, required_axes: Iterable[str] = ()) -> Mesh:
+def current_mesh(
+    mesh: Mesh | AbstractMesh | None = None, *, required_axes: Iterable[str] = ()
+) -> Mesh | AbstractMesh:
     """Return ``mesh``, or the one set by ``jax.set_mesh``, checking it has ``required_axes``.
+
+    Inside ``jax.jit`` the mesh set by ``jax.set_mesh`` is known only as an
+    ``AbstractMesh``, which is all ``jax.shard_map`` needs.
 
     Raises:
       ValueError: If there is no mesh, or an axis is missing; names the mesh's axes.
     """
     if mesh is None:
-        concrete = jax.sharding.get_mesh()
-        mesh = concrete if concrete.axis_names else None
+        try:
+            found: Mesh | AbstractMesh = jax.sharding.get_mesh()
+        except ValueError:  # inside jax.jit only the abstract mesh is known
+            found = jax.sharding.get_abstract_mesh()
+        mesh = found if found.axis_names else None
     if mesh is None:
         raise ValueError(
             "No mesh: pass mesh=, or call inside `with jax.set_mesh(mesh):` "

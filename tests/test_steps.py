@@ -1,0 +1,119 @@
+"""Both training steps against a one-device reference, on meshes of 1, 2, 4 and 8 devices."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import MLP, assert_params_close, mse, params_of, reference_training, regression_batches
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+import substrax
+from substrax.explicit import explicit_train_step
+from substrax.mesh import create_device_mesh
+from substrax.spmd import create_data_parallel_sharding, place_batch_on_shards, spmd_train_step
+
+P = PartitionSpec
+STEPS = 20
+LR = 1e-2
+
+
+def _train(mode: str, mesh: jax.sharding.Mesh, batches: list[dict]) -> tuple[list[float], dict]:
+    with jax.set_mesh(mesh):
+        model = MLP()
+        optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
+    step = substrax.make_train_step(mse, mode, mesh=mesh)
+    sharding = create_data_parallel_sharding(mesh)
+    losses = [float(step(model, optimizer, place_batch_on_shards(b, sharding))) for b in batches]
+    return losses, params_of(model)
+
+
+@pytest.fixture(scope="module")
+def batches() -> list[dict]:
+    return regression_batches(STEPS, rows=32)
+
+
+@pytest.fixture(scope="module")
+def reference(batches: list[dict]) -> tuple[list[float], dict]:
+    return reference_training(batches, lr=LR)
+
+
+def test_spmd_train_step_as_the_reference_writes_it(mesh8: jax.sharding.Mesh, batches: list, reference: tuple) -> None:
+    with jax.set_mesh(mesh8):
+        model = MLP()
+        optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
+
+    @nnx.jit
+    def train_step(model: MLP, optimizer: nnx.Optimizer, batch: dict) -> jax.Array:
+        return spmd_train_step(model, optimizer, mse, batch)
+
+    sharding = create_data_parallel_sharding(mesh8)
+    with jax.set_mesh(mesh8):
+        losses = [float(train_step(model, optimizer, place_batch_on_shards(b, sharding))) for b in batches]
+    assert model.hidden.kernel.get_value().sharding.is_fully_replicated
+    np.testing.assert_allclose(losses, reference[0], rtol=1e-5)
+    assert_params_close(params_of(model), reference[1])
+
+
+@pytest.mark.parametrize("devices", [1, 2, 4, 8])
+def test_both_modes_match_the_one_device_reference(devices: int, batches: list, reference: tuple) -> None:
+    mesh = create_device_mesh({"data": devices})
+    ref_losses, ref_params = reference
+    for mode in substrax.MODES:
+        losses, params = _train(mode, mesh, batches)
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=mode)
+        assert_params_close(params, ref_params)
+    assert ref_losses[-1] < 0.5 * ref_losses[0]  # it trains
+
+
+def test_explicit_on_a_2d_mesh_reduces_over_data_only(batches: list, reference: tuple) -> None:
+    mesh = create_device_mesh({"data": 4, "model": 2})
+    losses, params = _train("explicit", mesh, batches)
+    np.testing.assert_allclose(losses, reference[0], rtol=1e-5)
+    assert_params_close(params, reference[1])
+
+
+def test_explicit_step_called_directly_with_the_context_mesh(mesh8: jax.sharding.Mesh, batches: list, reference: tuple) -> None:
+    with jax.set_mesh(mesh8):
+        model = MLP()
+        optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
+
+    @nnx.jit
+    def train_step(model: MLP, optimizer: nnx.Optimizer, batch: dict) -> jax.Array:
+        return explicit_train_step(model, optimizer, mse, batch)
+
+    sharding = create_data_parallel_sharding(mesh8)
+    with jax.set_mesh(mesh8):
+        losses = [float(train_step(model, optimizer, place_batch_on_shards(b, sharding))) for b in batches[:10]]
+    np.testing.assert_allclose(losses, reference[0][:10], rtol=1e-5)
+
+
+def _weighted_loss(model: MLP, batch: dict) -> jax.Array:
+    rows = batch["rows"]
+    return batch["batch_state"]["scale"] * jnp.mean((model(rows["x"]) - rows["y"]) ** 2)
+
+
+def test_prefix_batch_rows_and_a_replicated_value(mesh8: jax.sharding.Mesh, batches: list) -> None:
+    scale = np.float32(0.5)
+    prefix_batches = [{"rows": b, "batch_state": {"scale": scale}} for b in batches[:10]]
+    shardings = {"rows": create_data_parallel_sharding(mesh8), "batch_state": NamedSharding(mesh8, P())}
+    specs = {"rows": P("data"), "batch_state": P()}
+
+    device = jax.devices()[0]
+    with jax.default_device(device):
+        ref_model = MLP()
+        ref_opt = nnx.Optimizer(ref_model, optax.adam(LR), wrt=nnx.Param)
+        ref_step = nnx.jit(lambda m, o, b: spmd_train_step(m, o, _weighted_loss, b))
+        ref_losses = [float(ref_step(ref_model, ref_opt, jax.device_put(b, device))) for b in prefix_batches]
+
+    for mode in substrax.MODES:
+        with jax.set_mesh(mesh8):
+            model = MLP()
+            optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
+        step = substrax.make_train_step(_weighted_loss, mode, mesh=mesh8, batch_spec=specs)
+        losses = [float(step(model, optimizer, place_batch_on_shards(b, shardings))) for b in prefix_batches]
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=mode)
+        assert_params_close(params_of(model), params_of(ref_model))
