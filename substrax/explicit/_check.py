@@ -102,7 +102,7 @@ def _diagnose(method: str, scale: float, fits: bool, mesh: Mesh, worst: list[str
     return (
         f"gradient differs from the reference beyond round-off and not by a constant factor; "
         f"worst leaves: {', '.join(worst)}. Usual causes: shard_map with check_vma=False (each "
-        f"device's grad of a pmean-ed loss is only its shard's share), a batch split over the "
+        f"device's grad of a pmean-ed loss is only its own shard's gradient), a batch split over the "
         f"wrong axis, or per-device state (dropout keys, batch statistics) that differs."
     )
 

@@ -10,8 +10,8 @@ So the loss must be averaged *before* ``grad``:
     pmean(grad(loss)(w, shard), axis)               # wrong: axis-size times too large
 
 Under ``check_vma=False`` there is no ``pvary`` and no automatic ``psum``, and the rule
-flips: each device's ``grad`` of the averaged loss is only its own shard's share (the
-devices disagree), and ``pmean(grad(loss))`` is the right spelling. substrax pins
+flips: each device's ``grad`` of the averaged loss is only the gradient of its own shard
+(the devices disagree), and ``pmean(grad(loss))`` is the right spelling. substrax pins
 ``check_vma=True`` and the first spelling; ``data_parallel_value_and_grad`` refuses to
 run where it can see the batch is not marked as varying over the axis.
 """
@@ -75,7 +75,7 @@ def data_parallel_value_and_grad(
     Raises:
       ValueError: At trace time, if the per-device loss is not marked as varying over
         ``axis_name``: the enclosing ``shard_map`` runs with ``check_vma=False`` (where
-        this rule gives per-device partial gradients) or the loss does not depend on a
+        this rule gives each device its own shard's gradient) or the loss does not depend on a
         shard split over that axis.
     """
 
@@ -93,7 +93,7 @@ def data_parallel_value_and_grad(
                 f"The per-device loss does not vary over axis {axis_name!r} (it varies over "
                 f"{sorted(axes) or 'no axis'}). Either the enclosing jax.shard_map runs with "
                 f"check_vma=False, where grad of the pmean-ed loss gives each device only "
-                f"its shard's share of the gradient (pass check_vma=True), or the loss does "
+                f"its own shard's gradient (pass check_vma=True), or the loss does "
                 f"not read a batch split over {axis_name!r} (check in_specs)."
             )
         loss = jax.lax.pmean(loss, axis_name)
