@@ -13,8 +13,17 @@ meshes both use.
 """
 
 from substrax import explicit, mesh, spmd
-from substrax._train_step import MODES, make_train_step
+from substrax._train_step import MODES, BoundTrainStep, TrainStep, make_train_step
 
 __version__ = "0.1.0"
 
-__all__ = ["MODES", "__version__", "explicit", "make_train_step", "mesh", "spmd"]
+__all__ = [
+    "MODES",
+    "BoundTrainStep",
+    "TrainStep",
+    "__version__",
+    "explicit",
+    "make_train_step",
+    "mesh",
+    "spmd",
+]
