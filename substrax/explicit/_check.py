@@ -80,7 +80,7 @@ class GradientReport:
         return "\n".join(lines)
 
 
-def _diagnose(method: str, scale: float, fits: bool, mesh: Mesh, worst: list[str]) -> str:
+def _diagnose(scale: float, fits: bool, mesh: Mesh, worst: list[str]) -> str:
     if fits:
         for axis, size in mesh.shape.items():
             if size > 1 and np.isclose(scale, size, rtol=1e-3):
@@ -152,13 +152,12 @@ def compare_gradients(
     reference = nnx.grad(loss_fn)(ref_model, jax.device_put(host_batch, one_device))
 
     spec = PartitionSpec(data_axis) if batch_spec is None else batch_spec
-    path_leaves, specs, treedef = broadcast_prefix(
+    _, specs, treedef = broadcast_prefix(
         spec, host_batch, lambda s: isinstance(s, (PartitionSpec, NamedSharding)), what="batch_spec"
     )
     shardings = jax.tree.unflatten(
         treedef, [s if isinstance(s, NamedSharding) else NamedSharding(mesh, s) for s in specs]
     )
-    del path_leaves
     with jax.set_mesh(mesh):
         dp_model = nnx.merge(graphdef, jax.device_put(state, NamedSharding(mesh, PartitionSpec())))
         placed = place_batch_on_shards(host_batch, shardings)
@@ -217,7 +216,7 @@ def compare_gradients(
             for g, r in zip(leaves, refs, strict=True)
         )
         worst = [name for _, name in sorted(worst_by_method[method], reverse=True)[:3]]
-        diagnosis[method] = _diagnose(method, c, fits, mesh, worst)
+        diagnosis[method] = _diagnose(c, fits, mesh, worst)
 
     max_diff = max((d for row in rows for d in row.max_abs_diff.values()), default=0.0)
     ok = all(all(row.ok.values()) for row in rows)
