@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -9,11 +10,13 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from substrax._tree import KeyPath, PyTree, broadcast_prefix, is_array, path_str
 
 __all__ = [
+    "check_replicated_equal",
     "create_data_parallel_sharding",
     "place_batch_on_shards",
     "place_nnx_state_on_shards",
@@ -95,7 +98,69 @@ def _named_spec(sharding: Sharding) -> tuple[PartitionSpec, Mesh] | None:
     return (sharding.spec, sharding.mesh) if isinstance(sharding, NamedSharding) else None
 
 
-def place_batch_on_shards(batch: PyTree, sharding: Sharding | PyTree) -> PyTree:
+def _fingerprint(leaf: Any) -> np.ndarray:
+    """Two uint32s that differ, but for a 2**-64 chance, when a value's bytes, shape or dtype do."""
+    value = np.require(leaf, requirements="C")
+    digest = hashlib.blake2b(f"{value.dtype.str}{value.shape}".encode(), digest_size=8)
+    digest.update(value.data)
+    return np.frombuffer(digest.digest(), dtype=np.uint32)
+
+
+def check_replicated_equal(batch: PyTree, sharding: Sharding | PyTree) -> None:
+    """Check that every leaf bound for a replicated sharding is equal on every process.
+
+    ``place_batch_on_shards`` puts each process's own value of a replicated leaf on that
+    process's devices, so processes that loaded different values (an unseeded random
+    draw, a per-process counter) would silently hold different "replicated" arrays.
+    This compares a hash of each such leaf's bytes, shape and dtype across processes,
+    with one ``process_allgather`` for the whole batch. Every process must call it, with
+    the same tree. On a single process it returns at once.
+
+    Args:
+      batch: The batch this process loaded, as for ``place_batch_on_shards``.
+      sharding: One sharding, or a pytree prefix of ``batch`` of shardings; a leaf is
+        checked when its sharding is fully replicated (``PartitionSpec()``).
+
+    Raises:
+      ValueError: If a replicated leaf differs between processes; the message names the
+        leaf's path and the processes whose value differs from process 0's. Also if the
+        sharding tree does not fit the batch.
+      TypeError: If a leaf is a traced value (the call is inside ``jax.jit``).
+    """
+    if jax.process_count() == 1:
+        return
+    path_leaves, shardings, _ = broadcast_prefix(
+        sharding, batch, lambda s: isinstance(s, Sharding), what="sharding"
+    )
+    checked: list[KeyPath] = []
+    prints: list[np.ndarray] = []
+    for (path, leaf), s in zip(path_leaves, shardings, strict=True):
+        if isinstance(leaf, jax.core.Tracer):
+            raise TypeError(
+                f"{path_str(path)} is a traced value: check_replicated_equal checks host "
+                f"batches and must run outside jax.jit."
+            )
+        if is_array(leaf) and s.is_fully_replicated:
+            checked.append(path)
+            prints.append(_fingerprint(leaf))
+    if not checked:
+        return
+    every = np.asarray(multihost_utils.process_allgather(np.stack(prints)))  # (process, leaf, 2)
+    for j, path in enumerate(checked):
+        differ = [p for p in range(every.shape[0]) if not np.array_equal(every[p, j], every[0, j])]
+        if differ:
+            which = ", ".join(map(str, differ))
+            raise ValueError(
+                f"{path_str(path)} is on a replicated sharding but is not equal on every "
+                f"process: process(es) {which} hold a different value from process 0 (of "
+                f"{every.shape[0]}). Load a replicated value identically on every process "
+                f"(same seed, same source), or shard it along the batch axis."
+            )
+
+
+def place_batch_on_shards(
+    batch: PyTree, sharding: Sharding | PyTree, *, check_replicated: bool = False
+) -> PyTree:
     """Turn this process's batch into global arrays, each subtree on its sharding.
 
     Array leaves, whether ``jax.Array``, a NumPy array as a host data loader yields it,
@@ -112,6 +177,9 @@ def place_batch_on_shards(batch: PyTree, sharding: Sharding | PyTree) -> PyTree:
       sharding: One sharding for every array leaf, or a pytree prefix of ``batch`` whose
         leaves are shardings, each applying to its subtree: rows sharded on the batch
         axis and a batch-level field without one replicated, for example.
+      check_replicated: Whether to check, with ``check_replicated_equal``, that every
+        leaf on a fully replicated sharding is equal on every process before placing
+        it (one small cross-process gather; nothing on a single process).
 
     Returns:
       The batch with every array leaf replaced by the global array on its sharding.
@@ -120,7 +188,8 @@ def place_batch_on_shards(batch: PyTree, sharding: Sharding | PyTree) -> PyTree:
       ValueError: If a leaf has fewer dimensions than its sharding partitions (a scalar
         under a sharding that splits the batch axis), if a split dimension does not
         divide by its mesh axes, or if the sharding tree does not fit the batch; the
-        message names the leaf's path or the subtree.
+        message names the leaf's path or the subtree; with ``check_replicated``, if a
+        replicated leaf differs between processes, naming the leaf and the processes.
       TypeError: If a leaf is a traced value (the call is inside ``jax.jit``).
     """
     path_leaves, shardings, treedef = broadcast_prefix(
@@ -141,6 +210,8 @@ def place_batch_on_shards(batch: PyTree, sharding: Sharding | PyTree) -> PyTree:
         if named is not None:
             check_fits(path, np.shape(leaf), named[0], named[1], local=True)
         todo.append(i)
+    if check_replicated:
+        check_replicated_equal(batch, sharding)
     if todo:
         placed = jax.make_array_from_process_local_data(
             [shardings[i] for i in todo], [out[i] for i in todo]

@@ -17,6 +17,9 @@ DEVICES_PER_PROCESS = "SUBSTRAX_DEVICES_PER_PROCESS"
 SHUTDOWN_TIMEOUT = "SUBSTRAX_SHUTDOWN_TIMEOUT"
 LAUNCHER_PID = "SUBSTRAX_LAUNCHER_PID"
 
+# JAX waits 300 s by default; a local run has no reason to wait more than this.
+DEFAULT_SHUTDOWN_TIMEOUT_S = 20
+
 REQUIRED = (COORDINATOR, NUM_PROCESSES, PROCESS_ID, DEVICES_PER_PROCESS)
 
 
@@ -56,7 +59,7 @@ def launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv | None:
             num_processes=int(env[NUM_PROCESSES]),
             process_id=int(env[PROCESS_ID]),
             devices_per_process=int(env[DEVICES_PER_PROCESS]),
-            shutdown_timeout_s=int(env.get(SHUTDOWN_TIMEOUT, "20")),
+            shutdown_timeout_s=int(env.get(SHUTDOWN_TIMEOUT, DEFAULT_SHUTDOWN_TIMEOUT_S)),
             launcher_pid=int(env[LAUNCHER_PID]) if LAUNCHER_PID in env else None,
         )
     except ValueError as e:

@@ -1,11 +1,13 @@
 """Start N copies of a script on this machine, stream their output, end them together.
 
-Three rules keep a local multi-process run from hanging:
+Three rules keep a local multi-process run from hanging or leaving strays behind:
 
-- Every child runs in its own session (and so its own process group), and is ended by
-  signalling the group: SIGTERM, a short grace, then SIGKILL. JAX catches SIGTERM in
-  multi-process runs and a failed process can sit in the distributed shutdown barrier,
-  so SIGTERM alone is not enough.
+- The children run in a process group of their own, apart from the launcher's (so a
+  Ctrl-C in the terminal reaches only the launcher), and the run is ended by signalling
+  that group: SIGTERM, a short grace, then SIGKILL. JAX catches SIGTERM in multi-process
+  runs and a failed process can sit in the distributed shutdown barrier, so SIGTERM
+  alone is not enough. The group also holds whatever the scripts started, and one
+  group for the whole run lets any child end all of it (see ``_child``).
 - The first child to exit non-zero ends the run: the others are stopped and the
   launcher exits with that child's code, naming it.
 - Ctrl-C, SIGTERM or SIGHUP to the launcher stops every child before it exits.
@@ -13,6 +15,7 @@ Three rules keep a local multi-process run from hanging:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -20,13 +23,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import BinaryIO
 
 from substrax.launch import _env
 
 GRACE_S = 3.0
 POLL_S = 0.05
+_HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def free_port() -> int:
@@ -40,68 +45,155 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class _Interrupted(Exception):
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
+class _Signals:
+    """Notes the first SIGINT, SIGTERM or SIGHUP; the watch loop acts on it.
 
+    The handler only records: an exception raised from a handler can land anywhere in
+    the main thread (inside a finalizer, where it is swallowed); a flag cannot be lost.
+    """
 
-def _raise_interrupted(signum: int, frame: object) -> None:
-    raise _Interrupted(signum)
+    def __init__(self) -> None:
+        self.received: int | None = None
+
+    def note(self, signum: int, frame: object) -> None:
+        if self.received is None:
+            self.received = signum
+
+    @contextlib.contextmanager
+    def noted(self) -> Iterator[_Signals]:
+        if threading.current_thread() is not threading.main_thread():
+            yield self  # only the main thread may set handlers; the caller owns signals
+            return
+        previous = {s: signal.signal(s, self.note) for s in _HANDLED}
+        try:
+            yield self
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
 
 
 class _Printer:
-    """Writes whole lines from every child, each under its prefix, one at a time."""
+    """Writes whole lines from every child, each under its prefix, one at a time.
+
+    Streams are named ("stdout", "stderr") and looked up at each write, so output
+    follows any redirection of ``sys.stdout`` (a notebook, pytest's capture).
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
 
-    def write(self, stream: BinaryIO, prefix: bytes, line: bytes) -> None:
-        if not line.endswith(b"\n"):
-            line += b"\n"
+    def write(self, stream: str, prefix: str, line: str) -> None:
         with self._lock:
+            out = getattr(sys, stream)
             try:
-                stream.write(prefix + line)
-                stream.flush()
+                out.write(prefix + line.rstrip("\n") + "\n")
+                out.flush()
             except (BrokenPipeError, ValueError):
-                pass  # Our own output is gone (a closed pipe); keep draining the child's.
+                pass  # our own output is gone (a closed pipe); keep draining the child's
 
-    def pump(self, pipe: BinaryIO, stream: BinaryIO, prefix: bytes) -> None:
+    def pump(self, pipe: BinaryIO, stream: str, prefix: str) -> None:
         with pipe:
             for line in iter(pipe.readline, b""):
-                self.write(stream, prefix, line)
+                self.write(stream, prefix, line.decode(errors="replace"))
 
     def say(self, text: str) -> None:
-        self.write(sys.stderr.buffer, b"[launch] ", text.encode())
+        self.write("stderr", "[launch] ", text)
 
 
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    # The child leads its own session, so its pid is its group id; while it is not
-    # reaped the id cannot have been reused.
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            pass
+@dataclass
+class _Child:
+    index: int
+    proc: subprocess.Popen
+    readers: list[threading.Thread]
+
+    def exit_code(self) -> int | None:
+        """The exit code (minus the signal that killed it), or None while it runs.
+
+        The child is left unreaped (a zombie) until ``_stop``: the first child's pid is
+        the run's process group id, and the kernel cannot reuse it while we hold it.
+        """
+        if self.proc.returncode is not None:
+            return self.proc.returncode
+        if not hasattr(os, "waitid"):  # macOS: reap now; the group id stays in use
+            return self.proc.poll()  # while any member of the group lives
+        info = os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        if info is None:
+            return None
+        return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+    def join_readers(self, timeout_s: float) -> None:
+        # A grandchild may hold a pipe open after the child is gone: never wait long.
+        for t in self.readers:
+            t.join(timeout=timeout_s)
 
 
-def _stop(procs: Sequence[subprocess.Popen], grace_s: float) -> None:
-    """End every child still running: SIGTERM to its group, then SIGKILL after ``grace_s``."""
-    for proc in procs:
-        _signal_group(proc, signal.SIGTERM)
+def _start(
+    index: int, script: str, args: Sequence[str], env: dict[str, str], group: int, printer: _Printer
+) -> _Child:
+    proc = subprocess.Popen(
+        [sys.executable, script, *args],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        process_group=group,  # 0: a new group, led by this child
+    )
+    prefix = f"[p{index}] "
+    readers = [
+        threading.Thread(target=printer.pump, args=(pipe, stream, prefix), daemon=True)
+        for pipe, stream in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))
+    ]
+    for t in readers:
+        t.start()
+    return _Child(index, proc, readers)
+
+
+def _signal_group(group: int, sig: int) -> None:
+    try:
+        os.killpg(group, sig)
+    except (ProcessLookupError, PermissionError):
+        pass  # nobody left in it (a group of zombies alone may refuse the signal)
+
+
+def _stop(children: Sequence[_Child], grace_s: float) -> None:
+    """End the run's process group: SIGTERM, up to ``grace_s``, SIGKILL; then reap."""
+    if not children:
+        return
+    group = children[0].proc.pid
+    _signal_group(group, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+    while any(c.exit_code() is None for c in children) and time.monotonic() < deadline:
         time.sleep(POLL_S)
-    for proc in procs:
-        _signal_group(proc, signal.SIGKILL)
-    for proc in procs:
-        proc.wait()
+    _signal_group(group, signal.SIGKILL)  # also whatever a script started and left behind
+    for child in children:
+        child.proc.wait()
+        child.join_readers(1.0)
 
 
 def _describe_exit(code: int) -> str:
     if code < 0:
         return f"was killed by signal {signal.Signals(-code).name}"
     return f"exited with code {code}"
+
+
+def _watch(children: Sequence[_Child], printer: _Printer, signals: _Signals) -> int:
+    """Wait until every child exits 0 (0), one fails (its code) or a signal comes (128 + it)."""
+    while True:
+        if signals.received is not None:
+            printer.say(f"got {signal.Signals(signals.received).name}; stopping every process.")
+            return 128 + signals.received
+        codes = [c.exit_code() for c in children]
+        if all(code == 0 for code in codes):
+            return 0
+        for child, code in zip(children, codes, strict=True):
+            if code not in (None, 0):
+                child.join_readers(1.0)  # its last words (the traceback) before ours
+                printer.say(
+                    f"process {child.index} (pid {child.proc.pid}) {_describe_exit(code)}; "
+                    f"stopping the other processes."
+                )
+                return code if code > 0 else 128 - code
+        time.sleep(POLL_S)
 
 
 def launch(
@@ -111,28 +203,30 @@ def launch(
     num_processes: int,
     devices_per_process: int,
     grace_s: float = GRACE_S,
-    shutdown_timeout_s: int = 20,
+    shutdown_timeout_s: int = _env.DEFAULT_SHUTDOWN_TIMEOUT_S,
 ) -> int:
     """Run ``python script *args`` as ``num_processes`` JAX processes on this machine.
 
     Each child learns its place from ``SUBSTRAX_*`` variables, which
     ``substrax.launch.initialize()`` reads. Every line a child prints, to stdout or
     stderr, is passed on to the same stream under ``[p<i>] ``; the launcher's own lines
-    go to stderr under ``[launch] ``.
+    (the children's pids, who failed) go to stderr under ``[launch] ``. When the run
+    ends, however it ends, nothing the children started is left running.
 
     Args:
       script: The Python script each process runs, with ``sys.executable``.
       args: Its command-line arguments, the same for every process.
       num_processes: How many processes to start.
       devices_per_process: How many CPU devices each process emulates.
-      grace_s: How long a child has to exit after SIGTERM before it is killed.
-      shutdown_timeout_s: How long JAX's shutdown barrier waits for the other processes
-        when one ends; a process that exits with an error skips it.
+      grace_s: How long the children have after SIGTERM before they are killed.
+      shutdown_timeout_s: How long JAX's shutdown barrier waits, when one process ends,
+        for the others to end too before every process aborts. Only a process that
+        ends cleanly (or with ``sys.exit``) waits there: one that raises skips it.
 
     Returns:
       0 when every process exited 0; else the first failed process's exit code (128 +
       the signal number when a signal killed it), or 128 + the signal number when the
-      launcher itself was interrupted.
+      launcher itself got SIGINT, SIGTERM or SIGHUP.
 
     Raises:
       ValueError: If ``num_processes`` or ``devices_per_process`` is not a positive
@@ -145,71 +239,26 @@ def launch(
         raise ValueError(f"Script {script!r} is not a file; give the path of the Python script to run.")
 
     coordinator = f"127.0.0.1:{free_port()}"
+    env = {
+        **os.environ,
+        _env.COORDINATOR: coordinator,
+        _env.NUM_PROCESSES: str(num_processes),
+        _env.DEVICES_PER_PROCESS: str(devices_per_process),
+        _env.SHUTDOWN_TIMEOUT: str(shutdown_timeout_s),
+        _env.LAUNCHER_PID: str(os.getpid()),
+        "PYTHONUNBUFFERED": "1",  # lines arrive as they are printed
+    }
     printer = _Printer()
-    procs: list[subprocess.Popen] = []
-    readers: list[list[threading.Thread]] = []
-    handled = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = {s: signal.signal(s, _raise_interrupted) for s in handled} if in_main_thread else {}
-    try:
-        for i in range(num_processes):
-            env = dict(os.environ)
-            env.update(
-                {
-                    _env.COORDINATOR: coordinator,
-                    _env.NUM_PROCESSES: str(num_processes),
-                    _env.PROCESS_ID: str(i),
-                    _env.DEVICES_PER_PROCESS: str(devices_per_process),
-                    _env.SHUTDOWN_TIMEOUT: str(shutdown_timeout_s),
-                    _env.LAUNCHER_PID: str(os.getpid()),
-                    "PYTHONUNBUFFERED": "1",  # lines arrive as they are printed
-                }
-            )
-            proc = subprocess.Popen(
-                [sys.executable, script, *args],
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,
-            )
-            procs.append(proc)
-            prefix = f"[p{i}] ".encode()
-            threads = [
-                threading.Thread(target=printer.pump, args=(pipe, stream, prefix), daemon=True)
-                for pipe, stream in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer))
-            ]
-            for t in threads:
-                t.start()
-            readers.append(threads)
-        pids = ", ".join(f"p{i} pid {p.pid}" for i, p in enumerate(procs))
-        printer.say(f"started {num_processes} processes ({pids}), coordinator {coordinator}")
-
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = next((i for i, c in enumerate(codes) if c not in (None, 0)), None)
-            if failed is not None:
-                for t in readers[failed]:
-                    t.join(timeout=1.0)  # its last words (the traceback) before ours
-                code = codes[failed]
-                others = sum(c is None for c in codes)
-                printer.say(
-                    f"process {failed} (pid {procs[failed].pid}) {_describe_exit(code)}; "
-                    f"stopping the {others} still running."
-                )
-                return code if code > 0 else 128 - code
-            if all(c == 0 for c in codes):
-                return 0
-            time.sleep(POLL_S)
-    except _Interrupted as e:
-        printer.say(f"got {e}; stopping all {len(procs)} processes.")
-        return 128 + e.signum
-    finally:
-        for s in handled if in_main_thread else ():
-            signal.signal(s, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
-        _stop(procs, grace_s)
-        for threads in readers:
-            for t in threads:
-                t.join(timeout=1.0)  # a grandchild may hold a pipe open; do not wait on it
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+    children: list[_Child] = []
+    with _Signals().noted() as signals:
+        try:
+            for i in range(num_processes):
+                if signals.received is None:
+                    group = children[0].proc.pid if children else 0
+                    child_env = {**env, _env.PROCESS_ID: str(i)}
+                    children.append(_start(i, script, args, child_env, group, printer))
+            pids = ", ".join(f"p{c.index} pid {c.proc.pid}" for c in children)
+            printer.say(f"started {len(children)} processes ({pids}); coordinator {coordinator}")
+            return _watch(children, printer, signals)
+        finally:
+            _stop(children, grace_s)

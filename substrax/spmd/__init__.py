@@ -22,6 +22,7 @@ from substrax._collectives import (
     reduce_sum_collective,
 )
 from substrax._placement import (
+    check_replicated_equal,
     create_data_parallel_sharding,
     place_batch_on_shards,
     place_nnx_state_on_shards,
@@ -31,6 +32,7 @@ from substrax.spmd._step import spmd_train_step
 
 __all__ = [
     "all_gather",
+    "check_replicated_equal",
     "collect_from_devices",
     "create_data_parallel_sharding",
     "place_batch_on_shards",

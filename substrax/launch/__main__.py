@@ -1,0 +1,68 @@
+"""``python -m substrax.launch``: run a script as several JAX processes on this machine."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from substrax.launch._env import DEFAULT_SHUTDOWN_TIMEOUT_S
+from substrax.launch._launcher import GRACE_S, launch
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m substrax.launch",
+        description=(
+            "Start N processes of `python SCRIPT ARGS...` on this machine, each with K emulated "
+            "CPU devices, joined into one JAX system (the script calls "
+            "substrax.launch.initialize() first). Output lines carry a [p<i>] prefix. When one "
+            "process fails, the others are stopped and its exit code is returned."
+        ),
+    )
+    parser.add_argument(
+        "--num-processes", "-n", type=int, required=True, metavar="N", help="how many processes to start"
+    )
+    parser.add_argument(
+        "--devices-per-process",
+        "-d",
+        type=int,
+        default=1,
+        metavar="K",
+        help="how many emulated CPU devices each process has (default 1)",
+    )
+    parser.add_argument(
+        "--grace",
+        type=float,
+        default=GRACE_S,
+        metavar="SECONDS",
+        help=f"how long the processes have after SIGTERM before they are killed (default {GRACE_S:g})",
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=int,
+        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+        metavar="SECONDS",
+        help=(
+            "how long a process that has finished waits at JAX's shutdown barrier for the "
+            f"others before all abort (default {DEFAULT_SHUTDOWN_TIMEOUT_S}); raise it if one "
+            "process works on alone at the end"
+        ),
+    )
+    parser.add_argument("script", help="the Python script to run")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    ns = parser.parse_args(argv)
+    try:
+        return launch(
+            ns.script,
+            ns.args,
+            num_processes=ns.num_processes,
+            devices_per_process=ns.devices_per_process,
+            grace_s=ns.grace,
+            shutdown_timeout_s=ns.shutdown_timeout,
+        )
+    except ValueError as e:
+        parser.error(str(e))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

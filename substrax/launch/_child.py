@@ -1,0 +1,118 @@
+"""What a process the launcher started sets up for itself, before JAX starts."""
+
+from __future__ import annotations
+
+import atexit
+import inspect
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any
+
+import jax
+
+from substrax.launch._env import LaunchEnv
+from substrax.mesh import use_cpu_devices
+
+# A peer killed behind the launcher's back (by the OOM killer, say) is noticed in this
+# many seconds rather than JAX's default 100.
+HEARTBEAT_TIMEOUT_S = 30
+
+
+def initialize_launched(env: LaunchEnv) -> None:
+    """Join the local run ``env`` describes: CPU devices, gloo, the 127.0.0.1 coordinator.
+
+    Raises:
+      RuntimeError: If a JAX backend is already running.
+    """
+    from jax._src import xla_bridge  # The only way to ask without starting a backend.
+
+    if xla_bridge.backends_are_initialized():
+        raise RuntimeError(
+            "substrax.launch.initialize() came after JAX started its backend, too late to "
+            "set up the CPU devices and join the other processes. Call it first thing in "
+            "the script, before creating any array."
+        )
+    jax.config.update("jax_platforms", "cpu")
+    use_cpu_devices(env.devices_per_process)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    _set_if_known("jax_enable_preemption_service", False)  # it would swallow our SIGTERM
+    end_if_orphaned = _follow_launcher(env.launcher_pid)
+    if env.num_processes > 1:
+        _exit_at_once_on_uncaught_exception(before_exit=end_if_orphaned)
+    jax.distributed.initialize(
+        coordinator_address=env.coordinator_address,
+        num_processes=env.num_processes,
+        process_id=env.process_id,
+        **_accepted_by(
+            jax.distributed.initialize,
+            # JAX's default binds every interface; the launcher's address is loopback.
+            coordinator_bind_address=env.coordinator_address,
+            heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
+            shutdown_timeout_seconds=env.shutdown_timeout_s,
+        ),
+    )
+
+
+def _accepted_by(fn: Any, **kwargs: Any) -> dict[str, Any]:
+    """The keyword arguments ``fn`` takes; older JAX releases lack some timeouts."""
+    params = inspect.signature(fn).parameters
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def _set_if_known(name: str, value: Any) -> None:
+    try:
+        jax.config.update(name, value)
+    except AttributeError:
+        pass  # an older JAX without this option
+
+
+def _exit_at_once_on_uncaught_exception(before_exit: Callable[[], None]) -> None:
+    # A process that raises would otherwise wait in JAX's shutdown barrier, at exit,
+    # for peers that may be blocked in a collective waiting for it.
+    print_traceback = sys.excepthook
+
+    def hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        print_traceback(exc_type, exc, tb)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        before_exit()
+        os._exit(1)
+
+    sys.excepthook = hook
+
+
+def _follow_launcher(launcher_pid: int | None) -> Callable[[], None]:
+    """End the whole run, and what it started, when the launcher is gone.
+
+    A launcher killed with SIGKILL cannot stop its children, so they stop themselves: a
+    thread in each notices within half a second and kills the run's process group (the
+    launcher puts all its children in one), siblings and their children included. Every
+    way out of this process checks too (an uncaught exception, the end of the script),
+    lest it leave before its thread has looked.
+
+    Returns:
+      The check, for exits that skip ``atexit``.
+    """
+    if launcher_pid is None or os.getppid() != launcher_pid:
+        return lambda: None  # started by hand or through a wrapper: nothing to follow
+    run_group = os.getpgrp()
+    if run_group == os.getpgid(launcher_pid):
+        return lambda: None  # sharing the launcher's group, killing it would hit the shell
+
+    def end_if_orphaned() -> None:
+        if os.getppid() != launcher_pid:
+            os.killpg(run_group, signal.SIGKILL)
+
+    def watch() -> None:
+        while True:
+            end_if_orphaned()
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, name="substrax-follow-launcher", daemon=True).start()
+    atexit.register(end_if_orphaned)
+    return end_if_orphaned

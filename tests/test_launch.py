@@ -1,0 +1,190 @@
+"""The local launcher: output, failure, interrupts, and what ``initialize`` does where.
+
+Most launches here run a worker that never imports JAX (``workers/plain_worker.py``),
+so they take about a second; the two that need real JAX processes are marked so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import jax
+import pytest
+from workers.launching import REPO, kill_all, launch, launch_and_signal, running
+
+import substrax.launch
+from substrax.launch import _env
+from substrax.launch._env import detect_cluster, launch_env
+
+BOUND_S = 30  # the issue's bound on ending a failed run; everything here is far below it
+
+
+def test_each_process_gets_its_place_and_its_lines_keep_their_stream() -> None:
+    run = launch(3, 2, "plain_worker.py", "env", timeout=60)
+    assert run.returncode == 0, run.output
+    envs = {}
+    for line in run.stdout.splitlines():
+        prefix, _, rest = line.partition(" ")
+        if rest.startswith("ENV "):
+            envs[prefix] = json.loads(rest[4:])
+    assert sorted(envs) == ["[p0]", "[p1]", "[p2]"]
+    for i in range(3):
+        env = envs[f"[p{i}]"]
+        assert env[_env.PROCESS_ID] == str(i)
+        assert env[_env.NUM_PROCESSES] == "3"
+        assert env[_env.DEVICES_PER_PROCESS] == "2"
+        assert env["PYTHONUNBUFFERED"] == "1"
+        host, port = env[_env.COORDINATOR].rsplit(":", 1)
+        assert host == "127.0.0.1" and int(port) > 0
+    assert len({e[_env.COORDINATOR] for e in envs.values()}) == 1
+    for i in range(3):  # stderr lines go to stderr, prefixed, and only there
+        assert f"[p{i}] to stderr from {i}" in run.stderr.splitlines()
+        assert f"to stderr from {i}" not in run.stdout
+
+
+def test_free_port_is_free_on_loopback() -> None:
+    port = substrax.launch.free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
+@pytest.mark.parametrize(
+    ("how", "code", "said"), [("3", 3, "exited with code 3"), ("kill", 137, "was killed by signal SIGKILL")]
+)
+def test_a_failed_process_ends_the_run_and_everything_it_started(how: str, code: int, said: str) -> None:
+    # The other processes ignore SIGTERM: only the escalation to SIGKILL ends them.
+    run = launch(3, 1, "plain_worker.py", "fail", how, timeout=60)
+    pids = run.pids()
+    try:
+        assert run.returncode == code, run.output
+        assert f"[launch] process 1 (pid {pids[1]}) {said}" in run.stderr
+        assert run.seconds < BOUND_S
+        assert len(pids) == 6 and running(pids) == []
+    finally:
+        kill_all(pids)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupted_launcher_leaves_nothing_running(tmp_path, sig: int) -> None:
+    run = launch_and_signal(tmp_path, 2, 1, "plain_worker.py", "wait", sig=sig, ready=2, timeout=60)
+    pids = run.pids()
+    try:
+        assert run.returncode == 128 + sig, run.output
+        assert f"got {signal.Signals(sig).name}" in run.stderr
+        assert run.seconds < BOUND_S
+        assert len(pids) == 4 and running(pids) == []
+    finally:
+        kill_all(pids)
+
+
+def test_ctrl_c_ends_jax_processes_stuck_in_a_collective(tmp_path) -> None:
+    run = launch_and_signal(tmp_path, 2, 2, "mp_worker.py", "wait", sig=signal.SIGINT, ready=2)
+    pids = run.pids()
+    try:
+        assert run.returncode == 130, run.output
+        assert run.seconds < BOUND_S
+        assert len(pids) == 4 and running(pids) == []
+    finally:
+        kill_all(pids)
+
+
+def test_jax_processes_end_themselves_when_the_launcher_is_killed(tmp_path) -> None:
+    # SIGKILL gives the launcher no chance to clean up; initialize()'s watchdog does it.
+    run = launch_and_signal(tmp_path, 2, 2, "mp_worker.py", "wait", sig=signal.SIGKILL, ready=2)
+    pids = run.pids()
+    try:
+        assert run.returncode == -signal.SIGKILL
+        assert running(pids, settle_s=10) == []
+    finally:
+        kill_all(pids)
+
+
+def test_the_cli_refuses_a_missing_script() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "substrax.launch", "-n", "2", "no_such_script.py"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "'no_such_script.py' is not a file" in done.stderr
+
+
+SLURM = {
+    "SLURM_JOB_ID": "7",
+    "SLURM_STEP_NODELIST": "node[1-2]",
+    "SLURM_PROCID": "0",
+    "SLURM_LOCALID": "0",
+}
+
+
+@pytest.mark.parametrize(
+    ("env", "found"),
+    [
+        ({}, None),
+        ({"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234"}, "JAX"),
+        ({**SLURM, "SLURM_NTASKS": "4"}, "SLURM"),
+        ({**SLURM, "SLURM_NTASKS": "1"}, None),  # a one-task job is a single process
+        ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"}, None),  # salloc shell, outside srun
+        ({"OMPI_COMM_WORLD_SIZE": "2"}, "Open MPI"),
+        ({"OMPI_COMM_WORLD_SIZE": "1"}, None),
+        ({"KUBERNETES_SERVICE_HOST": "10.0.0.1", "JOB_COMPLETION_INDEX": "0"}, "Kubernetes"),
+        ({"KUBERNETES_SERVICE_HOST": "10.0.0.1"}, None),  # a lone pod, such as a notebook
+        ({"TPU_WORKER_HOSTNAMES": "host-a,host-b"}, "Cloud TPU"),
+        ({"TPU_WORKER_HOSTNAMES": "host-a"}, None),
+    ],
+)
+def test_cluster_detection(env: dict, found: str | None) -> None:
+    got = detect_cluster(env)
+    if found is None:
+        assert got is None
+    else:
+        assert got is not None and got.startswith(found)
+
+
+def _clear_cluster_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        prefixes = ("SUBSTRAX_", "SLURM_", "OMPI_", "JAX_COORDINATOR", "KUBERNETES_", "TPU_", "MEGASCALE_")
+        if name.startswith(prefixes):
+            monkeypatch.delenv(name)
+
+
+def test_initialize_alone_does_nothing_and_on_a_cluster_lets_jax_detect(monkeypatch) -> None:
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **k: calls.append((a, k)))
+    _clear_cluster_env(monkeypatch)
+    substrax.launch.initialize()
+    substrax.launch.initialize(distributed=False)
+    assert calls == []
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
+    substrax.launch.initialize(distributed=False)
+    assert calls == []
+    substrax.launch.initialize()
+    substrax.launch.initialize(distributed=True)
+    assert calls == [((), {}), ((), {})]  # no arguments: JAX reads the cluster itself
+
+
+def test_initialize_under_the_launcher_after_jax_started_says_it_came_too_late(monkeypatch) -> None:
+    jax.devices()  # the backend is up, as in a script that made an array first
+    monkeypatch.setenv(_env.COORDINATOR, "127.0.0.1:1")
+    monkeypatch.setenv(_env.NUM_PROCESSES, "2")
+    monkeypatch.setenv(_env.PROCESS_ID, "0")
+    monkeypatch.setenv(_env.DEVICES_PER_PROCESS, "4")
+    with pytest.raises(RuntimeError, match="first thing in the script"):
+        substrax.launch.initialize()
+
+
+def test_incomplete_launch_variables_are_named() -> None:
+    assert launch_env({}) is None
+    with pytest.raises(RuntimeError, match=f"{_env.NUM_PROCESSES}, {_env.DEVICES_PER_PROCESS} not"):
+        launch_env({_env.COORDINATOR: "127.0.0.1:5", _env.PROCESS_ID: "0"})
+
+
+def test_process_slice_on_one_process_is_every_row() -> None:
+    assert substrax.launch.process_slice(12) == slice(0, 12)

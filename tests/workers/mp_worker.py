@@ -1,0 +1,216 @@
+"""One process of a multi-process test run, started by ``python -m substrax.launch``.
+
+``python mp_worker.py checks``: every multi-process check, each printed as
+``RESULT <name> ok`` or ``RESULT <name> FAIL <why>``; a failed check does not stop the
+others (every process runs the same checks, so the collectives stay in step).
+``python mp_worker.py fail``: each process starts a ``sleep`` grandchild and prints
+``GRANDCHILD <pid>``; process 1 then raises, while process 0 ignores SIGTERM (as JAX's
+preemption handler would) and sleeps, so only SIGKILL ends it.
+``python mp_worker.py wait``: the same grandchildren, then ``READY``; process 0 waits
+in a collective that never completes, for the launcher to be interrupted.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import substrax.launch
+
+substrax.launch.initialize()  # first thing: before anything touches a jax backend
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import substrax  # noqa: E402
+from substrax.launch import process_slice  # noqa: E402
+from substrax.mesh import create_device_mesh  # noqa: E402
+from substrax.spmd import (  # noqa: E402
+    check_replicated_equal,
+    create_data_parallel_sharding,
+    place_batch_on_shards,
+)
+
+ROWS, DIN, STEPS, LR = 32, 4, 12, 1e-2
+FAILURES: list[str] = []
+
+
+def check(name: str):
+    def run(fn):
+        try:
+            fn()
+            print(f"RESULT {name} ok")
+        except Exception as e:  # noqa: BLE001 (report every check, then fail at the end)
+            FAILURES.append(name)
+            print(f"RESULT {name} FAIL {type(e).__name__}: {e}".replace("\n", " | "))
+        return fn
+
+    return run
+
+
+def local_value(arr: jax.Array) -> np.ndarray:
+    """A replicated global array's value, read from this process's first device."""
+    return np.asarray(arr.addressable_data(0))
+
+
+class MLP(nnx.Module):
+    def __init__(self, seed: int = 0) -> None:
+        rngs = nnx.Rngs(seed)
+        self.hidden = nnx.Linear(DIN, 16, rngs=rngs)
+        self.out = nnx.Linear(16, 1, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.out(jnp.tanh(self.hidden(x)))
+
+
+def weighted_mse(model: MLP, batch: dict) -> jax.Array:
+    rows = batch["rows"]
+    return batch["batch_state"]["scale"] * jnp.mean((model(rows["x"]) - rows["y"]) ** 2)
+
+
+def global_batches() -> list[dict]:
+    """The whole batches, the same on every process (same seed): the reference's input."""
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(DIN, 1))
+    out = []
+    for i in range(STEPS):
+        x = rng.normal(size=(ROWS, DIN)).astype(np.float32)
+        out.append(
+            {
+                "rows": {"x": x, "y": np.sin(x @ w).astype(np.float32)},
+                "batch_state": {"scale": np.float32(1.0 + 0.1 * i)},
+            }
+        )
+    return out
+
+
+def params(model: nnx.Module) -> dict[str, np.ndarray]:
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    return {"/".join(map(str, path)): local_value(var.get_value()) for path, var in flat}
+
+
+def checks() -> None:
+    mesh = create_device_mesh({"data": jax.device_count()})
+    rows_sharding = create_data_parallel_sharding(mesh)
+    replicated = NamedSharding(mesh, P())
+    shardings = {"rows": rows_sharding, "batch_state": replicated}
+    me = jax.process_index()
+
+    @check("topology")
+    def _() -> None:
+        assert (jax.process_count(), jax.device_count(), jax.local_device_count()) == (2, 8, 4)
+        assert process_slice(ROWS) == slice(me * ROWS // 2, (me + 1) * ROWS // 2)
+
+    @check("stitch")
+    def _() -> None:
+        x = np.arange(ROWS * 3, dtype=np.float32).reshape(ROWS, 3)
+        placed = place_batch_on_shards({"x": x[process_slice(ROWS)]}, rows_sharding)["x"]
+        assert placed.shape == x.shape, placed.shape
+        for shard in placed.addressable_shards:  # this process's rows, where they belong
+            np.testing.assert_array_equal(np.asarray(shard.data), x[shard.index])
+        np.testing.assert_array_equal(multihost_utils.process_allgather(placed, tiled=True), x)
+
+    @check("replicated")
+    def _() -> None:
+        batch = {
+            "rows": {"x": np.full((ROWS // 2, 2), me, np.float32)},
+            "batch_state": {"lam": np.float32(0.25)},
+        }
+        placed = place_batch_on_shards(batch, shardings, check_replicated=True)
+        lam = placed["batch_state"]["lam"]
+        assert lam.shape == () and lam.sharding.is_fully_replicated
+        assert [float(s.data) for s in lam.addressable_shards] == [0.25] * 4
+        # the rows differ between processes, as rows should: no complaint about them
+        check_replicated_equal(batch, shardings)
+
+    @check("mismatch")
+    def _() -> None:
+        batch = {
+            "rows": {"x": np.zeros((ROWS // 2, 2), np.float32)},
+            "batch_state": {"same": np.arange(3), "lam": np.float32(0.25 + me), "z": np.float32(1)},
+        }
+        for call in (
+            lambda: place_batch_on_shards(batch, shardings, check_replicated=True),
+            lambda: check_replicated_equal(batch, shardings),
+        ):
+            try:
+                call()
+            except ValueError as e:
+                msg = str(e)
+                assert "batch['batch_state']['lam']" in msg and "process(es) 1 " in msg, msg
+            else:
+                raise AssertionError("a replicated leaf that differs between processes passed")
+
+    batches = global_batches()
+    device = jax.local_devices()[0]  # the reference: one device, the whole batch
+    with jax.default_device(device):
+        ref_model = MLP()
+        ref_opt = nnx.Optimizer(ref_model, optax.adam(LR), wrt=nnx.Param)
+
+        @nnx.jit
+        def ref_step(model: MLP, optimizer: nnx.Optimizer, batch: dict) -> jax.Array:
+            loss, grads = nnx.value_and_grad(weighted_mse)(model, batch)
+            optimizer.update(model, grads)
+            return loss
+
+        ref_losses = [float(ref_step(ref_model, ref_opt, jax.device_put(b, device))) for b in batches]
+    ref_params = params(ref_model)
+
+    for mode in substrax.MODES:
+
+        @check(f"steps_{mode}")
+        def _() -> None:
+            with jax.set_mesh(mesh):
+                model = MLP()
+                optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
+            step = substrax.make_train_step(
+                weighted_mse, mode, mesh=mesh, batch_spec={"rows": P("data"), "batch_state": P()}
+            )
+            losses = []
+            for b in batches:  # each process loads its rows, and the same batch-level value
+                rows = jax.tree.map(lambda a: a[process_slice(ROWS)], b["rows"])
+                placed = place_batch_on_shards({"rows": rows, "batch_state": b["batch_state"]}, shardings)
+                losses.append(float(local_value(step(model, optimizer, placed))))
+            np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+            got = params(model)
+            assert got.keys() == ref_params.keys()
+            for name in ref_params:
+                np.testing.assert_allclose(got[name], ref_params[name], rtol=1e-5, atol=1e-5, err_msg=name)
+
+    print("stderr is passed on too", file=sys.stderr)
+    if FAILURES:
+        raise SystemExit(f"failed checks: {FAILURES}")
+    print("ALL DONE")
+
+
+def fail() -> None:
+    sleeper = subprocess.Popen(["sleep", "300"])
+    print(f"GRANDCHILD {sleeper.pid}")
+    multihost_utils.sync_global_devices("both started")
+    if jax.process_index() == 1:
+        raise RuntimeError("deliberate failure in process 1")
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(300)
+
+
+def wait() -> None:
+    sleeper = subprocess.Popen(["sleep", "300"])
+    print(f"GRANDCHILD {sleeper.pid}")
+    multihost_utils.sync_global_devices("both started")
+    print("READY")
+    if jax.process_index() == 0:
+        multihost_utils.process_allgather(np.ones(3))  # never completes: process 1 sleeps
+    else:
+        sleeper.wait()
+
+
+if __name__ == "__main__":
+    {"checks": checks, "fail": fail, "wait": wait}[sys.argv[1]]()
