@@ -22,6 +22,7 @@ process, since jax fixes the device count at start.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import subprocess
 import sys
@@ -79,7 +80,7 @@ def run_worker(devices: int, widths: list[int], rounds: int, block_s: float, bat
 
     for width in widths:
 
-        def fresh() -> tuple[MLP, nnx.Optimizer]:
+        def fresh(width: int = width) -> tuple[MLP, nnx.Optimizer]:
             with jax.set_mesh(mesh):
                 model = MLP(width, nnx.Rngs(0))
                 return model, nnx.Optimizer(model, optax.adam(1e-4), wrt=nnx.Param)
@@ -108,19 +109,16 @@ def run_worker(devices: int, widths: list[int], rounds: int, block_s: float, bat
 
             elif name in ("implicit", "explicit"):
                 inner = spmd_train_step if name == "implicit" else explicit_train_step
-                jitted = nnx.jit(lambda m, o, b, inner=inner: inner(m, o, loss_fn, b))
-
-                def call(jitted: Any = jitted, model: MLP = model, optimizer: Any = optimizer) -> jax.Array:
-                    return jitted(model, optimizer, batch)
+                jitted = nnx.jit(functools.partial(lambda m, o, b, inner: inner(m, o, loss_fn, b), inner=inner))
+                call = functools.partial(jitted, model, optimizer, batch)
 
             else:
                 kind, mode = name.split(":")
                 step = substrax.make_train_step(loss_fn, mode)  # the caller sets the mesh
                 if kind == "bound_step":
-                    call = step.bind(model, optimizer)
-                    call = (lambda fast: lambda: fast(batch))(call)
+                    call = functools.partial(step.bind(model, optimizer), batch)
                 else:
-                    call = (lambda step, m, o: lambda: step(m, o, batch))(step, model, optimizer)
+                    call = functools.partial(step, model, optimizer, batch)
             calls[name] = call
 
         with jax.set_mesh(mesh):

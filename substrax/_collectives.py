@@ -102,7 +102,7 @@ if "to" in inspect.signature(jax.lax.all_gather).parameters:
 elif hasattr(jax.lax, "all_gather_invariant"):
 
     def _gather_invariant(x: Any, axis_name: str, tiled: bool) -> Any:
-        return jax.lax.all_gather_invariant(x, axis_name, tiled=tiled)
+        return jax.lax.all_gather_invariant(x, axis_name, tiled=tiled)  # type: ignore[attr-defined]
 
 else:  # pragma: no cover - older jax than pyproject allows
 
@@ -144,7 +144,8 @@ def collect_from_devices(metrics: Mapping[str, V]) -> dict[str, list[jax.Array] 
       A dictionary of metrics, with array values split into per-device lists; a value
       that is not an array, or has no leading axis, is kept as it is.
     """
-    return {
-        name: [value[i] for i in range(value.shape[0])] if is_array(value) and np.ndim(value) else value
-        for name, value in metrics.items()
-    }
+    collected: dict[str, list[jax.Array] | V] = {}
+    for name, value in metrics.items():
+        array: Any = value
+        collected[name] = [array[i] for i in range(array.shape[0])] if is_array(array) and np.ndim(array) else value
+    return collected

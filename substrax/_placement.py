@@ -94,7 +94,7 @@ def check_fits(
             )
 
 
-def _named_spec(sharding: Sharding) -> tuple[PartitionSpec, Mesh] | None:
+def _named_spec(sharding: Sharding) -> tuple[PartitionSpec, Any] | None:
     return (sharding.spec, sharding.mesh) if isinstance(sharding, NamedSharding) else None
 
 

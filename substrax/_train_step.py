@@ -19,7 +19,7 @@ from substrax.spmd._step import spmd_train_step
 __all__ = ["MODES", "BoundTrainStep", "TrainStep", "make_train_step"]
 
 Mode = Literal["implicit", "explicit"]
-MODES: tuple[str, ...] = ("implicit", "explicit")
+MODES: tuple[Mode, ...] = ("implicit", "explicit")
 
 
 def make_train_step(
@@ -109,7 +109,7 @@ class TrainStep:
                 has_aux=self.has_aux,
                 reduce=self.reduce,
             )
-        out = spmd_train_step(model, optimizer, self.loss_fn, batch, has_aux=self.has_aux)
+        out: Any = spmd_train_step(model, optimizer, self.loss_fn, batch, has_aux=self.has_aux)
         return (out[0], reduce_metrics(out[1], self.reduce)) if self.has_aux else out
 
     def mesh_context(self) -> contextlib.AbstractContextManager[Any]:

@@ -175,14 +175,14 @@ def compare_gradients(
     ref_leaves = jax.tree_util.tree_flatten_with_path(reference)[0]
     method_leaves = {}
     for method, g in grads.items():
-        leaves, treedef_g = jax.tree_util.tree_flatten_with_path(g)
-        if len(leaves) != len(ref_leaves):
+        got_leaves = jax.tree.leaves(g)
+        if len(got_leaves) != len(ref_leaves):
             raise ValueError(
-                f"The {method} gradient has {len(leaves)} leaves but the model has "
+                f"The {method} gradient has {len(got_leaves)} leaves but the model has "
                 f"{len(ref_leaves)} parameters; a candidate must return the gradient State "
                 f"of every nnx.Param (what nnx.grad(loss_fn)(model, batch) returns)."
             )
-        method_leaves[method] = [np.asarray(leaf, dtype=np.float64) for _, leaf in leaves]
+        method_leaves[method] = [np.asarray(leaf, dtype=np.float64) for leaf in got_leaves]
 
     rows: list[GradientRow] = []
     worst_by_method: dict[str, list[tuple[float, str]]] = {m: [] for m in grads}
@@ -193,10 +193,10 @@ def compare_gradients(
         name = jax.tree_util.keystr(path, simple=True, separator=".").removesuffix(".value")
         diffs, oks = {}, {}
         for method, leaves in method_leaves.items():
-            got = leaves[i]
-            diff = float(np.max(np.abs(got - ref), initial=0.0)) if got.shape == ref.shape else float("inf")
+            leaf = leaves[i]
+            diff = float(np.max(np.abs(leaf - ref), initial=0.0)) if leaf.shape == ref.shape else float("inf")
             diffs[method] = diff
-            oks[method] = got.shape == ref.shape and bool(np.all(np.abs(got - ref) <= atol + rtol * np.abs(ref)))
+            oks[method] = leaf.shape == ref.shape and bool(np.all(np.abs(leaf - ref) <= atol + rtol * np.abs(ref)))
             if not oks[method]:
                 worst_by_method[method].append((diff / (atol + rtol * float(np.max(np.abs(ref), initial=0))), name))
         rows.append(
@@ -206,14 +206,14 @@ def compare_gradients(
     refs = [np.asarray(leaf, dtype=np.float64) for _, leaf in ref_leaves]
     ref_sq = sum(float(np.vdot(r, r)) for r in refs)
     scale, diagnosis = {}, {}
-    for method, leaves in method_leaves.items():
-        c = sum(float(np.vdot(g, r)) for g, r in zip(leaves, refs, strict=True)) / max(ref_sq, 1e-300)
+    for method, got in method_leaves.items():
+        c = sum(float(np.vdot(g, r)) for g, r in zip(got, refs, strict=True)) / max(ref_sq, 1e-300)
         scale[method] = c
         if all(row.ok[method] for row in rows):
             continue
         fits = all(
             np.allclose(g, c * r, rtol=1e-3, atol=1e-6 * max(np.abs(c * r).max(initial=0), 1e-30))
-            for g, r in zip(leaves, refs, strict=True)
+            for g, r in zip(got, refs, strict=True)
         )
         worst = [name for _, name in sorted(worst_by_method[method], reverse=True)[:3]]
         diagnosis[method] = _diagnose(c, fits, mesh, worst)

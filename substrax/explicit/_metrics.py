@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-
 import jax.numpy as jnp
 
 from substrax._collectives import (

@@ -95,7 +95,7 @@ def explicit_value_and_grad(
     """
     mesh = current_mesh(mesh, required_axes=(data_axis,))
     specs = batch_partition_specs(batch, batch_spec, mesh, data_axis)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
 
     def per_device(params: nnx.State, rest: nnx.State, shard: PyTree) -> tuple[jax.Array, nnx.State]:
         def loss_of_params(params: nnx.State) -> jax.Array:

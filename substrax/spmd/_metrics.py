@@ -8,8 +8,8 @@ needs. Every array leaf with at least one dimension is reduced over all its elem
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import jax.numpy as jnp
 
@@ -21,7 +21,7 @@ __all__ = ["reduce_custom", "reduce_max", "reduce_mean", "reduce_metrics", "redu
 T = TypeVar("T")
 V = TypeVar("V")
 
-_REDUCE = {"mean": jnp.mean, "sum": jnp.sum, "max": jnp.max, "min": jnp.min}
+_REDUCE: dict[str, Callable[[Any], jnp.ndarray]] = {"mean": jnp.mean, "sum": jnp.sum, "max": jnp.max, "min": jnp.min}
 
 
 def reduce_mean(metrics: T) -> T:
@@ -115,8 +115,10 @@ def reduce_custom(
     reduced: dict[str, V | jnp.ndarray] = {}
     for name, value in metrics.items():
         op = ops[name]
-        reducible = op is not None and is_array(value) and jnp.ndim(value) > 0
-        reduced[name] = _REDUCE[op](value) if reducible else value
+        if op is not None and is_array(value) and jnp.ndim(value) > 0:  # type: ignore[arg-type]
+            reduced[name] = _REDUCE[op](value)
+        else:
+            reduced[name] = value
     return reduced
 
 
@@ -142,6 +144,8 @@ def reduce_metrics(metrics: Mapping[str, V], reduce: Mapping[str, str | None] | 
     reduced: dict[str, V | jnp.ndarray] = {}
     for name, value in metrics.items():
         op = ops[name]
-        reducible = op in _REDUCE and is_array(value)
-        reduced[name] = _REDUCE[op](value) if reducible else value
+        if op is not None and op in _REDUCE and is_array(value):
+            reduced[name] = _REDUCE[op](value)
+        else:
+            reduced[name] = value
     return reduced

@@ -34,6 +34,17 @@ def spmd_train_step(
 ) -> tuple[jax.Array, Any]: ...
 
 
+@overload
+def spmd_train_step(
+    model: M,
+    optimizer: nnx.Optimizer[M],
+    loss_fn: Callable[[M, PyTree], Any],
+    batch: PyTree,
+    *,
+    has_aux: bool,
+) -> jax.Array | tuple[jax.Array, Any]: ...
+
+
 def spmd_train_step(
     model: M,
     optimizer: nnx.Optimizer[M],

@@ -167,7 +167,7 @@ def checks() -> None:
     for mode in substrax.MODES:
 
         @check(f"steps_{mode}")
-        def _() -> None:
+        def _(mode: str = mode) -> None:
             with jax.set_mesh(mesh):
                 model = MLP()
                 optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
