@@ -73,12 +73,15 @@ def create_device_mesh(
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(
                 f"Mesh axis {name!r} has size {size!r}; every size in {shape_text} must be a "
-                f"positive int."
+                f"positive int (their product at most the {len(available)} devices available)."
             )
     names = [n for n, _ in axes]
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
-        raise ValueError(f"Mesh axis names {repeated} repeat in mesh_shape {axes}; name each axis once.")
+        raise ValueError(
+            f"Mesh axis names {repeated} repeat in mesh_shape {axes} ({len(available)} devices "
+            f"available); name each axis once."
+        )
     needed = math.prod(s for _, s in axes)
     if needed > len(available):
         raise ValueError(
