@@ -116,6 +116,14 @@ def test_the_cli_refuses_a_missing_script() -> None:
     assert "'no_such_script.py' is not a file" in done.stderr
 
 
+@pytest.mark.parametrize("field", ["num_processes", "devices_per_process"])
+@pytest.mark.parametrize("value", [0, -1, 2.0, True])
+def test_launch_refuses_counts_that_are_not_positive_ints(field: str, value: object) -> None:
+    counts = {"num_processes": 2, "devices_per_process": 2, field: value}
+    with pytest.raises(ValueError, match=f"{field} must be a positive int; got {value!r}"):
+        substrax.launch.launch(__file__, **counts)  # type: ignore[arg-type]
+
+
 SLURM = {
     "SLURM_JOB_ID": "7",
     "SLURM_STEP_NODELIST": "node[1-2]",

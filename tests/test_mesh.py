@@ -85,3 +85,13 @@ def test_use_cpu_devices_after_start() -> None:
         use_cpu_devices(4)
     with pytest.raises(ValueError, match="positive int"):
         use_cpu_devices(0)
+
+
+def test_axis_names_must_be_strings() -> None:
+    with pytest.raises(ValueError, match=r"Mesh axis names must be non-empty strings; got 0"):
+        create_device_mesh([(0, 2)])  # type: ignore[list-item]
+
+
+def test_axis_types_must_match_the_axes() -> None:
+    with pytest.raises(ValueError, match=r"axis_types has 1 entries for 2 mesh axes \['data', 'model'\]"):
+        create_device_mesh({"data": 2, "model": 2}, axis_types=[AxisType.Auto])
