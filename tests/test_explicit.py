@@ -262,3 +262,64 @@ def test_unknown_mode_and_unknown_reduction(mesh8: jax.sharding.Mesh) -> None:
         step = substrax.make_train_step(_metrics_loss, mode, mesh=mesh8, has_aux=True, reduce={"sse": "total"})
         with pytest.raises(ValueError, match=r"Metric 'sse' asks for reduction 'total'"):
             step(model, optimizer, batch)
+
+
+class Normed(nnx.Module):
+    def __init__(self, axis_name: str | None = None) -> None:
+        rngs = nnx.Rngs(0)
+        self.hidden = nnx.Linear(4, 8, rngs=rngs)
+        self.norm = nnx.BatchNorm(8, momentum=0.5, axis_name=axis_name, rngs=rngs)
+        self.out = nnx.Linear(8, 1, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.out(self.norm(self.hidden(x)))
+
+
+def test_batch_statistics_are_averaged_over_the_data_axis(mesh8: jax.sharding.Mesh) -> None:
+    batch = regression_batches(1, rows=32)[0]
+    with jax.set_mesh(mesh8):
+        model = Normed()
+        optimizer = nnx.Optimizer(model, optax.sgd(0.0), wrt=nnx.Param)
+    h = batch["x"] @ np.asarray(model.hidden.kernel.get_value()) + np.asarray(model.hidden.bias.get_value())
+    shards = h.reshape(8, 4, 8)
+    step = substrax.make_train_step(mse, "explicit", mesh=mesh8)
+    step(model, optimizer, place_batch_on_shards(batch, create_data_parallel_sharding(mesh8)))
+    # each device's running statistics come from its 4 rows; the step keeps their average
+    np.testing.assert_allclose(model.norm.mean.get_value(), 0.5 * shards.mean(1).mean(0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(model.norm.var.get_value(), 0.5 + 0.5 * shards.var(1).mean(0), rtol=1e-5)
+    assert model.norm.mean.get_value().sharding.is_fully_replicated
+
+
+def test_batchnorm_with_the_axis_name_matches_the_implicit_step(mesh8: jax.sharding.Mesh) -> None:
+    batches = regression_batches(5, rows=32)
+    sharding = create_data_parallel_sharding(mesh8)
+    results = {}
+    for mode, axis_name in (("implicit", None), ("explicit", "data")):
+        with jax.set_mesh(mesh8):
+            model = Normed(axis_name)
+            optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+        step = substrax.make_train_step(mse, mode, mesh=mesh8)
+        losses = [float(step(model, optimizer, place_batch_on_shards(b, sharding))) for b in batches]
+        results[mode] = (losses, np.asarray(model.norm.var.get_value()), np.asarray(model.out.kernel.get_value()))
+    for got, want in zip(results["explicit"], results["implicit"], strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+class Counting(MLP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.positives = nnx.BatchStat(jnp.zeros((), jnp.int32))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        self.positives.set_value(self.positives.get_value() + jnp.sum(x[:, 0] > 0).astype(jnp.int32))
+        return super().__call__(x)
+
+
+def test_per_device_integer_state_is_refused_with_its_path(mesh8: jax.sharding.Mesh) -> None:
+    with jax.set_mesh(mesh8):
+        model = Counting()
+        optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    batch = place_batch_on_shards(regression_batches(1, rows=32)[0], create_data_parallel_sharding(mesh8))
+    step = substrax.make_train_step(mse, "explicit", mesh=mesh8)
+    with pytest.raises(ValueError, match=r"model\['positives'\].* \(int32\) was updated differently on each device"):
+        step(model, optimizer, batch)

@@ -13,13 +13,14 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from substrax._placement import check_fits, check_spec_axes
-from substrax._tree import PyTree, broadcast_prefix
-from substrax.explicit._grad import data_parallel_value_and_grad
+from substrax._tree import PyTree, broadcast_prefix, path_str
+from substrax.explicit._grad import data_parallel_value_and_grad, varying_axes
 from substrax.explicit._metrics import reduce_metrics_collective
 from substrax.mesh import current_mesh
 
@@ -113,6 +114,30 @@ def explicit_value_and_grad(
     return run(params, rest, batch)
 
 
+def _average_per_device_state(state: nnx.State, data_axis: str) -> nnx.State:
+    """Average, over ``data_axis``, any state the step updated from this device's shard alone.
+
+    Parameters and optimizer state come out equal on every device. State a layer
+    updates from the batch it sees (BatchNorm's running statistics) differs per device
+    and could not leave ``shard_map`` as replicated; the average keeps one model.
+    """
+
+    def average(path: tuple[Any, ...], x: jax.Array) -> jax.Array:
+        axes = varying_axes(x)
+        if axes is None or data_axis not in axes:
+            return x
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            return jax.lax.pmean(x, data_axis)
+        owner = ("model", "optimizer")[path[0].key]  # nnx.state((model, optimizer)) keys them 0, 1
+        raise ValueError(
+            f"{path_str(path[1:], owner)} ({x.dtype}) was updated differently on each device "
+            f"and cannot be averaged over {data_axis!r}; compute it from values reduced over "
+            f"the axis, or keep it out of the model's state."
+        )
+
+    return jax.tree.map_with_path(average, state)
+
+
 def explicit_train_step(
     model: M,
     optimizer: nnx.Optimizer[M],
@@ -133,6 +158,11 @@ def explicit_train_step(
     replicated. The loss is ``pmean``-ed over ``data_axis`` before differentiating, so
     each replicated parameter's gradient arrives as the full-batch gradient, equal on
     every device, and every device applies the same optimizer update.
+
+    Non-parameter state that a layer updates from the shard it sees, such as
+    BatchNorm's running statistics, is averaged over ``data_axis`` after the step, so
+    every device keeps the same model. Such a layer normalizes with its shard's
+    statistics; give ``nnx.BatchNorm`` ``axis_name=data_axis`` to use the global batch's.
 
     Args:
       model: The NNX model to train; its state is replicated over the mesh.
@@ -172,7 +202,7 @@ def explicit_train_step(
         (loss, metrics), grads = value_and_grad(model, shard)
         optimizer.update(model, grads)
         metrics = reduce_metrics_collective(metrics, reduce, data_axis)
-        return nnx.state((model, optimizer)), loss, metrics
+        return _average_per_device_state(nnx.state((model, optimizer)), data_axis), loss, metrics
 
     run = jax.shard_map(
         per_device,
