@@ -323,3 +323,34 @@ def test_per_device_integer_state_is_refused_with_its_path(mesh8: jax.sharding.M
     step = substrax.make_train_step(mse, "explicit", mesh=mesh8)
     with pytest.raises(ValueError, match=r"model\['positives'\].* \(int32\) was updated differently on each device"):
         step(model, optimizer, batch)
+
+
+class Dropped(MLP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=7))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return super().__call__(self.drop(x))
+
+
+def _mask_loss(model: Dropped, batch: dict) -> tuple[jax.Array, dict]:
+    kept = model.drop(jnp.ones_like(batch["x"])) != 0  # the mask this device draws for its rows
+    return mse(model, batch), {"kept": kept.astype(jnp.float32)}
+
+
+def test_each_device_draws_its_own_dropout_mask(mesh8: jax.sharding.Mesh) -> None:
+    with jax.set_mesh(mesh8):
+        model = Dropped()
+        optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    count = int(model.drop.rngs.count.get_value())
+    key = np.asarray(jax.random.key_data(model.drop.rngs.key.get_value()))
+    batch = place_batch_on_shards(regression_batches(1, rows=64)[0], create_data_parallel_sharding(mesh8))
+    step = substrax.make_train_step(_mask_loss, "explicit", mesh=mesh8, has_aux=True, reduce={"kept": "gather"})
+    _, metrics = step(model, optimizer, batch)
+    masks = np.asarray(metrics["kept"]).reshape(8, 8, 4)  # device, row, feature
+    assert len({m.tobytes() for m in masks}) == 8  # no two devices drew the same mask
+    assert 0.3 < masks.mean() < 0.7
+    # the stream advanced by the same count on every device and its key is unchanged
+    assert int(model.drop.rngs.count.get_value()) == count + 2
+    np.testing.assert_array_equal(jax.random.key_data(model.drop.rngs.key.get_value()), key)

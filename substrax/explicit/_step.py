@@ -9,7 +9,8 @@ depends on it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import jax
@@ -114,6 +115,26 @@ def explicit_value_and_grad(
     return run(params, rest, batch)
 
 
+@contextlib.contextmanager
+def _per_device_random_streams(model: nnx.Module, data_axis: str) -> Iterator[None]:
+    """Give each device its own random bits for one step: fold its index into every key.
+
+    The model's ``nnx.Rngs`` are replicated, so without this every device would draw
+    the same dropout mask for its shard. The keys are restored afterwards (only the
+    streams' counts advance, equally on every device), so the state stays replicated.
+    """
+    keys = [v for _, v in nnx.iter_graph(model) if isinstance(v, nnx.RngKey)]
+    saved = [key.get_value() for key in keys]
+    index = jax.lax.axis_index(data_axis)
+    for key, value in zip(keys, saved, strict=True):
+        key.set_value(jax.random.fold_in(value, index))
+    try:
+        yield
+    finally:
+        for key, value in zip(keys, saved, strict=True):
+            key.set_value(value)
+
+
 def _average_per_device_state(state: nnx.State, data_axis: str) -> nnx.State:
     """Average, over ``data_axis``, any state the step updated from this device's shard alone.
 
@@ -163,6 +184,8 @@ def explicit_train_step(
     BatchNorm's running statistics, is averaged over ``data_axis`` after the step, so
     every device keeps the same model. Such a layer normalizes with its shard's
     statistics; give ``nnx.BatchNorm`` ``axis_name=data_axis`` to use the global batch's.
+    Random streams (``nnx.Rngs``, as ``nnx.Dropout`` uses) get the device's index
+    folded into their keys for the step, so each shard draws its own mask.
 
     Args:
       model: The NNX model to train; its state is replicated over the mesh.
@@ -199,7 +222,8 @@ def explicit_train_step(
     def per_device(state: nnx.State, shard: PyTree) -> tuple[nnx.State, jax.Array, dict[str, Any]]:
         model, optimizer = nnx.merge(graphdef, state)
         value_and_grad = data_parallel_value_and_grad(split_loss, data_axis, has_aux=True)
-        (loss, metrics), grads = value_and_grad(model, shard)
+        with _per_device_random_streams(model, data_axis):
+            (loss, metrics), grads = value_and_grad(model, shard)
         optimizer.update(model, grads)
         metrics = reduce_metrics_collective(metrics, reduce, data_axis)
         return _average_per_device_state(nnx.state((model, optimizer)), data_axis), loss, metrics
