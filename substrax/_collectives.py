@@ -18,6 +18,7 @@ from substrax._tree import is_array, map_arrays
 
 __all__ = [
     "all_gather",
+    "require_axis",
     "collect_from_devices",
     "reduce_max_collective",
     "reduce_mean_collective",
@@ -27,6 +28,28 @@ __all__ = [
 
 T = TypeVar("T")
 V = TypeVar("V")
+
+
+def require_axis(axis_name: str, where: str) -> None:
+    """Raise a ValueError unless ``axis_name`` is bound by an enclosing ``shard_map`` or ``pmap``.
+
+    jax's own failure for an unbound or mistyped axis is a bare ``AssertionError`` or
+    ``NameError`` deep in its tracing; this names the axis and the ones that are bound.
+    """
+    try:
+        jax.lax.axis_size(axis_name)
+    except NameError:
+        manual = tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) or ())
+        bound = f"the enclosing shard_map's axes are {manual}" if manual else "no shard_map or pmap encloses the call"
+        raise ValueError(
+            f"{where}: axis {axis_name!r} is not bound here ({bound}). Call it inside "
+            f"jax.shard_map over a mesh with that axis, or pass axis_name= one of its axes."
+        ) from None
+
+
+def _collective(op: Any, metrics: T, axis_name: str, where: str) -> T:
+    require_axis(axis_name, where)
+    return map_arrays(lambda x: op(x, axis_name), metrics)
 
 
 def reduce_mean_collective(metrics: T, axis_name: str = "batch") -> T:
@@ -40,8 +63,11 @@ def reduce_mean_collective(metrics: T, axis_name: str = "batch") -> T:
 
     Returns:
       ``metrics`` with every array leaf averaged across the axis (``lax.pmean``).
+
+    Raises:
+      ValueError: If ``axis_name`` is not bound by an enclosing shard_map or pmap.
     """
-    return map_arrays(lambda x: jax.lax.pmean(x, axis_name), metrics)
+    return _collective(jax.lax.pmean, metrics, axis_name, "reduce_mean_collective")
 
 
 def reduce_sum_collective(metrics: T, axis_name: str = "batch") -> T:
@@ -55,8 +81,11 @@ def reduce_sum_collective(metrics: T, axis_name: str = "batch") -> T:
 
     Returns:
       ``metrics`` with every array leaf summed across the axis (``lax.psum``).
+
+    Raises:
+      ValueError: If ``axis_name`` is not bound by an enclosing shard_map or pmap.
     """
-    return map_arrays(lambda x: jax.lax.psum(x, axis_name), metrics)
+    return _collective(jax.lax.psum, metrics, axis_name, "reduce_sum_collective")
 
 
 def reduce_max_collective(metrics: T, axis_name: str = "batch") -> T:
@@ -71,8 +100,11 @@ def reduce_max_collective(metrics: T, axis_name: str = "batch") -> T:
     Returns:
       ``metrics`` with every array leaf replaced by its maximum across the axis
       (``lax.pmax``).
+
+    Raises:
+      ValueError: If ``axis_name`` is not bound by an enclosing shard_map or pmap.
     """
-    return map_arrays(lambda x: jax.lax.pmax(x, axis_name), metrics)
+    return _collective(jax.lax.pmax, metrics, axis_name, "reduce_max_collective")
 
 
 def reduce_min_collective(metrics: T, axis_name: str = "batch") -> T:
@@ -87,8 +119,11 @@ def reduce_min_collective(metrics: T, axis_name: str = "batch") -> T:
     Returns:
       ``metrics`` with every array leaf replaced by its minimum across the axis
       (``lax.pmin``).
+
+    Raises:
+      ValueError: If ``axis_name`` is not bound by an enclosing shard_map or pmap.
     """
-    return map_arrays(lambda x: jax.lax.pmin(x, axis_name), metrics)
+    return _collective(jax.lax.pmin, metrics, axis_name, "reduce_min_collective")
 
 
 # jax >= 0.12 spells an all_gather whose result is equal on every device `to="invarying"`;
@@ -126,8 +161,11 @@ def all_gather(metrics: T, axis_name: str = "batch", *, tiled: bool = False) -> 
 
     Returns:
       ``metrics`` with every array leaf gathered across the axis.
+
+    Raises:
+      ValueError: If ``axis_name`` is not bound by an enclosing shard_map or pmap.
     """
-    return map_arrays(lambda x: _gather_invariant(x, axis_name, tiled), metrics)
+    return _collective(lambda x, axis: _gather_invariant(x, axis, tiled), metrics, axis_name, "all_gather")
 
 
 def collect_from_devices(metrics: Mapping[str, V]) -> dict[str, list[jax.Array] | V]:

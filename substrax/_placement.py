@@ -16,6 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 from substrax._tree import KeyPath, PyTree, broadcast_prefix, is_array, path_str
 
 __all__ = [
+    "batch_partition_specs",
     "check_replicated_equal",
     "create_data_parallel_sharding",
     "place_batch_on_shards",
@@ -60,7 +61,14 @@ def check_spec_axes(spec: PartitionSpec, mesh: Any, *, where: str) -> None:
 
 
 def check_fits(
-    path: KeyPath, shape: tuple[int, ...], spec: PartitionSpec, mesh: Any, *, local: bool, root: str = "batch"
+    path: KeyPath,
+    shape: tuple[int, ...],
+    spec: PartitionSpec,
+    mesh: Any,
+    *,
+    local: bool,
+    root: str = "batch",
+    replicate_hint: str = "pass a pytree prefix of shardings with NamedSharding(mesh, PartitionSpec()) for it",
 ) -> None:
     """Raise a ValueError unless an array of ``shape`` can be split as ``spec`` says.
 
@@ -71,14 +79,15 @@ def check_fits(
       mesh: The mesh (concrete for ``local``; abstract is fine otherwise).
       local: Whether ``shape`` is the process-local slice, split over the devices of
         this process only.
+      root: What the tree is called in the message (``batch``, ``state``).
+      replicate_hint: How the caller's user replicates a leaf instead, for the message.
     """
     partitioned = [i for i, entry in enumerate(spec) if spec_axes(entry)]
     if partitioned and len(shape) <= partitioned[-1]:
         raise ValueError(
-            f"{path_str(path, root)} has shape {shape} ({len(shape)} dimensions), but its sharding "
-            f"{spec} splits dimension {partitioned[-1]}. A value without a batch axis (a "
-            f"scalar, a batch-level setting) needs a replicated sharding such as "
-            f"NamedSharding(mesh, PartitionSpec()): pass a pytree prefix of shardings."
+            f"{path_str(path, root)} has shape {shape} ({len(shape)} dimensions), but {spec} "
+            f"splits dimension {partitioned[-1]}. A value without that axis (a scalar, a "
+            f"batch-level setting) must be replicated: {replicate_hint}."
         )
     sizes = mesh.local_mesh.shape if local else mesh.shape
     for dim in partitioned:
@@ -87,11 +96,48 @@ def check_fits(
         if shape[dim] % ways:
             axis_text = " x ".join(f"{a!r} ({mesh.shape[a]})" for a in axes)
             scope = " on this process" if local and jax.process_count() > 1 else ""
+            what = " (the batch size: drop or pad the last rows)" if root == "batch" and dim == 0 else ""
             raise ValueError(
                 f"{path_str(path, root)} has size {shape[dim]} along dimension {dim}{scope}, which "
                 f"does not divide by {ways}, the size of mesh axis {axis_text} it is split "
-                f"over. Make the batch size a multiple of {ways} (drop or pad the last rows)."
+                f"over. Make that size a multiple of {ways}{what}."
             )
+
+
+def batch_partition_specs(batch: PyTree, batch_spec: Any, mesh: Any, data_axis: str) -> PyTree:
+    """One PartitionSpec per leaf of ``batch``: how a step splits it over the mesh.
+
+    Args:
+      batch: The global batch (arrays or tracers).
+      batch_spec: One PartitionSpec or NamedSharding for every leaf, a pytree prefix of
+        ``batch`` of them (the convention of ``place_batch_on_shards``), or ``None``
+        for ``PartitionSpec(data_axis)`` on every leaf.
+      mesh: The mesh.
+      data_axis: The batch axis.
+
+    Returns:
+      A tree of PartitionSpecs with the structure of ``batch``.
+
+    Raises:
+      ValueError: If the prefix does not fit, a spec names an axis the mesh lacks, or a
+        leaf cannot be split as its spec says; names the leaf's path.
+    """
+    if batch_spec is None:
+        batch_spec = PartitionSpec(data_axis)
+    path_leaves, specs, treedef = broadcast_prefix(
+        batch_spec, batch, lambda s: isinstance(s, (PartitionSpec, NamedSharding)), what="batch_spec"
+    )
+    out = []
+    for (path, leaf), spec in zip(path_leaves, specs, strict=True):
+        spec = spec.spec if isinstance(spec, NamedSharding) else spec
+        check_spec_axes(spec, mesh, where="batch_spec")
+        hint = (
+            f"give the step batch_spec=, a prefix tree of PartitionSpecs with PartitionSpec() "
+            f"for it, such as {{'rows': PartitionSpec({data_axis!r}), 'lam': PartitionSpec()}}"
+        )
+        check_fits(path, np.shape(leaf), spec, mesh, local=False, replicate_hint=hint)
+        out.append(spec)
+    return jax.tree.unflatten(treedef, out)
 
 
 def _named_spec(sharding: Sharding) -> tuple[PartitionSpec, Any] | None:
@@ -251,6 +297,7 @@ def place_nnx_state_on_shards(state: nnx.State, mesh: Mesh, filter_sharding: Fil
     Raises:
       ValueError: If a spec names an axis the mesh lacks, or a variable cannot be split
         as its spec says; the message names the variable's path.
+      TypeError: If ``state`` is a module rather than its state.
     """
 
     def as_sharding(spec: PartitionSpec | Sharding) -> Sharding:
@@ -259,6 +306,11 @@ def place_nnx_state_on_shards(state: nnx.State, mesh: Mesh, filter_sharding: Fil
             return NamedSharding(mesh, spec)
         return spec
 
+    if isinstance(state, nnx.Module):
+        raise TypeError(
+            f"place_nnx_state_on_shards takes a state, not the module {type(state).__name__}: "
+            f"pass nnx.state(model), and nnx.update(model, placed) to put the result back."
+        )
     flat = list(nnx.to_flat_state(state))
     if filter_sharding is None:
         declared = jax.tree.leaves(nnx.get_partition_spec(state), is_leaf=lambda x: isinstance(x, PartitionSpec))
@@ -281,7 +333,10 @@ def place_nnx_state_on_shards(state: nnx.State, mesh: Mesh, filter_sharding: Fil
         value = var.get_value()
         if is_array(value):
             if isinstance(s, NamedSharding):
-                check_fits(path, np.shape(value), s.spec, mesh, local=False, root="state")
+                check_fits(
+                    path, np.shape(value), s.spec, mesh, local=False, root="state",
+                    replicate_hint="give it a spec with no more dimensions than it has",
+                )
             var = var.replace(jax.device_put(value, s))
         placed.append((path, var))
     return nnx.from_flat_state(placed)

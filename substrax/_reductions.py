@@ -1,32 +1,103 @@
-"""The named reductions a metric can ask for, shared by both modes."""
+"""What a loss function returns, and the named reductions a metric can ask for; both modes."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from substrax._tree import is_array
 
 REDUCTIONS = ("mean", "sum", "max", "min")
 # What a training step's metric may ask for: the four, or its per-example values whole.
 METRIC_REDUCTIONS = (*REDUCTIONS, "gather")
 
 
+def describe(x: Any) -> str:
+    """A value as an error message names it: its kind and shape, never its contents."""
+    if is_array(x):
+        return f"an array of shape {tuple(np.shape(x))} and dtype {x.dtype}"
+    if isinstance(x, (tuple, list)):
+        return f"a {type(x).__name__} of {len(x)}"
+    return f"a {type(x).__name__}"
+
+
+def split_loss_output(out: Any, has_aux: bool) -> tuple[Any, Any]:
+    """``(loss, metrics)`` from what a loss function returned; ``metrics`` is None without aux.
+
+    Raises:
+      ValueError: If the output does not match ``has_aux``, or the loss is not a scalar
+        array; the message says what came back and which flag fits it.
+    """
+    if has_aux:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise ValueError(
+                f"With has_aux=True, loss_fn must return (loss, metrics); it returned "
+                f"{describe(out)}. If it returns the loss alone, pass has_aux=False."
+            )
+        loss, metrics = out
+    else:
+        loss, metrics = out, None
+    if isinstance(loss, (tuple, list)):
+        raise ValueError(
+            f"loss_fn returned {describe(loss)} where the loss goes; if it returns "
+            f"(loss, metrics), pass has_aux=True."
+        )
+    if not is_array(loss) or np.ndim(loss) != 0:
+        raise ValueError(f"The loss must be a scalar array; loss_fn returned {describe(loss)}.")
+    return loss, metrics
+
+
 def check_reduce_fn(
-    names: Iterable[str],
+    metrics: Mapping[str, Any],
     reduce_fn: Mapping[str, str | None] | None,
     *,
     allowed: tuple[str, ...] = REDUCTIONS,
+    none_means: str = "leave it as it is",
 ) -> dict[str, str | None]:
     """Resolve each metric's operation: its entry in ``reduce_fn``, else ``"mean"``.
 
+    Args:
+      metrics: The metrics, by name: a flat mapping.
+      reduce_fn: Metric name to operation.
+      allowed: The operations this caller supports, besides ``None``.
+      none_means: What ``None`` does here, for the error message.
+
+    Returns:
+      Every metric's name to its operation.
+
     Raises:
-      ValueError: If an operation is not one of ``allowed`` or ``None``; the message
-        names the metric and the operation, since a typo would otherwise leave the
-        metric silently unreduced.
+      ValueError: If ``metrics`` is not a flat mapping; if ``reduce_fn`` names a metric
+        that ``metrics`` lacks (a typo there would leave the real one averaged); if an
+        operation is not one of ``allowed`` or ``None``; if ``"gather"`` is asked of a
+        0-d value. Each message names the metric.
     """
+    if not isinstance(metrics, Mapping):
+        raise ValueError(f"Metrics must be a flat mapping from name to value; got {describe(metrics)}.")
+    for name, value in metrics.items():
+        if isinstance(value, (Mapping, tuple, list)):
+            raise ValueError(
+                f"Metric {name!r} is {describe(value)}; metrics must be flat, one value per "
+                f"name: flatten it into names such as '{name}/...'."
+            )
     reduce_fn = dict(reduce_fn or {})
+    unknown = sorted(set(reduce_fn) - set(metrics))
+    if unknown:
+        raise ValueError(
+            f"The reductions name metric(s) {unknown} that are not among the metrics "
+            f"{sorted(metrics)}; fix the name, or drop the entry."
+        )
     for name, op in reduce_fn.items():
         if op is not None and op not in allowed:
             raise ValueError(
                 f"Metric {name!r} asks for reduction {op!r}; use one of "
-                f"{', '.join(repr(a) for a in allowed)} or None (leave it as it is)."
+                f"{', '.join(repr(a) for a in allowed)} or None ({none_means})."
             )
-    return {name: reduce_fn.get(name, "mean") for name in names}
+        if op == "gather" and is_array(metrics[name]) and np.ndim(metrics[name]) == 0:
+            raise ValueError(
+                f"Metric {name!r} asks for 'gather', which collects per-example values (one "
+                f"per row of the batch), but it is a scalar; reduce it, or return its "
+                f"per-example values."
+            )
+    return {name: reduce_fn.get(name, "mean") for name in metrics}

@@ -9,10 +9,13 @@ from typing import Any, Literal, Self
 
 import jax
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
-from substrax._tree import PyTree
+from substrax._placement import batch_partition_specs
+from substrax._reductions import split_loss_output
+from substrax._tree import PyTree, path_str
 from substrax.explicit._step import BatchSpec, explicit_train_step
+from substrax.mesh import current_mesh
 from substrax.spmd._metrics import reduce_metrics
 from substrax.spmd._step import spmd_train_step
 
@@ -47,8 +50,10 @@ def make_train_step(
       mesh: The mesh. ``None`` uses the one set by ``jax.set_mesh`` around the call;
         given, the step sets it itself.
       data_axis: The mesh axis the batch is split over.
-      batch_spec: Explicit mode: how ``shard_map`` splits the batch (see
-        ``explicit_train_step``). Implicit mode reads the batch's own sharding.
+      batch_spec: How the batch is split over the mesh: one ``PartitionSpec``, or a
+        prefix tree of them (rows on ``data_axis``, a batch-level value ``P()``);
+        default every leaf on ``data_axis``. Explicit mode gives it to ``shard_map``;
+        implicit mode constrains the batch to it, so a host batch is split too.
       has_aux: Whether ``loss_fn`` returns ``(loss, metrics)``, ``metrics`` a flat
         mapping from name to value.
       reduce: With ``has_aux``, metric name to ``"mean"``, ``"sum"``, ``"max"``,
@@ -63,7 +68,12 @@ def make_train_step(
       for a training loop.
 
     Raises:
-      ValueError: If ``mode`` is not ``"implicit"`` or ``"explicit"``.
+      ValueError: If ``mode`` is not ``"implicit"`` or ``"explicit"``, or ``reduce`` is
+        given without ``has_aux``. When called: if the batch cannot be split over
+        ``data_axis`` (or ``batch_spec``), if ``loss_fn``'s output does not match
+        ``has_aux``, if ``reduce`` names a metric ``loss_fn`` does not return, and, in
+        explicit mode, if a model's state is sharded; each message names the leaf,
+        metric or parameter.
     """
     return TrainStep(
         loss_fn, mode, mesh=mesh, data_axis=data_axis, batch_spec=batch_spec, has_aux=has_aux, reduce=reduce
@@ -86,6 +96,8 @@ class TrainStep:
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}; got {mode!r}.")
+        if reduce is not None and not has_aux:
+            raise ValueError("reduce= says how to reduce metrics, which loss_fn returns only with has_aux=True.")
         self.loss_fn = loss_fn
         self.mode = mode
         self.mesh = mesh
@@ -94,9 +106,30 @@ class TrainStep:
         self.has_aux = has_aux
         self.reduce = reduce
         self._jitted = nnx.jit(self.step)
+        self._checked_models: set[int] = set()
+
+    def _check_model(self, model: nnx.Module) -> None:
+        """Explicit mode replicates the model: refuse one whose state is sharded (once per model)."""
+        if self.mode != "explicit" or id(model) in self._checked_models:
+            return
+        for path, variable in nnx.to_flat_state(nnx.state(model)):
+            sharding = getattr(variable.get_value(), "sharding", None)
+            if isinstance(sharding, NamedSharding) and not sharding.is_fully_replicated:
+                raise ValueError(
+                    f"{path_str(path, 'model')} is sharded as {sharding.spec}, but the explicit "
+                    f"step replicates the model on every device (its state's in_specs are P()), "
+                    f"which would gather it whole. Replicate it (NamedSharding(mesh, "
+                    f"PartitionSpec())), or use mode='implicit', where XLA follows the "
+                    f"parameters' shardings."
+                )
+        self._checked_models.add(id(model))
 
     def step(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree) -> Any:
-        """The un-jitted step, for use inside your own ``nnx.jit`` or ``jax.jit``."""
+        """The un-jitted step, for use inside your own ``nnx.jit``.
+
+        Under a plain ``jax.jit`` the in-place update of ``model`` and ``optimizer``
+        would not leave the traced function; ``bind`` is the ``jax.jit`` spelling.
+        """
         if self.mode == "explicit":
             return explicit_train_step(
                 model,
@@ -109,7 +142,17 @@ class TrainStep:
                 has_aux=self.has_aux,
                 reduce=self.reduce,
             )
-        out: Any = spmd_train_step(model, optimizer, self.loss_fn, batch, has_aux=self.has_aux)
+        # Split the batch over data_axis as the explicit step does, whatever sharding it
+        # arrived with: a host batch would otherwise run whole on every device.
+        mesh = current_mesh(self.mesh, required_axes=(self.data_axis,))
+        specs = batch_partition_specs(batch, self.batch_spec, mesh, self.data_axis)
+        batch = jax.lax.with_sharding_constraint(batch, specs)
+
+        def checked_loss(model: nnx.Module, batch: PyTree) -> Any:
+            loss, metrics = split_loss_output(self.loss_fn(model, batch), self.has_aux)
+            return (loss, metrics) if self.has_aux else loss
+
+        out: Any = spmd_train_step(model, optimizer, checked_loss, batch, has_aux=self.has_aux)
         return (out[0], reduce_metrics(out[1], self.reduce)) if self.has_aux else out
 
     def mesh_context(self) -> contextlib.AbstractContextManager[Any]:
@@ -118,6 +161,7 @@ class TrainStep:
 
     def __call__(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree) -> Any:
         """Run one step under ``nnx.jit``, updating ``model`` and ``optimizer`` in place."""
+        self._check_model(model)
         with self.mesh_context():
             return self._jitted(model, optimizer, batch)
 
@@ -138,6 +182,7 @@ class TrainStep:
         once: each call runs a ``jax.jit`` pure function of the state's arrays, donated.
         See ``BoundTrainStep`` for when ``model`` and ``optimizer`` see the result.
         """
+        self._check_model(model)
         return BoundTrainStep(self, model, optimizer)
 
 

@@ -100,10 +100,10 @@ def main(argv: list[str] | None = None) -> None:
     report = compare_gradients(model, lambda m, b: loss_fn(m, b)[0], {"x": x[0], "y": y[0]}, mesh)
     print(f"\n{report}")
     print("\nmedian step time on emulated CPU devices (not a GPU; see README, Benchmarks):")
-    for mode in step_ms:
+    for name in step_ms:
         print(
-            f"  {mode:<9} train_step(model, optimizer, batch) {step_ms[mode]:6.2f} ms   "
-            f"train_step.bind(model, optimizer)(batch) {bound_ms[mode]:6.2f} ms"
+            f"  {name:<9} train_step(model, optimizer, batch) {step_ms[name]:6.2f} ms   "
+            f"train_step.bind(model, optimizer)(batch) {bound_ms[name]:6.2f} ms"
         )
     if not report.ok:
         raise SystemExit("gradient check failed")

@@ -127,7 +127,7 @@ def test_helper_refuses_check_vma_false(mesh8: jax.sharding.Mesh, linear_problem
 
 def test_helper_refuses_a_non_scalar_loss(mesh8: jax.sharding.Mesh, linear_problem: tuple) -> None:
     w, x, y, _ = linear_problem
-    with pytest.raises(ValueError, match=r"must return a scalar loss; got .* shape \(4,\)"):
+    with pytest.raises(ValueError, match=r"The loss must be a scalar array; loss_fn returned an array of shape \(4,\)"):
         _shard_mapped(data_parallel_value_and_grad(lambda w, x, y: (x @ w - y) ** 2, "data"), mesh8, True)(w, x, y)
 
 
@@ -198,8 +198,23 @@ def test_compare_gradients_rejects_a_candidate_with_missing_leaves(mesh8: jax.sh
     def partial(model: MLP, batch: dict) -> nnx.State:
         return nnx.grad(mse)(model, batch)["hidden"]
 
-    with pytest.raises(ValueError, match=r"candidate gradient has 2 leaves but the model has 4 parameters"):
+    with pytest.raises(ValueError, match=r"candidate gradient does not have the model's parameters: it lacks \['hidden.bias', 'hidden.kernel', 'out.bias', 'out.kernel'\] and has \['bias', 'kernel'\]"):
         compare_gradients(MLP(), mse, batch, mesh8, candidate=partial)
+
+
+def test_compare_gradients_blames_a_summed_loss_for_a_one_over_axis_factor(mesh8: jax.sharding.Mesh) -> None:
+    batch = regression_batches(1, rows=32)[0]
+    summed = lambda m, b: jnp.sum((m(b["x"]) - b["y"]) ** 2)  # noqa: E731
+    report = compare_gradients(MLP(), summed, batch, mesh8)
+    assert all(row.ok["implicit"] and not row.ok["explicit"] for row in report.rows)
+    assert report.scale["explicit"] == pytest.approx(1 / 8, rel=1e-4)
+    assert "1/8 of the reference" in report.diagnosis["explicit"]
+    assert "sums over the examples instead of averaging" in report.diagnosis["explicit"]
+
+
+def test_compare_gradients_with_aux(mesh8: jax.sharding.Mesh) -> None:
+    batch = regression_batches(1, rows=32)[0]
+    assert compare_gradients(MLP(), _metrics_loss, batch, mesh8, has_aux=True).ok
 
 
 # --- errors --------------------------------------------------------------------------------
@@ -354,3 +369,88 @@ def test_each_device_draws_its_own_dropout_mask(mesh8: jax.sharding.Mesh) -> Non
     # the stream advanced by the same count on every device and its key is unchanged
     assert int(model.drop.rngs.count.get_value()) == count + 2
     np.testing.assert_array_equal(jax.random.key_data(model.drop.rngs.key.get_value()), key)
+
+
+
+# --- what loss_fn returns, and the metrics' names -------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["implicit", "explicit"])
+def test_loss_output_must_match_has_aux(mesh8: jax.sharding.Mesh, mode: str) -> None:
+    model, optimizer = _model_and_optimizer(mesh8)
+    batch = regression_batches(1, rows=8)[0]
+    with pytest.raises(ValueError, match=r"loss_fn returned a tuple of 2 where the loss goes; if it returns \(loss, metrics\), pass has_aux=True"):
+        substrax.make_train_step(_metrics_loss, mode, mesh=mesh8)(model, optimizer, batch)
+    with pytest.raises(ValueError, match=r"With has_aux=True, loss_fn must return \(loss, metrics\); it returned an array of shape \(\)"):
+        substrax.make_train_step(mse, mode, mesh=mesh8, has_aux=True)(model, optimizer, batch)
+    as_tuple = lambda m, b: (mse(m, b), (mse(m, b),))  # noqa: E731
+    with pytest.raises(ValueError, match=r"Metrics must be a flat mapping from name to value; got a tuple of 1"):
+        substrax.make_train_step(as_tuple, mode, mesh=mesh8, has_aux=True)(model, optimizer, batch)
+    nested = lambda m, b: (mse(m, b), {"g": {"a": mse(m, b)}})  # noqa: E731
+    with pytest.raises(ValueError, match=r"Metric 'g' is a dict; metrics must be flat"):
+        substrax.make_train_step(nested, mode, mesh=mesh8, has_aux=True)(model, optimizer, batch)
+
+
+@pytest.mark.parametrize("mode", ["implicit", "explicit"])
+def test_reductions_must_name_real_metrics(mesh8: jax.sharding.Mesh, mode: str) -> None:
+    model, optimizer = _model_and_optimizer(mesh8)
+    batch = regression_batches(1, rows=8)[0]
+    step = substrax.make_train_step(_metrics_loss, mode, mesh=mesh8, has_aux=True, reduce={"max_eror": "max"})
+    with pytest.raises(ValueError, match=r"name metric\(s\) \['max_eror'\] that are not among the metrics \['max_err'"):
+        step(model, optimizer, batch)
+    step = substrax.make_train_step(_metrics_loss, mode, mesh=mesh8, has_aux=True, reduce={"mse": "gather"})
+    with pytest.raises(ValueError, match=r"Metric 'mse' asks for 'gather'.* but it is a scalar"):
+        step(model, optimizer, batch)
+    with pytest.raises(ValueError, match=r"reduce= says how to reduce metrics, which loss_fn returns only with has_aux=True"):
+        substrax.make_train_step(mse, mode, mesh=mesh8, reduce={"mse": "sum"})
+
+
+def test_reduce_custom_refuses_an_unknown_name() -> None:
+    from substrax.spmd import reduce_custom
+
+    with pytest.raises(ValueError, match=r"\['b'\] that are not among the metrics \['a'\]"):
+        reduce_custom({"a": jnp.arange(4.0)}, {"b": "sum"})
+
+
+def test_collectives_name_an_unbound_axis(mesh8: jax.sharding.Mesh) -> None:
+    from substrax.spmd import reduce_mean_collective
+
+    def body(x: jax.Array) -> dict:
+        return reduce_mean_collective({"a": x.sum()})  # the reference's default axis, 'batch'
+
+    with pytest.raises(ValueError, match=r"reduce_mean_collective: axis 'batch' is not bound here \(the enclosing shard_map's axes are \('data',\)\)"):
+        jax.shard_map(body, mesh=mesh8, in_specs=P("data"), out_specs=P())(np.ones(8))
+    with pytest.raises(ValueError, match=r"axis 'data' is not bound here \(no shard_map or pmap encloses the call\)"):
+        data_parallel_value_and_grad(_linear_loss, "data")(np.ones(3), np.ones((4, 3)), np.ones(4))
+
+
+def test_implicit_mode_splits_a_host_batch_over_the_data_axis(mesh8: jax.sharding.Mesh) -> None:
+    model, optimizer = _model_and_optimizer(mesh8)
+    host = regression_batches(1, rows=32)[0]
+    hlo = substrax.make_train_step(mse, "implicit", mesh=mesh8).lower(model, optimizer, host).compile().as_text()
+    assert " all-reduce(" in hlo  # each device computed on its own rows, then the gradients were summed
+    with pytest.raises(ValueError, match=r"batch\['x'\] has size 12 along dimension 0, which does not divide by 8"):
+        substrax.make_train_step(mse, "implicit", mesh=mesh8)(model, optimizer, regression_batches(1, rows=12)[0])
+    with pytest.raises(ValueError, match=r"Axis 'batch' is not in the mesh, whose axes are \('data',\)"):
+        substrax.make_train_step(mse, "implicit", mesh=mesh8, data_axis="batch")(model, optimizer, host)
+
+
+def test_explicit_mode_refuses_a_sharded_model() -> None:
+    mesh = create_device_mesh({"data": 4, "model": 2})
+    init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
+
+    class Wide(nnx.Module):
+        def __init__(self) -> None:
+            self.hidden = nnx.Linear(4, 8, kernel_init=init, rngs=nnx.Rngs(0))
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return self.hidden(x).sum(-1, keepdims=True)
+
+    with jax.set_mesh(mesh):
+        model = Wide()
+        optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    batch = regression_batches(1, rows=8)[0]
+    with pytest.raises(ValueError, match=r"model\['hidden'\]\['kernel'\] is sharded as P\(None, 'model'\).*use mode='implicit'"):
+        substrax.make_train_step(mse, "explicit", mesh=mesh)(model, optimizer, batch)
+    assert np.isfinite(float(substrax.make_train_step(mse, "implicit", mesh=mesh)(model, optimizer, batch)))
+    assert model.hidden.kernel.get_value().sharding.spec == P(None, "model")  # implicit kept the layout

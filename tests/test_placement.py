@@ -82,6 +82,8 @@ def test_prefix_that_does_not_fit_names_the_subtree(mesh8: jax.sharding.Mesh) ->
         place_batch_on_shards(batch, {"rows": {"x": s, "z": s}, "extra": s})
     with pytest.raises(ValueError, match=r"holds 'data' at batch\['extra'\], which is not a sharding"):
         place_batch_on_shards(batch, {"rows": s, "extra": "data"})
+    with pytest.raises(ValueError, match=r"which is not a sharding. Wrap a PartitionSpec as NamedSharding\(mesh, spec\)"):
+        place_batch_on_shards(batch, {"rows": s, "extra": P("data")})
 
 
 def test_sharding_on_an_axis_the_mesh_lacks(mesh8: jax.sharding.Mesh) -> None:
@@ -129,5 +131,9 @@ def test_nnx_state_errors() -> None:
         state = nnx.state(Tower())
     with pytest.raises(ValueError, match=r"axis 'rows' of .* not in the mesh, whose axes are \('data', 'model'\)"):
         place_nnx_state_on_shards(state, mesh, {nnx.PathContains("kernel"): P("rows")})
-    with pytest.raises(ValueError, match=r"state\['head'\]\['bias'\] has size 2 along dimension 0, which does not divide by 4"):
+    with pytest.raises(ValueError, match=r"state\['head'\]\['bias'\] has size 2 along dimension 0, which does not divide by 4.* Make that size a multiple of 4\.$"):
         place_nnx_state_on_shards(state, mesh, {nnx.PathContains("bias"): P("model")})
+    with pytest.raises(ValueError, match=r"state\['head'\]\['bias'\] has shape \(2,\) .* give it a spec with no more dimensions than it has"):
+        place_nnx_state_on_shards(state, mesh, {nnx.PathContains("bias"): P(None, "model")})
+    with pytest.raises(TypeError, match=r"takes a state, not the module Tower: pass nnx.state\(model\)"):
+        place_nnx_state_on_shards(Tower.__new__(Tower), mesh, P())

@@ -6,10 +6,11 @@ for writing your own shard_map steps; ``compare_gradients`` checks a gradient ag
 a one-device reference, the implicit path and the explicit one.
 """
 
+from substrax._placement import batch_partition_specs
 from substrax.explicit._check import GradientReport, compare_gradients
 from substrax.explicit._grad import data_parallel_value_and_grad, varying_axes
 from substrax.explicit._metrics import reduce_metrics_collective
-from substrax.explicit._step import batch_partition_specs, explicit_train_step, explicit_value_and_grad
+from substrax.explicit._step import explicit_train_step, explicit_value_and_grad
 
 __all__ = [
     "GradientReport",

@@ -13,7 +13,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from substrax._placement import place_batch_on_shards
-from substrax._tree import PyTree, broadcast_prefix
+from substrax._tree import PyTree, broadcast_prefix, map_arrays
 from substrax.explicit._step import BatchSpec, explicit_value_and_grad
 
 __all__ = ["GradientReport", "GradientRow", "compare_gradients"]
@@ -95,8 +95,10 @@ def _diagnose(scale: float, fits: bool, mesh: Mesh, worst: list[str]) -> str:
             if size > 1 and np.isclose(scale, 1 / size, rtol=1e-3):
                 return (
                     f"gradient is 1/{size} of the reference: a factor of 1/{size}, the size of "
-                    f"mesh axis {axis!r}. Usual causes: the gradient pmean-ed twice, or the "
-                    f"loss divided by the axis size on top of a pmean."
+                    f"mesh axis {axis!r}. Usual causes: a loss_fn that sums over the examples "
+                    f"instead of averaging them (the data-parallel paths average the shards' "
+                    f"losses with pmean, which divides a sum by the axis size); the gradient "
+                    f"pmean-ed twice; or the loss divided by the axis size on top of a pmean."
                 )
         return f"gradient is {scale:.4g}x the reference everywhere; check the loss's scaling."
     return (
@@ -105,6 +107,10 @@ def _diagnose(scale: float, fits: bool, mesh: Mesh, worst: list[str]) -> str:
         f"device's grad of a pmean-ed loss is only its own shard's gradient), a batch split over the "
         f"wrong axis, or per-device state (dropout keys, batch statistics) that differs."
     )
+
+
+def _param_name(path: tuple[Any, ...]) -> str:
+    return jax.tree_util.keystr(path, simple=True, separator=".").removesuffix(".value")
 
 
 def compare_gradients(
@@ -116,6 +122,7 @@ def compare_gradients(
     data_axis: str = "data",
     candidate: Callable[[Any, PyTree], nnx.State] | None = None,
     batch_spec: BatchSpec | None = None,
+    has_aux: bool = False,
 ) -> GradientReport:
     """Compare the data-parallel gradients of ``loss_fn`` with a one-device reference.
 
@@ -138,18 +145,27 @@ def compare_gradients(
         ``mesh``, the batch placed on it, inside ``jax.set_mesh(mesh)``.
       batch_spec: How the batch is split: one ``PartitionSpec`` or ``NamedSharding``, or
         a prefix tree of them; default every leaf on ``data_axis``.
+      has_aux: Whether ``loss_fn`` returns ``(loss, metrics)``; the metrics are ignored.
 
     Returns:
       A ``GradientReport``; ``str(report)`` is a table with a row per parameter and,
       for a method that fails, its diagnosis (a factor equal to an axis size is named
       as such).
+
+    Raises:
+      ValueError: If a candidate's gradient does not have exactly the model's
+        parameters (names the missing and extra paths), or as the explicit step does
+        for a batch that cannot be split or a loss that is not a scalar.
     """
+    if has_aux:
+        loss_with_aux = loss_fn
+        loss_fn = lambda m, b: loss_with_aux(m, b)[0]  # noqa: E731
     graphdef, state = nnx.split(model)
-    host_batch = jax.tree.map(np.asarray, batch)
+    host_batch = map_arrays(np.asarray, batch)
 
     one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     ref_model = nnx.merge(graphdef, jax.device_put(state, one_device))
-    reference = nnx.grad(loss_fn)(ref_model, jax.device_put(host_batch, one_device))
+    reference = nnx.grad(loss_fn)(ref_model, map_arrays(lambda x: jax.device_put(x, one_device), host_batch))
 
     spec = PartitionSpec(data_axis) if batch_spec is None else batch_spec
     _, specs, treedef = broadcast_prefix(
@@ -173,24 +189,29 @@ def compare_gradients(
             grads["candidate"] = candidate(dp_model, placed)
 
     ref_leaves = jax.tree_util.tree_flatten_with_path(reference)[0]
+    ref_paths = [_param_name(path) for path, _ in ref_leaves]
     method_leaves = {}
     for method, g in grads.items():
-        got_leaves = jax.tree.leaves(g)
-        if len(got_leaves) != len(ref_leaves):
+        got = jax.tree_util.tree_flatten_with_path(g)[0]
+        got_paths = [_param_name(path) for path, _ in got]
+        if got_paths != ref_paths:
+            missing = sorted(set(ref_paths) - set(got_paths))
+            extra = sorted(set(got_paths) - set(ref_paths))
             raise ValueError(
-                f"The {method} gradient has {len(got_leaves)} leaves but the model has "
-                f"{len(ref_leaves)} parameters; a candidate must return the gradient State "
-                f"of every nnx.Param (what nnx.grad(loss_fn)(model, batch) returns)."
+                f"The {method} gradient does not have the model's parameters: it lacks "
+                f"{missing or 'none'} and has {extra or 'no'} other leaves ({len(got_paths)} "
+                f"leaves for {len(ref_paths)} parameters). A candidate must return the "
+                f"gradient State of every nnx.Param, as nnx.grad(loss_fn)(model, batch) does."
             )
-        method_leaves[method] = [np.asarray(leaf, dtype=np.float64) for leaf in got_leaves]
+        method_leaves[method] = [np.asarray(leaf, dtype=np.float64) for _, leaf in got]
 
     rows: list[GradientRow] = []
     worst_by_method: dict[str, list[tuple[float, str]]] = {m: [] for m in grads}
-    for i, (path, ref_leaf) in enumerate(ref_leaves):
+    for i, (_, ref_leaf) in enumerate(ref_leaves):
         ref = np.asarray(ref_leaf, dtype=np.float64)
         rtol, atol_rel = _TOLERANCES.get(np.dtype(ref_leaf.dtype), _TOLERANCES[np.dtype(np.float32)])
         atol = atol_rel * max(float(np.max(np.abs(ref), initial=0.0)), 1e-30)
-        name = jax.tree_util.keystr(path, simple=True, separator=".").removesuffix(".value")
+        name = ref_paths[i]
         diffs, oks = {}, {}
         for method, leaves in method_leaves.items():
             leaf = leaves[i]
@@ -206,14 +227,19 @@ def compare_gradients(
     refs = [np.asarray(leaf, dtype=np.float64) for _, leaf in ref_leaves]
     ref_sq = sum(float(np.vdot(r, r)) for r in refs)
     scale, diagnosis = {}, {}
-    for method, got in method_leaves.items():
-        c = sum(float(np.vdot(g, r)) for g, r in zip(got, refs, strict=True)) / max(ref_sq, 1e-300)
+    for method, leaves in method_leaves.items():
+        misshapen = [row.path for row, g in zip(rows, leaves, strict=True) if g.shape != row.shape]
+        if misshapen:
+            scale[method] = float("nan")
+            diagnosis[method] = f"gradient has the wrong shape at {', '.join(misshapen)}."
+            continue
+        c = sum(float(np.vdot(g, r)) for g, r in zip(leaves, refs, strict=True)) / max(ref_sq, 1e-300)
         scale[method] = c
         if all(row.ok[method] for row in rows):
             continue
         fits = all(
             np.allclose(g, c * r, rtol=1e-3, atol=1e-6 * max(np.abs(c * r).max(initial=0), 1e-30))
-            for g, r in zip(got, refs, strict=True)
+            for g, r in zip(leaves, refs, strict=True)
         )
         worst = [name for _, name in sorted(worst_by_method[method], reverse=True)[:3]]
         diagnosis[method] = _diagnose(c, fits, mesh, worst)

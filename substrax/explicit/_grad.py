@@ -24,7 +24,8 @@ from typing import Any
 import jax
 from flax import nnx
 
-from substrax._tree import is_array
+from substrax._collectives import require_axis
+from substrax._reductions import split_loss_output
 
 __all__ = ["data_parallel_value_and_grad", "varying_axes"]
 
@@ -73,28 +74,25 @@ def data_parallel_value_and_grad(
       ``((loss, aux), grads)`` with ``has_aux``; ``loss`` is the global mean.
 
     Raises:
-      ValueError: At trace time, if the per-device loss is not marked as varying over
+      ValueError: At trace time: if ``axis_name`` is not bound by an enclosing
+        ``shard_map``; if ``fun``'s output does not match ``has_aux`` or its loss is not
+        a scalar; or if the per-device loss is not marked as varying over
         ``axis_name``: the enclosing ``shard_map`` runs with ``check_vma=False`` (where
         this rule gives each device its own shard's gradient) or the loss does not depend on a
         shard split over that axis.
     """
 
     def averaged(*args: Any, **kwargs: Any) -> Any:
-        out = fun(*args, **kwargs)
-        loss, aux = out if has_aux else (out, None)
-        if not is_array(loss) or jax.numpy.ndim(loss) != 0:
-            raise ValueError(
-                f"The loss function must return a scalar loss{' first' if has_aux else ''}; "
-                f"got {type(loss).__name__} of shape {jax.numpy.shape(loss)}."
-            )
+        require_axis(axis_name, "data_parallel_value_and_grad")
+        loss, aux = split_loss_output(fun(*args, **kwargs), has_aux)
         axes = varying_axes(loss)
         if axes is not None and axis_name not in axes:
             raise ValueError(
                 f"The per-device loss does not vary over axis {axis_name!r} (it varies over "
                 f"{sorted(axes) or 'no axis'}). Either the enclosing jax.shard_map runs with "
                 f"check_vma=False, where grad of the pmean-ed loss gives each device only "
-                f"its own shard's gradient (pass check_vma=True), or the loss does "
-                f"not read a batch split over {axis_name!r} (check in_specs)."
+                f"its own shard's gradient (pass check_vma=True), or the loss does not read "
+                f"a batch split over {axis_name!r} (check in_specs)."
             )
         loss = jax.lax.pmean(loss, axis_name)
         return (loss, aux) if has_aux else loss

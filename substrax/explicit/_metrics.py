@@ -59,16 +59,20 @@ def reduce_metrics_collective(
       The reduced metrics, by name. A value that is not an array passes through.
 
     Raises:
-      ValueError: If an operation is not one of the above; names the metric.
+      ValueError: If ``metrics`` is not flat, ``reduce`` names a metric it lacks, an
+        operation is not one of the above, or ``"gather"`` is asked of a scalar; the
+        message names the metric.
     """
-    ops = check_reduce_fn(metrics, reduce, allowed=METRIC_REDUCTIONS)
+    ops = check_reduce_fn(
+        metrics, reduce, allowed=METRIC_REDUCTIONS, none_means="stack the devices' values unreduced"
+    )
     reduced: dict[str, Any] = {}
     for name, value in metrics.items():
         op = ops[name]
         if not is_array(value):
             reduced[name] = value
         elif op is None or op == "gather":
-            reduced[name] = all_gather(value, axis_name, tiled=op == "gather" and jnp.ndim(value) > 0)
+            reduced[name] = all_gather(value, axis_name, tiled=op == "gather")
         else:
             local, collective = _LOCAL_THEN_COLLECTIVE[op]
             reduced[name] = collective(local(value), axis_name)

@@ -15,52 +15,19 @@ from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from substrax._placement import check_fits, check_spec_axes
-from substrax._tree import PyTree, broadcast_prefix, path_str
+from substrax._placement import batch_partition_specs
+from substrax._tree import PyTree, path_str
 from substrax.explicit._grad import data_parallel_value_and_grad, varying_axes
 from substrax.explicit._metrics import reduce_metrics_collective
 from substrax.mesh import current_mesh
 
-__all__ = ["batch_partition_specs", "explicit_train_step", "explicit_value_and_grad"]
+__all__ = ["explicit_train_step", "explicit_value_and_grad"]
 
 M = TypeVar("M", bound=nnx.Module)
 BatchSpec = PartitionSpec | NamedSharding | PyTree
-
-
-def batch_partition_specs(batch: PyTree, batch_spec: BatchSpec | None, mesh: Any, data_axis: str) -> PyTree:
-    """One PartitionSpec per leaf of ``batch``: how ``shard_map`` splits it.
-
-    Args:
-      batch: The global batch (arrays or tracers).
-      batch_spec: One PartitionSpec or NamedSharding for every leaf, a pytree prefix of
-        ``batch`` of them (the convention of ``place_batch_on_shards``), or ``None``
-        for ``PartitionSpec(data_axis)`` on every leaf.
-      mesh: The mesh ``shard_map`` runs over.
-      data_axis: The batch axis.
-
-    Returns:
-      A tree of PartitionSpecs with the structure of ``batch``.
-
-    Raises:
-      ValueError: If the prefix does not fit, a spec names an axis the mesh lacks, or a
-        leaf cannot be split as its spec says; names the leaf's path.
-    """
-    if batch_spec is None:
-        batch_spec = PartitionSpec(data_axis)
-    path_leaves, specs, treedef = broadcast_prefix(
-        batch_spec, batch, lambda s: isinstance(s, (PartitionSpec, NamedSharding)), what="batch_spec"
-    )
-    out = []
-    for (path, leaf), spec in zip(path_leaves, specs, strict=True):
-        spec = spec.spec if isinstance(spec, NamedSharding) else spec
-        check_spec_axes(spec, mesh, where="batch_spec")
-        check_fits(path, np.shape(leaf), spec, mesh, local=False)
-        out.append(spec)
-    return jax.tree.unflatten(treedef, out)
 
 
 def _split_loss(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., tuple[Any, Any]]:
@@ -188,7 +155,9 @@ def explicit_train_step(
     folded into their keys for the step, so each shard draws its own mask.
 
     Args:
-      model: The NNX model to train; its state is replicated over the mesh.
+      model: The NNX model to train; its state is replicated over the mesh (a parameter
+        sharded over a mesh axis would be gathered whole onto every device: use the
+        implicit step for sharded parameters).
       optimizer: The NNX optimizer for ``model``; updated in place.
       loss_fn: ``(model, shard) -> loss`` on one device's shard, or, with ``has_aux``,
         ``(model, shard) -> (loss, metrics)`` with ``metrics`` a flat mapping from name
@@ -211,9 +180,13 @@ def explicit_train_step(
 
     Raises:
       ValueError: If there is no mesh or it lacks ``data_axis``, if ``batch_spec`` does
-        not fit the batch, if a leaf cannot be split over its axes, or if ``reduce``
-        names an unknown operation; each message names the axis, leaf or metric.
+        not fit the batch, if a leaf cannot be split over its axes, if ``loss_fn``'s
+        output does not match ``has_aux``, if ``reduce`` is given without ``has_aux``,
+        names a metric ``loss_fn`` does not return or an unknown operation; each message
+        names the axis, leaf or metric.
     """
+    if reduce is not None and not has_aux:
+        raise ValueError("reduce= says how to reduce metrics, which loss_fn returns only with has_aux=True.")
     mesh = current_mesh(mesh, required_axes=(data_axis,))
     specs = batch_partition_specs(batch, batch_spec, mesh, data_axis)
     graphdef, state = nnx.split((model, optimizer))

@@ -108,8 +108,9 @@ def reduce_custom(
       A dictionary of reduced metrics.
 
     Raises:
-      ValueError: If an operation is not one of the four names or ``None``; the
-        message names the metric and the operation.
+      ValueError: If an operation is not one of the four names or ``None``, or
+        ``reduce_fn`` names a metric that ``metrics`` lacks; the message names the
+        metric. Also if ``metrics`` is not a flat mapping.
     """
     ops = check_reduce_fn(metrics, reduce_fn)
     reduced: dict[str, V | jnp.ndarray] = {}
@@ -138,7 +139,9 @@ def reduce_metrics(metrics: Mapping[str, V], reduce: Mapping[str, str | None] | 
       The reduced metrics, by name.
 
     Raises:
-      ValueError: If an operation is not one of the above; names the metric.
+      ValueError: If ``metrics`` is not flat, ``reduce`` names a metric it lacks, an
+        operation is not one of the above, or ``"gather"`` is asked of a scalar; the
+        message names the metric.
     """
     ops = check_reduce_fn(metrics, reduce, allowed=METRIC_REDUCTIONS)
     reduced: dict[str, V | jnp.ndarray] = {}
