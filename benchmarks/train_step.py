@@ -8,6 +8,7 @@ data-parallel Adam step on the same batch:
 - ``explicit``:  ``explicit_train_step`` inside ``nnx.jit``
 - ``make_train_step:implicit`` / ``make_train_step:explicit``: the mode-choice entry point
 - ``bound_step:implicit`` / ``bound_step:explicit``: ``make_train_step(...).bind(model, optimizer)``
+- ``bound_step_undonated:...``: the same with ``bind(..., donate=False)``
 - ``bound``: the same computation written by hand as a pure function of the split
   state in ``jax.jit`` with donated buffers.
 
@@ -37,6 +38,8 @@ SPELLINGS = (
     "make_train_step:explicit",
     "bound_step:implicit",
     "bound_step:explicit",
+    "bound_step_undonated:implicit",
+    "bound_step_undonated:explicit",
 )
 
 
@@ -115,8 +118,9 @@ def run_worker(devices: int, widths: list[int], rounds: int, block_s: float, bat
             else:
                 kind, mode = name.split(":")
                 step = substrax.make_train_step(loss_fn, mode)  # the caller sets the mesh
-                if kind == "bound_step":
-                    call = functools.partial(step.bind(model, optimizer), batch)
+                if kind.startswith("bound_step"):
+                    fast = step.bind(model, optimizer, donate=kind == "bound_step")
+                    call = functools.partial(fast, batch)
                 else:
                     call = functools.partial(step, model, optimizer, batch)
             calls[name] = call
@@ -165,11 +169,11 @@ def run_worker(devices: int, widths: list[int], rounds: int, block_s: float, bat
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    print(f"{'model':<10} {'dev':>3} {'spelling':<26} {'median us':>10} {'p25-p75 us':>16} {'x bound':>8} {'compile s':>9}")
+    print(f"{'model':<10} {'dev':>3} {'spelling':<30} {'median us':>10} {'p25-p75 us':>16} {'x bound':>8} {'compile s':>9}")
     for r in rows:
         spread = f"{r['p25_step_us']:.0f}-{r['p75_step_us']:.0f}"
         print(
-            f"{r['model']:<10} {r['devices']:>3} {r['mode']:<26} {r['median_step_us']:>10.0f} "
+            f"{r['model']:<10} {r['devices']:>3} {r['mode']:<30} {r['median_step_us']:>10.0f} "
             f"{spread:>16} {r['ratio_to_bound']:>8.2f} {r['compile_s']:>9.2f}"
         )
 

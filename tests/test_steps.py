@@ -121,16 +121,19 @@ def test_prefix_batch_rows_and_a_replicated_value(mesh8: jax.sharding.Mesh, batc
         assert_params_close(params_of(model), params_of(ref_model))
 
 
+@pytest.mark.parametrize("donate", [True, False])
 @pytest.mark.parametrize("mode", ["implicit", "explicit"])
-def test_bound_step_matches_the_reference(mesh8: jax.sharding.Mesh, batches: list, reference: tuple, mode: str) -> None:
+def test_bound_step_matches_the_reference(
+    mesh8: jax.sharding.Mesh, batches: list, reference: tuple, mode: str, donate: bool
+) -> None:
     with jax.set_mesh(mesh8):
         model = MLP()
         optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
     sharding = create_data_parallel_sharding(mesh8)
     step = substrax.make_train_step(mse, mode, mesh=mesh8)
-    with step.bind(model, optimizer) as fast:
+    with step.bind(model, optimizer, donate=donate) as fast:
         losses = [float(fast(place_batch_on_shards(b, sharding))) for b in batches[:10]]
-        # the model's arrays were donated to the step: reading them is an error, not a stale value
+        # the model's arrays were consumed by the step: reading them is an error, not a stale value
         with pytest.raises(RuntimeError, match="deleted"):
             np.asarray(model.hidden.kernel.get_value())
         fast.sync()
