@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Mapping
 from types import TracebackType
-from typing import Any, Literal, Self
+from typing import Any, Literal, NamedTuple, Self
 
 import jax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from substrax._placement import batch_partition_specs
 from substrax._reductions import split_loss_output
@@ -51,9 +52,11 @@ def make_train_step(
         given, the step sets it itself.
       data_axis: The mesh axis the batch is split over.
       batch_spec: How the batch is split over the mesh: one ``PartitionSpec``, or a
-        prefix tree of them (rows on ``data_axis``, a batch-level value ``P()``);
-        default every leaf on ``data_axis``. Explicit mode gives it to ``shard_map``;
-        implicit mode constrains the batch to it, so a host batch is split too.
+        prefix tree of them (rows on ``data_axis``, a batch-level value ``P()``).
+        Default: a leaf already placed on a ``NamedSharding`` of the mesh (by
+        ``place_batch_on_shards``) keeps its spec, any other is split over
+        ``data_axis``. Explicit mode gives it to ``shard_map``; implicit mode constrains
+        the batch to it, so a host batch is split too.
       has_aux: Whether ``loss_fn`` returns ``(loss, metrics)``, ``metrics`` a flat
         mapping from name to value.
       reduce: With ``has_aux``, metric name to ``"mean"``, ``"sum"``, ``"max"``,
@@ -78,6 +81,16 @@ def make_train_step(
     return TrainStep(
         loss_fn, mode, mesh=mesh, data_axis=data_axis, batch_spec=batch_spec, has_aux=has_aux, reduce=reduce
     )
+
+
+class _PlacedSpecs(NamedTuple):
+    """A batch's partition specs in a hashable form, to key the jitted step on."""
+
+    treedef: Any
+    specs: tuple[PartitionSpec, ...]
+
+    def tree(self) -> PyTree:
+        return jax.tree.unflatten(self.treedef, self.specs)
 
 
 class TrainStep:
@@ -105,8 +118,30 @@ class TrainStep:
         self.batch_spec = batch_spec
         self.has_aux = has_aux
         self.reduce = reduce
-        self._jitted = nnx.jit(self.step)
+        self._jitted = nnx.jit(self._run, static_argnames="placed")
         self._checked_models: set[int] = set()
+
+    def placed_specs(self, batch: PyTree) -> _PlacedSpecs | None:
+        """How ``batch`` is already laid out, when no ``batch_spec`` was given.
+
+        A leaf placed on a ``NamedSharding`` of a mesh with ``data_axis`` keeps its spec
+        (a prefix placement of ``place_batch_on_shards``: rows on the data axis, a
+        batch-level value replicated); any other leaf gets ``PartitionSpec(data_axis)``.
+        ``None`` when ``batch_spec`` was given or nothing is placed so.
+        """
+        if self.batch_spec is not None:
+            return None
+        leaves, treedef = jax.tree.flatten(batch)
+        specs = []
+        for leaf in leaves:
+            sharding = getattr(leaf, "sharding", None)
+            if isinstance(sharding, NamedSharding) and self.data_axis in sharding.mesh.axis_names:
+                specs.append(sharding.spec)
+            else:
+                specs.append(PartitionSpec(self.data_axis))
+        if all(spec == PartitionSpec(self.data_axis) for spec in specs):
+            return None
+        return _PlacedSpecs(treedef, tuple(specs))
 
     def _check_model(self, model: nnx.Module) -> None:
         """Explicit mode replicates the model: refuse one whose state is sharded (once per model)."""
@@ -129,7 +164,13 @@ class TrainStep:
 
         Under a plain ``jax.jit`` the in-place update of ``model`` and ``optimizer``
         would not leave the traced function; ``bind`` is the ``jax.jit`` spelling.
+        Inside a trace the batch's placement is not visible: without ``batch_spec``
+        every leaf is split over ``data_axis``.
         """
+        return self._run(model, optimizer, batch)
+
+    def _run(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree, placed: _PlacedSpecs | None = None) -> Any:
+        batch_spec = placed.tree() if placed is not None else self.batch_spec
         if self.mode == "explicit":
             return explicit_train_step(
                 model,
@@ -138,14 +179,14 @@ class TrainStep:
                 batch,
                 mesh=self.mesh,
                 data_axis=self.data_axis,
-                batch_spec=self.batch_spec,
+                batch_spec=batch_spec,
                 has_aux=self.has_aux,
                 reduce=self.reduce,
             )
         # Split the batch over data_axis as the explicit step does, whatever sharding it
         # arrived with: a host batch would otherwise run whole on every device.
         mesh = current_mesh(self.mesh, required_axes=(self.data_axis,))
-        specs = batch_partition_specs(batch, self.batch_spec, mesh, self.data_axis)
+        specs = batch_partition_specs(batch, batch_spec, mesh, self.data_axis)
         batch = jax.lax.with_sharding_constraint(batch, specs)
 
         def checked_loss(model: nnx.Module, batch: PyTree) -> Any:
@@ -163,7 +204,7 @@ class TrainStep:
         """Run one step under ``nnx.jit``, updating ``model`` and ``optimizer`` in place."""
         self._check_model(model)
         with self.mesh_context():
-            return self._jitted(model, optimizer, batch)
+            return self._jitted(model, optimizer, batch, placed=self.placed_specs(batch))
 
     def lower(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree) -> Any:
         """Lower the jitted step for these arguments, to read its HLO.
@@ -172,7 +213,7 @@ class TrainStep:
         collectives XLA compiled in (``all-reduce`` and others).
         """
         with self.mesh_context():
-            return self._jitted.lower(model, optimizer, batch)
+            return self._jitted.lower(model, optimizer, batch, placed=self.placed_specs(batch))
 
     def bind(self, model: nnx.Module, optimizer: nnx.Optimizer, *, donate: bool = True) -> BoundTrainStep:
         """The fast spelling: split ``model`` and ``optimizer`` once, step on their arrays.
@@ -224,16 +265,19 @@ class BoundTrainStep:
         self._arrays = jax.tree.leaves(state)
         treedef = jax.tree.structure(state)
 
-        def pure(arrays: list[jax.Array], batch: PyTree) -> tuple[list[jax.Array], Any]:
+        def pure(arrays: list[jax.Array], batch: PyTree, placed: _PlacedSpecs | None) -> tuple[list[jax.Array], Any]:
             model, optimizer = nnx.merge(graphdef, jax.tree.unflatten(treedef, arrays))
-            out = step.step(model, optimizer, batch)
+            out = step._run(model, optimizer, batch, placed)
             return jax.tree.leaves(nnx.state((model, optimizer))), out
 
         self._donate = donate
-        self._pure = jax.jit(pure, donate_argnums=0 if donate else ())
+        self._jitted = jax.jit(pure, donate_argnums=0 if donate else (), static_argnames="placed")
+        self._pure: Callable[[list[jax.Array], PyTree], tuple[list[jax.Array], Any]] | None = None
 
     def __call__(self, batch: PyTree) -> Any:
         """Run one step; returns the loss (or ``(loss, metrics)``)."""
+        if self._pure is None:  # the first batch's placement holds for the loop
+            self._pure = functools.partial(self._jitted, placed=self._step.placed_specs(batch))
         consumed = self._arrays
         with self._step.mesh_context():
             self._arrays, out = self._pure(consumed, batch)

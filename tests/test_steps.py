@@ -156,3 +156,26 @@ def test_lowered_step_has_one_gradient_all_reduce(mesh8: jax.sharding.Mesh, mode
     reduces = re.findall(r"= \(([^)]*)\) all-reduce\(", hlo)
     assert len(reduces) == 1 and reduces[0].count("f32[") == 5
     assert "all-gather" not in hlo and "all-to-all" not in hlo
+
+
+
+@pytest.mark.parametrize("mode", ["implicit", "explicit"])
+def test_a_prefix_placed_batch_needs_no_batch_spec(mesh8: jax.sharding.Mesh, batches: list, mode: str) -> None:
+    shardings = {"rows": create_data_parallel_sharding(mesh8), "batch_state": NamedSharding(mesh8, P())}
+    placed = [place_batch_on_shards({"rows": b, "batch_state": {"scale": np.float32(0.5)}}, shardings) for b in batches[:5]]
+    results = []
+    for spec in (None, {"rows": P("data"), "batch_state": P()}):
+        with jax.set_mesh(mesh8):
+            model = MLP()
+            optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
+        step = substrax.make_train_step(_weighted_loss, mode, mesh=mesh8, batch_spec=spec)
+        losses = [float(step(model, optimizer, b)) for b in placed[:3]]
+        with step.bind(model, optimizer) as fast:
+            losses += [float(fast(b)) for b in placed[3:]]
+        results.append((losses, params_of(model)))
+    np.testing.assert_allclose(results[0][0], results[1][0], rtol=1e-6)
+    assert_params_close(results[0][1], results[1][1], rtol=1e-6, atol=1e-7)
+    # a host batch has no placement to read: the scalar is refused, naming what to pass
+    host = {"rows": batches[0], "batch_state": {"scale": np.float32(0.5)}}
+    with pytest.raises(ValueError, match=r"batch\['batch_state'\]\['scale'\] has shape \(\).*give the step batch_spec="):
+        substrax.make_train_step(_weighted_loss, mode, mesh=mesh8)(model, optimizer, host)
