@@ -1,0 +1,301 @@
+"""Layouts of a model's and optimizer's state over the data axis: replicated, ZeRO-1, FSDP.
+
+``shard_state`` places the state; every step reads the placement back from the
+variables' ``out_sharding`` metadata (flax's own, what ``nnx.get_partition_spec``
+reads), which survives ``nnx.split``/``nnx.merge`` and so is visible inside a traced
+step, where the arrays' shardings are not.
+
+- **replicated**: every device holds every parameter and all optimizer state.
+- **ZeRO-1** (``params=False``): parameters replicated; the optimizer state that
+  mirrors a parameter (Adam's moments, momentum) split over the data axis. Each device
+  updates its slice of every split parameter; the new parameters are gathered.
+- **FSDP** (``params=True``, ZeRO-3): parameters and their optimizer state split.
+  A split parameter is gathered whole right before use and its gradient comes back
+  reduce-scattered.
+
+The split rule: a parameter with at least ``min_size`` elements is split on its
+largest dimension that the axis size divides (the first such on a tie); a smaller or
+indivisible parameter, a scalar, and anything that is not an ``nnx.Param`` (BatchNorm
+statistics, random keys, the step count) stays replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from substrax._tree import path_str
+from substrax.mesh import current_mesh
+
+__all__ = ["Layout", "LeafPlacement", "layout_of", "shard_state"]
+
+LayoutKind = Literal["replicated", "zero1", "fsdp"]
+LAYOUTS: tuple[LayoutKind, ...] = ("replicated", "zero1", "fsdp")
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafPlacement:
+    """Where one array of the state lives.
+
+    Attributes:
+      owner: ``"model"`` or ``"optimizer"``.
+      path: The leaf's path, as ``model['hidden']['kernel']``.
+      shape: Its global shape.
+      dtype: Its dtype's name.
+      split_dim: The dimension split over the data axis, or ``None`` when replicated.
+      axis_size: The data axis's size.
+    """
+
+    owner: str
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    split_dim: int | None
+    axis_size: int
+
+    @property
+    def nbytes(self) -> int:
+        """The whole array's bytes."""
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+    @property
+    def bytes_per_device(self) -> int:
+        """What one device holds of it."""
+        return self.nbytes if self.split_dim is None else self.nbytes // self.axis_size
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Which leaf of a model's and optimizer's state went where; ``str()`` prints a table.
+
+    Attributes:
+      kind: ``"replicated"``, ``"zero1"`` or ``"fsdp"``.
+      axis: The data axis.
+      axis_size: Its size.
+      rows: One ``LeafPlacement`` per array of the state.
+    """
+
+    kind: LayoutKind
+    axis: str
+    axis_size: int
+    rows: tuple[LeafPlacement, ...]
+
+    @property
+    def bytes_per_device(self) -> int:
+        """The state's bytes on one device."""
+        return sum(r.bytes_per_device for r in self.rows)
+
+    @property
+    def total_bytes(self) -> int:
+        """The state's bytes, counted once (what one device holds when replicated)."""
+        return sum(r.nbytes for r in self.rows)
+
+    def split(self) -> tuple[LeafPlacement, ...]:
+        """The rows split over the axis."""
+        return tuple(r for r in self.rows if r.split_dim is not None)
+
+    def __str__(self) -> str:
+        width = max([len(r.path) for r in self.rows] + [4])
+        lines = [
+            f"layout {self.kind} over {self.axis!r} ({self.axis_size} devices): "
+            f"{self.bytes_per_device:,} state bytes per device of {self.total_bytes:,}",
+            f"{'leaf':<{width}}  {'shape':<14} {'dtype':<8} where",
+        ]
+        for r in self.rows:
+            where = "replicated" if r.split_dim is None else f"split on dim {r.split_dim}"
+            lines.append(f"{r.path:<{width}}  {str(r.shape):<14} {r.dtype:<8} {where}")
+        return "\n".join(lines)
+
+
+def spec_tuple(variable: nnx.Variable[Any]) -> tuple[Any, ...] | None:
+    """A variable's ``out_sharding`` metadata, or None when it has none."""
+    meta = variable.get_metadata()
+    spec = meta.get("out_sharding", meta.get("sharding_names"))
+    return None if spec is None else tuple(spec)
+
+
+def split_dim_of(spec: tuple[Any, ...] | None, axis: str) -> int | None:
+    """The dimension ``spec`` splits over ``axis``, or None."""
+    if spec is None:
+        return None
+    for dim, entry in enumerate(spec):
+        if entry == axis or (isinstance(entry, tuple) and axis in entry):
+            return dim
+    return None
+
+
+def choose_split_dim(shape: tuple[int, ...], axis_size: int, min_size: int) -> int | None:
+    """The dimension a parameter of ``shape`` is split on (see the module docstring), or None."""
+    if not shape or math.prod(shape) < min_size:
+        return None
+    fits = [d for d, n in enumerate(shape) if n % axis_size == 0 and n >= axis_size]
+    return max(fits, key=lambda d: (shape[d], -d)) if fits else None
+
+
+def _flat(tree: Any) -> Iterator[tuple[tuple[Any, ...], nnx.Variable[Any]]]:
+    for path, variable in nnx.to_flat_state(nnx.state(tree)):
+        yield tuple(path), variable
+
+
+def optimizer_mirrors(
+    model: nnx.Module, optimizer: nnx.Optimizer[Any]
+) -> dict[tuple[Any, ...], tuple[tuple[Any, ...], ...]]:
+    """Each model parameter's path, with the paths of the optimizer leaves that mirror it.
+
+    A leaf of ``optimizer.opt_state`` mirrors a parameter when its path ends with the
+    parameter's path and it has the parameter's shape (Adam's ``mu`` and ``nu``,
+    momentum's trace).
+
+    Raises:
+      ValueError: If an optimizer leaf with at least one dimension mirrors no parameter
+        of ``model`` (the optimizer was built for another model); names the leaf.
+    """
+    params = {p: v for p, v in _flat(model) if isinstance(v, nnx.Param)}
+    mirrors: dict[tuple[Any, ...], list[tuple[Any, ...]]] = {p: [] for p in params}
+    for path, variable in _flat(optimizer):
+        if path[:1] != ("opt_state",) or np.ndim(variable.get_value()) == 0:
+            continue
+        shape = np.shape(variable.get_value())
+        match = [p for p in params if path[-len(p) :] == p and np.shape(params[p].get_value()) == shape]
+        if not match:
+            raise ValueError(
+                f"{path_str(path, 'optimizer')} (shape {shape}) mirrors no parameter of the "
+                f"{type(model).__name__} given: is the optimizer the model's? Pass the model "
+                f"the optimizer was built for, nnx.Optimizer(model, tx, wrt=nnx.Param)."
+            )
+        mirrors[max(match, key=len)].append(path)
+    return {p: tuple(m) for p, m in mirrors.items()}
+
+
+def _place(variable: nnx.Variable[Any], spec: tuple[Any, ...], mesh: Mesh) -> None:
+    value = variable.get_value()
+    sharding = NamedSharding(mesh, PartitionSpec(*spec))
+    if jax.process_count() > 1:
+        host = np.asarray(jax.device_get(value)) if getattr(value, "is_fully_addressable", True) else None
+        placed = (
+            jax.make_array_from_callback(np.shape(value), sharding, lambda idx: host[idx])  # type: ignore[index]
+            if host is not None
+            else jax.device_put(value, sharding)
+        )
+    else:
+        placed = jax.device_put(value, sharding)
+    variable.set_value(placed)
+    variable.set_metadata(out_sharding=spec)
+
+
+def shard_state(
+    model: nnx.Module,
+    optimizer: nnx.Optimizer[Any],
+    *,
+    mesh: Mesh | None = None,
+    axis: str = "data",
+    params: bool = True,
+    min_size: int = 1024,
+) -> Layout:
+    """Split ``model``'s and ``optimizer``'s state over ``axis``, in place: FSDP or ZeRO-1.
+
+    See the module docstring of ``substrax._layout`` for what each device then holds
+    and which parameter is split on which dimension. Both modes of
+    ``make_train_step`` train on the result as placed and keep it so.
+
+    Args:
+      model: The model; its ``nnx.Param`` variables are placed.
+      optimizer: The model's ``nnx.Optimizer``; the state mirroring each parameter is
+        placed with it.
+      mesh: The mesh; ``None`` takes the one set by ``jax.set_mesh``.
+      axis: The data axis to split over.
+      params: ``True`` splits parameters and their optimizer state (FSDP); ``False``
+        splits only the optimizer state (ZeRO-1).
+      min_size: Parameters with fewer elements stay replicated.
+
+    Returns:
+      The ``Layout``: which leaf went where, and the bytes per device.
+
+    Raises:
+      TypeError: If ``optimizer`` is not an ``nnx.Optimizer`` or ``min_size`` not an int.
+      ValueError: If the mesh lacks ``axis``, ``min_size`` is negative, the optimizer is
+        not the model's, or a parameter already carries a sharding over another axis;
+        each message names the axis or leaf.
+    """
+    if not isinstance(optimizer, nnx.Optimizer):
+        raise TypeError(f"shard_state takes the model's nnx.Optimizer; got {type(optimizer).__name__}.")
+    if isinstance(min_size, bool) or not isinstance(min_size, int):
+        raise TypeError(f"min_size must be an int (a number of elements); got {min_size!r}.")
+    if min_size < 0:
+        raise ValueError(f"min_size must be >= 0 (a number of elements); got {min_size}.")
+    found = current_mesh(mesh, required_axes=(axis,))
+    if not isinstance(found, Mesh):
+        raise ValueError("shard_state places arrays: call it outside jax.jit, with a concrete mesh.")
+    size = found.shape[axis]
+    mirrors = optimizer_mirrors(model, optimizer)
+    model_vars = dict(_flat(model))
+    opt_vars = dict(_flat(optimizer))
+    for path, variable in model_vars.items():
+        spec = spec_tuple(variable)
+        if spec is not None and any(e is not None and e != axis for e in spec):
+            raise ValueError(
+                f"{path_str(path, 'model')} is already declared sharded as {spec}, over an axis "
+                f"other than {axis!r}; shard_state splits over the data axis only. Drop its "
+                f"sharding annotation, or place it yourself and use mode='implicit'."
+            )
+    for path, mirror_paths in mirrors.items():
+        variable = model_vars[path]
+        shape = tuple(np.shape(variable.get_value()))
+        dim = choose_split_dim(shape, size, min_size)
+        split = tuple(axis if d == dim else None for d in range(len(shape)))
+        whole = (None,) * len(shape)
+        _place(variable, split if params else whole, found)
+        for mirror in mirror_paths:
+            _place(opt_vars[mirror], split, found)
+    kind: LayoutKind = ("fsdp" if params else "zero1") if any(
+        choose_split_dim(tuple(np.shape(model_vars[p].get_value())), size, min_size) is not None for p in mirrors
+    ) else "replicated"
+    return layout_of(model, optimizer, axis=axis, axis_size=size, kind=kind)
+
+
+def layout_of(
+    model: nnx.Module,
+    optimizer: nnx.Optimizer[Any],
+    *,
+    axis: str = "data",
+    axis_size: int | None = None,
+    kind: LayoutKind | None = None,
+) -> Layout:
+    """The layout ``model`` and ``optimizer`` have now, read from their variables' metadata.
+
+    Args:
+      model: The model.
+      optimizer: Its optimizer.
+      axis: The data axis.
+      axis_size: The axis's size; default: from the current mesh.
+      kind: The layout's name; default: ``"fsdp"`` when a parameter is split,
+        ``"zero1"`` when only optimizer state is, else ``"replicated"``.
+    """
+    if axis_size is None:
+        axis_size = current_mesh(None, required_axes=(axis,)).shape[axis]
+    rows = []
+    for owner, tree in (("model", model), ("optimizer", optimizer)):
+        for path, variable in _flat(tree):
+            value = variable.get_value()
+            if not hasattr(value, "shape"):
+                continue
+            dtype = value.dtype
+            name = "key" if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) else np.dtype(dtype).name
+            if name == "key":
+                continue
+            shape = tuple(value.shape)
+            rows.append(
+                LeafPlacement(owner, path_str(path, owner), shape, name, split_dim_of(spec_tuple(variable), axis), axis_size)
+            )
+    if kind is None:
+        split_model = any(r.split_dim is not None and r.owner == "model" for r in rows)
+        split_opt = any(r.split_dim is not None and r.owner == "optimizer" for r in rows)
+        kind = "fsdp" if split_model else "zero1" if split_opt else "replicated"
+    return Layout(kind, axis, axis_size, tuple(rows))
