@@ -1,0 +1,286 @@
+"""A character-level transformer language model, trained data-parallel on Python's own source.
+
+    python examples/transformer_lm.py                                   # 8 emulated CPU devices
+    python examples/transformer_lm.py --mode explicit --steps 500
+    python -m substrax.launch -n 2 -d 4 examples/transformer_lm.py      # 2 processes x 4 devices
+
+The text is the standard library's top-level ``*.py`` files, which every Python install
+has offline, read in sorted order, so every machine with the same Python version trains
+on the same bytes. The model is a small decoder-only transformer (token and position
+embeddings, 2 blocks of LayerNorm, causal multi-head attention and an MLP, d=64, 4
+heads, 32-character context), trained with AdamW on batches of 32 windows. It prints the
+loss and the throughput at intervals, and samples a line of text at the end.
+
+One process and several give the same losses: every process draws the same global batch
+and places only its own rows (``process_slice``); the step is the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import inspect
+import os
+import sys
+import sysconfig
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import substrax
+import substrax.launch
+from substrax.launch import process_slice
+from substrax.mesh import create_data_parallel_mesh, use_cpu_devices
+from substrax.spmd import create_data_parallel_sharding, place_batch_on_shards
+
+VOCAB = 128  # ASCII; other bytes read as "?"
+LAYOUTS = ("replicated", "zero1", "fsdp")
+
+
+# --- the data: Python's standard library, as ASCII codes -----------------------------------
+
+
+def stdlib_text() -> np.ndarray:
+    """The top-level ``*.py`` files of the standard library, concatenated, as uint8 codes < 128.
+
+    Files are taken in sorted order; private ones (``_*.py``, among them the
+    machine-specific ``_sysconfigdata_*``) are left out.
+    """
+    stdlib = sysconfig.get_paths()["stdlib"]
+    files = sorted(glob.glob(os.path.join(stdlib, "*.py")))
+    files = [f for f in files if not os.path.basename(f).startswith("_")]
+    if not files:
+        raise FileNotFoundError(f"no *.py files in the standard library directory {stdlib}")
+    text = b"".join(Path(f).read_bytes() for f in files)
+    codes = np.frombuffer(text, dtype=np.uint8).copy()
+    codes[codes >= VOCAB] = ord("?")
+    return codes
+
+
+def batches(text: np.ndarray, batch: int, seq: int, seed: int) -> Iterator[dict[str, np.ndarray]]:
+    """Endless random windows of ``text``: tokens and the next character of each."""
+    rng = np.random.default_rng(seed)
+    offsets = np.arange(seq + 1)
+    while True:
+        starts = rng.integers(0, len(text) - seq - 1, size=batch)
+        windows = text[starts[:, None] + offsets].astype(np.int32)
+        yield {"tokens": windows[:, :-1], "targets": windows[:, 1:]}
+
+
+def encode(s: str) -> np.ndarray:
+    return np.frombuffer(s.encode("ascii", "replace"), dtype=np.uint8).astype(np.int32)
+
+
+# --- the model ------------------------------------------------------------------------------
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer block: causal self-attention, then an MLP, each residual."""
+
+    def __init__(self, d: int, heads: int, dropout: float, rngs: nnx.Rngs) -> None:
+        self.ln1 = nnx.LayerNorm(d, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(heads, d, decode=False, keep_rngs=False, rngs=rngs)
+        self.ln2 = nnx.LayerNorm(d, rngs=rngs)
+        self.up = nnx.Linear(d, 4 * d, rngs=rngs)
+        self.down = nnx.Linear(4 * d, d, rngs=rngs)
+        self.drop = nnx.Dropout(dropout, rngs=rngs if dropout else None)
+
+    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
+        x = x + self.drop(self.attn(self.ln1(x), mask=mask))
+        return x + self.drop(self.down(jax.nn.gelu(self.up(self.ln2(x)))))
+
+
+class CharLM(nnx.Module):
+    """Decoder-only character LM: ``(batch, seq)`` codes to ``(batch, seq, vocab)`` logits."""
+
+    def __init__(
+        self,
+        *,
+        vocab: int = VOCAB,
+        seq: int = 32,
+        d: int = 64,
+        heads: int = 4,
+        blocks: int = 2,
+        dropout: float = 0.0,
+        rngs: nnx.Rngs,
+    ) -> None:
+        self.seq = seq
+        self.tok = nnx.Embed(vocab, d, rngs=rngs)
+        self.pos = nnx.Embed(seq, d, rngs=rngs)
+        self.blocks = nnx.List([Block(d, heads, dropout, rngs) for _ in range(blocks)])
+        self.ln = nnx.LayerNorm(d, rngs=rngs)
+        self.head = nnx.Linear(d, vocab, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = self.tok(tokens) + self.pos(jnp.arange(tokens.shape[-1]))
+        mask = nnx.make_causal_mask(tokens)
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.head(self.ln(x))
+
+
+def loss_fn(model: CharLM, batch: dict[str, jax.Array]) -> jax.Array:
+    """Mean next-character cross-entropy (nats) over the batch's positions."""
+    logits = model(batch["tokens"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+
+def make_model(seed: int = 0, dropout: float = 0.0, lr: float = 3e-3) -> tuple[CharLM, nnx.Optimizer]:
+    """The model and its AdamW optimizer; call under ``jax.set_mesh`` to place them on a mesh."""
+    model = CharLM(dropout=dropout, rngs=nnx.Rngs(params=seed, dropout=seed + 1))
+    return model, nnx.Optimizer(model, optax.adamw(lr, weight_decay=0.01), wrt=nnx.Param)
+
+
+def sample(model: CharLM, prompt: str, length: int, seed: int) -> str:
+    """Continue ``prompt`` for up to ``length`` characters or to the end of the line (temperature 0.8)."""
+
+    @nnx.jit
+    def next_code(model: CharLM, window: jax.Array, last: jax.Array, key: jax.Array) -> jax.Array:
+        logits = model(window)[0, last]
+        return jax.random.categorical(key, logits / 0.8)
+
+    codes = list(encode(prompt))
+    key = jax.random.key(seed)
+    for _ in range(length):
+        context = codes[-model.seq :]
+        window = np.zeros((1, model.seq), np.int32)  # padded on the right: the mask hides it
+        window[0, : len(context)] = context
+        key, sub = jax.random.split(key)
+        code = next_code(model, window, len(context) - 1, sub)
+        codes.append(int(code.addressable_data(0)))  # the same value on every process
+        if codes[-1] == ord("\n"):
+            break
+    return bytes(codes).decode("ascii", "replace").rstrip("\n")
+
+
+# --- the training loop ---------------------------------------------------------------------
+
+
+class Progress:
+    """A redrawn status line on a terminal; nothing between the interval lines otherwise."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total = total
+        self.live = enabled and sys.stdout.isatty()
+
+    def tick(self, step: int) -> None:
+        if self.live:
+            filled = 30 * step // self.total
+            print(f"\r  [{'#' * filled}{'.' * (30 - filled)}] step {step}/{self.total}", end="", flush=True)
+
+    def line(self, text: str) -> None:
+        if self.live:
+            print("\r\033[K", end="")  # clear the status line
+        print(text, flush=True)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=substrax.MODES, default="implicit")
+    parser.add_argument(
+        "--layout",
+        choices=LAYOUTS,
+        default="replicated",
+        help="replicated state, ZeRO-1 (optimizer state split) or FSDP (parameters too)",
+    )
+    parser.add_argument(
+        "--microbatches", type=int, default=1, help="split each device's rows into K steps of accumulation"
+    )
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--batch", type=int, default=32, help="global batch size, over all processes")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--dropout", type=float, default=0.0)
+    parser.add_argument(
+        "--devices",
+        type=int,
+        default=8,
+        help="emulated CPU devices (CPU only; ignored under substrax.launch and on accelerators)",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-every", type=int, default=50)
+    parser.add_argument("--sample", type=int, default=80, help="characters to sample at the end (0: none)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> list[float]:
+    """Train; returns every step's loss."""
+    args = parse_args(argv)
+    substrax.launch.initialize()  # first: before anything touches a JAX backend
+    if not jax.distributed.is_initialized():
+        use_cpu_devices(args.devices)  # sets the CPU backend's device count; an accelerator ignores it
+
+    mesh = create_data_parallel_mesh()  # every device of every process
+    sharding = create_data_parallel_sharding(mesh)
+    with jax.set_mesh(mesh):
+        # The same seed in every process: the same replicated start.
+        model, optimizer = make_model(args.seed, args.dropout, args.lr)
+    if args.layout != "replicated":
+        shard_state = getattr(substrax, "shard_state", None)
+        if shard_state is None:
+            sys.exit(
+                f"--layout {args.layout} needs substrax.shard_state: layouts need substrax >= 0.2 "
+                f"(this is {substrax.__version__}); use --layout replicated."
+            )
+        shard_state(model, optimizer, mesh=mesh, params=args.layout == "fsdp")
+    options = {}
+    if args.microbatches != 1:
+        if "microbatches" not in inspect.signature(substrax.make_train_step).parameters:
+            sys.exit(
+                f"--microbatches {args.microbatches} needs make_train_step(..., microbatches=): "
+                f"substrax >= 0.2 (this is {substrax.__version__}); use --microbatches 1."
+            )
+        options["microbatches"] = args.microbatches
+    train_step = substrax.make_train_step(loss_fn, args.mode, mesh=mesh, **options)
+
+    leader = jax.process_index() == 0
+    params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    text = stdlib_text()
+    tokens_per_step = args.batch * model.seq
+    if leader:
+        print(
+            f"{params:,} parameters; {len(text):,} characters of Python {sys.version.split()[0]} stdlib; "
+            f"{jax.process_count()} process(es), {jax.device_count()} {jax.default_backend()} devices; "
+            f"{args.mode} step, {args.layout} state, global batch {args.batch} x {model.seq}",
+            flush=True,
+        )
+
+    mine = process_slice(args.batch)
+    data = batches(text, args.batch, model.seq, args.seed)
+    progress = Progress(args.steps, enabled=leader)
+    losses = []
+    with train_step.bind(model, optimizer) as fast:
+        start = mark = time.perf_counter()
+        marked = 0
+        for step in range(1, args.steps + 1):
+            batch = next(data)
+            losses.append(fast(place_batch_on_shards({k: v[mine] for k, v in batch.items()}, sharding)))
+            progress.tick(step)
+            if step == 1 or step % args.log_every == 0 or step == args.steps:
+                loss = float(losses[-1])  # waits for the step
+                now = time.perf_counter()
+                rate = (step - marked) * tokens_per_step / (now - mark)
+                note = "  (includes compiling)" if step == 1 else ""
+                if leader:
+                    progress.line(
+                        f"step {step:>5}/{args.steps}  loss {loss:.6f}  {rate:>9,.0f} tokens/s  "
+                        f"{now - start:6.1f} s{note}"
+                    )
+                mark, marked = now, step
+    # model and optimizer hold the trained state again here
+
+    if args.sample:
+        model.eval()  # no dropout
+        line = sample(model, "def ", args.sample, args.seed)
+        if leader:
+            print(f"sample: {line}", flush=True)
+    return [float(x) for x in losses]
+
+
+if __name__ == "__main__":
+    main()
