@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -18,14 +18,19 @@ from substrax.explicit._step import BatchSpec, explicit_value_and_grad
 
 __all__ = ["GradientReport", "GradientRow", "compare_gradients"]
 
-# (rtol, atol relative to the reference's largest magnitude) per dtype: the paths sum
-# the same terms in different orders, so they agree to round-off, not bit for bit.
+# (rtol, atol) per dtype. The paths sum the same terms in different orders, so they agree
+# to round-off, not bit for bit. atol is relative to the largest magnitude in the whole
+# gradient, not the leaf's own: a leaf whose exact gradient is zero (the key bias of an
+# attention layer: softmax ignores that shift) holds round-off alone, which no tolerance
+# scaled to that leaf could accept.
 _TOLERANCES = {
     np.dtype(np.float64): (1e-9, 1e-11),
     np.dtype(np.float32): (1e-4, 1e-5),
     np.dtype(jnp.bfloat16): (3e-2, 1e-2),
     np.dtype(np.float16): (1e-2, 1e-3),
 }
+# How closely a gradient must follow ``c * reference`` for its error to be called the factor c.
+_FIT_RTOL = 1e-3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,18 +76,40 @@ class GradientReport:
             "-" * len(head),
         ]
         for row in self.rows:
-            cells = " ".join(
-                f"{row.max_abs_diff[m]:>11.3g}{' ' if row.ok[m] else '!'}" for m in self.methods
-            )
+            cells = " ".join(f"{row.max_abs_diff[m]:>11.3g}{' ' if row.ok[m] else '!'}" for m in self.methods)
             lines.append(f"{row.path:<32} {str(row.shape):<12} {row.reference_norm:>10.3g} {cells}")
         for method, text in self.diagnosis.items():
             lines.append(f"{method}: {text}")
         return "\n".join(lines)
 
 
-def _diagnose(scale: float, fits: bool, mesh: Mesh, worst: list[str]) -> str:
+@dataclasses.dataclass(frozen=True)
+class _Reference:
+    """The one-device gradient, flattened: a name, a float64 copy and a tolerance per leaf."""
+
+    names: list[str]
+    values: list[np.ndarray]
+    dtypes: list[np.dtype]
+    rtol: list[float]
+    atol: list[float]
+
+    @property
+    def sq_norm(self) -> float:
+        return sum(float(np.vdot(r, r)) for r in self.values)
+
+
+def _diagnose(scale: float, fits: bool, mesh: Mesh, data_axis: str, worst: list[str]) -> str:
     if fits:
         for axis, size in mesh.shape.items():
+            if size > 1 and axis != data_axis and np.isclose(scale, size, rtol=1e-3):
+                return (
+                    f"gradient is {size}x the reference: a factor of {size}, the size of mesh "
+                    f"axis {axis!r}, which is not the data axis {data_axis!r}. Usual cause: the "
+                    f"batch split over {axis!r} while the loss is averaged over {data_axis!r} "
+                    f"only, so the gradient sums the {size} {axis!r} shards' gradients. Split the "
+                    f"batch over {data_axis!r} alone (in_specs PartitionSpec({data_axis!r})), or "
+                    f"average the loss over every axis the batch is split over."
+                )
             if size > 1 and np.isclose(scale, size, rtol=1e-3):
                 return (
                     f"gradient is {size}x the reference: a factor of {size}, the size of mesh "
@@ -113,6 +140,170 @@ def _param_name(path: tuple[Any, ...]) -> str:
     return jax.tree_util.keystr(path, simple=True, separator=".").removesuffix(".value")
 
 
+def _rng_counts(state: nnx.State) -> dict[str, int]:
+    """Every random stream's count in ``state``, by path."""
+    return {
+        ".".join(map(str, path)).removesuffix(".count"): int(np.asarray(var.get_value()))
+        for path, var in nnx.to_flat_state(state)
+        if isinstance(var, nnx.RngCount)
+    }
+
+
+def _refuse_random_draws(before: dict[str, int], after: dict[str, int]) -> None:
+    """Raise a ValueError if the loss drew random numbers (dropout) from the model's streams.
+
+    Each path would draw its own masks (the explicit one a different mask per device),
+    so their gradients could not agree, and the comparison would report noise.
+    """
+    drawn = [path for path, count in before.items() if after.get(path) != count]
+    if drawn:
+        raise ValueError(
+            f"loss_fn draws random numbers from the model's nnx.Rngs (stream(s) "
+            f"{', '.join(drawn)} advanced): dropout or another random layer is active, and "
+            f"each path would draw its own masks (explicit mode one per device), so the "
+            f"gradients cannot agree. Compare with the randomness off: call "
+            f"model.set_attributes(deterministic=True) (or model.eval()) before "
+            f"compare_gradients, and model.set_attributes(deterministic=False) after it."
+        )
+
+
+def _reference_gradient(
+    graphdef: nnx.GraphDef, state: nnx.State, loss_fn: Callable[[Any, PyTree], jax.Array], host_batch: PyTree
+) -> nnx.State:
+    """The gradient on the whole batch on one device, refusing a loss that draws random numbers."""
+    one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    model = nnx.merge(graphdef, jax.device_put(state, one_device))
+    grads = nnx.grad(loss_fn)(model, map_arrays(lambda x: jax.device_put(x, one_device), host_batch))
+    _refuse_random_draws(_rng_counts(state), _rng_counts(nnx.state(model)))
+    return grads
+
+
+def _batch_shardings(host_batch: PyTree, mesh: Mesh, data_axis: str, batch_spec: BatchSpec | None) -> PyTree:
+    """One NamedSharding per batch leaf, from ``batch_spec`` (default: every leaf on ``data_axis``)."""
+    spec = PartitionSpec(data_axis) if batch_spec is None else batch_spec
+    _, specs, treedef = broadcast_prefix(
+        spec, host_batch, lambda s: isinstance(s, (PartitionSpec, NamedSharding)), what="batch_spec"
+    )
+    return jax.tree.unflatten(
+        treedef, [s if isinstance(s, NamedSharding) else NamedSharding(mesh, s) for s in specs]
+    )
+
+
+def _data_parallel_gradients(
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    loss_fn: Callable[[Any, PyTree], jax.Array],
+    host_batch: PyTree,
+    mesh: Mesh,
+    *,
+    data_axis: str,
+    batch_spec: BatchSpec | None,
+    candidate: Callable[[Any, PyTree], nnx.State] | None,
+) -> dict[str, Any]:
+    """The gradient by the implicit path, the explicit path and ``candidate``, by method."""
+    shardings = _batch_shardings(host_batch, mesh, data_axis, batch_spec)
+    with jax.set_mesh(mesh):
+        model = nnx.merge(graphdef, jax.device_put(state, NamedSharding(mesh, PartitionSpec())))
+        placed = place_batch_on_shards(host_batch, shardings)
+        grads = {
+            "implicit": nnx.jit(lambda m, b: nnx.grad(loss_fn)(m, b))(model, placed),
+            "explicit": nnx.jit(
+                lambda m, b: explicit_value_and_grad(
+                    m, loss_fn, b, mesh=mesh, data_axis=data_axis, batch_spec=batch_spec
+                )[1]
+            )(model, placed),
+        }
+        if candidate is not None:
+            grads["candidate"] = candidate(model, placed)
+    return grads
+
+
+def _flatten_reference(reference: nnx.State) -> _Reference:
+    """Flatten the reference and give each leaf its tolerance, atol scaled to the whole gradient."""
+    leaves = jax.tree_util.tree_flatten_with_path(reference)[0]
+    values = [np.asarray(leaf, dtype=np.float64) for _, leaf in leaves]
+    dtypes = [np.dtype(leaf.dtype) for _, leaf in leaves]
+    largest = max((float(np.max(np.abs(v), initial=0.0)) for v in values), default=0.0)
+    tolerances = [_TOLERANCES.get(d, _TOLERANCES[np.dtype(np.float32)]) for d in dtypes]
+    return _Reference(
+        names=[_param_name(path) for path, _ in leaves],
+        values=values,
+        dtypes=dtypes,
+        rtol=[rtol for rtol, _ in tolerances],
+        atol=[atol * max(largest, 1e-30) for _, atol in tolerances],
+    )
+
+
+def _flatten_method(method: str, grads: Any, ref: _Reference) -> list[np.ndarray]:
+    """``grads``'s leaves as float64, in the reference's order; refuses other parameters."""
+    got = jax.tree_util.tree_flatten_with_path(grads)[0]
+    got_names = [_param_name(path) for path, _ in got]
+    if got_names != ref.names:
+        missing = sorted(set(ref.names) - set(got_names))
+        extra = sorted(set(got_names) - set(ref.names))
+        raise ValueError(
+            f"The {method} gradient does not have the model's parameters: it lacks "
+            f"{missing or 'none'} and has {extra or 'no'} other leaves ({len(got_names)} "
+            f"leaves for {len(ref.names)} parameters). A candidate must return the "
+            f"gradient State of every nnx.Param, as nnx.grad(loss_fn)(model, batch) does."
+        )
+    return [np.asarray(leaf, dtype=np.float64) for _, leaf in got]
+
+
+def _leaf_error(got: np.ndarray, want: np.ndarray, rtol: float, atol: float) -> tuple[float, float]:
+    """``(max |got - want|, the worst element's error in tolerances)``; inf for a wrong shape."""
+    if got.shape != want.shape:
+        return float("inf"), float("inf")
+    diff = np.abs(got - want)
+    return float(np.max(diff, initial=0.0)), float(np.max(diff / (atol + rtol * np.abs(want)), initial=0.0))
+
+
+def _rows(
+    ref: _Reference, by_method: dict[str, list[np.ndarray]]
+) -> tuple[list[GradientRow], dict[str, list[str]]]:
+    """A row per parameter, and per method its failing leaves, worst first."""
+    rows: list[GradientRow] = []
+    failing: dict[str, list[tuple[float, str]]] = {m: [] for m in by_method}
+    for i, (name, want) in enumerate(zip(ref.names, ref.values, strict=True)):
+        diffs, oks = {}, {}
+        for method, leaves in by_method.items():
+            diffs[method], ratio = _leaf_error(leaves[i], want, ref.rtol[i], ref.atol[i])
+            oks[method] = ratio <= 1.0
+            if not oks[method]:
+                failing[method].append((ratio, name))
+        rows.append(
+            GradientRow(name, want.shape, str(ref.dtypes[i]), float(np.linalg.norm(want)), diffs, oks)
+        )
+    return rows, {m: [name for _, name in sorted(f, reverse=True)] for m, f in failing.items()}
+
+
+def _fits_factor(leaves: Sequence[np.ndarray], ref: _Reference, c: float) -> bool:
+    """Whether ``leaves`` is ``c * reference`` to round-off (the tolerances scaled by ``c``)."""
+    return all(
+        bool(np.all(np.abs(g - c * r) <= abs(c) * (atol + _FIT_RTOL * np.abs(r))))
+        for g, r, atol in zip(leaves, ref.values, ref.atol, strict=True)
+    )
+
+
+def _scale_and_diagnosis(
+    method: str,
+    leaves: list[np.ndarray],
+    ref: _Reference,
+    rows: list[GradientRow],
+    worst: list[str],
+    mesh: Mesh,
+    data_axis: str,
+) -> tuple[float, str | None]:
+    """The least-squares factor ``c`` in ``grad ≈ c * reference``, and what is wrong, if anything."""
+    misshapen = [row.path for row, g in zip(rows, leaves, strict=True) if g.shape != row.shape]
+    if misshapen:
+        return float("nan"), f"gradient has the wrong shape at {', '.join(misshapen)}."
+    c = sum(float(np.vdot(g, r)) for g, r in zip(leaves, ref.values, strict=True)) / max(ref.sq_norm, 1e-300)
+    if all(row.ok[method] for row in rows):
+        return c, None
+    return c, _diagnose(c, _fits_factor(leaves, ref, c), mesh, data_axis, worst[:3])
+
+
 def compare_gradients(
     model: nnx.Module,
     loss_fn: Callable[[Any, PyTree], jax.Array],
@@ -130,12 +321,17 @@ def compare_gradients(
     ``nnx.Param`` variables, is computed on one device (the reference), by the implicit
     path (``nnx.grad`` under ``jax.jit`` with the batch sharded), by the explicit path
     (under ``shard_map``, the loss ``pmean``-ed before ``grad``) and, when given, by
-    ``candidate``. Tolerances follow each parameter's dtype.
+    ``candidate``. An element passes when ``|grad - ref| <= atol + rtol * |ref|``, with
+    ``rtol`` set by the parameter's dtype (``1e-4`` for float32) and ``atol`` the
+    dtype's factor (``1e-5`` for float32) times the largest magnitude in the whole
+    reference gradient: a leaf whose exact gradient is zero holds only round-off, and
+    passes. A gradient off by a constant factor is reported with that factor.
 
     Args:
       model: The NNX model; it is not changed.
       loss_fn: ``(model, batch) -> scalar loss``: a mean over the batch's examples, so
-        the explicit path's per-shard loss averages to the global one.
+        the explicit path's per-shard loss averages to the global one. It must not draw
+        random numbers (active dropout): turn them off for the check.
       batch: The global batch: host arrays, or global jax Arrays (one process).
       mesh: The mesh to run the implicit and explicit paths on.
       data_axis: The mesh axis the batch is split over.
@@ -153,97 +349,35 @@ def compare_gradients(
       as such).
 
     Raises:
-      ValueError: If a candidate's gradient does not have exactly the model's
-        parameters (names the missing and extra paths), or as the explicit step does
-        for a batch that cannot be split or a loss that is not a scalar.
+      ValueError: If ``loss_fn`` draws random numbers from the model's ``nnx.Rngs``
+        (dropout on: each path would draw different masks; names the streams), if a
+        candidate's gradient does not have exactly the model's parameters (names the
+        missing and extra paths), or as the explicit step does for a batch that cannot
+        be split or a loss that is not a scalar.
     """
     if has_aux:
         loss_with_aux = loss_fn
         loss_fn = lambda m, b: loss_with_aux(m, b)[0]  # noqa: E731
     graphdef, state = nnx.split(model)
     host_batch = map_arrays(np.asarray, batch)
-
-    one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    ref_model = nnx.merge(graphdef, jax.device_put(state, one_device))
-    reference = nnx.grad(loss_fn)(ref_model, map_arrays(lambda x: jax.device_put(x, one_device), host_batch))
-
-    spec = PartitionSpec(data_axis) if batch_spec is None else batch_spec
-    _, specs, treedef = broadcast_prefix(
-        spec, host_batch, lambda s: isinstance(s, (PartitionSpec, NamedSharding)), what="batch_spec"
+    ref = _flatten_reference(_reference_gradient(graphdef, state, loss_fn, host_batch))
+    grads = _data_parallel_gradients(
+        graphdef,
+        state,
+        loss_fn,
+        host_batch,
+        mesh,
+        data_axis=data_axis,
+        batch_spec=batch_spec,
+        candidate=candidate,
     )
-    shardings = jax.tree.unflatten(
-        treedef, [s if isinstance(s, NamedSharding) else NamedSharding(mesh, s) for s in specs]
-    )
-    with jax.set_mesh(mesh):
-        dp_model = nnx.merge(graphdef, jax.device_put(state, NamedSharding(mesh, PartitionSpec())))
-        placed = place_batch_on_shards(host_batch, shardings)
-        grads = {
-            "implicit": nnx.jit(lambda m, b: nnx.grad(loss_fn)(m, b))(dp_model, placed),
-            "explicit": nnx.jit(
-                lambda m, b: explicit_value_and_grad(
-                    m, loss_fn, b, mesh=mesh, data_axis=data_axis, batch_spec=batch_spec
-                )[1]
-            )(dp_model, placed),
-        }
-        if candidate is not None:
-            grads["candidate"] = candidate(dp_model, placed)
-
-    ref_leaves = jax.tree_util.tree_flatten_with_path(reference)[0]
-    ref_paths = [_param_name(path) for path, _ in ref_leaves]
-    method_leaves = {}
-    for method, g in grads.items():
-        got = jax.tree_util.tree_flatten_with_path(g)[0]
-        got_paths = [_param_name(path) for path, _ in got]
-        if got_paths != ref_paths:
-            missing = sorted(set(ref_paths) - set(got_paths))
-            extra = sorted(set(got_paths) - set(ref_paths))
-            raise ValueError(
-                f"The {method} gradient does not have the model's parameters: it lacks "
-                f"{missing or 'none'} and has {extra or 'no'} other leaves ({len(got_paths)} "
-                f"leaves for {len(ref_paths)} parameters). A candidate must return the "
-                f"gradient State of every nnx.Param, as nnx.grad(loss_fn)(model, batch) does."
-            )
-        method_leaves[method] = [np.asarray(leaf, dtype=np.float64) for _, leaf in got]
-
-    rows: list[GradientRow] = []
-    worst_by_method: dict[str, list[tuple[float, str]]] = {m: [] for m in grads}
-    for i, (_, ref_leaf) in enumerate(ref_leaves):
-        ref = np.asarray(ref_leaf, dtype=np.float64)
-        rtol, atol_rel = _TOLERANCES.get(np.dtype(ref_leaf.dtype), _TOLERANCES[np.dtype(np.float32)])
-        atol = atol_rel * max(float(np.max(np.abs(ref), initial=0.0)), 1e-30)
-        name = ref_paths[i]
-        diffs, oks = {}, {}
-        for method, leaves in method_leaves.items():
-            leaf = leaves[i]
-            diff = float(np.max(np.abs(leaf - ref), initial=0.0)) if leaf.shape == ref.shape else float("inf")
-            diffs[method] = diff
-            oks[method] = leaf.shape == ref.shape and bool(np.all(np.abs(leaf - ref) <= atol + rtol * np.abs(ref)))
-            if not oks[method]:
-                worst_by_method[method].append((diff / (atol + rtol * float(np.max(np.abs(ref), initial=0))), name))
-        rows.append(
-            GradientRow(name, tuple(ref.shape), str(ref_leaf.dtype), float(np.linalg.norm(ref)), diffs, oks)
-        )
-
-    refs = [np.asarray(leaf, dtype=np.float64) for _, leaf in ref_leaves]
-    ref_sq = sum(float(np.vdot(r, r)) for r in refs)
+    by_method = {method: _flatten_method(method, g, ref) for method, g in grads.items()}
+    rows, worst = _rows(ref, by_method)
     scale, diagnosis = {}, {}
-    for method, leaves in method_leaves.items():
-        misshapen = [row.path for row, g in zip(rows, leaves, strict=True) if g.shape != row.shape]
-        if misshapen:
-            scale[method] = float("nan")
-            diagnosis[method] = f"gradient has the wrong shape at {', '.join(misshapen)}."
-            continue
-        c = sum(float(np.vdot(g, r)) for g, r in zip(leaves, refs, strict=True)) / max(ref_sq, 1e-300)
-        scale[method] = c
-        if all(row.ok[method] for row in rows):
-            continue
-        fits = all(
-            np.allclose(g, c * r, rtol=1e-3, atol=1e-6 * max(np.abs(c * r).max(initial=0), 1e-30))
-            for g, r in zip(leaves, refs, strict=True)
-        )
-        worst = [name for _, name in sorted(worst_by_method[method], reverse=True)[:3]]
-        diagnosis[method] = _diagnose(c, fits, mesh, worst)
-
+    for method, leaves in by_method.items():
+        scale[method], text = _scale_and_diagnosis(method, leaves, ref, rows, worst[method], mesh, data_axis)
+        if text is not None:
+            diagnosis[method] = text
     max_diff = max((d for row in rows for d in row.max_abs_diff.values()), default=0.0)
     ok = all(all(row.ok.values()) for row in rows)
     return GradientReport(ok, max_diff, rows, tuple(grads), scale, diagnosis)
