@@ -119,25 +119,68 @@ def batch_partition_specs(batch: PyTree, batch_spec: Any, mesh: Any, data_axis: 
       A tree of PartitionSpecs with the structure of ``batch``.
 
     Raises:
-      ValueError: If the prefix does not fit, a spec names an axis the mesh lacks, or a
-        leaf cannot be split as its spec says; names the leaf's path.
+      ValueError: If the prefix does not fit, a spec names an axis the mesh lacks, the
+        leaves split over ``data_axis`` differ in their number of rows (names each leaf
+        and its count), or a leaf cannot be split as its spec says; names the leaf's path.
     """
     if batch_spec is None:
         batch_spec = PartitionSpec(data_axis)
-    path_leaves, specs, treedef = broadcast_prefix(
+    path_leaves, prefix_leaves, treedef = broadcast_prefix(
         batch_spec, batch, lambda s: isinstance(s, (PartitionSpec, NamedSharding)), what="batch_spec"
     )
-    out = []
-    for (path, leaf), spec in zip(path_leaves, specs, strict=True):
-        spec = spec.spec if isinstance(spec, NamedSharding) else spec
+    specs = [s.spec if isinstance(s, NamedSharding) else s for s in prefix_leaves]
+    for spec in specs:
         check_spec_axes(spec, mesh, where="batch_spec")
-        hint = (
-            f"give the step batch_spec=, a prefix tree of PartitionSpecs with PartitionSpec() "
-            f"for it, such as {{'rows': PartitionSpec({data_axis!r}), 'lam': PartitionSpec()}}"
-        )
+    check_same_rows(path_leaves, specs, data_axis)
+    hint = (
+        f"give the step batch_spec=, a prefix tree of PartitionSpecs with PartitionSpec() "
+        f"for it, such as {{'rows': PartitionSpec({data_axis!r}), 'lam': PartitionSpec()}}"
+    )
+    for (path, leaf), spec in zip(path_leaves, specs, strict=True):
         check_fits(path, np.shape(leaf), spec, mesh, local=False, replicate_hint=hint)
-        out.append(spec)
-    return jax.tree.unflatten(treedef, out)
+    return jax.tree.unflatten(treedef, specs)
+
+
+def _rows_over(shape: tuple[int, ...], spec: PartitionSpec, data_axis: str) -> int | None:
+    """The size of the dimension ``spec`` splits over ``data_axis``: the leaf's rows (None if none)."""
+    for dim, entry in enumerate(spec):
+        if data_axis in spec_axes(entry) and dim < len(shape):
+            return shape[dim]
+    return None
+
+
+def check_same_rows(
+    path_leaves: Sequence[tuple[KeyPath, Any]], specs: Sequence[PartitionSpec], data_axis: str
+) -> None:
+    """Raise a ValueError unless every leaf split over ``data_axis`` has the same number of rows.
+
+    Leaves split over the data axis are the examples' fields: each device takes the same
+    block of rows from each. A leaf with fewer rows (one label per device, say) would be
+    split into fewer rows per device than the others and silently broadcast against them.
+
+    Args:
+      path_leaves: ``(path, leaf)`` for every leaf of the batch.
+      specs: The PartitionSpec of each leaf.
+      data_axis: The batch axis.
+
+    Raises:
+      ValueError: If two leaves split over ``data_axis`` differ in their number of rows;
+        names every such leaf with its row count.
+    """
+    rows = [
+        (path, n)
+        for (path, leaf), spec in zip(path_leaves, specs, strict=True)
+        if (n := _rows_over(np.shape(leaf), spec, data_axis)) is not None
+    ]
+    if len({n for _, n in rows}) > 1:
+        listing = ", ".join(f"{path_str(path)} has {n}" for path, n in rows)
+        raise ValueError(
+            f"The batch's leaves split over {data_axis!r} do not have the same number of rows "
+            f"({listing}); each device would take a different number of rows from each, and "
+            f"they would be broadcast against each other. Give every per-example field one row "
+            f"per example, and replicate a batch-level value with PartitionSpec() (batch_spec=, "
+            f"or a prefix of place_batch_on_shards shardings)."
+        )
 
 
 def _named_spec(sharding: Sharding) -> tuple[PartitionSpec, Any] | None:
