@@ -8,22 +8,29 @@ Two paths to the same step:
   before ``grad``, metrics reduced with collectives; ``compare_gradients`` checks both
   against a one-device reference.
 
-``make_train_step(loss_fn, mode)`` picks one with a word. ``substrax.mesh`` builds the
-meshes both use.
+``make_train_step(loss_fn, mode)`` picks one with a word. ``shard_state`` splits the
+model's and optimizer's state over the data axis (ZeRO-1, FSDP); both modes train it.
+``substrax.mesh`` builds the meshes both use.
 """
 
 from substrax import explicit, mesh, spmd
+from substrax._layout import LAYOUTS, Layout, LeafPlacement, layout_of, shard_state
 from substrax._train_step import MODES, BoundTrainStep, TrainStep, make_train_step
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "LAYOUTS",
     "MODES",
     "BoundTrainStep",
+    "Layout",
+    "LeafPlacement",
     "TrainStep",
     "__version__",
     "explicit",
+    "layout_of",
     "make_train_step",
     "mesh",
+    "shard_state",
     "spmd",
 ]

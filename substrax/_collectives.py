@@ -131,18 +131,33 @@ def reduce_min_collective(metrics: T, axis_name: str = "batch") -> T:
 # shard_map through a replicated out_spec.
 if "to" in inspect.signature(jax.lax.all_gather).parameters:
 
-    def _gather_invariant(x: Any, axis_name: str, tiled: bool) -> Any:
-        return jax.lax.all_gather(x, axis_name, tiled=tiled, to="invarying")
+    def gather_invariant(x: Any, axis_name: str, *, axis: int = 0, tiled: bool = False) -> Any:
+        """``all_gather`` whose result is typed equal on every device (may leave through ``P()``)."""
+        return jax.lax.all_gather(x, axis_name, axis=axis, tiled=tiled, to="invarying")
 
 elif hasattr(jax.lax, "all_gather_invariant"):
 
-    def _gather_invariant(x: Any, axis_name: str, tiled: bool) -> Any:
-        return jax.lax.all_gather_invariant(x, axis_name, tiled=tiled)  # type: ignore[attr-defined]
+    def gather_invariant(x: Any, axis_name: str, *, axis: int = 0, tiled: bool = False) -> Any:
+        """``all_gather`` whose result is typed equal on every device (may leave through ``P()``)."""
+        return jax.lax.all_gather_invariant(x, axis_name, axis=axis, tiled=tiled)  # type: ignore[attr-defined]
 
 else:  # pragma: no cover - older jax than pyproject allows
 
-    def _gather_invariant(x: Any, axis_name: str, tiled: bool) -> Any:
-        return jax.lax.all_gather(x, axis_name, tiled=tiled)
+    def gather_invariant(x: Any, axis_name: str, *, axis: int = 0, tiled: bool = False) -> Any:
+        """``all_gather`` whose result is typed equal on every device (may leave through ``P()``)."""
+        return jax.lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
+
+
+def to_varying(x: Any, axis_name: str) -> Any:
+    """Cast a value equal on every device to varying over ``axis_name``: no communication.
+
+    ``grad`` with respect to the result runs no collective (the transpose of the cast is
+    the ``psum`` a replicated parameter's gradient would otherwise get), so each device
+    keeps its own shard's gradient until the caller reduces it.
+    """
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(x, axis_name, to="varying")
+    return jax.lax.pvary(x, axis_name)  # type: ignore[attr-defined]  # jax 0.11
 
 
 def all_gather(metrics: T, axis_name: str = "batch", *, tiled: bool = False) -> T:
@@ -165,7 +180,7 @@ def all_gather(metrics: T, axis_name: str = "batch", *, tiled: bool = False) -> 
     Raises:
       ValueError: If ``axis_name`` is not bound by an enclosing shard_map or pmap.
     """
-    return _collective(lambda x, axis: _gather_invariant(x, axis, tiled), metrics, axis_name, "all_gather")
+    return _collective(lambda x, axis: gather_invariant(x, axis, tiled=tiled), metrics, axis_name, "all_gather")
 
 
 def collect_from_devices(metrics: Mapping[str, V]) -> dict[str, list[jax.Array] | V]:

@@ -38,6 +38,12 @@ __all__ = ["Layout", "LeafPlacement", "layout_of", "shard_state"]
 
 LayoutKind = Literal["replicated", "zero1", "fsdp"]
 LAYOUTS: tuple[LayoutKind, ...] = ("replicated", "zero1", "fsdp")
+_EPOCH = [0]  # counts shard_state calls: a step that split a model before one must split it again
+
+
+def epoch() -> int:
+    """How many times ``shard_state`` has run in this process."""
+    return _EPOCH[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,6 +260,7 @@ def shard_state(
         _place(variable, split if params else whole, found)
         for mirror in mirror_paths:
             _place(opt_vars[mirror], split, found)
+    _EPOCH[0] += 1
     kind: LayoutKind = ("fsdp" if params else "zero1") if any(
         choose_split_dim(tuple(np.shape(model_vars[p].get_value())), size, min_size) is not None for p in mirrors
     ) else "replicated"

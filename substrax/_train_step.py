@@ -1,9 +1,16 @@
-"""One entry point for both modes: flip one word, keep the call."""
+"""One entry point for both modes: flip one word, keep the call.
+
+``TrainStep`` only picks a step function (``spmd_train_step`` or
+``explicit_train_step``) and runs it fast: it splits the model and optimizer once
+(``_SplitState``), runs a ``jax.jit`` pure function of their arrays, and writes the new
+arrays back. Layouts and microbatches live in the step functions, not here.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any, Literal, NamedTuple, Self
@@ -12,18 +19,19 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from substrax._placement import batch_partition_specs
-from substrax._reductions import split_loss_output
+from substrax import _layout
+from substrax._microbatch import check_microbatches
+from substrax._reductions import METRIC_REDUCTIONS
 from substrax._tree import PyTree, path_str
 from substrax.explicit._step import BatchSpec, explicit_train_step
 from substrax.mesh import current_mesh
-from substrax.spmd._metrics import reduce_metrics
 from substrax.spmd._step import spmd_train_step
 
 __all__ = ["MODES", "BoundTrainStep", "TrainStep", "make_train_step"]
 
 Mode = Literal["implicit", "explicit"]
 MODES: tuple[Mode, ...] = ("implicit", "explicit")
+_STEPS: dict[str, Callable[..., Any]] = {"implicit": spmd_train_step, "explicit": explicit_train_step}
 
 
 def make_train_step(
@@ -35,14 +43,19 @@ def make_train_step(
     batch_spec: BatchSpec | None = None,
     has_aux: bool = False,
     reduce: Mapping[str, str | None] | None = None,
+    microbatches: int = 1,
 ) -> TrainStep:
     """Build a jitted data-parallel step ``(model, optimizer, batch) -> loss``, in either mode.
 
-    ``"implicit"`` differentiates the global batch's loss under ``nnx.jit`` and lets XLA
-    insert the gradient all-reduce (``substrax.spmd.spmd_train_step``). ``"explicit"``
+    ``"implicit"`` differentiates the global batch's loss under ``jax.jit`` and lets XLA
+    insert the gradient reduction (``substrax.spmd.spmd_train_step``). ``"explicit"``
     runs the step under ``jax.shard_map``, ``pmean``-ing the loss before ``grad`` and
-    reducing metrics with collectives (``substrax.explicit.explicit_train_step``).
-    Both take the same batch and return the same values to round-off.
+    writing every collective out (``substrax.explicit.explicit_train_step``). Both
+    train a replicated model or one placed by ``substrax.shard_state`` (ZeRO-1, FSDP),
+    and keep its layout. Both take the same batch and return the same loss, metrics and
+    parameters to round-off, except with dropout (explicit mode draws a mask per
+    device, and per microbatch) and with BatchNorm-style state (explicit mode
+    normalizes each device's shard, unless the layer has ``axis_name=data_axis``).
 
     Args:
       loss_fn: ``(model, batch) -> loss``, or ``(loss, metrics)`` with ``has_aux``; a
@@ -55,31 +68,47 @@ def make_train_step(
         prefix tree of them (rows on ``data_axis``, a batch-level value ``P()``).
         Default: a leaf already placed on a ``NamedSharding`` of the mesh (by
         ``place_batch_on_shards``) keeps its spec, any other is split over
-        ``data_axis``. Explicit mode gives it to ``shard_map``; implicit mode constrains
-        the batch to it, so a host batch is split too.
+        ``data_axis``.
       has_aux: Whether ``loss_fn`` returns ``(loss, metrics)``, ``metrics`` a flat
         mapping from name to value.
       reduce: With ``has_aux``, metric name to ``"mean"``, ``"sum"``, ``"max"``,
-        ``"min"``, ``"gather"`` (per-example values of the global batch) or ``None``.
-        Unlisted metrics get ``"mean"``. Both modes give the same values, except
-        ``None``: implicit keeps the global value, explicit stacks per-device values.
+        ``"min"``, ``"gather"`` (per-example values of the global batch, in order) or
+        ``None``. Unlisted metrics get ``"mean"``. Both modes give the same values,
+        except ``None``: implicit keeps the global value, explicit stacks per-device
+        values.
+      microbatches: Split each device's rows into this many equal microbatches (in
+        order), accumulate their gradients, and apply the optimizer once with the
+        gradient of the whole batch's mean loss. Explicit mode reduces the gradient
+        once per step, after the loop; each device holds a full-size gradient
+        accumulator (under FSDP, the whole parameters too) for the step. Metrics are
+        reduced over the whole batch.
 
     Returns:
       A ``TrainStep``: call it as ``step(model, optimizer, batch)``; it updates
       ``model`` and ``optimizer`` in place and returns the loss (or
-      ``(loss, metrics)``). ``step.bind(model, optimizer)`` gives the faster spelling
-      for a training loop.
+      ``(loss, metrics)``). ``step.bind(model, optimizer)`` gives the spelling that
+      also skips writing the state back after every step.
 
     Raises:
-      ValueError: If ``mode`` is not ``"implicit"`` or ``"explicit"``, or ``reduce`` is
-        given without ``has_aux``. When called: if the batch cannot be split over
-        ``data_axis`` (or ``batch_spec``), if ``loss_fn``'s output does not match
-        ``has_aux``, if ``reduce`` names a metric ``loss_fn`` does not return, and, in
-        explicit mode, if a model's state is sharded; each message names the leaf,
-        metric or parameter.
+      ValueError: At once: if ``mode`` is not ``"implicit"`` or ``"explicit"``,
+        ``reduce`` is given without ``has_aux`` or names an unknown operation, ``mesh``
+        lacks ``data_axis``, or ``microbatches`` is below 1. When called: if the batch
+        cannot be split over ``data_axis`` (or ``batch_spec``) or into
+        ``microbatches``, if ``loss_fn``'s output does not match ``has_aux``, if
+        ``reduce`` names a metric ``loss_fn`` does not return, and, in explicit mode,
+        if the model's state is sharded other than by ``shard_state``; each message
+        names the leaf, metric or parameter.
+      TypeError: If ``microbatches`` is not an int.
     """
     return TrainStep(
-        loss_fn, mode, mesh=mesh, data_axis=data_axis, batch_spec=batch_spec, has_aux=has_aux, reduce=reduce
+        loss_fn,
+        mode,
+        mesh=mesh,
+        data_axis=data_axis,
+        batch_spec=batch_spec,
+        has_aux=has_aux,
+        reduce=reduce,
+        microbatches=microbatches,
     )
 
 
@@ -91,6 +120,19 @@ class _PlacedSpecs(NamedTuple):
 
     def tree(self) -> PyTree:
         return jax.tree.unflatten(self.treedef, self.specs)
+
+
+def _check_reduce(reduce: Mapping[str, str | None] | None, has_aux: bool) -> None:
+    if reduce is None:
+        return
+    if not has_aux:
+        raise ValueError("reduce= says how to reduce metrics, which loss_fn returns only with has_aux=True.")
+    for name, op in reduce.items():
+        if op is not None and op not in METRIC_REDUCTIONS:
+            raise ValueError(
+                f"Metric {name!r} asks for reduction {op!r}; use one of "
+                f"{', '.join(repr(a) for a in METRIC_REDUCTIONS)} or None (keep it unreduced)."
+            )
 
 
 class TrainStep:
@@ -106,11 +148,14 @@ class TrainStep:
         batch_spec: BatchSpec | None = None,
         has_aux: bool = False,
         reduce: Mapping[str, str | None] | None = None,
+        microbatches: int = 1,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}; got {mode!r}.")
-        if reduce is not None and not has_aux:
-            raise ValueError("reduce= says how to reduce metrics, which loss_fn returns only with has_aux=True.")
+        _check_reduce(reduce, has_aux)
+        check_microbatches(microbatches)
+        if mesh is not None:
+            current_mesh(mesh, required_axes=(data_axis,))
         self.loss_fn = loss_fn
         self.mode = mode
         self.mesh = mesh
@@ -118,8 +163,8 @@ class TrainStep:
         self.batch_spec = batch_spec
         self.has_aux = has_aux
         self.reduce = reduce
-        self._jitted = nnx.jit(self._run, static_argnames="placed")
-        self._checked_models: set[int] = set()
+        self.microbatches = microbatches
+        self._cached: _SplitState | None = None
 
     def placed_specs(self, batch: PyTree) -> _PlacedSpecs | None:
         """How ``batch`` is already laid out, when no ``batch_spec`` was given.
@@ -144,20 +189,22 @@ class TrainStep:
         return _PlacedSpecs(treedef, tuple(specs))
 
     def _check_model(self, model: nnx.Module) -> None:
-        """Explicit mode replicates the model: refuse one whose state is sharded (once per model)."""
-        if self.mode != "explicit" or id(model) in self._checked_models:
+        """Explicit mode: refuse a parameter split on the devices in a way its metadata does not say."""
+        if self.mode != "explicit":
             return
         for path, variable in nnx.to_flat_state(nnx.state(model)):
             sharding = getattr(variable.get_value(), "sharding", None)
-            if isinstance(sharding, NamedSharding) and not sharding.is_fully_replicated:
+            if not isinstance(sharding, NamedSharding) or sharding.is_fully_replicated:
+                continue
+            declared = _layout.spec_tuple(variable)
+            if declared is None or PartitionSpec(*declared) != sharding.spec:
                 raise ValueError(
-                    f"{path_str(path, 'model')} is sharded as {sharding.spec}, but the explicit "
-                    f"step replicates the model on every device (its state's in_specs are P()), "
-                    f"which would gather it whole. Replicate it (NamedSharding(mesh, "
-                    f"PartitionSpec())), or use mode='implicit', where XLA follows the "
-                    f"parameters' shardings."
+                    f"{path_str(path, 'model')} is sharded as {sharding.spec}, but its variable "
+                    f"does not say so (out_sharding={declared}), and the explicit step reads the "
+                    f"layout from it. Split the state with substrax.shard_state(model, "
+                    f"optimizer), replicate the variable (NamedSharding(mesh, PartitionSpec())), "
+                    f"or use mode='implicit', where XLA follows the parameters' shardings."
                 )
-        self._checked_models.add(id(model))
 
     def step(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree) -> Any:
         """The un-jitted step, for use inside your own ``nnx.jit``.
@@ -170,41 +217,42 @@ class TrainStep:
         return self._run(model, optimizer, batch)
 
     def _run(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree, placed: _PlacedSpecs | None = None) -> Any:
-        batch_spec = placed.tree() if placed is not None else self.batch_spec
-        if self.mode == "explicit":
-            return explicit_train_step(
-                model,
-                optimizer,
-                self.loss_fn,
-                batch,
-                mesh=self.mesh,
-                data_axis=self.data_axis,
-                batch_spec=batch_spec,
-                has_aux=self.has_aux,
-                reduce=self.reduce,
-            )
-        # Split the batch over data_axis as the explicit step does, whatever sharding it
-        # arrived with: a host batch would otherwise run whole on every device.
-        mesh = current_mesh(self.mesh, required_axes=(self.data_axis,))
-        specs = batch_partition_specs(batch, batch_spec, mesh, self.data_axis)
-        batch = jax.lax.with_sharding_constraint(batch, specs)
-
-        def checked_loss(model: nnx.Module, batch: PyTree) -> Any:
-            loss, metrics = split_loss_output(self.loss_fn(model, batch), self.has_aux)
-            return (loss, metrics) if self.has_aux else loss
-
-        out: Any = spmd_train_step(model, optimizer, checked_loss, batch, has_aux=self.has_aux)
-        return (out[0], reduce_metrics(out[1], self.reduce)) if self.has_aux else out
+        return _STEPS[self.mode](
+            model,
+            optimizer,
+            self.loss_fn,
+            batch,
+            has_aux=self.has_aux,
+            mesh=self.mesh,
+            data_axis=self.data_axis,
+            batch_spec=placed.tree() if placed is not None else self.batch_spec,
+            reduce=dict(self.reduce or {}) if self.has_aux else None,
+            microbatches=self.microbatches,
+        )
 
     def mesh_context(self) -> contextlib.AbstractContextManager[Any]:
         """``jax.set_mesh(self.mesh)``, or nothing when the step has no mesh of its own."""
         return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
-    def __call__(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree) -> Any:
-        """Run one step under ``nnx.jit``, updating ``model`` and ``optimizer`` in place."""
+    def _split(self, model: nnx.Module, optimizer: nnx.Optimizer, *, donate: bool) -> _SplitState:
         self._check_model(model)
-        with self.mesh_context():
-            return self._jitted(model, optimizer, batch, placed=self.placed_specs(batch))
+        return _SplitState(self, model, optimizer, donate=donate)
+
+    def __call__(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree) -> Any:
+        """Run one step, updating ``model`` and ``optimizer`` in place.
+
+        The first call splits ``model`` and ``optimizer`` into their graph and arrays
+        and keeps the split; later calls on the same two objects reuse it, after
+        checking, attribute by attribute, that no module, variable or setting was
+        replaced or added (``model.eval()``, a new layer) and that
+        ``substrax.shard_state`` did not run since; any such change re-splits.
+        """
+        split = self._cached
+        if split is None or not split.valid_for(model, optimizer):
+            split = self._cached = self._split(model, optimizer, donate=False)
+        arrays, out = split.run(split.arrays(), batch)
+        split.write(arrays)
+        return out
 
     def lower(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree) -> Any:
         """Lower the jitted step for these arguments, to read its HLO.
@@ -212,15 +260,15 @@ class TrainStep:
         ``step.lower(model, optimizer, batch).compile().as_text()`` shows the
         collectives XLA compiled in (``all-reduce`` and others).
         """
+        split = self._split(model, optimizer, donate=False)
         with self.mesh_context():
-            return self._jitted.lower(model, optimizer, batch, placed=self.placed_specs(batch))
+            return split.jitted.lower(split.arrays(), batch, placed=self.placed_specs(batch))
 
     def bind(self, model: nnx.Module, optimizer: nnx.Optimizer, *, donate: bool = True) -> BoundTrainStep:
-        """The fast spelling: split ``model`` and ``optimizer`` once, step on their arrays.
+        """The loop spelling: split ``model`` and ``optimizer`` once, step on their arrays.
 
-        ``nnx.jit`` walks the model's object graph on every call (split before, merge
-        after), which dominates the step of a small model. The bound step does that
-        once: each call runs a ``jax.jit`` pure function of the state's arrays.
+        Unlike the plain call it does not write the state back after every step (nor
+        check the model's graph): see ``BoundTrainStep``.
 
         Args:
           model: The model to train.
@@ -234,8 +282,61 @@ class TrainStep:
           A ``BoundTrainStep``; see it for when ``model`` and ``optimizer`` see the
           result.
         """
-        self._check_model(model)
         return BoundTrainStep(self, model, optimizer, donate=donate)
+
+
+def _attributes(node: Any) -> tuple[tuple[str, Any], ...]:
+    return tuple((k, v) for k, v in vars(node).items() if k != "_pytree__state")
+
+
+class _SplitState:
+    """A model and optimizer split once into a graph and a list of arrays, with the jitted step.
+
+    ``valid_for`` tells whether the objects still have the graph the split saw: the
+    same objects, every module and variable the same object under the same attribute
+    name, every setting (``deterministic``) the same object, and no ``shard_state``
+    since.
+    """
+
+    def __init__(self, step: TrainStep, model: nnx.Module, optimizer: nnx.Optimizer, *, donate: bool) -> None:
+        self.step = step
+        graphdef, state = nnx.split((model, optimizer))
+        is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+        self.variables: list[nnx.Variable[Any]] = jax.tree.leaves(state, is_leaf=is_variable)
+        treedef = jax.tree.structure(state)
+        self._refs = (weakref.ref(model), weakref.ref(optimizer))
+        self._nodes = [n for _, n in nnx.iter_graph((model, optimizer)) if isinstance(n, nnx.Pytree)]
+        self._snapshot = [_attributes(n) for n in self._nodes]
+        self._epoch = _layout.epoch()
+
+        def pure(arrays: list[jax.Array], batch: PyTree, placed: _PlacedSpecs | None) -> tuple[list[jax.Array], Any]:
+            model, optimizer = nnx.merge(graphdef, jax.tree.unflatten(treedef, arrays))
+            out = step._run(model, optimizer, batch, placed)
+            return jax.tree.leaves(nnx.state((model, optimizer))), out
+
+        self.jitted = jax.jit(pure, donate_argnums=0 if donate else (), static_argnames="placed")
+
+    def valid_for(self, model: nnx.Module, optimizer: nnx.Optimizer) -> bool:
+        if self._refs[0]() is not model or self._refs[1]() is not optimizer or self._epoch != _layout.epoch():
+            return False
+        for node, saved in zip(self._nodes, self._snapshot, strict=True):
+            now = vars(node)
+            if len(now) != len(saved) + ("_pytree__state" in now) or any(now.get(k) is not v for k, v in saved):
+                return False
+        return True
+
+    def arrays(self) -> list[jax.Array]:
+        return [v.get_raw_value() for v in self.variables]
+
+    def write(self, arrays: list[jax.Array]) -> None:
+        for variable, array in zip(self.variables, arrays, strict=True):
+            variable.set_raw_value(array)
+
+    def run(self, arrays: list[jax.Array], batch: PyTree, placed: Any = False) -> tuple[list[jax.Array], Any]:
+        if placed is False:
+            placed = self.step.placed_specs(batch)
+        with self.step.mesh_context():
+            return self.jitted(arrays, batch, placed=placed)  # type: ignore[no-any-return]
 
 
 class BoundTrainStep:
@@ -259,40 +360,33 @@ class BoundTrainStep:
         self.model = model
         self.optimizer = optimizer
         self._step = step
-        graphdef, state = nnx.split((model, optimizer))
-        is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
-        self._variables: list[nnx.Variable[Any]] = jax.tree.leaves(state, is_leaf=is_variable)
-        self._arrays = jax.tree.leaves(state)
-        treedef = jax.tree.structure(state)
-
-        def pure(arrays: list[jax.Array], batch: PyTree, placed: _PlacedSpecs | None) -> tuple[list[jax.Array], Any]:
-            model, optimizer = nnx.merge(graphdef, jax.tree.unflatten(treedef, arrays))
-            out = step._run(model, optimizer, batch, placed)
-            return jax.tree.leaves(nnx.state((model, optimizer))), out
-
+        self._split = step._split(model, optimizer, donate=donate)
+        self._arrays = self._split.arrays()
         self._donate = donate
-        self._jitted = jax.jit(pure, donate_argnums=0 if donate else (), static_argnames="placed")
         self._pure: Callable[[list[jax.Array], PyTree], tuple[list[jax.Array], Any]] | None = None
 
     def __call__(self, batch: PyTree) -> Any:
         """Run one step; returns the loss (or ``(loss, metrics)``)."""
         if self._pure is None:  # the first batch's placement holds for the loop
-            self._pure = functools.partial(self._jitted, placed=self._step.placed_specs(batch))
+            self._pure = functools.partial(self._split.run, placed=self._step.placed_specs(batch))
         consumed = self._arrays
-        with self._step.mesh_context():
-            self._arrays, out = self._pure(consumed, batch)
+        self._arrays, out = self._pure(consumed, batch)
         if not self._donate:
             for array in consumed:  # what donation would have done: no stale copy stays readable
                 array.delete()
         return out
+
+    def lower(self, batch: PyTree) -> Any:
+        """Lower this step for ``batch``, to read its HLO (see ``TrainStep.lower``)."""
+        with self._step.mesh_context():
+            return self._split.jitted.lower(self._arrays, batch, placed=self._step.placed_specs(batch))
 
     def sync(self) -> None:
         """Write the current state into ``model`` and ``optimizer``.
 
         The next call consumes these arrays again; sync after it to read the model.
         """
-        for variable, array in zip(self._variables, self._arrays, strict=True):
-            variable.set_raw_value(array)
+        self._split.write(self._arrays)
 
     def __enter__(self) -> Self:
         return self

@@ -1,0 +1,114 @@
+"""Microbatches: split each device's rows into k equal slices, in order; both modes.
+
+A leaf whose first dimension is split over the mesh (its rows) is cut into ``k``
+consecutive slices on every device; a batch-level leaf (``PartitionSpec()``) is seen
+whole by every microbatch. Metrics come back with a leading microbatch axis, and
+``fold_microbatch_metrics`` puts per-example (``"gather"``) values back in row order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from substrax._tree import PyTree, path_str
+
+__all__ = ["check_microbatches", "fold_microbatch_metrics", "split_microbatches"]
+
+
+def _row_ways(spec: PartitionSpec, sizes: Mapping[str, int]) -> int | None:
+    """How many ways a leaf's rows are split (1 when dimension 0 is not), None for a 0-d spec."""
+    if not len(spec) or spec[0] is None:
+        return 1
+    axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+    return math.prod(sizes[a] for a in axes)
+
+
+def _has_rows(spec: PartitionSpec) -> bool:
+    return bool(len(spec)) and spec[0] is not None
+
+
+def check_microbatches(
+    microbatches: int, batch: PyTree = None, specs: PyTree = None, mesh: Any = None, data_axis: str = "data"
+) -> None:
+    """Refuse a ``microbatches`` that is not a positive int, or does not divide the rows per device.
+
+    Raises:
+      TypeError: If ``microbatches`` is not an int.
+      ValueError: If it is below 1, or a leaf's rows per device do not divide by it;
+        names the leaf, its rows per device, the devices and ``k``.
+    """
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int):
+        raise TypeError(f"microbatches must be an int; got {microbatches!r}.")
+    if microbatches < 1:
+        raise ValueError(f"microbatches must be >= 1 (1: the whole shard at once); got {microbatches}.")
+    if batch is None or microbatches == 1:
+        return
+    leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+    for (path, leaf), spec in zip(leaves, jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, PartitionSpec)), strict=True):
+        if not _has_rows(spec):
+            continue
+        ways = _row_ways(spec, dict(mesh.shape))
+        rows = np.shape(leaf)[0] // (ways or 1)
+        if rows % microbatches:
+            raise ValueError(
+                f"{path_str(tuple(path))} has {rows} rows per device ({np.shape(leaf)[0]} rows over "
+                f"{ways} devices), which do not split into microbatches={microbatches} equal "
+                f"microbatches. Make the rows per device a multiple of {microbatches}, or pick a "
+                f"microbatch count that divides {rows}."
+            )
+
+
+def split_microbatches(shard: PyTree, specs: PyTree, data_axis: str, microbatches: int) -> PyTree:
+    """One device's shard as ``microbatches`` slices stacked on a new leading axis (inside shard_map)."""
+
+    def cut(x: jax.Array, spec: PartitionSpec) -> jax.Array:
+        if not _has_rows(spec):
+            return jnp.broadcast_to(x, (microbatches, *jnp.shape(x)))
+        return x.reshape(microbatches, x.shape[0] // microbatches, *x.shape[1:])
+
+    return jax.tree.map(cut, shard, specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
+
+
+def split_global_microbatches(batch: PyTree, specs: PyTree, ways: int, microbatches: int) -> PyTree:
+    """The global batch as ``microbatches`` global slices: slice j holds every device's j-th rows.
+
+    For the implicit step, so that each microbatch keeps its rows on the device that
+    loaded them: rows ``(N, k, m)`` become ``(k, N * m)``.
+    """
+
+    def cut(x: jax.Array, spec: PartitionSpec) -> jax.Array:
+        if not _has_rows(spec):
+            return jnp.broadcast_to(x, (microbatches, *jnp.shape(x)))
+        m = x.shape[0] // (ways * microbatches)
+        y = x.reshape(ways, microbatches, m, *x.shape[1:])
+        return jnp.swapaxes(y, 0, 1).reshape(microbatches, ways * m, *x.shape[1:])
+
+    return jax.tree.map(cut, batch, specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
+
+
+def fold_microbatch_metrics(metrics: Mapping[str, Any], reduce: Mapping[str, str | None] | None) -> dict[str, Any]:
+    """Per-device metrics stacked over microbatches, ready for the per-device reduction.
+
+    ``"gather"`` values ``(k, m, ...)`` become this device's rows in order ``(k * m, ...)``;
+    ``"mean"``/``"sum"``/``"max"``/``"min"`` reduce every element anyway, and ``None``
+    keeps the microbatch axis.
+    """
+    ops = dict(reduce or {})
+    return {
+        name: value.reshape(-1, *value.shape[2:]) if ops.get(name) == "gather" and jnp.ndim(value) >= 2 else value
+        for name, value in metrics.items()
+    }
+
+
+def unfold_global_gather(value: jax.Array, ways: int) -> jax.Array:
+    """Implicit mode: a gathered metric ``(k, N * m, ...)`` back in the global batch's row order."""
+    k, rows = value.shape[:2]
+    y = value.reshape(k, ways, rows // ways, *value.shape[2:])
+    return jnp.swapaxes(y, 0, 1).reshape(k * rows, *value.shape[2:])
