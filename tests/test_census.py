@@ -375,3 +375,15 @@ def test_implicit_fsdp_may_move_activations_instead(mesh8: jax.sharding.Mesh) ->
     assert result.matches and "no more than" in result.notes[0], str(result)
     explicit = compare(report, expected_communication(leaves, layout="fsdp", mode="explicit"))
     assert not explicit.matches and any("unexpected all-to-all" in d for d in explicit.differences)
+
+
+def test_bfloat16_moves_in_float32_on_cpu(mesh8: jax.sharding.Mesh) -> None:
+    half = jax.ShapeDtypeStruct((64, 16), jnp.bfloat16)
+    (row,) = census(_compiled(mesh8, lambda a: jax.lax.psum(a, "data"), P("data"), P(), half)).rows
+    assert row.dtype == "f32" and row.bytes == 8 * 16 * F32  # measured: XLA CPU reduces bf16 in f32
+    leaves = [("w", (8, 16), jnp.bfloat16, False)]
+    as_is = expected_communication(leaves, layout="replicated", mode="explicit", loss_bytes=0)
+    on_cpu = expected_communication(
+        leaves, layout="replicated", mode="explicit", loss_bytes=0, communicated_dtype="float32"
+    )
+    assert (as_is.bytes(), on_cpu.bytes()) == (8 * 16 * 2, 8 * 16 * F32)
