@@ -936,12 +936,15 @@ def _kind_difference(key: str, want: int, got: int, report: CensusReport, expect
         return f"too little {key}: compiled {got:,} B per step, expected {want:,} B ({want - got:,} B short)"
     return (
         f"extra {key}: compiled {got:,} B per step, expected {want:,} B ({got - want:,} B more); "
-        + _culprit(rows, got - want)
+        + _culprit(rows, got - want, [i for i in expected.items if _key(i.kind, expected.mode) == key])
     )
 
 
-def _culprit(rows: list[Collective], surplus: int) -> str:
-    """Name the instruction (or the operand of a combined one) the size of the surplus."""
+def _culprit(rows: list[Collective], surplus: int, items: list[ExpectedCollective]) -> str:
+    """Name the instruction (or the operand of a combined one) the size of the surplus.
+
+    Failing that, name the expected buffers of that size (reduced twice?) and list the rows.
+    """
     for row in rows:
         if row.bytes_per_step == surplus:
             return f"the surplus is {_describe(row)}"
@@ -949,7 +952,15 @@ def _culprit(rows: list[Collective], surplus: int) -> str:
         for i, buffer in enumerate(row.operands):
             if buffer.bytes == surplus and len(row.operands) > 1:
                 return f"the surplus is operand {i} ({buffer}) of {_describe(row)}"
-    return "compiled: " + "; ".join(_describe(r) for r in rows)
+    return _twice(surplus, items) + "compiled: " + "; ".join(_describe(r) for r in rows)
+
+
+def _twice(surplus: int, items: list[ExpectedCollective]) -> str:
+    leaves = [i for i in items if i.what not in ("loss", "metrics")]
+    if leaves and surplus == sum(i.bytes for i in leaves):
+        return "the surplus is every parameter's buffer once more (gradients reduced twice?); "
+    same = [i.what for i in items if i.bytes == surplus]
+    return f"the surplus is the size of {_shorten(same, 3)} (reduced twice?); " if same else ""
 
 
 def _describe(row: Collective) -> str:

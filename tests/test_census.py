@@ -271,6 +271,23 @@ def _explicit_replicated(extra: bool) -> Callable:
     return step
 
 
+def test_gradients_reduced_twice_are_named(mesh8: jax.sharding.Mesh) -> None:
+    def step(p: dict, x: jax.Array, y: jax.Array) -> tuple[jax.Array, dict]:
+        loss, grads = jax.value_and_grad(lambda q: jax.lax.pmean(_loss(q, x, y), "data"))(p)
+        return loss, jax.lax.pmean(grads, "data")  # the classic mistake: check_vma already summed them
+
+    compiled = _compiled(
+        mesh8, step, (REPLICATED, P("data"), P("data")), (P(), REPLICATED), _params(), XB, YB
+    )
+    result = compare(census(compiled), expected_communication(LEAVES, layout="replicated", mode="explicit"))
+    assert (
+        not result.matches and census(compiled).bytes("all-reduce") == 2 * (SPLIT_BYTES + UNSPLIT_BYTES) + 4
+    )
+    assert f"({SPLIT_BYTES + UNSPLIT_BYTES:,} B more)" in str(result) and "gradients reduced twice" in str(
+        result
+    )
+
+
 @pytest.mark.parametrize("extra", [False, True])
 def test_explicit_replicated_step_and_an_extra_all_reduce(mesh8: jax.sharding.Mesh, extra: bool) -> None:
     compiled = _compiled(mesh8, _explicit_replicated(extra), (REPLICATED, P("data"), P("data")),
