@@ -11,7 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
+import jax
 import jax.numpy as jnp
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from substrax._reductions import METRIC_REDUCTIONS, check_reduce_fn
 from substrax._tree import is_array, map_arrays
@@ -123,17 +125,34 @@ def reduce_custom(
     return reduced
 
 
-def reduce_metrics(metrics: Mapping[str, V], reduce: Mapping[str, str | None] | None = None) -> dict[str, V | jnp.ndarray]:
+def _replicated(value: Any, mesh: Mesh | AbstractMesh | None) -> Any:
+    """``value`` constrained to be whole on every device of ``mesh`` (or the current mesh, if any)."""
+    if mesh is None:
+        mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not is_array(value):
+        return value
+    return jax.lax.with_sharding_constraint(value, NamedSharding(mesh, PartitionSpec()))
+
+
+def reduce_metrics(
+    metrics: Mapping[str, V],
+    reduce: Mapping[str, str | None] | None = None,
+    *,
+    mesh: Mesh | AbstractMesh | None = None,
+) -> dict[str, V | jnp.ndarray]:
     """Reduce a training step's metrics, computed on the global batch, by name.
 
     The implicit twin of ``substrax.explicit.reduce_metrics_collective``: the same
-    ``reduce`` mapping gives the same values on both paths.
+    ``reduce`` mapping gives the same values on both paths, replicated.
 
     Args:
       metrics: Metric name to its value on the global batch.
       reduce: Metric name to ``"mean"``, ``"sum"``, ``"max"`` or ``"min"`` (reduce every
-        element), ``"gather"`` (keep the per-example values; they are already the
-        global batch's) or ``None`` (keep as it is). Unlisted names get ``"mean"``.
+        element), ``"gather"`` (the per-example values of the global batch, constrained
+        to be replicated on every device of the mesh, so every process can read them
+        with ``np.asarray``) or ``None`` (keep as it is). Unlisted names get ``"mean"``.
+      mesh: The mesh ``"gather"`` replicates over; ``None`` takes the one set by
+        ``jax.set_mesh``, and without one leaves the values where they are.
 
     Returns:
       The reduced metrics, by name.
@@ -149,6 +168,8 @@ def reduce_metrics(metrics: Mapping[str, V], reduce: Mapping[str, str | None] | 
         op = ops[name]
         if op is not None and op in _REDUCE and is_array(value):
             reduced[name] = _REDUCE[op](value)
+        elif op == "gather":
+            reduced[name] = _replicated(value, mesh)
         else:
             reduced[name] = value
     return reduced

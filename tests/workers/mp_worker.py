@@ -185,6 +185,30 @@ def checks() -> None:
             for name in ref_params:
                 np.testing.assert_allclose(got[name], ref_params[name], rtol=1e-5, atol=1e-5, err_msg=name)
 
+    for mode in substrax.MODES:
+
+        @check(f"gather_{mode}")
+        def _(mode: str = mode) -> None:
+            def per_example(model: MLP, batch: dict) -> tuple[jax.Array, dict]:
+                err = (model(batch["rows"]["x"]) - batch["rows"]["y"])[:, 0]
+                return jnp.mean(err**2), {"err": err}
+
+            with jax.set_mesh(mesh):
+                model = MLP()
+                optimizer = nnx.Optimizer(model, optax.sgd(0.0), wrt=nnx.Param)
+            step = substrax.make_train_step(
+                per_example, mode, mesh=mesh, has_aux=True, reduce={"err": "gather"},
+                batch_spec={"rows": P("data"), "batch_state": P()},
+            )
+            b = batches[0]
+            rows = jax.tree.map(lambda a: a[process_slice(ROWS)], b["rows"])
+            placed = place_batch_on_shards({"rows": rows, "batch_state": b["batch_state"]}, shardings)
+            _, metrics = step(model, optimizer, placed)
+            with jax.default_device(device):
+                want = np.asarray(MLP()(b["rows"]["x"]))[:, 0] - b["rows"]["y"][:, 0]
+            # every process reads every row
+            np.testing.assert_allclose(np.asarray(metrics["err"]), want, rtol=1e-5, atol=1e-6)
+
     print("stderr is passed on too", file=sys.stderr)
     if FAILURES:
         raise SystemExit(f"failed checks: {FAILURES}")
