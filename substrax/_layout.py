@@ -182,6 +182,9 @@ def optimizer_mirrors(
 
 def _place(variable: nnx.Variable[Any], spec: tuple[Any, ...], mesh: Mesh) -> None:
     value = variable.get_value()
+    if isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+        variable.set_value(jax.device_put(value, NamedSharding(mesh, PartitionSpec())))
+        return
     sharding = NamedSharding(mesh, PartitionSpec(*spec))
     if jax.process_count() > 1:
         host = np.asarray(jax.device_get(value)) if getattr(value, "is_fully_addressable", True) else None
@@ -260,6 +263,11 @@ def shard_state(
         _place(variable, split if params else whole, found)
         for mirror in mirror_paths:
             _place(opt_vars[mirror], split, found)
+    placed = {("model", p) for p in mirrors} | {("optimizer", m) for ms in mirrors.values() for m in ms}
+    for owner, variables in (("model", model_vars), ("optimizer", opt_vars)):
+        for path, variable in variables.items():  # everything else: replicated on the mesh
+            if (owner, path) not in placed and hasattr(variable.get_value(), "shape"):
+                _place(variable, (None,) * np.ndim(variable.get_value()), found)
     _EPOCH[0] += 1
     kind: LayoutKind = ("fsdp" if params else "zero1") if any(
         choose_split_dim(tuple(np.shape(model_vars[p].get_value())), size, min_size) is not None for p in mirrors
@@ -281,12 +289,19 @@ def layout_of(
       model: The model.
       optimizer: Its optimizer.
       axis: The data axis.
-      axis_size: The axis's size; default: from the current mesh.
+      axis_size: The axis's size; default: from the mesh the arrays are placed on, or
+        the current mesh.
       kind: The layout's name; default: ``"fsdp"`` when a parameter is split,
         ``"zero1"`` when only optimizer state is, else ``"replicated"``.
     """
     if axis_size is None:
-        axis_size = current_mesh(None, required_axes=(axis,)).shape[axis]
+        meshes = [
+            v.get_value().sharding.mesh
+            for _, v in _flat((model, optimizer))
+            if isinstance(getattr(v.get_value(), "sharding", None), NamedSharding)
+        ]
+        with_axis = [m for m in meshes if axis in m.axis_names]
+        axis_size = with_axis[0].shape[axis] if with_axis else current_mesh(None, required_axes=(axis,)).shape[axis]
     rows = []
     for owner, tree in (("model", model), ("optimizer", optimizer)):
         for path, variable in _flat(tree):

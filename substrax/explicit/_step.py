@@ -34,6 +34,7 @@ from substrax._collectives import gather_invariant, to_varying
 from substrax._layout import optimizer_mirrors, spec_tuple, split_dim_of
 from substrax._microbatch import check_microbatches, fold_microbatch_metrics, split_microbatches
 from substrax._placement import batch_partition_specs
+from substrax._reductions import split_loss_output
 from substrax._tree import PyTree, path_str
 from substrax.explicit._grad import data_parallel_value_and_grad, varying_axes
 from substrax.explicit._metrics import reduce_metrics_collective
@@ -206,10 +207,20 @@ def _value_and_local_grad(
     With ``microbatches > 1`` a ``lax.scan`` runs ``grad`` on each slice of the shard
     and sums the shares; the metrics gain a leading microbatch axis.
     """
-    value_and_grad = data_parallel_value_and_grad(split_loss, data_axis, has_aux=True)
     if microbatches == 1:
+        value_and_grad = data_parallel_value_and_grad(split_loss, data_axis, has_aux=True)
         (loss, metrics), grads = value_and_grad(model, shard)
         return loss, metrics, grads
+    # In the loop each device differentiates its own share, loss / axis size: what grad of
+    # the pmean-ed loss gives with varying parameters, without the per-microbatch pmean.
+    # The loss itself is averaged once, after the loop.
+    devices = jax.lax.axis_size(data_axis)
+
+    def share(m: nnx.Module, piece: PyTree) -> tuple[Any, Any]:
+        loss, aux = split_loss_output(split_loss(m, piece), True)
+        return loss / devices, aux
+
+    value_and_grad = nnx.value_and_grad(share, has_aux=True)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
     slices = split_microbatches(shard, specs, data_axis, microbatches)
 
@@ -224,7 +235,7 @@ def _value_and_local_grad(
     (_, rest, total), (losses, metrics) = jax.lax.scan(body, (params, rest, zeros), slices)
     nnx.update(model, rest)
     grads = jax.tree.map(lambda g: g / microbatches, total)
-    return jnp.mean(losses), metrics, grads
+    return jax.lax.psum(jnp.mean(losses), data_axis), metrics, grads
 
 
 def explicit_value_and_grad(

@@ -1,0 +1,243 @@
+"""Replicated, ZeRO-1 and FSDP state in both modes, and microbatches, against a one-device reference."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import MLP, assert_params_close, mse, params_of, reference_training, regression_batches
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+import substrax
+from substrax._census import census
+from substrax.explicit import explicit_train_step
+from substrax.mesh import create_device_mesh
+from substrax.spmd import create_data_parallel_sharding, place_batch_on_shards
+
+P = PartitionSpec
+LR = 1e-2
+MIN_SIZE = 16  # the test MLP (width 16): hidden kernel, hidden bias and out kernel split; out bias not
+
+
+def _shardings(model: nnx.Module, optimizer: nnx.Optimizer) -> dict[str, PartitionSpec]:
+    flat = nnx.to_flat_state(nnx.state((model, optimizer)))
+    return {"/".join(map(str, p)): v.get_value().sharding.spec for p, v in flat if hasattr(v.get_value(), "sharding")}
+
+
+def _same_layout(model: nnx.Module, optimizer: nnx.Optimizer, before: dict) -> None:
+    """Every array is placed as ``before`` says (equivalent shardings: a size-1 axis splits nothing)."""
+    for p, v in nnx.to_flat_state(nnx.state((model, optimizer))):
+        value = v.get_value()
+        want = jax.sharding.NamedSharding(value.sharding.mesh, before["/".join(map(str, p))])
+        assert value.sharding.is_equivalent_to(want, value.ndim), (p, value.sharding, want)
+
+
+def _placed(mesh: jax.sharding.Mesh, layout: str) -> tuple[MLP, nnx.Optimizer]:
+    model = MLP()
+    optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
+    if layout != "replicated":
+        substrax.shard_state(model, optimizer, mesh=mesh, params=layout == "fsdp", min_size=MIN_SIZE)
+    return model, optimizer
+
+
+def _train(mode: str, layout: str, mesh: jax.sharding.Mesh, batches: list) -> tuple[list, dict, dict]:
+    model, optimizer = _placed(mesh, layout)
+    before = _shardings(model, optimizer)
+    step = substrax.make_train_step(mse, mode, mesh=mesh)
+    sharding = create_data_parallel_sharding(mesh)
+    losses = [float(step(model, optimizer, place_batch_on_shards(b, sharding))) for b in batches]
+    _same_layout(model, optimizer, before)
+    return losses, params_of(model), before
+
+
+@pytest.fixture(scope="module")
+def batches() -> list[dict]:
+    return regression_batches(10, rows=32)
+
+
+@pytest.fixture(scope="module")
+def reference(batches: list[dict]) -> tuple[list[float], dict]:
+    return reference_training(batches, lr=LR)
+
+
+@pytest.fixture(scope="module")
+def reference5(batches: list[dict]) -> tuple[list[float], dict]:
+    return reference_training(batches[:5], lr=LR)
+
+
+@pytest.mark.parametrize("devices", [1, 2, 4, 8])
+@pytest.mark.parametrize("layout", ["zero1", "fsdp"])
+@pytest.mark.parametrize("mode", substrax.MODES)
+def test_layout_trains_like_one_device_and_keeps_its_placement(
+    mode: str, layout: str, devices: int, batches: list, reference: tuple
+) -> None:
+    mesh = create_device_mesh({"data": devices})
+    losses, params, before = _train(mode, layout, mesh, batches)
+    np.testing.assert_allclose(losses, reference[0], rtol=1e-5)
+    assert_params_close(params, reference[1])
+    assert before["0/hidden/kernel"] == (P(None, "data") if layout == "fsdp" else P(None, None))
+    assert before["1/opt_state/0/mu/hidden/kernel"] == P(None, "data")
+
+
+@pytest.mark.parametrize("layout", ["zero1", "fsdp"])
+def test_state_bytes_per_device(mesh8: jax.sharding.Mesh, layout: str) -> None:
+    model, optimizer = _placed(mesh8, layout)
+    report = substrax.layout_of(model, optimizer)
+    held = sum(
+        v.get_value().addressable_shards[0].data.nbytes
+        for _, v in nnx.to_flat_state(nnx.state((model, optimizer)))
+        if isinstance(v.get_value(), jax.Array) and not jnp.issubdtype(v.get_value().dtype, jax.dtypes.prng_key)
+    )
+    split = sum(r.nbytes for r in report.rows if r.split_dim is not None)
+    whole = sum(r.nbytes for r in report.rows if r.split_dim is None)
+    assert held == report.bytes_per_device <= split // 8 + whole
+    assert report.kind == layout and split > 0
+    assert "split on dim 1" in str(report) and "model['out']['bias']" in str(report)
+
+
+def test_explicit_fsdp_step_gathers_and_reduce_scatters(mesh8: jax.sharding.Mesh, batches: list) -> None:
+    model, optimizer = _placed(mesh8, "fsdp")
+    batch = place_batch_on_shards(batches[0], create_data_parallel_sharding(mesh8))
+    report = census(substrax.make_train_step(mse, "explicit", mesh=mesh8).lower(model, optimizer, batch).compile())
+    split_bytes = sum(r.nbytes for r in substrax.layout_of(model, optimizer).rows if r.owner == "model" and r.split_dim is not None)
+    assert report.bytes("all-gather") == split_bytes  # each split parameter gathered whole, once
+    assert report.bytes("reduce-scatter") == split_bytes  # and its gradient reduce-scattered, once
+    assert report.bytes("all-reduce") < 16  # the loss and the 1-element out bias; no split gradient
+    assert not report.in_loop()
+
+
+class Noisy(nnx.Module):
+    """BatchNorm over the global batch and dropout: state a layer updates, and random streams."""
+
+    def __init__(self, mode: str, *, dropout: float) -> None:
+        rngs = nnx.Rngs(0, dropout=1)
+        self.hidden = nnx.Linear(4, 16, use_bias=False, rngs=rngs)  # a bias before BatchNorm has no gradient
+        # the global batch's statistics: implicit mode sees it whole; explicit mode reduces over the axis
+        self.norm = nnx.BatchNorm(16, momentum=0.5, axis_name="data" if mode == "explicit" else None, rngs=rngs)
+        self.drop = nnx.Dropout(dropout, rngs=rngs)
+        self.out = nnx.Linear(16, 1, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.out(self.drop(jnp.tanh(self.norm(self.hidden(x)))))
+
+
+@pytest.mark.parametrize("layout", ["zero1", "fsdp"])
+def test_batchnorm_model_matches_between_modes_and_dropout_trains(mesh8: jax.sharding.Mesh, batches: list, layout: str) -> None:
+    results = {}
+    for mode in substrax.MODES:
+        model = Noisy(mode, dropout=0.0)
+        optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
+        substrax.shard_state(model, optimizer, mesh=mesh8, params=layout == "fsdp", min_size=MIN_SIZE)
+        step = substrax.make_train_step(mse, mode, mesh=mesh8)
+        losses = [float(step(model, optimizer, b)) for b in batches[:4]]
+        results[mode] = losses, params_of(model), np.asarray(model.norm.mean.get_value())
+    np.testing.assert_allclose(results["explicit"][0], results["implicit"][0], rtol=1e-5)
+    assert_params_close(results["explicit"][1], results["implicit"][1])
+    np.testing.assert_allclose(results["explicit"][2], results["implicit"][2], rtol=1e-5, atol=1e-6)
+    for mode in substrax.MODES:
+        model = Noisy(mode, dropout=0.5)
+        optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
+        substrax.shard_state(model, optimizer, mesh=mesh8, params=layout == "fsdp", min_size=MIN_SIZE)
+        step = substrax.make_train_step(mse, mode, mesh=mesh8)
+        losses = [float(step(model, optimizer, b)) for b in batches[:3]]
+        assert np.all(np.isfinite(losses)) and losses != results[mode][0][:3]
+
+
+def test_shard_state_errors(mesh8: jax.sharding.Mesh) -> None:
+    model = MLP()
+    optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
+    with pytest.raises(ValueError, match=r"Axis 'batch' is not in the mesh, whose axes are \('data',\)"):
+        substrax.shard_state(model, optimizer, mesh=mesh8, axis="batch")
+    with pytest.raises(ValueError, match=r"min_size must be >= 0 .* got -1"):
+        substrax.shard_state(model, optimizer, mesh=mesh8, min_size=-1)
+    with pytest.raises(TypeError, match=r"min_size must be an int"):
+        substrax.shard_state(model, optimizer, mesh=mesh8, min_size=2.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"takes the model's nnx.Optimizer; got Adam|got GradientTransformation"):
+        substrax.shard_state(model, optax.adam(LR), mesh=mesh8)  # type: ignore[arg-type]
+    other = nnx.Optimizer(MLP(width=32), optax.adam(LR), wrt=nnx.Param)
+    with pytest.raises(ValueError, match=r"optimizer\['opt_state'\]\[0\]\['mu'\]\['hidden'\]\['bias'\] \(shape \(32,\)\) mirrors no parameter"):
+        substrax.shard_state(model, other, mesh=mesh8)
+
+
+def _model_parallel() -> tuple[jax.sharding.Mesh, nnx.Module, nnx.Optimizer]:
+    mesh = create_device_mesh({"data": 4, "model": 2})
+    init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
+    with jax.set_mesh(mesh):
+        model = MLP()
+        model.hidden = nnx.Linear(4, 16, kernel_init=init, rngs=nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
+    return mesh, model, optimizer
+
+
+def test_a_parameter_split_over_another_axis_is_refused_inside_nnx_jit_too(batches: list) -> None:
+    mesh, model, optimizer = _model_parallel()
+
+    @nnx.jit
+    def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: dict) -> jax.Array:
+        return explicit_train_step(model, optimizer, mse, batch)
+
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"model\['hidden'\]\['kernel'\] is sharded as P\(None, 'model'\), over mesh axis 'model'"):
+        train_step(model, optimizer, batches[0])
+    with pytest.raises(ValueError, match=r"model\['hidden'\]\['kernel'\] is already declared sharded as \(None, 'model'\)"):
+        substrax.shard_state(model, optimizer, mesh=mesh)
+
+
+# ----------------------------------------------------------------------------------------- microbatches
+
+
+def _aux_loss(model: nnx.Module, batch: dict) -> tuple[jax.Array, dict]:
+    x0 = batch["x"][:, 0]
+    return mse(model, batch), {"x0": x0, "x0_max": x0, "x0_sum": x0, "x0_mean": x0}
+
+
+@pytest.mark.parametrize("microbatches", [1, 2, 4])
+@pytest.mark.parametrize("layout", ["replicated", "fsdp"])
+@pytest.mark.parametrize("mode", substrax.MODES)
+def test_microbatches_train_like_the_whole_batch(
+    mode: str, layout: str, microbatches: int, mesh8: jax.sharding.Mesh, batches: list, reference5: tuple
+) -> None:
+    model, optimizer = _placed(mesh8, layout)
+    reduce = {"x0": "gather", "x0_max": "max", "x0_sum": "sum", "x0_mean": "mean"}
+    step = substrax.make_train_step(_aux_loss, mode, mesh=mesh8, has_aux=True, reduce=reduce, microbatches=microbatches)
+    losses = []
+    for b in batches[:5]:
+        loss, metrics = step(model, optimizer, place_batch_on_shards(b, create_data_parallel_sharding(mesh8)))
+        losses.append(float(loss))
+        x0 = b["x"][:, 0]
+        np.testing.assert_array_equal(np.asarray(metrics["x0"]), x0)  # every row, in the global order
+        np.testing.assert_allclose([metrics["x0_max"], metrics["x0_sum"], metrics["x0_mean"]], [x0.max(), x0.sum(), x0.mean()], rtol=1e-5)
+    np.testing.assert_allclose(losses, reference5[0], rtol=1e-5)
+    assert_params_close(params_of(model), reference5[1])
+
+
+def _reductions(report: object) -> list:
+    return [r for r in report.rows if r.kind in ("all-reduce", "reduce-scatter")]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("layout", ["replicated", "fsdp"])
+def test_explicit_microbatches_reduce_once_outside_the_loop(mesh8: jax.sharding.Mesh, batches: list, layout: str) -> None:
+    batch = place_batch_on_shards(batches[0], create_data_parallel_sharding(mesh8))
+    reports = {}
+    for k in (1, 4):
+        model, optimizer = _placed(mesh8, layout)
+        step = substrax.make_train_step(mse, "explicit", mesh=mesh8, microbatches=k)
+        reports[k] = census(step.lower(model, optimizer, batch).compile())
+    looped = reports[4]
+    assert looped.in_loop() == ()  # no collective of any kind runs per microbatch
+    assert len(_reductions(looped)) <= len(_reductions(reports[1]))
+    assert sum(r.bytes for r in _reductions(looped)) == sum(r.bytes for r in _reductions(reports[1]))
+
+
+def test_microbatch_errors(mesh8: jax.sharding.Mesh, batches: list) -> None:
+    with pytest.raises(ValueError, match=r"microbatches must be >= 1 .* got 0"):
+        substrax.make_train_step(mse, "explicit", microbatches=0)
+    with pytest.raises(TypeError, match=r"microbatches must be an int; got '2'"):
+        substrax.make_train_step(mse, "implicit", microbatches="2")  # type: ignore[arg-type]
+    for mode in substrax.MODES:
+        model, optimizer = _placed(mesh8, "replicated")
+        step = substrax.make_train_step(mse, mode, mesh=mesh8, microbatches=3)
+        with pytest.raises(ValueError, match=r"batch\['x'\] has 4 rows per device \(32 rows over 8 devices\), which do not split into microbatches=3"):
+            step(model, optimizer, batches[0])
