@@ -1,0 +1,112 @@
+"""Checkpoint workers: several processes saving, and a process killed in the middle of a save.
+
+``python -m substrax.launch -n 2 -d 4 ckpt_worker.py train DIR``: in each mode, every
+process builds the same model, splits it FSDP over the 8 devices of both processes,
+trains ``STEPS`` steps on its own rows of each batch, saves step ``STEPS`` into
+``DIR/<mode>``, trains ``STEPS`` more, and prints ``LOSSES <mode> <json>``: all the
+losses of this uninterrupted run, which a resumed run must reproduce.
+
+``python ckpt_worker.py crash DIR`` (one process, 8 CPU devices): saves step 1, then
+starts an asynchronous save of step 2 in which orbax's commit (the rename of the
+temporary directory) never returns; it prints ``COMMITTING`` there, with every array of
+step 2 written, and waits to be killed. Step 1 holds a fresh model's FSDP state (seed 0)
+and its Adam optimizer's, step 2 every array of it plus one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+if sys.argv[1] == "train":
+    import substrax.launch
+
+    substrax.launch.initialize()  # first thing: before anything touches a jax backend
+else:
+    from substrax.mesh import use_cpu_devices
+
+    use_cpu_devices(8)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import substrax  # noqa: E402
+from substrax import checkpoint  # noqa: E402
+from substrax.launch import process_slice  # noqa: E402
+from substrax.mesh import create_device_mesh  # noqa: E402
+
+ROWS, DIN, STEPS, LR, MIN_SIZE = 32, 4, 4, 1e-2, 8
+
+
+class MLP(nnx.Module):
+    def __init__(self, din: int = DIN, width: int = 16, *, seed: int = 0) -> None:
+        rngs = nnx.Rngs(seed)
+        self.hidden = nnx.Linear(din, width, rngs=rngs)
+        self.out = nnx.Linear(width, 1, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.out(jnp.tanh(self.hidden(x)))
+
+
+def mse(model: MLP, batch: dict) -> jax.Array:
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def batches(steps: int = 2 * STEPS, rows: int = ROWS, seed: int = 0) -> list[dict[str, np.ndarray]]:
+    """The global batches: the same on every process, and in the test that resumes."""
+    rng = np.random.default_rng(seed)
+    w = rng.normal(size=(DIN, 1))
+    out = []
+    for _ in range(steps):
+        x = rng.normal(size=(rows, DIN)).astype(np.float32)
+        out.append({"x": x, "y": np.sin(x @ w).astype(np.float32)})
+    return out
+
+
+def train(directory: str) -> None:
+    mesh = create_device_mesh({"data": jax.device_count()})
+    mine = process_slice(ROWS)
+    for mode in substrax.MODES:
+        model = MLP()
+        optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
+        substrax.shard_state(model, optimizer, mesh=mesh, min_size=MIN_SIZE)
+        step = substrax.make_train_step(mse, mode, mesh=mesh)
+        losses = []
+        for i, batch in enumerate(batches(), start=1):
+            placed = substrax.spmd.place_batch_on_shards(
+                {k: v[mine] for k, v in batch.items()}, substrax.spmd.create_data_parallel_sharding(mesh)
+            )
+            losses.append(float(step(model, optimizer, placed).addressable_data(0)))
+            if i == STEPS:
+                checkpoint.save(os.path.join(directory, mode), i, model, optimizer)
+        print(f"LOSSES {mode} {json.dumps(losses)}", flush=True)
+
+
+def _blocked_rename(*args: object, **kwargs: object) -> None:
+    print("COMMITTING", flush=True)
+    time.sleep(600)
+
+
+def crash(directory: str) -> None:
+    mesh = create_device_mesh({"data": 8})
+    model = MLP()
+    optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
+    substrax.shard_state(model, optimizer, mesh=mesh, min_size=MIN_SIZE)
+    checkpoint.save(directory, 1, model, optimizer)
+    for _, variable in nnx.to_flat_state(nnx.state((model, optimizer))):
+        variable.set_raw_value(variable.get_raw_value() + 1)
+    os.rename = _blocked_rename  # type: ignore[assignment]  # orbax's commit never completes
+    manager = checkpoint.CheckpointManager(directory, async_save=True)
+    manager.save(2, model, optimizer)
+    print("SAVING", flush=True)
+    manager.wait()
+    print("the save of step 2 was committed: the test's kill came too late", flush=True)
+
+
+if __name__ == "__main__":
+    {"train": train, "crash": crash}[sys.argv[1]](sys.argv[2])
