@@ -14,6 +14,7 @@ model's and optimizer's state over the data axis (ZeRO-1, FSDP); both modes trai
 """
 
 from substrax import explicit, mesh, spmd
+from substrax._census import CensusReport, Comparison, Expected, census, compare, expected_communication
 from substrax._layout import LAYOUTS, Layout, LeafPlacement, layout_of, shard_state
 from substrax._train_step import MODES, BoundTrainStep, TrainStep, make_train_step
 
@@ -23,10 +24,16 @@ __all__ = [
     "LAYOUTS",
     "MODES",
     "BoundTrainStep",
+    "CensusReport",
+    "Comparison",
+    "Expected",
     "Layout",
     "LeafPlacement",
     "TrainStep",
     "__version__",
+    "census",
+    "compare",
+    "expected_communication",
     "explicit",
     "layout_of",
     "make_train_step",

@@ -20,8 +20,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from substrax import _layout
+from substrax._census import Comparison
 from substrax._microbatch import check_microbatches
 from substrax._reductions import METRIC_REDUCTIONS
+from substrax._step_census import step_census
 from substrax._tree import PyTree, path_str
 from substrax.explicit._step import BatchSpec, explicit_train_step
 from substrax.mesh import current_mesh
@@ -264,6 +266,15 @@ class TrainStep:
         with self.mesh_context():
             return split.jitted.lower(split.arrays(), batch, placed=self.placed_specs(batch))
 
+    def census(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree) -> Comparison:
+        """Every collective of this step compiled for these arguments, against its layout's rule.
+
+        ``print(step.census(model, optimizer, batch))`` shows one row per collective,
+        the expected and compiled bytes per kind, and each difference; ``.matches`` says
+        whether they agree. See ``substrax.compare`` for the rule.
+        """
+        return step_census(self, model, optimizer, batch)
+
     def bind(self, model: nnx.Module, optimizer: nnx.Optimizer, *, donate: bool = True) -> BoundTrainStep:
         """The loop spelling: split ``model`` and ``optimizer`` once, step on their arrays.
 
@@ -380,6 +391,11 @@ class BoundTrainStep:
         """Lower this step for ``batch``, to read its HLO (see ``TrainStep.lower``)."""
         with self._step.mesh_context():
             return self._split.jitted.lower(self._arrays, batch, placed=self._step.placed_specs(batch))
+
+    def census(self, batch: PyTree) -> Comparison:
+        """This step's census against its layout's rule (see ``TrainStep.census``); syncs first."""
+        self.sync()
+        return self._step.census(self.model, self.optimizer, batch)
 
     def sync(self) -> None:
         """Write the current state into ``model`` and ``optimizer``.

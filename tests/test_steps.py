@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 
 import jax
 import jax.numpy as jnp
@@ -145,18 +144,38 @@ def test_bound_step_matches_the_reference(
     assert not np.allclose(mid["hidden/kernel"], reference[1]["hidden/kernel"])  # sync showed step 10's state
 
 
-@pytest.mark.parametrize("mode", ["implicit", "explicit"])
-def test_lowered_step_has_one_gradient_all_reduce(mesh8: jax.sharding.Mesh, mode: str) -> None:
-    with jax.set_mesh(mesh8):
-        model = MLP()
-        optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
+@pytest.mark.parametrize("layout", substrax.LAYOUTS)
+@pytest.mark.parametrize("mode", substrax.MODES)
+def test_census_of_each_step_matches_its_layout(mesh8: jax.sharding.Mesh, mode: str, layout: str) -> None:
+    model = MLP()
+    optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
+    if layout != "replicated":
+        substrax.shard_state(model, optimizer, mesh=mesh8, params=layout == "fsdp", min_size=16)
     batch = place_batch_on_shards(regression_batches(1, rows=32)[0], create_data_parallel_sharding(mesh8))
-    hlo = substrax.make_train_step(mse, mode, mesh=mesh8).lower(model, optimizer, batch).compile().as_text()
-    # one all-reduce, combined by XLA over the 4 gradients and the loss: 5 operands
-    reduces = re.findall(r"= \(([^)]*)\) all-reduce\(", hlo)
-    assert len(reduces) == 1 and reduces[0].count("f32[") == 5
-    assert "all-gather" not in hlo and "all-to-all" not in hlo
+    found = substrax.make_train_step(mse, mode, mesh=mesh8).census(model, optimizer, batch)
+    assert found.matches, str(found)
+    grads = sum(int(np.prod(v.shape)) * 4 for v in params_of(model).values())  # float32 gradients
+    report = found.report
+    if layout == "replicated":  # one all-reduce, combined by XLA over the 4 gradients and the loss
+        assert report.count("all-reduce") == 1 and report.bytes("all-reduce") == grads + 4
+        assert report.kinds == ("all-reduce",)
+    elif mode == "explicit":  # 3 split parameters: gathered (FSDP: before use; ZeRO-1: after the update)
+        split = grads - 4  # all but the 1-element out bias
+        assert report.bytes("reduce-scatter") == report.bytes("all-gather") == split
+        assert report.bytes("all-reduce") == 4 + 4
 
+
+def test_census_names_an_extra_all_reduce(mesh8: jax.sharding.Mesh) -> None:
+    def with_extra_psum(model: MLP, batch: dict) -> jax.Array:
+        # a deliberate extra collective: a psum of three column sums that the step does not call for
+        return mse(model, batch) + 0.0 * jax.lax.psum(batch["x"][:, :3].sum(0), "data").sum()
+
+    model = MLP()
+    optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
+    batch = place_batch_on_shards(regression_batches(1, rows=32)[0], create_data_parallel_sharding(mesh8))
+    found = substrax.make_train_step(with_extra_psum, "explicit", mesh=mesh8).census(model, optimizer, batch)
+    assert not found.matches
+    assert "extra all-reduce" in str(found) and "f32[3]" in str(found)
 
 
 @pytest.mark.parametrize("mode", ["implicit", "explicit"])
