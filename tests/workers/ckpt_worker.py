@@ -1,10 +1,12 @@
 """Checkpoint workers: several processes saving, and a process killed in the middle of a save.
 
-``python -m substrax.launch -n 2 -d 4 ckpt_worker.py train DIR``: in each mode, every
-process builds the same model, splits it FSDP over the 8 devices of both processes,
-trains ``STEPS`` steps on its own rows of each batch, saves step ``STEPS`` into
-``DIR/<mode>``, trains ``STEPS`` more, and prints ``LOSSES <mode> <json>``: all the
-losses of this uninterrupted run, which a resumed run must reproduce.
+``python -m substrax.launch -n 2 -d 4 ckpt_worker.py train DIR``: every process builds
+the same model, splits it FSDP over the 8 devices of both processes, trains ``STEPS``
+explicit-mode steps on its own rows of each batch, saves step ``STEPS`` into ``DIR``,
+trains ``STEPS`` more, and prints ``LOSSES <json>``: all the losses of this
+uninterrupted run, which a resumed run must reproduce. Then both processes restore the
+checkpoint into a fresh FSDP model, train the last ``STEPS`` steps again, and print
+``RESUMED <json>``.
 
 ``python ckpt_worker.py crash DIR`` (one process, 8 CPU devices): saves step 1, then
 starts an asynchronous save of step 2 in which orbax's commit (the rename of the
@@ -68,23 +70,32 @@ def batches(steps: int = 2 * STEPS, rows: int = ROWS, seed: int = 0) -> list[dic
     return out
 
 
+def fsdp_model(mesh: jax.sharding.Mesh, seed: int = 0) -> tuple[MLP, nnx.Optimizer]:
+    model = MLP(seed=seed)
+    optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
+    substrax.shard_state(model, optimizer, mesh=mesh, min_size=MIN_SIZE)
+    return model, optimizer
+
+
 def train(directory: str) -> None:
     mesh = create_device_mesh({"data": jax.device_count()})
+    rows = substrax.spmd.create_data_parallel_sharding(mesh)
     mine = process_slice(ROWS)
-    for mode in substrax.MODES:
-        model = MLP()
-        optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
-        substrax.shard_state(model, optimizer, mesh=mesh, min_size=MIN_SIZE)
-        step = substrax.make_train_step(mse, mode, mesh=mesh)
-        losses = []
-        for i, batch in enumerate(batches(), start=1):
-            placed = substrax.spmd.place_batch_on_shards(
-                {k: v[mine] for k, v in batch.items()}, substrax.spmd.create_data_parallel_sharding(mesh)
-            )
-            losses.append(float(step(model, optimizer, placed).addressable_data(0)))
-            if i == STEPS:
-                checkpoint.save(os.path.join(directory, mode), i, model, optimizer)
-        print(f"LOSSES {mode} {json.dumps(losses)}", flush=True)
+    placed = [
+        substrax.spmd.place_batch_on_shards({k: v[mine] for k, v in b.items()}, rows) for b in batches()
+    ]
+    step = substrax.make_train_step(mse, "explicit", mesh=mesh)
+    model, optimizer = fsdp_model(mesh)
+    losses = []
+    for i, batch in enumerate(placed, start=1):
+        losses.append(float(step(model, optimizer, batch).addressable_data(0)))
+        if i == STEPS:
+            checkpoint.save(directory, i, model, optimizer)
+    print(f"LOSSES {json.dumps(losses)}", flush=True)
+    model, optimizer = fsdp_model(mesh, seed=1)  # every process restores its own shards
+    assert checkpoint.restore(directory, model, optimizer) == STEPS
+    resumed = [float(step(model, optimizer, batch).addressable_data(0)) for batch in placed[STEPS:]]
+    print(f"RESUMED {json.dumps(resumed)}", flush=True)
 
 
 def _blocked_rename(*args: object, **kwargs: object) -> None:
@@ -94,9 +105,7 @@ def _blocked_rename(*args: object, **kwargs: object) -> None:
 
 def crash(directory: str) -> None:
     mesh = create_device_mesh({"data": 8})
-    model = MLP()
-    optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
-    substrax.shard_state(model, optimizer, mesh=mesh, min_size=MIN_SIZE)
+    model, optimizer = fsdp_model(mesh)
     checkpoint.save(directory, 1, model, optimizer)
     for _, variable in nnx.to_flat_state(nnx.state((model, optimizer))):
         variable.set_raw_value(variable.get_raw_value() + 1)
