@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import time
 
 import jax
 import pytest
@@ -20,6 +22,7 @@ from workers.launching import REPO, kill_all, launch, launch_and_signal, running
 import substrax.launch
 from substrax.launch import _env
 from substrax.launch._env import detect_cluster, launch_env
+from substrax.launch._launcher import drop_gloo_chatter
 
 BOUND_S = 30  # the bound on ending a failed run; everything here is far below it
 
@@ -196,3 +199,61 @@ def test_incomplete_launch_variables_are_named() -> None:
 
 def test_process_slice_on_one_process_is_every_row() -> None:
     assert substrax.launch.process_slice(12) == slice(0, 12)
+
+
+def test_sys_exit_in_a_jax_process_ends_the_run_at_once_with_its_code() -> None:
+    # Process 1 calls sys.exit(3) while process 0 waits for it in a collective; without
+    # the launcher's care process 1 would wait in JAX's shutdown barrier, then abort.
+    run = launch(2, 2, "mp_worker.py", "exit", timeout=120)
+    ended = time.time()
+    pids = run.pids()
+    try:
+        assert run.returncode == 3, run.output
+        assert f"[launch] process 1 (pid {pids[1]}) exited with code 3" in run.stderr
+        exited = float(re.search(r"\[p1\] EXITING (\S+)", run.stdout).group(1))
+        assert ended - exited < 5, f"the run ended {ended - exited:.1f} s after sys.exit(3)"
+        assert running(pids) == []
+    finally:
+        kill_all(pids)
+
+
+def test_an_idle_run_ends_after_the_idle_timeout_naming_what_it_waited_for() -> None:
+    # Both processes print READY, then hang (they ignore SIGTERM, as a JAX process may).
+    run = launch(2, 1, "plain_worker.py", "wait", timeout=60, options=["--idle-timeout", "1"])
+    pids = run.pids()
+    try:
+        assert run.returncode == 124, run.output
+        said = re.search(r"\[launch\] no process printed a line for 1 s \(--idle-timeout\); (.*)", run.stderr)
+        assert said, run.stderr
+        assert f"waited for output from p0 (pid {pids[0]}, last line" in said.group(1)
+        assert f"p1 (pid {pids[1]}, last line" in said.group(1)
+        assert run.seconds < BOUND_S and running(pids) == []
+    finally:
+        kill_all(pids)
+
+
+def test_launch_refuses_a_bad_idle_timeout() -> None:
+    with pytest.raises(ValueError, match="must be a positive number of seconds or None; got 0"):
+        substrax.launch.launch(__file__, num_processes=1, devices_per_process=1, idle_timeout_s=0)
+
+
+def test_gloo_connection_lines_are_silenced_and_other_lines_kept_whole() -> None:
+    run = launch(2, 1, "plain_worker.py", "gloo", timeout=60)
+    assert run.returncode == 0, run.output
+    assert sorted(run.stdout.splitlines()) == ["[p0] line 0 whole", "[p1] line 1 whole"], run.stdout
+    assert "Gloo" not in run.output
+
+
+@pytest.mark.parametrize(
+    ("line", "kept"),
+    [
+        ("[Gloo] Rank 4\n", None),
+        ("[Gloo] Rank  is connected to 75 peer ranks.  is connected to peer ranks. \n", None),
+        ("Expected number of connected peer ranks is : 7\n", None),
+        ("[Gloo] Rank 5 is connected to 7 peer ranks. loss 0.25\n", "57loss 0.25\n"),  # the pieces go
+        ("loss 0.25 after 7 peer steps\n", "loss 0.25 after 7 peer steps\n"),
+        ("\n", "\n"),
+    ],
+)
+def test_drop_gloo_chatter(line: str, kept: str | None) -> None:
+    assert drop_gloo_chatter(line) == kept

@@ -48,6 +48,16 @@ def main(argv: list[str] | None = None) -> int:
             "process works on alone at the end"
         ),
     )
+    parser.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help=(
+            "end the run (exit code 124) when no process has printed a line for this long: a hung "
+            "process, and peers waiting for it in a collective, print nothing (default: no bound)"
+        ),
+    )
     parser.add_argument("script", help="the Python script to run")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     ns = parser.parse_args(argv)
@@ -59,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             devices_per_process=ns.devices_per_process,
             grace_s=ns.grace,
             shutdown_timeout_s=ns.shutdown_timeout,
+            idle_timeout_s=ns.idle_timeout,
         )
     except ValueError as e:
         parser.error(str(e))

@@ -42,8 +42,10 @@ def initialize_launched(env: LaunchEnv) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     _set_if_known("jax_enable_preemption_service", False)  # it would swallow our SIGTERM
     end_if_orphaned = _follow_launcher(env.launcher_pid)
+    exit_code = None
     if env.num_processes > 1:
         _exit_at_once_on_uncaught_exception(before_exit=end_if_orphaned)
+        exit_code = _watch_system_exit()
     jax.distributed.initialize(
         coordinator_address=env.coordinator_address,
         num_processes=env.num_processes,
@@ -56,6 +58,9 @@ def initialize_launched(env: LaunchEnv) -> None:
             shutdown_timeout_seconds=env.shutdown_timeout_s,
         ),
     )
+    if exit_code is not None:
+        # Registered after JAX's own exit handlers, so it runs before them (atexit is LIFO).
+        atexit.register(_exit_at_once_on_failed_exit, exit_code, end_if_orphaned)
 
 
 def _accepted_by(fn: Any, **kwargs: Any) -> dict[str, Any]:
@@ -84,6 +89,63 @@ def _exit_at_once_on_uncaught_exception(before_exit: Callable[[], None]) -> None
         os._exit(1)
 
     sys.excepthook = hook
+
+
+def _watch_system_exit() -> Callable[[], int | str | None] | None:
+    """Note the SystemExit the main thread is leaving with, if any; returns its code's reader.
+
+    ``SystemExit`` never reaches ``sys.excepthook``, and ``atexit`` is not told the exit
+    code, so a ``sys.exit(3)`` would wait in JAX's shutdown barrier for peers that may be
+    blocked in a collective waiting for it. ``sys.monitoring`` (one of its free tool ids)
+    sees every ``SystemExit`` raised in the main thread, and forgets one that is caught.
+
+    Returns:
+      A function giving the code of the ``SystemExit`` in flight (``None`` when there is
+      none), or ``None`` when every ``sys.monitoring`` tool id is taken (a debugger and
+      more): a ``sys.exit`` then waits at the barrier, as it would without the launcher.
+    """
+    monitoring = sys.monitoring
+    tool = next((t for t in range(5, -1, -1) if monitoring.get_tool(t) is None), None)
+    if tool is None:
+        return None
+    main = threading.main_thread().ident
+    in_flight: list[SystemExit] = []
+
+    def raised(code: object, offset: int, exc: BaseException) -> None:
+        if isinstance(exc, SystemExit) and threading.get_ident() == main:
+            in_flight[:] = [exc]
+
+    def handled(code: object, offset: int, exc: BaseException) -> None:
+        if isinstance(exc, SystemExit) and threading.get_ident() == main:
+            in_flight.clear()
+
+    events = monitoring.events
+    monitoring.use_tool_id(tool, "substrax.launch")
+    monitoring.register_callback(tool, events.RAISE, raised)
+    monitoring.register_callback(tool, events.RERAISE, raised)
+    monitoring.register_callback(tool, events.EXCEPTION_HANDLED, handled)
+    monitoring.set_events(tool, events.RAISE | events.RERAISE | events.EXCEPTION_HANDLED)
+    return lambda: in_flight[0].code if in_flight else None
+
+
+def _exit_at_once_on_failed_exit(
+    exit_code: Callable[[], int | str | None], before_exit: Callable[[], None]
+) -> None:
+    """At exit, end the process at once when it leaves with a non-zero ``SystemExit``.
+
+    A clean exit (no ``SystemExit``, or code 0 or ``None``) goes on to JAX's shutdown
+    barrier, which keeps the coordinator up until every process is done.
+    """
+    code = exit_code()
+    if code is None or code == 0:
+        return
+    if not isinstance(code, int):
+        print(code, file=sys.stderr)  # what Python prints for sys.exit("message")
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    before_exit()
+    os._exit(code & 0xFF)
 
 
 def _follow_launcher(launcher_pid: int | None) -> Callable[[], None]:

@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from substrax.launch import _env
@@ -72,6 +73,27 @@ class _Signals:
                 signal.signal(s, handler)
 
 
+# When its connections are up, gloo prints "[Gloo] Rank R is connected to N peer ranks.
+# Expected number of connected peer ranks is : N" once per device, from one thread per
+# device, one piece at a time: the pieces interleave ("[Gloo] Rank 4", "[Gloo] Rank  is
+# connected to 75 peer ranks.  is connected to peer ranks. "), numbers astray.
+_GLOO_PIECES = re.compile(
+    r"\[Gloo\] Rank ?| ?is connected to ?| ?peer ranks\. ?|Expected number of connected peer ranks is : ?"
+)
+
+
+def drop_gloo_chatter(line: str) -> str | None:
+    """``line`` without gloo's "Rank R is connected" pieces; ``None`` when only they were in it.
+
+    They carry no information. A line that held only their pieces and numbers is dropped;
+    any other line keeps everything but the pieces.
+    """
+    rest, found = _GLOO_PIECES.subn("", line)
+    if not found:
+        return line
+    return rest if rest.strip(" \t\r\n0123456789") else None
+
+
 class _Printer:
     """Writes whole lines from every child, each under its prefix, one at a time.
 
@@ -91,10 +113,15 @@ class _Printer:
             except (BrokenPipeError, ValueError):
                 pass  # our own output is gone (a closed pipe); keep draining the child's
 
-    def pump(self, pipe: BinaryIO, stream: str, prefix: str) -> None:
+    def pump(
+        self, pipe: BinaryIO, stream: str, prefix: str, on_line: Callable[[], None] = lambda: None
+    ) -> None:
         with pipe:
-            for line in iter(pipe.readline, b""):
-                self.write(stream, prefix, line.decode(errors="replace"))
+            for raw in iter(pipe.readline, b""):
+                on_line()
+                line = drop_gloo_chatter(raw.decode(errors="replace"))
+                if line is not None:
+                    self.write(stream, prefix, line)
 
     def say(self, text: str) -> None:
         self.write("stderr", "[launch] ", text)
@@ -105,6 +132,23 @@ class _Child:
     index: int
     proc: subprocess.Popen
     readers: list[threading.Thread]
+    started_at: float = field(default_factory=time.monotonic)
+    exited_at: float | None = None  # when it exited, as a waiting thread saw it (to blame the first)
+    last_output_at: float | None = None  # when it last printed a line (for the idle timeout)
+
+    def wait_in_background(self) -> None:
+        """Note the moment the child exits, without reaping it (see ``exit_code``)."""
+        if not hasattr(os, "waitid"):
+            return
+
+        def wait() -> None:
+            try:
+                os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOWAIT)
+            except ChildProcessError:
+                pass  # already reaped by _stop
+            self.exited_at = time.monotonic()
+
+        threading.Thread(target=wait, name=f"substrax-wait-p{self.index}", daemon=True).start()
 
     def exit_code(self) -> int | None:
         """The exit code (minus the signal that killed it), or None while it runs.
@@ -138,14 +182,20 @@ def _start(
         stderr=subprocess.PIPE,
         process_group=group,  # 0: a new group, led by this child
     )
+    child = _Child(index, proc, [])
+
+    def noted() -> None:
+        child.last_output_at = time.monotonic()
+
     prefix = f"[p{index}] "
-    readers = [
-        threading.Thread(target=printer.pump, args=(pipe, stream, prefix), daemon=True)
+    child.readers = [
+        threading.Thread(target=printer.pump, args=(pipe, stream, prefix, noted), daemon=True)
         for pipe, stream in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))
     ]
-    for t in readers:
+    for t in child.readers:
         t.start()
-    return _Child(index, proc, readers)
+    child.wait_in_background()
+    return child
 
 
 def _signal_group(group: int, sig: int) -> None:
@@ -176,8 +226,44 @@ def _describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
-def _watch(children: Sequence[_Child], printer: _Printer, signals: _Signals) -> int:
-    """Wait until every child exits 0 (0), one fails (its code) or a signal comes (128 + it)."""
+IDLE_EXIT_CODE = 124  # as timeout(1) exits
+
+
+def _first_failure(children: Sequence[_Child], codes: Sequence[int | None]) -> tuple[_Child, int] | None:
+    """The child that failed first, with its code: one failure often brings down its peers."""
+    failed = [(c, code) for c, code in zip(children, codes, strict=True) if code not in (None, 0)]
+    if not failed:
+        return None
+    return min(failed, key=lambda pair: (pair[0].exited_at is None, pair[0].exited_at or 0.0, pair[0].index))
+
+
+def _idle_report(
+    children: Sequence[_Child], codes: Sequence[int | None], idle_timeout_s: float
+) -> str | None:
+    """What the run waited for, when no running child has printed a line for ``idle_timeout_s``."""
+    now = time.monotonic()
+    running = [c for c, code in zip(children, codes, strict=True) if code is None]
+    last = [c.last_output_at or c.started_at for c in running]
+    if not running or now - max(last) < idle_timeout_s:
+        return None
+    waited = ", ".join(
+        f"p{c.index} (pid {c.proc.pid}, "
+        + (f"last line {now - c.last_output_at:.0f} s ago" if c.last_output_at else "printed nothing")
+        + ")"
+        for c in running
+    )
+    return (
+        f"no process printed a line for {idle_timeout_s:g} s (--idle-timeout); waited for output "
+        f"from {waited}: a process may be hung, or its peers blocked in a collective waiting for "
+        f"it. Stopping every process; raise --idle-timeout for a script that is silent for longer."
+    )
+
+
+def _watch(
+    children: Sequence[_Child], printer: _Printer, signals: _Signals, idle_timeout_s: float | None
+) -> int:
+    """Wait until every child exits 0 (0), one fails (its code), the run is idle for
+    ``idle_timeout_s`` (124) or a signal comes (128 + it)."""
     while True:
         if signals.received is not None:
             printer.say(f"got {signal.Signals(signals.received).name}; stopping every process.")
@@ -185,14 +271,19 @@ def _watch(children: Sequence[_Child], printer: _Printer, signals: _Signals) -> 
         codes = [c.exit_code() for c in children]
         if all(code == 0 for code in codes):
             return 0
-        for child, code in zip(children, codes, strict=True):
-            if code not in (None, 0):
-                child.join_readers(1.0)  # its last words (the traceback) before ours
-                printer.say(
-                    f"process {child.index} (pid {child.proc.pid}) {_describe_exit(code)}; "
-                    f"stopping the other processes."
-                )
-                return code if code > 0 else 128 - code
+        failure = _first_failure(children, codes)
+        if failure is not None:
+            child, code = failure
+            child.join_readers(1.0)  # its last words (the traceback) before ours
+            printer.say(
+                f"process {child.index} (pid {child.proc.pid}) {_describe_exit(code)}; "
+                f"stopping the other processes."
+            )
+            return code if code > 0 else 128 - code
+        report = None if idle_timeout_s is None else _idle_report(children, codes, idle_timeout_s)
+        if report is not None:
+            printer.say(report)
+            return IDLE_EXIT_CODE
         time.sleep(POLL_S)
 
 
@@ -204,6 +295,7 @@ def launch(
     devices_per_process: int,
     grace_s: float = GRACE_S,
     shutdown_timeout_s: int = _env.DEFAULT_SHUTDOWN_TIMEOUT_S,
+    idle_timeout_s: float | None = None,
 ) -> int:
     """Run ``python script *args`` as ``num_processes`` JAX processes on this machine.
 
@@ -221,20 +313,35 @@ def launch(
       grace_s: How long the children have after SIGTERM before they are killed.
       shutdown_timeout_s: How long JAX's shutdown barrier waits, when one process ends,
         for the others to end too before every process aborts. Only a process that
-        ends cleanly (or with ``sys.exit``) waits there: one that raises skips it.
+        ends cleanly (or with ``sys.exit(0)``) waits there: one that raises or calls
+        ``sys.exit`` with another code skips it.
+      idle_timeout_s: End the run when no running process has printed a line for this
+        many seconds (a hung process, and its peers blocked in a collective waiting for
+        it, print nothing); the message names each process and when it last printed.
+        ``None`` (the default): no bound, for scripts that are silent for a long time.
 
     Returns:
-      0 when every process exited 0; else the first failed process's exit code (128 +
-      the signal number when a signal killed it), or 128 + the signal number when the
-      launcher itself got SIGINT, SIGTERM or SIGHUP.
+      0 when every process exited 0; else the exit code of the process that failed
+      first (128 + the signal number when a signal killed it), 124 when the run was
+      idle for ``idle_timeout_s``, or 128 + the signal number when the launcher itself
+      got SIGINT, SIGTERM or SIGHUP.
 
     Raises:
       ValueError: If ``num_processes`` or ``devices_per_process`` is not a positive
-        int, or ``script`` is not a file.
+        int, ``idle_timeout_s`` is not a positive number or ``None``, or ``script`` is
+        not a file.
     """
     for name, value in (("num_processes", num_processes), ("devices_per_process", devices_per_process)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int; got {value!r}.")
+    if idle_timeout_s is not None and (
+        isinstance(idle_timeout_s, bool)
+        or not isinstance(idle_timeout_s, (int, float))
+        or idle_timeout_s <= 0
+    ):
+        raise ValueError(
+            f"idle_timeout_s must be a positive number of seconds or None; got {idle_timeout_s!r}."
+        )
     if not os.path.isfile(script):
         raise ValueError(f"Script {script!r} is not a file; give the path of the Python script to run.")
 
@@ -259,6 +366,6 @@ def launch(
                     children.append(_start(i, script, args, child_env, group, printer))
             pids = ", ".join(f"p{c.index} pid {c.proc.pid}" for c in children)
             printer.say(f"started {len(children)} processes ({pids}); coordinator {coordinator}")
-            return _watch(children, printer, signals)
+            return _watch(children, printer, signals, idle_timeout_s)
         finally:
             _stop(children, grace_s)

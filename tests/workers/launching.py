@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,17 +35,22 @@ class Run:
         return children + [int(p) for p in re.findall(r"GRANDCHILD (\d+)", self.stdout)]
 
 
-def launcher_command(num: int, devices: int, worker: str, *args: str, grace: float | None = None) -> list[str]:
+def launcher_command(
+    num: int, devices: int, worker: str, *args: str, grace: float | None = None, options: Sequence[str] = ()
+) -> list[str]:
     cmd = [sys.executable, "-m", "substrax.launch", "-n", str(num), "--devices-per-process", str(devices)]
     if grace is not None:
         cmd += ["--grace", str(grace)]
-    return cmd + [str(WORKERS / worker), *args]
+    return cmd + [*options, str(WORKERS / worker), *args]
 
 
-def launch(num: int, devices: int, worker: str, *args: str, timeout: float = 120) -> Run:
+def launch(
+    num: int, devices: int, worker: str, *args: str, timeout: float = 120, options: Sequence[str] = ()
+) -> Run:
+    """Run the launcher to its end; ``options`` go to it, before the worker."""
     start = time.monotonic()
     done = subprocess.run(
-        launcher_command(num, devices, worker, *args),
+        launcher_command(num, devices, worker, *args, options=options),
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -6,6 +6,8 @@ others (every process runs the same checks, so the collectives stay in step).
 ``python mp_worker.py fail``: each process starts a ``sleep`` grandchild and prints
 ``GRANDCHILD <pid>``; process 1 then raises, while process 0 ignores SIGTERM (as JAX's
 preemption handler would) and sleeps, so only SIGKILL ends it.
+``python mp_worker.py exit``: process 1 calls ``sys.exit(3)`` while process 0 waits for
+it in a collective.
 ``python mp_worker.py wait``: the same grandchildren, then ``READY``; process 0 waits
 in a collective that never completes, for the launcher to be interrupted.
 """
@@ -225,6 +227,14 @@ def fail() -> None:
     time.sleep(300)
 
 
+def exit_code() -> None:
+    multihost_utils.sync_global_devices("both started")
+    if jax.process_index() == 1:
+        print(f"EXITING {time.time()}")
+        sys.exit(3)
+    multihost_utils.process_allgather(np.ones(3))  # never completes: process 1 is gone
+
+
 def wait() -> None:
     sleeper = subprocess.Popen(["sleep", "300"])
     print(f"GRANDCHILD {sleeper.pid}")
@@ -237,4 +247,4 @@ def wait() -> None:
 
 
 if __name__ == "__main__":
-    {"checks": checks, "fail": fail, "wait": wait}[sys.argv[1]]()
+    {"checks": checks, "fail": fail, "wait": wait, "exit": exit_code}[sys.argv[1]]()

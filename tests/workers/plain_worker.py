@@ -4,7 +4,8 @@
 stderr. ``fail CODE``: every process starts a ``sleep`` grandchild (``GRANDCHILD <pid>``)
 and ignores SIGTERM and SIGINT, as a JAX process may; process 1 then exits with CODE
 (``kill`` for SIGKILL) while the others sleep. ``wait``: the same, but nobody fails:
-each prints ``READY`` and sleeps, for the launcher to be interrupted.
+each prints ``READY`` and sleeps, for the launcher to be interrupted. ``gloo``: gloo's
+"Rank R is connected" lines, interleaved as its threads print them, then one whole line.
 """
 
 from __future__ import annotations
@@ -23,6 +24,16 @@ if mode == "env":
     mine = {k: v for k, v in os.environ.items() if k.startswith(("SUBSTRAX_", "PYTHONUNBUFFERED"))}
     print("ENV " + json.dumps(mine))
     print(f"to stderr from {index}", file=sys.stderr)
+    sys.exit(0)
+
+if mode == "gloo":
+    # what gloo's per-device threads print when their connections are up, pieces interleaved
+    sys.stdout.write("[Gloo] Rank 4\n")
+    sys.stdout.write("[Gloo] Rank  is connected to 75 peer ranks.  is connected to peer ranks. \n")
+    sys.stdout.write("Expected number of connected peer ranks is : 7\n")
+    sys.stdout.write("[Gloo] Rank 0 is connected to 7 peer ranks. ")
+    sys.stdout.write("Expected number of connected peer ranks is : 7\n")
+    print(f"line {index} whole")
     sys.exit(0)
 
 sleeper = subprocess.Popen(["sleep", "300"])
