@@ -59,9 +59,15 @@ def shardings(model: MLP, optimizer: nnx.Optimizer) -> dict[str, Any]:
     return {"/".join(map(str, path)): variable.get_raw_value().sharding for path, variable in flat}
 
 
-def values(model: MLP, optimizer: nnx.Optimizer) -> dict[str, np.ndarray]:
+def values(model: nnx.Module, optimizer: nnx.Optimizer) -> dict[str, np.ndarray]:
+    """Every array of the state by path; a typed key array as its raw data."""
+
+    def raw(value: jax.Array) -> np.ndarray:
+        is_key = jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key)
+        return np.asarray(jax.random.key_data(value) if is_key else value)
+
     flat = nnx.to_flat_state(nnx.state((model, optimizer)))
-    return {"/".join(map(str, path)): np.asarray(variable.get_raw_value()) for path, variable in flat}
+    return {"/".join(map(str, path)): raw(variable.get_raw_value()) for path, variable in flat}
 
 
 _STEPS: dict[tuple[str, Any], substrax.TrainStep] = {}
@@ -142,6 +148,37 @@ def test_the_manager_keeps_the_last_steps_at_its_interval(tmp_path: Path) -> Non
         assert ckpt.restore(model, optimizer, step=4) == 4
         with pytest.raises(ValueError, match=r"no checkpoint of step 2 in .*; it holds steps \[4, 6\]"):
             ckpt.restore(model, optimizer, step=2)
+
+
+class Noisy(nnx.Module):
+    """Batch statistics and a dropout stream: state beyond parameters, a typed key among it."""
+
+    def __init__(self, seed: int) -> None:
+        rngs = nnx.Rngs(seed, dropout=seed + 1)
+        self.linear = nnx.Linear(4, 4, rngs=rngs)
+        self.norm = nnx.BatchNorm(4, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.drop(self.norm(self.linear(x)))
+
+
+def test_batch_statistics_and_random_streams_are_restored(tmp_path: Path) -> None:
+    x = jax.numpy.ones((8, 4))
+    model = Noisy(0)
+    model(x)  # moves the batch statistics and the dropout stream's count
+    optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
+    checkpoint.save(tmp_path, 1, model, optimizer)
+    restored = Noisy(7)
+    restored_optimizer = nnx.Optimizer(restored, optax.adam(LR), wrt=nnx.Param)
+    checkpoint.restore(tmp_path, restored, restored_optimizer)
+    want, got = values(model, optimizer), values(restored, restored_optimizer)
+    assert want.keys() == got.keys() and {"0/norm/mean", "0/drop/rngs/key"} <= want.keys()
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    key = dict(nnx.to_flat_state(nnx.state(restored)))["drop", "rngs", "key"].get_raw_value()
+    assert jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+    np.testing.assert_array_equal(np.asarray(restored(x)), np.asarray(model(x)))  # the same dropout mask
 
 
 # --- errors ------------------------------------------------------------------------
