@@ -332,6 +332,7 @@ def save(
       optimizer: Its optimizer; omitted with a bound step.
 
     Raises:
+      TypeError: If a bound step comes with an optimizer, or a model without one.
       ValueError: If ``step`` is already saved in ``directory``, or a variable's array
         has been deleted (a bound step's model, not synced), naming it.
     """
