@@ -1,21 +1,28 @@
 """Step time of each training-step spelling against a hand-written bound.
 
-For a sweep of MLP widths (small, where per-call dispatch dominates, up to large, where
-the math does) and for 1 and 8 emulated CPU devices, times every spelling of one
-data-parallel Adam step on the same batch:
+Two models: an MLP at a sweep of widths (small, where per-call dispatch dominates, up to
+large, where the math does), and the char-level transformer of
+``examples/transformer_lm.py`` (d=64, 2 blocks, 4 heads, seq 32, batch 32, AdamW). For 1
+and 8 emulated CPU devices, times every spelling of one data-parallel step on the same
+batch:
 
-- ``implicit``:  ``spmd_train_step`` inside ``nnx.jit`` (as the reference writes it)
-- ``explicit``:  ``explicit_train_step`` inside ``nnx.jit``
-- ``make_train_step:implicit`` / ``make_train_step:explicit``: the mode-choice entry point
-- ``bound_step:implicit`` / ``bound_step:explicit``: ``make_train_step(...).bind(model, optimizer)``
-- ``bound_step_undonated:...``: the same with ``bind(..., donate=False)``
-- ``bound``: the same computation written by hand as a pure function of the split
-  state in ``jax.jit`` with donated buffers.
+- ``implicit``:  ``spmd_train_step`` inside the user's own ``nnx.jit`` (the reference spelling)
+- ``explicit``:  ``explicit_train_step`` inside the user's own ``nnx.jit``
+- ``make_train_step:MODE``: the plain call ``make_train_step(loss_fn, MODE)(model, optimizer, batch)``
+- ``bound_step:MODE``: ``make_train_step(...).bind(model, optimizer)``
+- ``bound_step_undonated:MODE``: the same with ``bind(..., donate=False)``
+- ``make_train_step:MODE:LAYOUT`` / ``bound_step:MODE:LAYOUT`` (transformer): the state
+  placed by ``substrax.shard_state`` first, ``zero1`` or ``fsdp``, when the library has it
+- two hand-written bounds, each a pure function of the split state (a flat list of
+  arrays) with donated buffers: ``bound``, the step in ``jax.jit`` (XLA inserts the
+  all-reduce), and ``bound_shard_map``, the step under ``jax.shard_map`` (loss
+  ``pmean``-ed before ``grad``, replicated state).
 
-Spellings run interleaved (A B C ... A B C ...) after warm-up, each run a block of
-steps; the median over runs and the spread (25th-75th percentile) are reported, each as
-a ratio to ``bound``, with compile time (first call). Each device count runs in its own
-process, since jax fixes the device count at start.
+Every ratio is to the faster of the two bounds, measured in the same run. Spellings run
+interleaved (A B C ... A B C ...) after warm-up, each run a block of steps; the median
+over runs and the spread (25th-75th percentile) are reported, with compile time (first
+call). Each device count runs in its own process, since jax fixes the device count at
+start.
 
     python benchmarks/train_step.py --quick --json out.json
 """
@@ -24,26 +31,68 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-SPELLINGS = (
-    "bound",
-    "implicit",
-    "explicit",
-    "make_train_step:implicit",
-    "make_train_step:explicit",
-    "bound_step:implicit",
-    "bound_step:explicit",
-    "bound_step_undonated:implicit",
-    "bound_step_undonated:explicit",
-)
+Spelling = tuple[Callable[[], Any], Callable[[], Any] | None]  # the step call, and its lowering or None
+REPO = Path(__file__).resolve().parents[1]
+BOUNDS = ("bound", "bound_shard_map")
+MODES = ("implicit", "explicit")
+LAYOUTS = ("zero1", "fsdp")  # beside the replicated state every spelling uses
 
 
-def run_worker(devices: int, widths: list[int], rounds: int, block_s: float, batch_rows: int) -> list[dict[str, Any]]:
+def reference_spellings() -> list[str]:
+    return [*BOUNDS, *MODES]
+
+
+def mode_spellings(kinds: tuple[str, ...], layouts: tuple[str, ...] = ()) -> list[str]:
+    names = [f"{kind}:{mode}" for kind in kinds for mode in MODES]
+    return names + [f"{kind}:{mode}:{layout}" for layout in layouts for kind in kinds[:2] for mode in MODES]
+
+
+def load_example() -> Any:
+    """``examples/transformer_lm.py`` as a module: the benchmark trains the example's own model."""
+    spec = importlib.util.spec_from_file_location("transformer_lm", REPO / "examples" / "transformer_lm.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def communication(take_census: Callable[[], Any] | None) -> tuple[int | None, bool | None]:
+    """CENSUS HOOK: bytes the compiled step moves through collectives per step, per device,
+    and whether that matches its layout's rule.
+
+    ``take_census()`` returns ``TrainStep.census(...)`` (a ``substrax.Comparison``, whose
+    ``.matches`` holds the census against the layout's expected communication) or, for
+    the hand-written bounds, ``substrax.census`` of the compiled program (a
+    ``CensusReport``). Bytes are its ``bytes_per_step()``: buffer sizes as nccl-tests
+    count them, loops multiplied out. ``(None, None)`` (printed "-") where the library
+    has no census or the spelling cannot be compiled by itself (the reference spellings
+    inside the user's ``nnx.jit``).
+    """
+    if take_census is None:
+        return None, None
+    result = take_census()
+    report = getattr(result, "report", result)
+    return int(report.bytes_per_step()), getattr(result, "matches", None)
+
+
+def run_worker(
+    devices: int,
+    models: list[str],
+    widths: list[int],
+    layouts: tuple[str, ...],
+    rounds: int,
+    block_s: float,
+    quick: bool = False,
+) -> list[dict[str, Any]]:
     import jax
 
     from substrax.mesh import use_cpu_devices
@@ -54,152 +103,275 @@ def run_worker(devices: int, widths: list[int], rounds: int, block_s: float, bat
     import numpy as np
     import optax
     from flax import nnx
+    from jax.sharding import PartitionSpec as P
 
     import substrax
     from substrax.explicit import explicit_train_step
     from substrax.mesh import create_device_mesh
     from substrax.spmd import create_data_parallel_sharding, place_batch_on_shards, spmd_train_step
 
-    class MLP(nnx.Module):
-        def __init__(self, width: int, rngs: nnx.Rngs) -> None:
-            self.inp = nnx.Linear(64, width, rngs=rngs)
-            self.mid = nnx.Linear(width, width, rngs=rngs)
-            self.out = nnx.Linear(width, 1, rngs=rngs)
-
-        def __call__(self, x: jax.Array) -> jax.Array:
-            return self.out(jax.nn.relu(self.mid(jax.nn.relu(self.inp(x)))))
-
-    def loss_fn(model: MLP, batch: dict[str, jax.Array]) -> jax.Array:
-        return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
-
     mesh = create_device_mesh({"data": devices})
-    rng = np.random.default_rng(0)
-    host = {
-        "x": rng.normal(size=(batch_rows, 64)).astype(np.float32),
-        "y": rng.normal(size=(batch_rows, 1)).astype(np.float32),
-    }
-    batch = place_batch_on_shards(host, create_data_parallel_sharding(mesh))
-    rows: list[dict[str, Any]] = []
+    shard_state = getattr(substrax, "shard_state", None)
+    program_census = getattr(substrax, "census", None)
 
-    for width in widths:
+    def jit_bound(model: Any, optimizer: Any, loss_fn: Callable, batch: Any) -> Spelling:
+        """By hand: split once, and step a flat list of arrays (an nnx.State argument would
+        cost a Python pytree flatten per call), donated; XLA inserts the all-reduce."""
+        graphdef, state = nnx.split((model, optimizer))
+        treedef = jax.tree.structure(state)
 
-        def fresh(width: int = width) -> tuple[MLP, nnx.Optimizer]:
-            with jax.set_mesh(mesh):
-                model = MLP(width, nnx.Rngs(0))
-                return model, nnx.Optimizer(model, optax.adam(1e-4), wrt=nnx.Param)
+        def pure(arrays: list, batch: Any) -> tuple:
+            model, optimizer = nnx.merge(graphdef, jax.tree.unflatten(treedef, arrays))
+            loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+            optimizer.update(model, grads)
+            return jax.tree.leaves(nnx.state((model, optimizer))), loss
 
-        calls = {}
-        for name in SPELLINGS:
-            model, optimizer = fresh()
-            if name == "bound":
-                # By hand: split once, and step a flat list of arrays (an nnx.State argument
-                # would cost a Python pytree flatten per call), donated.
-                graphdef, state = nnx.split((model, optimizer))
-                treedef = jax.tree.structure(state)
+        return stepper(jax.jit(pure, donate_argnums=0), jax.tree.leaves(state), batch)
 
-                def pure(arrays: list, batch: dict, graphdef: Any = graphdef, treedef: Any = treedef) -> tuple:
-                    model, optimizer = nnx.merge(graphdef, jax.tree.unflatten(treedef, arrays))
-                    loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
-                    optimizer.update(model, grads)
-                    return jax.tree.leaves(nnx.state((model, optimizer))), loss
+    def shard_map_bound(model: Any, optimizer: Any, loss_fn: Callable, batch: Any) -> Spelling:
+        """The same step under shard_map: each device its shard, the loss pmean-ed before grad."""
+        graphdef, state = nnx.split((model, optimizer))
+        treedef = jax.tree.structure(state)
 
-                jitted = jax.jit(pure, donate_argnums=0)
-                box = [jax.tree.leaves(state)]
+        def per_device(arrays: list, shard: Any) -> tuple:
+            model, optimizer = nnx.merge(graphdef, jax.tree.unflatten(treedef, arrays))
+            global_loss = lambda model: jax.lax.pmean(loss_fn(model, shard), "data")  # noqa: E731
+            loss, grads = nnx.value_and_grad(global_loss)(model)
+            optimizer.update(model, grads)
+            return jax.tree.leaves(nnx.state((model, optimizer))), loss
 
-                def call(jitted: Any = jitted, box: list = box) -> jax.Array:
-                    box[0], loss = jitted(box[0], batch)
-                    return loss
+        specs = {"in_specs": (P(), P("data")), "out_specs": (P(), P())}
+        mapped = jax.shard_map(per_device, mesh=mesh, check_vma=True, **specs)
+        return stepper(jax.jit(mapped, donate_argnums=0), jax.tree.leaves(state), batch)
 
-            elif name in ("implicit", "explicit"):
-                inner = spmd_train_step if name == "implicit" else explicit_train_step
-                jitted = nnx.jit(functools.partial(lambda m, o, b, inner: inner(m, o, loss_fn, b), inner=inner))
-                call = functools.partial(jitted, model, optimizer, batch)
+    def stepper(jitted: Any, arrays: list, batch: Any) -> Spelling:
+        box = [arrays]
 
-            else:
-                kind, mode = name.split(":")
-                step = substrax.make_train_step(loss_fn, mode)  # the caller sets the mesh
-                if kind.startswith("bound_step"):
-                    fast = step.bind(model, optimizer, donate=kind == "bound_step")
-                    call = functools.partial(fast, batch)
-                else:
-                    call = functools.partial(step, model, optimizer, batch)
-            calls[name] = call
+        def call() -> Any:
+            box[0], loss = jitted(box[0], batch)
+            return loss
+
+        take = (lambda: program_census(jitted.lower(box[0], batch).compile())) if program_census else None
+        return call, take
+
+    def spelling(name: str, fresh: Callable[[], tuple], loss_fn: Callable, batch: Any) -> Spelling:
+        """One spelling on a model and optimizer of its own: its step call (no arguments)
+        and, where it compiles by itself, a call that takes its census."""
+        model, optimizer = fresh()
+        if name in BOUNDS:
+            return (jit_bound if name == "bound" else shard_map_bound)(model, optimizer, loss_fn, batch)
+        if name in MODES:
+            inner = spmd_train_step if name == "implicit" else explicit_train_step
+            jitted = nnx.jit(functools.partial(lambda m, o, b, inner: inner(m, o, loss_fn, b), inner=inner))
+            return functools.partial(jitted, model, optimizer, batch), None
+        kind, mode, *layout = name.split(":")
+        if layout:
+            if shard_state is None:
+                raise NotImplementedError("this substrax has no shard_state (layouts)")
+            shard_state(model, optimizer, mesh=mesh, params=layout[0] == "fsdp")
+        step = substrax.make_train_step(loss_fn, mode)  # the caller sets the mesh
+        if kind.startswith("bound_step"):
+            fast = step.bind(model, optimizer, donate=kind == "bound_step")
+            take = getattr(fast, "census", None) and functools.partial(fast.census, batch)
+            return functools.partial(fast, batch), take
+        take = getattr(step, "census", None) and functools.partial(step.census, model, optimizer, batch)
+        return functools.partial(step, model, optimizer, batch), take
+
+    def program(name: str) -> str:
+        """The plain, bound and undonated calls of one mode and layout compile one program."""
+        return name.split(":", 1)[1] if ":" in name else f"{name} (own)"
+
+    def measure(
+        label: dict[str, Any],
+        names: list[str],
+        fresh: Callable[[], tuple],
+        loss_fn: Callable,
+        host_batch: Any,
+    ) -> list[dict[str, Any]]:
+        """Build every spelling, warm each up, then time them in interleaved rounds."""
+        batch = place_batch_on_shards(host_batch, create_data_parallel_sharding(mesh))
+        calls: dict[str, Callable[[], Any]] = {}
+        compile_s: dict[str, float] = {}
+        comm: dict[str, tuple[int | None, bool | None]] = {}  # by program: MODE[:LAYOUT], or the bound
+        errors: dict[str, str] = {}
+        census_errors: dict[str, str] = {}
+
+        def failed(name: str, e: Exception) -> None:  # a spelling the library refuses: reported, not fatal
+            errors[name] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"[:300]
+            calls.pop(name, None)
 
         with jax.set_mesh(mesh):
-            compile_s = {}
-            for name, call in calls.items():
-                start = time.perf_counter()
-                jax.block_until_ready(call())
-                compile_s[name] = time.perf_counter() - start
-                start = time.perf_counter()
-                for _ in range(3):
+            params = int(sum(x.size for x in jax.tree.leaves(nnx.state(fresh()[0], nnx.Param))))
+            # Build every spelling before running any: shard_state invalidates the plain
+            # call's cached split of every model (substrax._layout.epoch), so a layout
+            # placed after a plain step's first call would recompile it once in the timing.
+            built = {}
+            for name in names:
+                try:
+                    built[name] = spelling(name, fresh, loss_fn, batch)
+                except Exception as e:
+                    failed(name, e)
+            for name, (call, take_census) in built.items():
+                try:
+                    start = time.perf_counter()
                     jax.block_until_ready(call())
-                warm_step = (time.perf_counter() - start) / 3
-            block = max(1, min(50, int(block_s / warm_step)))  # each timed run ~block_s long
+                    compile_s[name] = time.perf_counter() - start
+                    for _ in range(3):
+                        jax.block_until_ready(call())
+                    calls[name] = call
+                except Exception as e:
+                    failed(name, e)
+                    continue
+                try:
+                    if comm.get(program(name), (None, None))[0] is None:
+                        comm[program(name)] = communication(take_census)
+                except Exception as e:  # the census failed, not the step: time it anyway
+                    census_errors[name] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"[:300]
+            start = time.perf_counter()
+            for _ in range(3):
+                jax.block_until_ready(calls["bound"]())
+            block = max(1, min(50, int(block_s / ((time.perf_counter() - start) / 3))))  # each run ~block_s
             samples: dict[str, list[float]] = {name: [] for name in calls}
             for _ in range(rounds):
-                for name, call in calls.items():  # interleaved: every spelling once per round
-                    start = time.perf_counter()
-                    for _ in range(block):
-                        out = call()
-                    jax.block_until_ready(out)
-                    samples[name].append((time.perf_counter() - start) / block)
+                for name, call in list(calls.items()):  # interleaved: every spelling once per round
+                    try:
+                        start = time.perf_counter()
+                        for _ in range(block):
+                            out = call()
+                        jax.block_until_ready(out)
+                        samples[name].append((time.perf_counter() - start) / block)
+                    except Exception as e:
+                        failed(name, e)
 
-        bound = float(np.median(samples["bound"]))
-        for name in calls:
+        bounds_us = {name: float(np.median(samples[name])) * 1e6 for name in BOUNDS}
+        bound_us = min(bounds_us.values())
+        rows = []
+        for name in names:
+            row = {
+                **label,
+                "params": params,
+                "devices": devices,
+                "mode": name,
+                "backend": jax.default_backend(),
+            }
+            row |= {
+                "rounds": rounds,
+                "block": block,
+                "bound_us": bounds_us,
+                "faster_bound": min(bounds_us, key=bounds_us.get),
+            }
+            if name in errors or not samples.get(name):
+                rows.append(row | {"error": errors.get(name, "no samples")})
+                continue
             times = np.asarray(samples[name]) * 1e6
             rows.append(
-                {
-                    "model": f"mlp-w{width}",
-                    "width": width,
-                    "params": int(sum(x.size for x in jax.tree.leaves(nnx.state(fresh()[0], nnx.Param)))),
-                    "devices": devices,
-                    "mode": name,
+                row
+                | {
                     "median_step_us": float(np.median(times)),
                     "p25_step_us": float(np.percentile(times, 25)),
                     "p75_step_us": float(np.percentile(times, 75)),
-                    "ratio_to_bound": float(np.median(times)) / (bound * 1e6),
+                    "ratio_to_bound": float(np.median(times)) / bound_us,
                     "compile_s": compile_s[name],
-                    "backend": jax.default_backend(),
-                    "rounds": rounds,
-                    "block": block,
+                    "comm_bytes": comm.get(program(name), (None, None))[0],
+                    "comm_as_expected": comm.get(program(name), (None, None))[1],
                 }
+                | ({"census_error": census_errors[name]} if name in census_errors else {})
             )
+        return rows
+
+    rows: list[dict[str, Any]] = []
+    if "mlp" in models:
+
+        class MLP(nnx.Module):
+            def __init__(self, width: int, rngs: nnx.Rngs) -> None:
+                self.inp = nnx.Linear(64, width, rngs=rngs)
+                self.mid = nnx.Linear(width, width, rngs=rngs)
+                self.out = nnx.Linear(width, 1, rngs=rngs)
+
+            def __call__(self, x: jax.Array) -> jax.Array:
+                return self.out(jax.nn.relu(self.mid(jax.nn.relu(self.inp(x)))))
+
+        def mse(model: MLP, batch: dict[str, jax.Array]) -> jax.Array:
+            return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+        rng = np.random.default_rng(0)
+        host = {
+            "x": rng.normal(size=(256, 64)).astype(np.float32),
+            "y": rng.normal(size=(256, 1)).astype(np.float32),
+        }
+        names = reference_spellings() + mode_spellings(
+            ("make_train_step", "bound_step", "bound_step_undonated")
+        )
+        for width in widths:
+
+            def fresh_mlp(width: int = width) -> tuple[MLP, nnx.Optimizer]:
+                model = MLP(width, nnx.Rngs(0))
+                return model, nnx.Optimizer(model, optax.adam(1e-4), wrt=nnx.Param)
+
+            rows += measure({"model": f"mlp-w{width}", "width": width}, names, fresh_mlp, mse, host)
+
+    if "transformer" in models:
+        lm = load_example()
+        host = next(lm.batches(lm.stdlib_text(), 32, 32, seed=0))
+        kinds = ("make_train_step", "bound_step") + (() if quick else ("bound_step_undonated",))
+        names = reference_spellings() + mode_spellings(kinds, layouts)
+        rows += measure({"model": "transformer"}, names, lm.make_model, lm.loss_fn, host)
     return rows
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    print(f"{'model':<10} {'dev':>3} {'spelling':<30} {'median us':>10} {'p25-p75 us':>16} {'x bound':>8} {'compile s':>9}")
+    header = f"{'model':<12} {'dev':>3} {'spelling':<36} {'median us':>10} {'p25-p75 us':>16} {'x bound':>8}"
+    print(header + f" {'compile s':>9} {'comm bytes':>11} {'expected':>8}")
     for r in rows:
+        start = f"{r['model']:<12} {r['devices']:>3} {r['mode']:<36}"
+        if "error" in r:
+            print(f"{start} n/a: {r['error']}")
+            continue
         spread = f"{r['p25_step_us']:.0f}-{r['p75_step_us']:.0f}"
+        comm = "-" if r["comm_bytes"] is None else f"{r['comm_bytes']:,}"
+        expected = {None: "-", True: "yes", False: "NO"}[r["comm_as_expected"]]
         print(
-            f"{r['model']:<10} {r['devices']:>3} {r['mode']:<30} {r['median_step_us']:>10.0f} "
-            f"{spread:>16} {r['ratio_to_bound']:>8.2f} {r['compile_s']:>9.2f}"
+            f"{start} {r['median_step_us']:>10.0f} {spread:>16} {r['ratio_to_bound']:>8.2f} "
+            f"{r['compile_s']:>9.2f} {comm:>11} {expected:>8}"
         )
+        if "census_error" in r:
+            print(f"{'':<53} census failed: {r['census_error']}")
+    print("x bound: median step time / the faster of bound (jax.jit) and bound_shard_map, same run")
+    print(
+        "comm bytes: collective buffers per device per step (substrax.census); expected: as its layout's rule"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="two widths, fewer rounds: under 2 minutes")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="two MLP widths, fewer rounds; the transformer replicated, donated only",
+    )
     parser.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     parser.add_argument("--devices", type=int, nargs="*", default=[1, 8])
-    parser.add_argument("--widths", type=int, nargs="*")
+    parser.add_argument("--models", nargs="*", choices=("mlp", "transformer"), default=["mlp", "transformer"])
+    parser.add_argument("--widths", type=int, nargs="*", help="MLP widths")
+    parser.add_argument("--layouts", nargs="*", choices=LAYOUTS, help="state layouts for the transformer")
     parser.add_argument("--rounds", type=int)
-    parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     widths = args.widths or ([32, 512] if args.quick else [32, 256, 1024, 2048])
+    layouts = args.layouts if args.layouts is not None else ([] if args.quick else list(LAYOUTS))
     rounds = args.rounds or (15 if args.quick else 30)
 
     if args.worker:
-        rows = run_worker(args.worker, widths, rounds, block_s=0.01 if args.quick else 0.03, batch_rows=args.batch)
+        block_s = 0.01 if args.quick else 0.03
+        rows = run_worker(args.worker, args.models, widths, tuple(layouts), rounds, block_s, args.quick)
         print(json.dumps(rows))
         return
 
     rows = []
     for devices in args.devices:
-        cmd = [sys.executable, __file__, "--worker", str(devices), "--rounds", str(rounds), "--batch", str(args.batch)]
-        cmd += ["--widths", *map(str, widths)] + (["--quick"] if args.quick else [])
+        cmd = [sys.executable, __file__, "--worker", str(devices), "--rounds", str(rounds)]
+        cmd += ["--models", *args.models, "--widths", *map(str, widths), "--layouts", *layouts]
+        cmd += ["--quick"] if args.quick else []
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode:
             sys.exit(f"worker for {devices} device(s) failed:\n{out.stderr}")

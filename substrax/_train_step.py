@@ -199,7 +199,8 @@ class TrainStep:
             if not isinstance(sharding, NamedSharding) or sharding.is_fully_replicated:
                 continue
             declared = _layout.spec_tuple(variable)
-            if declared is None or PartitionSpec(*declared) != sharding.spec:
+            said = NamedSharding(sharding.mesh, PartitionSpec(*(declared or ())))
+            if declared is None or not said.is_equivalent_to(sharding, variable.get_value().ndim):
                 raise ValueError(
                     f"{path_str(path, 'model')} is sharded as {sharding.spec}, but its variable "
                     f"does not say so (out_sharding={declared}), and the explicit step reads the "
