@@ -66,14 +66,16 @@ def step_census(step: TrainStep, model: nnx.Module, optimizer: nnx.Optimizer[Any
         layout = layout_of(model, optimizer, axis=step.data_axis)
     out = lowered.out_info[1]  # the step's (loss, metrics), as shapes and dtypes
     scalars, gathered = _metric_items(out, step.has_aux)
+    one_device = layout.axis_size == 1  # a data axis of size 1 calls for no communication at all
     expected = expected_communication(
-        parameter_leaves(model, optimizer, step.data_axis),
+        [] if one_device else parameter_leaves(model, optimizer, step.data_axis),
         layout=layout.kind,
         mode=step.mode,
         microbatches=step.microbatches,
-        extra_reduce_bytes=scalars,
-        loss_bytes=np.dtype(out[0].dtype if step.has_aux else out.dtype).itemsize,
+        extra_reduce_bytes=0 if one_device else scalars,
+        loss_bytes=0 if one_device else np.dtype(out[0].dtype if step.has_aux else out.dtype).itemsize,
     )
+    gathered = [] if one_device else gathered
     if gathered:
         expected = type(expected)(expected.layout, expected.mode, expected.microbatches, expected.items + tuple(gathered))
     mesh = step.mesh if step.mesh is not None else None

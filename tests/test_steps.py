@@ -165,6 +165,19 @@ def test_census_of_each_step_matches_its_layout(mesh8: jax.sharding.Mesh, mode: 
         assert report.bytes("all-reduce") == 4 + 4
 
 
+@pytest.mark.parametrize("layout", substrax.LAYOUTS)
+@pytest.mark.parametrize("mode", substrax.MODES)
+def test_a_data_axis_of_size_one_runs_no_collective(mode: str, layout: str) -> None:
+    mesh = create_device_mesh({"data": 1})
+    model = MLP()
+    optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
+    if layout != "replicated":
+        substrax.shard_state(model, optimizer, mesh=mesh, params=layout == "fsdp", min_size=16)
+    for k in (1, 2):
+        found = substrax.make_train_step(mse, mode, mesh=mesh, microbatches=k).census(model, optimizer, regression_batches(1, rows=8)[0])
+        assert found.report.count() == 0 and found.matches, str(found)
+
+
 def test_census_names_an_extra_all_reduce(mesh8: jax.sharding.Mesh) -> None:
     def with_extra_psum(model: MLP, batch: dict) -> jax.Array:
         # a deliberate extra collective: a psum of three column sums that the step does not call for

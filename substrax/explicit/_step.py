@@ -35,10 +35,11 @@ from substrax._layout import optimizer_mirrors, spec_tuple, split_dim_of
 from substrax._microbatch import check_microbatches, fold_microbatch_metrics, split_microbatches
 from substrax._placement import batch_partition_specs
 from substrax._reductions import split_loss_output
-from substrax._tree import PyTree, path_str
+from substrax._tree import PyTree, is_array, path_str
 from substrax.explicit._grad import data_parallel_value_and_grad, varying_axes
 from substrax.explicit._metrics import reduce_metrics_collective
 from substrax.mesh import current_mesh
+from substrax.spmd._metrics import reduce_metrics
 
 __all__ = ["explicit_train_step", "explicit_value_and_grad"]
 
@@ -147,6 +148,28 @@ def _slice_for_update(value: Any, dim: int, data_axis: str) -> Any:
     return jax.lax.dynamic_slice_in_dim(value, jax.lax.axis_index(data_axis) * size, size, axis=dim)
 
 
+def _without_axis(specs: PyTree, axis: str) -> PyTree:
+    """``specs`` with ``axis`` dropped from every entry (on a size-1 axis: the same placement)."""
+
+    def drop(spec: PartitionSpec) -> PartitionSpec:
+        def entry(e: Any) -> Any:
+            if isinstance(e, tuple):
+                kept = tuple(a for a in e if a != axis)
+                return kept or None
+            return None if e == axis else e
+
+        return PartitionSpec(*(entry(e) for e in spec))
+
+    return jax.tree.map(drop, specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
+
+
+def _reduce_metrics_on_one_device(metrics: Mapping[str, Any], reduce: Mapping[str, str | None] | None) -> dict[str, Any]:
+    """What ``reduce_metrics_collective`` gives over a size-1 axis, without a collective."""
+    ops = dict(reduce or {})
+    out = reduce_metrics(metrics, reduce)
+    return {n: v[None] if n in ops and ops[n] is None and is_array(v) else v for n, v in out.items()}
+
+
 @contextlib.contextmanager
 def _per_device_random_streams(model: nnx.Module, data_axis: str) -> Iterator[None]:
     """Give each device its own random bits for one step: fold its index into every key.
@@ -200,21 +223,26 @@ def _value_and_local_grad(
     *,
     data_axis: str,
     microbatches: int,
+    one_device: bool = False,
 ) -> tuple[jax.Array, Any, nnx.State]:
     """The global loss, this device's metrics and its unreduced share of the gradient.
 
     ``model``'s parameters must hold their whole values, varying over ``data_axis``.
     With ``microbatches > 1`` a ``lax.scan`` runs ``grad`` on each slice of the shard
-    and sums the shares; the metrics gain a leading microbatch axis.
+    and sums the shares; the metrics gain a leading microbatch axis. ``one_device``:
+    the axis has size 1 and nothing varies over it; no collective runs.
     """
     if microbatches == 1:
-        value_and_grad = data_parallel_value_and_grad(split_loss, data_axis, has_aux=True)
+        if one_device:
+            value_and_grad = nnx.value_and_grad(split_loss, has_aux=True)
+        else:
+            value_and_grad = data_parallel_value_and_grad(split_loss, data_axis, has_aux=True)
         (loss, metrics), grads = value_and_grad(model, shard)
         return loss, metrics, grads
     # In the loop each device differentiates its own share, loss / axis size: what grad of
     # the pmean-ed loss gives with varying parameters, without the per-microbatch pmean.
     # The loss itself is averaged once, after the loop.
-    devices = jax.lax.axis_size(data_axis)
+    devices = 1 if one_device else jax.lax.axis_size(data_axis)
 
     def share(m: nnx.Module, piece: PyTree) -> tuple[Any, Any]:
         loss, aux = split_loss_output(split_loss(m, piece), True)
@@ -235,7 +263,8 @@ def _value_and_local_grad(
     (_, rest, total), (losses, metrics) = jax.lax.scan(body, (params, rest, zeros), slices)
     nnx.update(model, rest)
     grads = jax.tree.map(lambda g: g / microbatches, total)
-    return jax.lax.psum(jnp.mean(losses), data_axis), metrics, grads
+    loss = jnp.mean(losses)
+    return (loss if one_device else jax.lax.psum(loss, data_axis)), metrics, grads
 
 
 def explicit_value_and_grad(
@@ -372,15 +401,28 @@ def explicit_train_step(
     graphdef, state = nnx.split((model, optimizer))
     state_specs = nnx.get_partition_spec(state)
     split_loss = _split_loss(loss_fn, has_aux)
+    # A data axis of size 1 needs no collective: nothing is typed as varying over it (the
+    # batch and state enter replicated, which is the same placement), so none is emitted.
+    one_device = mesh.shape[data_axis] == 1
+    if one_device:
+        state_specs = _without_axis(state_specs, data_axis)
+        plans = {p: _ParamPlan(None, None) for p in plans}
+    shard_specs = _without_axis(specs, data_axis) if one_device else specs
 
     def per_device(state: nnx.State, shard: PyTree) -> tuple[nnx.State, jax.Array, dict[str, Any]]:
         model, optimizer = nnx.merge(graphdef, state)
-        held = _set_whole_varying(model, plans, data_axis)
-        with _per_device_random_streams(model, data_axis):
+        if one_device:
+            held = {p: v.get_value() for p, v in _param_vars(model).items()}
             loss, metrics, grads = _value_and_local_grad(
-                model, split_loss, shard, specs, data_axis=data_axis, microbatches=microbatches
+                model, split_loss, shard, specs, data_axis=data_axis, microbatches=microbatches, one_device=True
             )
-        grads = _reduce_gradients(grads, plans, data_axis)
+        else:
+            held = _set_whole_varying(model, plans, data_axis)
+            with _per_device_random_streams(model, data_axis):
+                loss, metrics, grads = _value_and_local_grad(
+                    model, split_loss, shard, specs, data_axis=data_axis, microbatches=microbatches
+                )
+            grads = _reduce_gradients(grads, plans, data_axis)
         for path, variable in _param_vars(model).items():  # the values the optimizer updates
             plan = plans[path]
             value = held[path]
@@ -394,14 +436,17 @@ def explicit_train_step(
                 variable.set_value(gather_invariant(variable.get_value(), data_axis, axis=plan.update_dim, tiled=True))
         if microbatches > 1:
             metrics = fold_microbatch_metrics(metrics, reduce)
-        metrics = reduce_metrics_collective(metrics, reduce, data_axis)
+        if one_device:
+            metrics = _reduce_metrics_on_one_device(metrics, reduce)
+        else:
+            metrics = reduce_metrics_collective(metrics, reduce, data_axis)
         new_state = _average_per_device_state(nnx.state((model, optimizer)), state_specs, data_axis)
         return new_state, loss, metrics
 
     run = jax.shard_map(
         per_device,
         mesh=mesh,
-        in_specs=(state_specs, specs),
+        in_specs=(state_specs, shard_specs),
         out_specs=(state_specs, PartitionSpec(), PartitionSpec()),
         check_vma=True,
     )
