@@ -20,7 +20,10 @@ __all__ = [
     "DeviceMeshManager",
     "create_data_parallel_mesh",
     "create_device_mesh",
+    "create_hybrid_mesh",
+    "create_model_parallel_mesh",
     "current_mesh",
+    "get_mesh_info",
     "mesh_info",
     "use_cpu_devices",
 ]
@@ -85,7 +88,7 @@ def create_device_mesh(
     needed = math.prod(s for _, s in axes)
     if needed > len(available):
         raise ValueError(
-            f"Mesh shape {shape_text} needs {needed} devices, but {len(available)} are "
+            f"Not enough devices: mesh shape {shape_text} needs {needed} devices, but {len(available)} are "
             f"available. Use a smaller shape, or on the CPU emulate more devices with "
             f"substrax.mesh.use_cpu_devices({needed}) before jax starts."
         )
@@ -117,6 +120,117 @@ def create_data_parallel_mesh(num_devices: int | None = None, *, data_axis: str 
       ValueError: As ``create_device_mesh``.
     """
     return create_device_mesh({data_axis: jax.device_count() if num_devices is None else num_devices})
+
+
+def create_model_parallel_mesh(num_devices: int, *, model_axis: str = "model") -> Mesh:
+    """Create a one-axis mesh for model parallelism.
+
+    Args:
+      num_devices: How many devices the ``model`` axis spans.
+      model_axis: The axis name.
+
+    Returns:
+      A mesh ``{model_axis: num_devices}`` with an Auto axis.
+
+    Raises:
+      ValueError: As ``create_device_mesh``: "Not enough devices" when there are fewer
+        than ``num_devices``.
+    """
+    return create_device_mesh({model_axis: num_devices})
+
+
+def _granules(devices: Sequence[jax.Device]) -> list[list[jax.Device]]:
+    """The devices grouped by slice (multi-slice TPU) or else by process, in order.
+
+    Devices in one group talk over the fast interconnect (ICI); groups talk over the
+    data-center network (DCN).
+    """
+    if len({getattr(d, "slice_index", 0) for d in devices}) > 1:
+        key = lambda d: d.slice_index  # noqa: E731
+    else:
+        key = lambda d: d.process_index  # noqa: E731
+    groups: dict[int, list[jax.Device]] = {}
+    for d in devices:
+        groups.setdefault(key(d), []).append(d)
+    return [groups[k] for k in sorted(groups)]
+
+
+def create_hybrid_mesh(
+    data_parallel_size: int,
+    model_parallel_size: int,
+    *,
+    devices: Sequence[jax.Device] | None = None,
+    axis_types: Sequence[AxisType] | AxisType | None = None,
+) -> Mesh:
+    """Create a two-axis ``("data", "model")`` mesh, laid out for several hosts.
+
+    The ``model`` axis stays inside one host (a process, or a TPU slice), on its fast
+    interconnect (ICI); the ``data`` axis spans the hosts, over the data-center network
+    (DCN), and the devices of each host. The layout comes from
+    ``jax.experimental.mesh_utils.create_hybrid_device_mesh`` with an ICI shape of
+    ``(data_parallel_size // hosts, model_parallel_size)`` and a DCN shape of
+    ``(hosts, 1)``. On one host it is ``create_device_mesh({"data": ..., "model": ...})``.
+
+    Args:
+      data_parallel_size: Devices along ``data``; a multiple of the number of hosts.
+      model_parallel_size: Devices along ``model``, at most a host's devices.
+      devices: The devices to lay out; ``jax.devices()`` by default. Each host gives
+        its first ``data_parallel_size * model_parallel_size // hosts`` devices.
+      axis_types: As ``create_device_mesh``; ``AxisType.Auto`` by default.
+
+    Returns:
+      A mesh with axes ``("data", "model")`` of those sizes.
+
+    Raises:
+      ValueError: If a size is not a positive int, there are not enough devices ("Not
+        enough devices", with the count), ``data_parallel_size`` does not divide by the
+        number of hosts, or a host has too few devices for its share; names the sizes.
+    """
+    from jax.experimental import mesh_utils
+
+    shape = {"data": data_parallel_size, "model": model_parallel_size}
+    available = list(devices) if devices is not None else jax.devices()
+    groups = _granules(available)
+    if len(groups) == 1:
+        return create_device_mesh(shape, available, axis_types=axis_types)
+    create_device_mesh(shape, available)  # the same checks of the sizes and the device count
+    hosts = len(groups)
+    if data_parallel_size % hosts:
+        raise ValueError(
+            f"create_hybrid_mesh: data_parallel_size {data_parallel_size} does not divide by "
+            f"the {hosts} hosts the devices are on; the data axis spans every host, so make it "
+            f"a multiple of {hosts}."
+        )
+    per_host = data_parallel_size // hosts * model_parallel_size
+    short = [i for i, g in enumerate(groups) if len(g) < per_host]
+    if short:
+        raise ValueError(
+            f"create_hybrid_mesh: each of the {hosts} hosts needs {per_host} devices for "
+            f"{shape}, but host(s) {short} have fewer ({[len(groups[i]) for i in short]})."
+        )
+    layout = mesh_utils.create_hybrid_device_mesh(
+        (data_parallel_size // hosts, model_parallel_size),
+        (hosts, 1),
+        [d for g in groups for d in g[:per_host]],
+        process_is_granule=len({getattr(d, "slice_index", 0) for d in available}) == 1,
+    )
+    types = AxisType.Auto if axis_types is None else axis_types
+    return Mesh(
+        layout, ("data", "model"), axis_types=(types,) * 2 if isinstance(types, AxisType) else tuple(types)
+    )
+
+
+def get_mesh_info(mesh: Mesh) -> dict[str, Any]:
+    """Describe a mesh by its device count and axis sizes (the shape other libraries use).
+
+    Args:
+      mesh: The mesh.
+
+    Returns:
+      ``{"total_devices": int, "axes": {name: size}}``, the axes in mesh order.
+      ``mesh_info`` says more (axis types, platform, processes).
+    """
+    return {"total_devices": int(mesh.devices.size), "axes": dict(mesh.shape)}
 
 
 def mesh_info(mesh: Mesh) -> dict[str, Any]:
@@ -210,4 +324,7 @@ class DeviceMeshManager:
 
     create_device_mesh = staticmethod(create_device_mesh)
     create_data_parallel_mesh = staticmethod(create_data_parallel_mesh)
+    create_model_parallel_mesh = staticmethod(create_model_parallel_mesh)
+    create_hybrid_mesh = staticmethod(create_hybrid_mesh)
+    get_mesh_info = staticmethod(get_mesh_info)
     mesh_info = staticmethod(mesh_info)

@@ -38,6 +38,7 @@ def results(run: Run, name: str) -> dict[str, str]:
         "stitch",  # each process's rows land where the NumPy concatenation puts them
         "replicated",  # a batch-level value, replicated, passes the equality check
         "mismatch",  # a replicated value that differs is named, with the process
+        "hybrid_mesh",  # create_hybrid_mesh: data over the processes (DCN), model inside one (ICI)
         "steps_implicit",  # 12 adam steps match the one-device reference
         "steps_explicit",
         "gather_implicit",  # a gathered metric is replicated: np.asarray reads it on every process

@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import substrax  # noqa: E402
+import substrax.mesh  # noqa: E402
 from substrax.launch import process_slice  # noqa: E402
 from substrax.mesh import create_device_mesh  # noqa: E402
 from substrax.spmd import (  # noqa: E402
@@ -150,6 +151,15 @@ def checks() -> None:
                 assert "batch['batch_state']['lam']" in msg and "process(es) 1 " in msg, msg
             else:
                 raise AssertionError("a replicated leaf that differs between processes passed")
+
+    @check("hybrid_mesh")
+    def _() -> None:
+        hybrid = substrax.mesh.create_hybrid_mesh(4, 2)  # data spans both processes, model within one
+        assert hybrid.axis_names == ("data", "model") and hybrid.devices.shape == (4, 2)
+        hosts = np.vectorize(lambda d: d.process_index)(hybrid.devices)
+        assert (hosts == hosts[:, :1]).all(), hosts  # each model group on one process
+        assert sorted(set(hosts[:, 0])) == [0, 1], hosts
+        assert substrax.mesh.get_mesh_info(hybrid) == {"total_devices": 8, "axes": {"data": 4, "model": 2}}
 
     batches = global_batches()
     device = jax.local_devices()[0]  # the reference: one device, the whole batch
