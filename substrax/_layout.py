@@ -279,6 +279,7 @@ def layout_of(
     model: nnx.Module,
     optimizer: nnx.Optimizer[Any],
     *,
+    mesh: Mesh | None = None,
     axis: str = "data",
     axis_size: int | None = None,
     kind: LayoutKind | None = None,
@@ -288,9 +289,11 @@ def layout_of(
     Args:
       model: The model.
       optimizer: Its optimizer.
+      mesh: The mesh, for the axis's size when no array is placed on one.
       axis: The data axis.
-      axis_size: The axis's size; default: from the mesh the arrays are placed on, or
-        the current mesh.
+      axis_size: The axis's size; default: from the mesh the arrays are placed on, else
+        ``mesh`` or the one set by ``jax.set_mesh``, else 1 (nothing placed: every
+        device that runs it holds it whole).
       kind: The layout's name; default: ``"fsdp"`` when a parameter is split,
         ``"zero1"`` when only optimizer state is, else ``"replicated"``.
     """
@@ -301,7 +304,13 @@ def layout_of(
             if isinstance(getattr(v.get_value(), "sharding", None), NamedSharding)
         ]
         with_axis = [m for m in meshes if axis in m.axis_names]
-        axis_size = with_axis[0].shape[axis] if with_axis else current_mesh(None, required_axes=(axis,)).shape[axis]
+        if not with_axis:
+            try:
+                with_axis = [current_mesh(mesh, required_axes=(axis,))]
+            except ValueError:
+                if mesh is not None:
+                    raise
+        axis_size = with_axis[0].shape[axis] if with_axis else 1
     rows = []
     for owner, tree in (("model", model), ("optimizer", optimizer)):
         for path, variable in _flat(tree):

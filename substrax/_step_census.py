@@ -63,7 +63,7 @@ def step_census(step: TrainStep, model: nnx.Module, optimizer: nnx.Optimizer[Any
     lowered = step.lower(model, optimizer, batch)
     compiled = lowered.compile()
     with step.mesh_context():
-        layout = layout_of(model, optimizer, axis=step.data_axis)
+        layout = layout_of(model, optimizer, mesh=step.mesh, axis=step.data_axis)
     out = lowered.out_info[1]  # the step's (loss, metrics), as shapes and dtypes
     scalars, gathered = _metric_items(out, step.has_aux)
     one_device = layout.axis_size == 1  # a data axis of size 1 calls for no communication at all

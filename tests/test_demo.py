@@ -21,3 +21,11 @@ def test_demo_trains_both_modes_to_the_same_loss() -> None:
     assert first is not None and implicit < float(first.group(1))  # the loss fell
     assert "gradient check: OK" in out
     assert "bind(model, optimizer)(batch)" in out
+    # every layout and mode: state bytes per device fall with the split, each census matches
+    rows = re.findall(r"^  (replicated|zero1|fsdp)\s+(implicit|explicit)\s+([\d,]+)\s+(\w+)", out, flags=re.M)
+    assert len(rows) == 6, out
+    held = {layout: int(nbytes.replace(",", "")) for layout, _, nbytes, _ in rows}
+    assert held["fsdp"] < held["zero1"] < held["replicated"]
+    assert all(verdict == "matches" for *_, verdict in rows), out
+    worst = re.search(r"largest relative loss difference ([\d.e+-]+)", out)
+    assert worst is not None and float(worst.group(1)) < 1e-5

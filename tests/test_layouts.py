@@ -241,3 +241,13 @@ def test_microbatch_errors(mesh8: jax.sharding.Mesh, batches: list) -> None:
         step = substrax.make_train_step(mse, mode, mesh=mesh8, microbatches=3)
         with pytest.raises(ValueError, match=r"batch\['x'\] has 4 rows per device \(32 rows over 8 devices\), which do not split into microbatches=3"):
             step(model, optimizer, batches[0])
+
+
+@pytest.mark.parametrize("layout", ["zero1", "fsdp"])
+def test_compare_gradients_accepts_split_state(mesh8: jax.sharding.Mesh, batches: list, layout: str) -> None:
+    from substrax.explicit import compare_gradients
+
+    model, _ = _placed(mesh8, layout)
+    report = compare_gradients(model, mse, batches[0], mesh8)
+    assert report.ok, str(report)
+    assert report.max_abs_diff < 1e-5
