@@ -1,7 +1,7 @@
 """A character-level transformer language model, trained data-parallel on Python's own source.
 
     python examples/transformer_lm.py                                   # 8 emulated CPU devices
-    python examples/transformer_lm.py --mode explicit --steps 500
+    python examples/transformer_lm.py --mode explicit --layout fsdp --microbatches 2
     python -m substrax.launch -n 2 -d 4 examples/transformer_lm.py      # 2 processes x 4 devices
 
 The text is the standard library's top-level ``*.py`` files, which every Python install
@@ -11,15 +11,18 @@ embeddings, 2 blocks of LayerNorm, causal multi-head attention and an MLP, d=64,
 heads, 32-character context), trained with AdamW on batches of 32 windows. It prints the
 loss and the throughput at intervals, and samples a line of text at the end.
 
-One process and several give the same losses: every process draws the same global batch
-and places only its own rows (``process_slice``); the step is the same.
+``--mode`` picks the implicit or explicit step, ``--layout`` how the state lies over the
+devices (replicated, ZeRO-1: optimizer state split, FSDP: parameters split too) and
+``--microbatches`` how many accumulation steps each device's rows are split into; all
+give the same losses to float32 round-off. So do one process and several: every process
+draws the same global batch and places only its own rows (``process_slice``); the step
+is the same.
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
-import inspect
 import os
 import sys
 import sysconfig
@@ -40,7 +43,6 @@ from substrax.mesh import create_data_parallel_mesh, use_cpu_devices
 from substrax.spmd import create_data_parallel_sharding, place_batch_on_shards
 
 VOCAB = 128  # ASCII; other bytes read as "?"
-LAYOUTS = ("replicated", "zero1", "fsdp")
 
 
 # --- the data: Python's standard library, as ASCII codes -----------------------------------
@@ -185,7 +187,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--mode", choices=substrax.MODES, default="implicit")
     parser.add_argument(
         "--layout",
-        choices=LAYOUTS,
+        choices=substrax.LAYOUTS,
         default="replicated",
         help="replicated state, ZeRO-1 (optimizer state split) or FSDP (parameters too)",
     )
@@ -220,23 +222,13 @@ def main(argv: list[str] | None = None) -> list[float]:
     with jax.set_mesh(mesh):
         # The same seed in every process: the same replicated start.
         model, optimizer = make_model(args.seed, args.dropout, args.lr)
-    if args.layout != "replicated":
-        shard_state = getattr(substrax, "shard_state", None)
-        if shard_state is None:
-            sys.exit(
-                f"--layout {args.layout} needs substrax.shard_state: layouts need substrax >= 0.2 "
-                f"(this is {substrax.__version__}); use --layout replicated."
-            )
-        shard_state(model, optimizer, mesh=mesh, params=args.layout == "fsdp")
-    options = {}
-    if args.microbatches != 1:
-        if "microbatches" not in inspect.signature(substrax.make_train_step).parameters:
-            sys.exit(
-                f"--microbatches {args.microbatches} needs make_train_step(..., microbatches=): "
-                f"substrax >= 0.2 (this is {substrax.__version__}); use --microbatches 1."
-            )
-        options["microbatches"] = args.microbatches
-    train_step = substrax.make_train_step(loss_fn, args.mode, mesh=mesh, **options)
+    state_note = f"{args.layout} state"
+    if (
+        args.layout != "replicated"
+    ):  # split over the data axis: ZeRO-1 (optimizer state) or FSDP (parameters too)
+        layout = substrax.shard_state(model, optimizer, mesh=mesh, params=args.layout == "fsdp")
+        state_note += f" ({layout.bytes_per_device:,} of {layout.total_bytes:,} bytes per device)"
+    train_step = substrax.make_train_step(loss_fn, args.mode, mesh=mesh, microbatches=args.microbatches)
 
     leader = jax.process_index() == 0
     params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
@@ -246,7 +238,8 @@ def main(argv: list[str] | None = None) -> list[float]:
         print(
             f"{params:,} parameters; {len(text):,} characters of Python {sys.version.split()[0]} stdlib; "
             f"{jax.process_count()} process(es), {jax.device_count()} {jax.default_backend()} devices; "
-            f"{args.mode} step, {args.layout} state, global batch {args.batch} x {model.seq}",
+            f"{args.mode} step, {state_note}, global batch {args.batch} x {model.seq}"
+            + (f" in {args.microbatches} microbatches" if args.microbatches != 1 else ""),
             flush=True,
         )
 
