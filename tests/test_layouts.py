@@ -251,3 +251,24 @@ def test_compare_gradients_accepts_split_state(mesh8: jax.sharding.Mesh, batches
     report = compare_gradients(model, mse, batches[0], mesh8)
     assert report.ok, str(report)
     assert report.max_abs_diff < 1e-5
+
+
+def test_two_processes_train_split_state_like_one(mesh8: jax.sharding.Mesh) -> None:
+    import re
+
+    from workers.launching import launch
+
+    run = launch(2, 4, "layout_worker.py", timeout=240)
+    assert run.returncode == 0, run.output
+    batches = regression_batches(6, rows=32)
+    sharding = create_data_parallel_sharding(mesh8)
+    for mode in substrax.MODES:
+        for layout in ("fsdp", "zero1"):
+            model, optimizer = _placed(mesh8, layout)
+            step = substrax.make_train_step(mse, mode, mesh=mesh8)
+            want = [float(step(model, optimizer, place_batch_on_shards(b, sharding))) for b in batches]
+            for process in ("p0", "p1"):
+                got = re.search(rf"^\[{process}\] LOSSES {mode} {layout} (.*)$", run.stdout, flags=re.M)
+                assert got is not None, run.output
+                np.testing.assert_allclose([float(x) for x in got.group(1).split(",")], want, rtol=1e-6)
+                assert re.search(rf"^\[{process}\] SPLIT {mode} {layout} True$", run.stdout, flags=re.M), run.output
