@@ -74,7 +74,7 @@ def check_data_axis_only(tree: Any, data_axis: str, owner: str) -> None:
         others = [e for e in spec or () if e is not None and split_dim_of((e,), data_axis) is None]
         if others:
             raise ValueError(
-                f"{path_str(tuple(path), owner)} is sharded as {PartitionSpec(*spec)}, over mesh axis "
+                f"{path_str(tuple(path), owner)} is sharded as {PartitionSpec(*(spec or ()))}, over mesh axis "
                 f"{others[0]!r}; the explicit step splits state only over the data axis "
                 f"{data_axis!r} (substrax.shard_state). Replicate it over {others[0]!r}, or use "
                 f"mode='implicit', where XLA follows any sharding."
@@ -252,7 +252,7 @@ def _value_and_local_grad(
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
     slices = split_microbatches(shard, specs, data_axis, microbatches)
 
-    def body(carry: tuple[nnx.State, ...], piece: PyTree) -> tuple[tuple[nnx.State, ...], Any]:
+    def body(carry: tuple[Any, Any, Any], piece: PyTree) -> tuple[tuple[Any, Any, Any], Any]:
         params, rest, total = carry  # the parameters ride along so they live at the loop's trace level
         m = nnx.merge(graphdef, params, rest)
         (loss, metrics), grads = value_and_grad(m, piece)

@@ -21,42 +21,6 @@ PyTree = Any
 M = TypeVar("M", bound=nnx.Module)
 
 
-@overload
-def spmd_train_step(
-    model: M,
-    optimizer: nnx.Optimizer[M],
-    loss_fn: Callable[[M, PyTree], jax.Array],
-    batch: PyTree,
-    *,
-    has_aux: Literal[False] = False,
-    **options: Any,
-) -> jax.Array: ...
-
-
-@overload
-def spmd_train_step(
-    model: M,
-    optimizer: nnx.Optimizer[M],
-    loss_fn: Callable[[M, PyTree], tuple[jax.Array, Any]],
-    batch: PyTree,
-    *,
-    has_aux: Literal[True],
-    **options: Any,
-) -> tuple[jax.Array, Any]: ...
-
-
-@overload
-def spmd_train_step(
-    model: M,
-    optimizer: nnx.Optimizer[M],
-    loss_fn: Callable[[M, PyTree], Any],
-    batch: PyTree,
-    *,
-    has_aux: bool,
-    **options: Any,
-) -> jax.Array | tuple[jax.Array, Any]: ...
-
-
 def _mesh_or_none(mesh: Any, data_axis: str) -> Any:
     """The mesh the step splits the batch over: ``mesh``, or the current one when it has ``data_axis``."""
     if mesh is not None:
@@ -87,7 +51,7 @@ def _accumulated_value_and_grad(
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
     slices = split_global_microbatches(batch, specs, ways, microbatches)
 
-    def body(carry: tuple[nnx.State, ...], piece: PyTree) -> tuple[tuple[nnx.State, ...], Any]:
+    def body(carry: tuple[Any, Any, Any], piece: PyTree) -> tuple[tuple[Any, Any, Any], Any]:
         params, rest, total = carry
         m = nnx.merge(graphdef, params, rest)
         (loss, aux), grads = nnx.value_and_grad(loss_fn, has_aux=True)(m, piece)
@@ -98,6 +62,54 @@ def _accumulated_value_and_grad(
     (_, rest, total), (losses, aux) = jax.lax.scan(body, (params, rest, zeros), slices)
     nnx.update(model, rest)
     return (jnp.mean(losses), aux), jax.tree.map(lambda g: g / microbatches, total)
+
+
+@overload
+def spmd_train_step(
+    model: M,
+    optimizer: nnx.Optimizer[M],
+    loss_fn: Callable[[M, PyTree], jax.Array],
+    batch: PyTree,
+    *,
+    has_aux: Literal[False] = False,
+    mesh: Any = None,
+    data_axis: str = "data",
+    batch_spec: Any = None,
+    reduce: Mapping[str, str | None] | None = None,
+    microbatches: int = 1,
+) -> jax.Array: ...
+
+
+@overload
+def spmd_train_step(
+    model: M,
+    optimizer: nnx.Optimizer[M],
+    loss_fn: Callable[[M, PyTree], tuple[jax.Array, Any]],
+    batch: PyTree,
+    *,
+    has_aux: Literal[True],
+    mesh: Any = None,
+    data_axis: str = "data",
+    batch_spec: Any = None,
+    reduce: Mapping[str, str | None] | None = None,
+    microbatches: int = 1,
+) -> tuple[jax.Array, Any]: ...
+
+
+@overload
+def spmd_train_step(
+    model: M,
+    optimizer: nnx.Optimizer[M],
+    loss_fn: Callable[[M, PyTree], Any],
+    batch: PyTree,
+    *,
+    has_aux: bool,
+    mesh: Any = None,
+    data_axis: str = "data",
+    batch_spec: Any = None,
+    reduce: Mapping[str, str | None] | None = None,
+    microbatches: int = 1,
+) -> jax.Array | tuple[jax.Array, Any]: ...
 
 
 def spmd_train_step(
