@@ -12,19 +12,22 @@ batch:
 - ``bound_step:MODE``: ``make_train_step(...).bind(model, optimizer)``
 - ``bound_step_undonated:MODE``: the same with ``bind(..., donate=False)``
 - ``make_train_step:MODE:LAYOUT`` / ``bound_step:MODE:LAYOUT`` (transformer): the state
-  placed by ``substrax.shard_state`` first, ``zero1`` or ``fsdp``, when the library has it
+  placed by ``substrax.shard_state`` first, ``zero1`` or ``fsdp``
 - two hand-written bounds, each a pure function of the split state (a flat list of
   arrays) with donated buffers: ``bound``, the step in ``jax.jit`` (XLA inserts the
   all-reduce), and ``bound_shard_map``, the step under ``jax.shard_map`` (loss
   ``pmean``-ed before ``grad``, replicated state).
 
-Every ratio is to the faster of the two bounds, measured in the same run. Spellings run
-interleaved (A B C ... A B C ...) after warm-up, each run a block of steps; the median
-over runs and the spread (25th-75th percentile) are reported, with compile time (first
-call). Each device count runs in its own process, since jax fixes the device count at
-start.
+Every ratio is to the faster of the two bounds, measured in the same run (the layouts'
+rows too: the bounds are the replicated step). Spellings run interleaved
+(A B C ... A B C ...) after warm-up, each run a block of steps; the median over runs and
+the spread (25th-75th percentile) are reported, with compile time (first call) and the
+bytes the compiled step communicates per device per step (``substrax.census``; for a
+``TrainStep`` also whether that matches its layout's expected communication). Each
+device count runs in its own process, since jax fixes the device count at start.
 
-    python benchmarks/train_step.py --quick --json out.json
+    python benchmarks/train_step.py --json benchmarks/results/train_step.json
+    python benchmarks/train_step.py --quick --json out.json   # make bench
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-Spelling = tuple[Callable[[], Any], Callable[[], Any] | None]  # the step call, and its lowering or None
+Spelling = tuple[Callable[[], Any], Callable[[], Any] | None]  # the step call; its census call or None
 REPO = Path(__file__).resolve().parents[1]
 BOUNDS = ("bound", "bound_shard_map")
 MODES = ("implicit", "explicit")
@@ -66,16 +69,16 @@ def load_example() -> Any:
 
 
 def communication(take_census: Callable[[], Any] | None) -> tuple[int | None, bool | None]:
-    """CENSUS HOOK: bytes the compiled step moves through collectives per step, per device,
-    and whether that matches its layout's rule.
+    """Bytes the compiled step moves through collectives per step, per device, and whether
+    that matches its layout's rule.
 
     ``take_census()`` returns ``TrainStep.census(...)`` (a ``substrax.Comparison``, whose
     ``.matches`` holds the census against the layout's expected communication) or, for
     the hand-written bounds, ``substrax.census`` of the compiled program (a
     ``CensusReport``). Bytes are its ``bytes_per_step()``: buffer sizes as nccl-tests
-    count them, loops multiplied out. ``(None, None)`` (printed "-") where the library
-    has no census or the spelling cannot be compiled by itself (the reference spellings
-    inside the user's ``nnx.jit``).
+    count them, loops multiplied out. ``(None, None)`` (printed "-") without a census
+    (``--no-census``, ``--quick``) or where the spelling does not compile by itself (the
+    reference spellings, inside the user's ``nnx.jit``).
     """
     if take_census is None:
         return None, None
@@ -92,6 +95,7 @@ def run_worker(
     rounds: int,
     block_s: float,
     quick: bool = False,
+    with_census: bool = True,
 ) -> list[dict[str, Any]]:
     import jax
 
@@ -111,8 +115,7 @@ def run_worker(
     from substrax.spmd import create_data_parallel_sharding, place_batch_on_shards, spmd_train_step
 
     mesh = create_device_mesh({"data": devices})
-    shard_state = getattr(substrax, "shard_state", None)
-    program_census = getattr(substrax, "census", None)
+    program_census = substrax.census if with_census else None
 
     def jit_bound(model: Any, optimizer: Any, loss_fn: Callable, batch: Any) -> Spelling:
         """By hand: split once, and step a flat list of arrays (an nnx.State argument would
@@ -166,15 +169,13 @@ def run_worker(
             return functools.partial(jitted, model, optimizer, batch), None
         kind, mode, *layout = name.split(":")
         if layout:
-            if shard_state is None:
-                raise NotImplementedError("this substrax has no shard_state (layouts)")
-            shard_state(model, optimizer, mesh=mesh, params=layout[0] == "fsdp")
+            substrax.shard_state(model, optimizer, mesh=mesh, params=layout[0] == "fsdp")
         step = substrax.make_train_step(loss_fn, mode)  # the caller sets the mesh
         if kind.startswith("bound_step"):
             fast = step.bind(model, optimizer, donate=kind == "bound_step")
-            take = getattr(fast, "census", None) and functools.partial(fast.census, batch)
+            take = functools.partial(fast.census, batch) if with_census else None
             return functools.partial(fast, batch), take
-        take = getattr(step, "census", None) and functools.partial(step.census, model, optimizer, batch)
+        take = functools.partial(step.census, model, optimizer, batch) if with_census else None
         return functools.partial(step, model, optimizer, batch), take
 
     def program(name: str) -> str:
@@ -203,8 +204,8 @@ def run_worker(
         with jax.set_mesh(mesh):
             params = int(sum(x.size for x in jax.tree.leaves(nnx.state(fresh()[0], nnx.Param))))
             # Build every spelling before running any: shard_state invalidates the plain
-            # call's cached split of every model (substrax._layout.epoch), so a layout
-            # placed after a plain step's first call would recompile it once in the timing.
+            # call's cached split of every model, so a layout placed after a plain step's
+            # first call would recompile that step once, inside the timing.
             built = {}
             for name in names:
                 try:
@@ -313,8 +314,11 @@ def run_worker(
     if "transformer" in models:
         lm = load_example()
         host = next(lm.batches(lm.stdlib_text(), 32, 32, seed=0))
-        kinds = ("make_train_step", "bound_step") + (() if quick else ("bound_step_undonated",))
-        names = reference_spellings() + mode_spellings(kinds, layouts)
+        if quick:  # its compiles dominate: the bounds, the plain call and .bind only
+            names = [*BOUNDS, *mode_spellings(("make_train_step", "bound_step"))]
+        else:
+            names = reference_spellings()
+            names += mode_spellings(("make_train_step", "bound_step", "bound_step_undonated"), layouts)
         rows += measure({"model": "transformer"}, names, lm.make_model, lm.loss_fn, host)
     return rows
 
@@ -355,6 +359,9 @@ def main() -> None:
     parser.add_argument("--widths", type=int, nargs="*", help="MLP widths")
     parser.add_argument("--layouts", nargs="*", choices=LAYOUTS, help="state layouts for the transformer")
     parser.add_argument("--rounds", type=int)
+    parser.add_argument(
+        "--no-census", action="store_true", help="leave the comm bytes column empty (--quick does)"
+    )
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     widths = args.widths or ([32, 512] if args.quick else [32, 256, 1024, 2048])
@@ -363,7 +370,9 @@ def main() -> None:
 
     if args.worker:
         block_s = 0.01 if args.quick else 0.03
-        rows = run_worker(args.worker, args.models, widths, tuple(layouts), rounds, block_s, args.quick)
+        rows = run_worker(
+            args.worker, args.models, widths, tuple(layouts), rounds, block_s, args.quick, not args.no_census
+        )
         print(json.dumps(rows))
         return
 
@@ -372,6 +381,7 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--worker", str(devices), "--rounds", str(rounds)]
         cmd += ["--models", *args.models, "--widths", *map(str, widths), "--layouts", *layouts]
         cmd += ["--quick"] if args.quick else []
+        cmd += ["--no-census"] if args.no_census or args.quick else []
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode:
             sys.exit(f"worker for {devices} device(s) failed:\n{out.stderr}")
