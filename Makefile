@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test test-floor bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,25 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The library tests (not the notebooks) against the oldest versions pyproject.toml allows:
+# each `name>=X` of its dependencies installed as `name==X`, in a venv of their own.
+FLOOR_VENV := .venv-floor
+FLOOR_PY := $(FLOOR_VENV)/bin/python
+FLOOR_STAMP := $(FLOOR_VENV)/.installed
+
+$(FLOOR_STAMP): pyproject.toml .ci/floor_requirements.py
+	rm -rf $(FLOOR_VENV)
+	$(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_PY) -m pip install --quiet --upgrade pip
+	$(FLOOR_PY) .ci/floor_requirements.py pyproject.toml > $(FLOOR_VENV)/requirements.txt
+	$(FLOOR_PY) -m pip install --quiet -r $(FLOOR_VENV)/requirements.txt
+	$(FLOOR_PY) -m pip install --quiet --no-deps -e .
+	touch $(FLOOR_STAMP)
+
+test-floor: $(FLOOR_STAMP)
+	$(FLOOR_PY) -c 'import jax, flax, optax, numpy; print("floor:", "jax", jax.__version__, "flax", flax.__version__, "optax", optax.__version__, "numpy", numpy.__version__)'
+	$(FLOOR_PY) -m pytest -q -p no:cacheprovider --ignore=tests/test_notebooks.py
 
 bench: $(STAMP)
 	$(PY) benchmarks/train_step.py --quick --json benchmarks/results/train_step_quick.json
