@@ -36,8 +36,9 @@ def initialize(*, distributed: bool | None = None) -> None:
        process count and this process's id. It also shortens JAX's heartbeat (30 s)
        and shutdown-barrier (``--shutdown-timeout``) waits, turns off JAX's preemption
        service (which would swallow the launcher's SIGTERM), makes an uncaught
-       exception end the process at once with code 1 instead of waiting for its peers
-       at the shutdown barrier, and ends the process if the launcher dies.
+       exception (code 1) or a ``sys.exit`` with a non-zero code (that code) end the
+       process at once instead of waiting for its peers at the shutdown barrier, and
+       ends the process if the launcher dies.
     2. ``distributed=True``, or ``distributed=None`` and one of these holds:
        ``JAX_COORDINATOR_ADDRESS`` is set; SLURM runs more than one task
        (``SLURM_NTASKS`` > 1 inside an ``srun`` step, with ``SLURM_JOB_ID``,
