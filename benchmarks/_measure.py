@@ -1,0 +1,138 @@
+"""Shared by ``layouts.py`` and ``accumulation.py``: interleaved timing, the compiled
+program's memory and collectives, the state's bytes per device, and the output files.
+
+Nothing here imports jax at module level: each script sets its emulated device count
+(``substrax.mesh.use_cpu_devices``) before jax starts a backend.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+
+def interleaved(
+    calls: dict[str, Callable[[], Any]], rounds: int, block_s: float, reference: str
+) -> tuple[dict[str, list[float]], int]:
+    """Time every call once per round (A B C ... A B C ...), each sample a block of calls.
+
+    The block is sized once from ``reference`` so a sample takes about ``block_s``; the
+    same block is used for every call, so each sample is the mean of ``block`` steps.
+    Returns seconds per step for each name, and the block.
+    """
+    import jax
+
+    start = time.perf_counter()
+    for _ in range(2):
+        jax.block_until_ready(calls[reference]())
+    per_call = (time.perf_counter() - start) / 2
+    block = max(1, min(50, round(block_s / max(per_call, 1e-9))))
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            for _ in range(block):
+                out = call()
+            jax.block_until_ready(out)
+            samples[name].append((time.perf_counter() - start) / block)
+    return samples, block
+
+
+def summary_us(seconds: Iterable[float]) -> dict[str, float]:
+    """Median and 25th-75th percentile, in microseconds."""
+    import numpy as np
+
+    times = np.asarray(list(seconds)) * 1e6
+    return {
+        "median_us": float(np.median(times)),
+        "p25_us": float(np.percentile(times, 25)),
+        "p75_us": float(np.percentile(times, 75)),
+    }
+
+
+def memory(compiled: Any) -> dict[str, int | None]:
+    """``compiled.memory_analysis()``: bytes of arguments, outputs, temporaries, and the
+    outputs aliased onto donated arguments (per device: the SPMD program of one device)."""
+    stats = compiled.memory_analysis()
+    fields = {
+        "argument_bytes": "argument_size_in_bytes",
+        "output_bytes": "output_size_in_bytes",
+        "temp_bytes": "temp_size_in_bytes",
+        "alias_bytes": "alias_size_in_bytes",
+    }
+    return {key: (None if stats is None else int(getattr(stats, attr))) for key, attr in fields.items()}
+
+
+def collectives(report: Any) -> dict[str, Any]:
+    """A ``substrax.CensusReport`` in brief: bytes per step (loops multiplied out), and per
+    kind the instructions and their executions per step."""
+    executions: dict[str, int] = {}
+    for row in report.rows:
+        executions[row.kind] = executions.get(row.kind, 0) + (row.executions or 1)
+    return {
+        "comm_bytes": int(report.bytes_per_step()),
+        "instructions": {kind: total.count for kind, total in report.totals().items()},
+        "executions": executions,
+        "in_loop": len(report.in_loop()),
+    }
+
+
+def kinds_brief(executions: dict[str, int] | None) -> str:
+    """``{"all-gather": 3, "reduce-scatter": 3}`` as ``AG3 RS3``."""
+    if executions is None:
+        return "-"
+    short = {"all-reduce": "AR", "all-gather": "AG", "reduce-scatter": "RS", "all-to-all": "A2A"}
+    return " ".join(f"{short.get(k, k)}{n}" for k, n in executions.items()) or "none"
+
+
+def state_bytes(arrays: Iterable[Any]) -> int:
+    """The most bytes any one device holds of these arrays, summed from their addressable shards."""
+    per_device: dict[Any, int] = {}
+    for array in arrays:
+        for shard in array.addressable_shards:
+            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    return max(per_device.values(), default=0)
+
+
+def machine() -> dict[str, Any]:
+    import os
+    import platform
+
+    import flax
+    import jax
+    import optax
+
+    return {
+        "date": time.strftime("%Y-%m-%d"),
+        "cpus": os.cpu_count(),
+        "processor": platform.processor() or platform.machine(),
+        "backend": jax.default_backend(),
+        "devices": jax.device_count(),
+        "jax": jax.__version__,
+        "flax": flax.__version__,
+        "optax": optax.__version__,
+    }
+
+
+def write(json_path: str | None, payload: dict[str, Any], text: str) -> None:
+    """Write the JSON to ``json_path`` and the printed text beside it, ``.txt`` for ``.json``
+    (``--json benchmarks/results/layouts.json`` also writes ``benchmarks/results/layouts.txt``)."""
+    if not json_path:
+        return
+    path = Path(json_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=1) + "\n")
+    path.with_suffix(".txt").write_text(text)
+    print(f"wrote {path} and {path.with_suffix('.txt')}")
+
+
+def fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"

@@ -1,0 +1,261 @@
+"""Gradient accumulation: memory and step time for k microbatches, and against optax.MultiSteps.
+
+A model whose activations dominate its memory: an MLP of ``--layers`` hidden layers of
+width ``--width`` (input the same width, output 1, ReLU, mean squared error) on a large
+batch, Adam, 8 emulated CPU devices. Times, interleaved round by round after warm-up:
+
+- ``MODE:kK``: ``make_train_step(loss_fn, MODE, microbatches=K).bind(model, optimizer)``
+  on the whole batch, for K = 1, 2, 4, 8; K = 1 is the step on the whole batch at once.
+  The ratio is to the same mode's K = 1 (issue 11's goal: within 1.15x), and the
+  temporary bytes of the compiled program (``memory_analysis()``) to K = 1's
+  (goal: roughly 1/K).
+- ``multisteps:MODE:kK``: the naive accumulation: the optimizer is
+  ``optax.MultiSteps(optax.adam, every_k_schedule=K)`` and the plain replicated step
+  (``make_train_step(loss_fn, MODE).bind``, one microbatch per call) runs K times per
+  optimizer step on the K microbatches of the same global batch (each the rows
+  the accumulating step gives microbatch j: every device's j-th slice). Time per
+  optimizer step (K calls), its ratio to ``explicit:kK``, and the all-reduces executed
+  per optimizer step: each compiled step's census (``TrainStep.census``: executions,
+  loops multiplied out by their trip counts) times the calls.
+
+After warm-up (4 optimizer steps from the same initial parameters) each MultiSteps row
+reports its parameters' largest difference from ``explicit:kK``'s, so the rows are
+known to compute the same update.
+
+    python benchmarks/accumulation.py --quick
+    python benchmarks/accumulation.py --json benchmarks/results/accumulation.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import _measure as M  # benchmarks/_measure.py: run as `python benchmarks/NAME.py`
+
+MODES = ("implicit", "explicit")
+
+
+def run(
+    width: int, layers: int, batch_size: int, ks: list[int], multi_ks: list[int], rounds: int, devices: int
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    from substrax.mesh import use_cpu_devices
+
+    use_cpu_devices(devices)
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    import substrax
+    from substrax.mesh import create_device_mesh
+    from substrax.spmd import create_data_parallel_sharding, place_batch_on_shards
+
+    mesh = create_device_mesh({"data": devices})
+    sharding = create_data_parallel_sharding(mesh)
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            self.hidden = nnx.List([nnx.Linear(width, width, rngs=rngs) for _ in range(layers)])
+            self.out = nnx.Linear(width, 1, rngs=rngs)
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            for layer in self.hidden:
+                x = jax.nn.relu(layer(x))
+            return self.out(x)
+
+    def loss_fn(model: MLP, batch: dict[str, jax.Array]) -> jax.Array:
+        return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+    def fresh(tx: optax.GradientTransformation) -> tuple[MLP, nnx.Optimizer]:
+        model = MLP(nnx.Rngs(0))
+        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    rng = np.random.default_rng(0)
+    host = {
+        "x": rng.normal(size=(batch_size, width)).astype(np.float32),
+        "y": rng.normal(size=(batch_size, 1)).astype(np.float32),
+    }
+    batch = place_batch_on_shards(host, sharding)
+    rows_per_device = batch_size // devices
+
+    def microbatches(k: int) -> list[dict[str, jax.Array]]:
+        """Microbatch j: every device's j-th slice of its rows, as the accumulating step cuts them."""
+        m = rows_per_device // k
+        out = []
+        for j in range(k):
+            rows = np.concatenate(
+                [
+                    np.arange(d * rows_per_device + j * m, d * rows_per_device + (j + 1) * m)
+                    for d in range(devices)
+                ]
+            )
+            out.append(place_batch_on_shards({key: v[rows] for key, v in host.items()}, sharding))
+        return out
+
+    names = [f"{mode}:k{k}" for mode in MODES for k in ks]
+    names += [f"multisteps:{mode}:k{k}" for k in multi_ks for mode in MODES]
+    calls: dict[str, Callable[[], Any]] = {}
+    info: dict[str, dict[str, Any]] = {}
+    params_of: dict[str, Callable[[], list]] = {}
+    for name in names:
+        row: dict[str, Any] = {"spelling": name}
+        try:
+            *multi, mode, k_text = name.split(":")
+            k = int(k_text[1:])
+            row |= {"mode": mode, "k": k, "multisteps": bool(multi)}
+            if multi:
+                model, optimizer = fresh(optax.MultiSteps(optax.adam(1e-3), every_k_schedule=k))
+                step = substrax.make_train_step(loss_fn, mode, mesh=mesh)
+                pieces = microbatches(k)
+                fast = step.bind(model, optimizer)
+
+                def call(fast: Any = fast, pieces: list = pieces) -> Any:
+                    for piece in pieces:
+                        loss = fast(piece)
+                    return loss
+
+                compiled_batch, calls_per_step = pieces[0], k
+            else:
+                model, optimizer = fresh(optax.adam(1e-3))
+                step = substrax.make_train_step(loss_fn, mode, mesh=mesh, microbatches=k)
+                fast = step.bind(model, optimizer)
+                call = functools.partial(fast, batch)
+                compiled_batch, calls_per_step = batch, 1
+            start = time.perf_counter()
+            jax.block_until_ready(call())
+            row["compile_s"] = time.perf_counter() - start
+            for _ in range(3):
+                call()
+            row |= M.memory(fast.lower(compiled_batch).compile())
+            comparison = fast.census(compiled_batch)
+            brief = M.collectives(comparison.report)
+            row["census_matches"] = comparison.matches
+            row["calls_per_optimizer_step"] = calls_per_step
+            row["comm_bytes"] = brief["comm_bytes"] * calls_per_step
+            row["executions"] = {kind: n * calls_per_step for kind, n in brief["executions"].items()}
+            row["all_reduces"] = row["executions"].get("all-reduce", 0)
+            row["collectives_in_loop"] = brief["in_loop"]
+            calls[name] = call
+
+            def params(model: Any = model, fast: Any = fast) -> list:
+                fast.sync()
+                return [np.asarray(a) for a in jax.tree.leaves(nnx.state(model, nnx.Param))]
+
+            params_of[name] = params
+        except (ValueError, TypeError, NotImplementedError, RuntimeError) as e:  # reported, not fatal
+            row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"[:300]
+        info[name] = row
+
+    for name in names:  # same update as the explicit accumulation, after the same 4 optimizer steps
+        twin = f"explicit:k{info[name].get('k')}"
+        if info[name].get("multisteps") and name in params_of and twin in params_of:
+            diffs = [np.max(np.abs(a - b)) for a, b in zip(params_of[name](), params_of[twin](), strict=True)]
+            info[name]["max_param_diff_vs_explicit"] = float(max(diffs))
+
+    print(f"  compiled {len(calls)} spellings; timing", file=sys.stderr)
+    samples, block = M.interleaved(calls, rounds, 0.05, reference=names[0])
+    medians = {name: float(np.median(samples[name])) * 1e6 for name in calls}
+    params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(nnx.state(MLP(nnx.Rngs(0)), nnx.Param)))
+    rows = []
+    for name in names:
+        row = {"width": width, "layers": layers, "batch": batch_size, "params": params, "devices": devices}
+        row |= {"rounds": rounds, "block": block} | info[name]
+        if name in calls:
+            row |= M.summary_us(samples[name])
+            one = f"{row['mode']}:k1"
+            if row["multisteps"]:
+                base = f"explicit:k{row['k']}"
+                row["vs"] = base
+            else:
+                base = one
+                row["vs"] = one
+                if info.get(one, {}).get("temp_bytes"):
+                    row["temp_ratio_to_k1"] = row["temp_bytes"] / info[one]["temp_bytes"]
+            if base in medians:
+                row["ratio"] = medians[name] / medians[base]
+        rows.append(row)
+    return rows, {"width": width, "layers": layers, "batch": batch_size, "params": params}
+
+
+def table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    out = [
+        (
+            f"accumulation: MLP {meta['layers']} hidden x {meta['width']} ({meta['params']:,} params), "
+            f"global batch {meta['batch']}, Adam, {meta['devices']} emulated {meta['backend']} devices; "
+            f"{meta['cpus']} CPUs; jax {meta['jax']}, flax {meta['flax']}, optax {meta['optax']}; {meta['date']}"
+        ),
+        (
+            f"{'spelling':<22} {'median us':>10} {'p25-p75 us':>17} {'ratio':>6} {'vs':<12} {'temp':>10} "
+            f"{'temp/k1':>7} {'arg':>10} {'AR/opt step':>11} {'comm/opt step':>13} {'in loop':>7} {'rule':>4} "
+            f"{'compile s':>9}"
+        ),
+    ]
+    for r in rows:
+        start = f"{r['spelling']:<22}"
+        if "median_us" not in r:
+            out.append(f"{start} n/a: {r.get('error', 'no samples')}")
+            continue
+        spread = f"{r['p25_us']:.0f}-{r['p75_us']:.0f}"
+        ratio = f"{r['ratio']:.2f}" if "ratio" in r else "-"
+        temp_ratio = f"{r['temp_ratio_to_k1']:.2f}" if "temp_ratio_to_k1" in r else "-"
+        rule = {None: "-", True: "yes", False: "NO"}[r.get("census_matches")]
+        out.append(
+            f"{start} {r['median_us']:>10.0f} {spread:>17} {ratio:>6} {r['vs']:<12} "
+            f"{M.fmt_bytes(r['temp_bytes']):>10} {temp_ratio:>7} {M.fmt_bytes(r['argument_bytes']):>10} "
+            f"{r['all_reduces']:>11} {M.fmt_bytes(r['comm_bytes']):>13} {r['collectives_in_loop']:>7} "
+            f"{rule:>4} {r['compile_s']:>9.2f}"
+        )
+        if "max_param_diff_vs_explicit" in r:
+            out.append(
+                f"{'':<23} parameters after 4 optimizer steps differ from "
+                f"{r['vs']}'s by at most {r['max_param_diff_vs_explicit']:.2e}"
+            )
+    out += [
+        "median: per optimizer step (MultiSteps: K calls of the plain step on the K microbatches).",
+        "ratio: median / the median of 'vs' (MODE:k1, the whole batch at once; or explicit:kK), same run.",
+        "temp: compiled.memory_analysis().temp_size_in_bytes of one device's program (MultiSteps: one call's).",
+        "AR/opt step: all-reduces executed per optimizer step, from the census of each compiled step times",
+        "its calls (loops multiplied out); comm: collective bytes per device per optimizer step; in loop:",
+        "collective instructions inside a while loop; rule: the census matches the step's expected rule.",
+    ]
+    return "\n".join(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--quick", action="store_true", help="width 128, batch 2048, 4 rounds: under a minute"
+    )
+    parser.add_argument(
+        "--json", metavar="PATH", help="write the rows as JSON and the table beside it (.txt)"
+    )
+    parser.add_argument("--width", type=int)
+    parser.add_argument("--layers", type=int)
+    parser.add_argument("--batch", type=int)
+    parser.add_argument("--k", type=int, nargs="*", default=[1, 2, 4, 8], help="microbatches per step")
+    parser.add_argument("--multisteps-k", type=int, nargs="*", help="K of the optax.MultiSteps rows")
+    parser.add_argument("--rounds", type=int)
+    parser.add_argument("--devices", type=int, default=8)
+    args = parser.parse_args()
+    width = args.width or (128 if args.quick else 256)
+    layers = args.layers or 3
+    batch_size = args.batch or (2048 if args.quick else 8192)
+    multi_ks = args.multisteps_k if args.multisteps_k is not None else [max(args.k)]
+    rounds = args.rounds or (4 if args.quick else 20)
+    start = time.perf_counter()
+    rows, model = run(width, layers, batch_size, sorted(set(args.k) | {1}), multi_ks, rounds, args.devices)
+    meta = M.machine() | model | {"wall_s": time.perf_counter() - start, "quick": args.quick}
+    text = table(rows, meta)
+    print(text)
+    M.write(args.json, {"meta": meta, "rows": rows}, text + "\n")
+
+
+if __name__ == "__main__":
+    main()
