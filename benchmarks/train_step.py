@@ -143,8 +143,9 @@ def run_worker(
             optimizer.update(model, grads)
             return jax.tree.leaves(nnx.state((model, optimizer))), loss
 
-        specs = {"in_specs": (P(), P("data")), "out_specs": (P(), P())}
-        mapped = jax.shard_map(per_device, mesh=mesh, check_vma=True, **specs)
+        mapped = jax.shard_map(
+            per_device, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()), check_vma=True
+        )
         return stepper(jax.jit(mapped, donate_argnums=0), jax.tree.leaves(state), batch)
 
     def stepper(jitted: Any, arrays: list, batch: Any) -> Spelling:
@@ -170,7 +171,7 @@ def run_worker(
         kind, mode, *layout = name.split(":")
         if layout:
             substrax.shard_state(model, optimizer, mesh=mesh, params=layout[0] == "fsdp")
-        step = substrax.make_train_step(loss_fn, mode)  # the caller sets the mesh
+        step = substrax.make_train_step(loss_fn, mode)  # type: ignore[arg-type]  # the caller sets the mesh
         if kind.startswith("bound_step"):
             fast = step.bind(model, optimizer, donate=kind == "bound_step")
             take = functools.partial(fast.census, batch) if with_census else None
@@ -259,7 +260,7 @@ def run_worker(
                 "rounds": rounds,
                 "block": block,
                 "bound_us": bounds_us,
-                "faster_bound": min(bounds_us, key=bounds_us.get),
+                "faster_bound": min(bounds_us, key=lambda name: bounds_us[name]),
             }
             if name in errors or not samples.get(name):
                 rows.append(row | {"error": errors.get(name, "no samples")})

@@ -143,8 +143,8 @@ def sample(model: CharLM, prompt: str, length: int, seed: int) -> str:
     """Continue ``prompt`` for up to ``length`` characters or to the end of the line (temperature 0.8)."""
 
     @nnx.jit
-    def next_code(model: CharLM, window: jax.Array, last: jax.Array, key: jax.Array) -> jax.Array:
-        logits = model(window)[0, last]
+    def next_code(model: CharLM, window: np.ndarray, last: int, key: jax.Array) -> jax.Array:
+        logits = model(jnp.asarray(window))[0, last]
         return jax.random.categorical(key, logits / 0.8)
 
     codes = list(encode(prompt))

@@ -13,6 +13,8 @@ import io
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -25,15 +27,16 @@ STEPS = 4
 ARGS = ["--steps", str(STEPS), "--log-every", "1"]
 
 
-def load_example():
+def load_example() -> Any:
     spec = importlib.util.spec_from_file_location("transformer_lm", EXAMPLE)
+    assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 @pytest.fixture(scope="module")
-def two_processes() -> subprocess.Popen:
+def two_processes() -> Iterator[subprocess.Popen[str]]:
     """2 processes x 4 devices, implicit mode: started now, read by the last test."""
     cmd = [
         sys.executable,
@@ -56,10 +59,10 @@ def two_processes() -> subprocess.Popen:
 
 
 @pytest.fixture(scope="module")
-def runs(two_processes: subprocess.Popen) -> dict[str, tuple[list[float], str]]:
+def runs(two_processes: subprocess.Popen[str]) -> dict[str, tuple[list[float], str]]:
     """Each mode's per-step losses on one process, and what it printed."""
     example = load_example()
-    out = {}
+    out: dict[str, tuple[list[float], str]] = {}
     for mode in substrax.MODES:
         with contextlib.redirect_stdout(io.StringIO()) as printed:
             losses = example.main([*ARGS, "--mode", mode, "--sample", "5" if mode == "implicit" else "0"])
@@ -91,7 +94,7 @@ def test_it_prints_losses_throughput_and_a_sample(runs: dict[str, tuple[list[flo
     assert "\r" not in out  # not a terminal: one line per interval, no redrawn status line
 
 
-def test_two_processes_give_the_same_losses(two_processes: subprocess.Popen, losses: dict) -> None:
+def test_two_processes_give_the_same_losses(two_processes: subprocess.Popen[str], losses: dict) -> None:
     stdout, stderr = two_processes.communicate(timeout=180)
     assert two_processes.returncode == 0, stdout + stderr
     printed = [float(x) for x in re.findall(r"^\[p0\] step +\d+/\d+  loss ([\d.]+)", stdout, flags=re.M)]
