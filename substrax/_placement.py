@@ -68,7 +68,9 @@ def check_fits(
     *,
     local: bool,
     root: str = "batch",
-    replicate_hint: str = "pass a pytree prefix of shardings with NamedSharding(mesh, PartitionSpec()) for it",
+    replicate_hint: str = (
+        "pass a pytree prefix of shardings with NamedSharding(mesh, PartitionSpec()) for it"
+    ),
 ) -> None:
     """Raise a ValueError unless an array of ``shape`` can be split as ``spec`` says.
 

@@ -23,7 +23,12 @@ __all__ = ["reduce_custom", "reduce_max", "reduce_mean", "reduce_metrics", "redu
 T = TypeVar("T")
 V = TypeVar("V")
 
-_REDUCE: dict[str, Callable[[Any], jnp.ndarray]] = {"mean": jnp.mean, "sum": jnp.sum, "max": jnp.max, "min": jnp.min}
+_REDUCE: dict[str, Callable[[Any], jnp.ndarray]] = {
+    "mean": jnp.mean,
+    "sum": jnp.sum,
+    "max": jnp.max,
+    "min": jnp.min,
+}
 
 
 def reduce_mean(metrics: T) -> T:
