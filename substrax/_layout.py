@@ -269,9 +269,14 @@ def shard_state(
             if (owner, path) not in placed and hasattr(variable.get_value(), "shape"):
                 _place(variable, (None,) * np.ndim(variable.get_value()), found)
     _EPOCH[0] += 1
-    kind: LayoutKind = ("fsdp" if params else "zero1") if any(
-        choose_split_dim(tuple(np.shape(model_vars[p].get_value())), size, min_size) is not None for p in mirrors
-    ) else "replicated"
+    kind: LayoutKind = (
+        ("fsdp" if params else "zero1")
+        if any(
+            choose_split_dim(tuple(np.shape(model_vars[p].get_value())), size, min_size) is not None
+            for p in mirrors
+        )
+        else "replicated"
+    )
     return layout_of(model, optimizer, axis=axis, axis_size=size, kind=kind)
 
 
@@ -323,7 +328,14 @@ def layout_of(
                 continue
             shape = tuple(value.shape)
             rows.append(
-                LeafPlacement(owner, path_str(path, owner), shape, name, split_dim_of(spec_tuple(variable), axis), axis_size)
+                LeafPlacement(
+                    owner,
+                    path_str(path, owner),
+                    shape,
+                    name,
+                    split_dim_of(spec_tuple(variable), axis),
+                    axis_size,
+                )
             )
     if kind is None:
         split_model = any(r.split_dim is not None and r.owner == "model" for r in rows)

@@ -51,7 +51,9 @@ def check_microbatches(
     if batch is None or microbatches == 1:
         return
     leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
-    for (path, leaf), spec in zip(leaves, jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, PartitionSpec)), strict=True):
+    for (path, leaf), spec in zip(
+        leaves, jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, PartitionSpec)), strict=True
+    ):
         if not _has_rows(spec):
             continue
         ways = _row_ways(spec, dict(mesh.shape))
@@ -93,7 +95,9 @@ def split_global_microbatches(batch: PyTree, specs: PyTree, ways: int, microbatc
     return jax.tree.map(cut, batch, specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
 
 
-def fold_microbatch_metrics(metrics: Mapping[str, Any], reduce: Mapping[str, str | None] | None) -> dict[str, Any]:
+def fold_microbatch_metrics(
+    metrics: Mapping[str, Any], reduce: Mapping[str, str | None] | None
+) -> dict[str, Any]:
     """Per-device metrics stacked over microbatches, ready for the per-device reduction.
 
     ``"gather"`` values ``(k, m, ...)`` become this device's rows in order ``(k * m, ...)``;
@@ -102,7 +106,9 @@ def fold_microbatch_metrics(metrics: Mapping[str, Any], reduce: Mapping[str, str
     """
     ops = dict(reduce or {})
     return {
-        name: value.reshape(-1, *value.shape[2:]) if ops.get(name) == "gather" and jnp.ndim(value) >= 2 else value
+        name: value.reshape(-1, *value.shape[2:])
+        if ops.get(name) == "gather" and jnp.ndim(value) >= 2
+        else value
         for name, value in metrics.items()
     }
 

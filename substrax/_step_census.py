@@ -18,7 +18,9 @@ if TYPE_CHECKING:
 __all__ = ["step_census"]
 
 
-def parameter_leaves(model: nnx.Module, optimizer: nnx.Optimizer[Any], axis: str) -> list[tuple[str, tuple[int, ...], Any, bool]]:
+def parameter_leaves(
+    model: nnx.Module, optimizer: nnx.Optimizer[Any], axis: str
+) -> list[tuple[str, tuple[int, ...], Any, bool]]:
     """``(path, shape, dtype, split)`` per parameter, as ``expected_communication`` takes them.
 
     ``split``: the parameter, or the optimizer state mirroring it, is split over ``axis``.
@@ -50,7 +52,9 @@ def _metric_items(outputs: Any, has_aux: bool) -> tuple[int, list[ExpectedCollec
     return scalars, gathered
 
 
-def step_census(step: TrainStep, model: nnx.Module, optimizer: nnx.Optimizer[Any], batch: PyTree) -> Comparison:
+def step_census(
+    step: TrainStep, model: nnx.Module, optimizer: nnx.Optimizer[Any], batch: PyTree
+) -> Comparison:
     """Compile ``step`` for these arguments, take its census, and compare it with its layout's rule.
 
     The expected communication is computed from the state's placement alone
@@ -77,6 +81,8 @@ def step_census(step: TrainStep, model: nnx.Module, optimizer: nnx.Optimizer[Any
     )
     gathered = [] if one_device else gathered
     if gathered:
-        expected = type(expected)(expected.layout, expected.mode, expected.microbatches, expected.items + tuple(gathered))
+        expected = type(expected)(
+            expected.layout, expected.mode, expected.microbatches, expected.items + tuple(gathered)
+        )
     mesh = step.mesh if step.mesh is not None else None
     return compare(census(compiled, mesh=mesh), expected)

@@ -219,7 +219,9 @@ class TrainStep:
         """
         return self._run(model, optimizer, batch)
 
-    def _run(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree, placed: _PlacedSpecs | None = None) -> Any:
+    def _run(
+        self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree, placed: _PlacedSpecs | None = None
+    ) -> Any:
         return _STEPS[self.mode](
             model,
             optimizer,
@@ -321,7 +323,9 @@ class _SplitState:
         self._snapshot = [_attributes(n) for n in self._nodes]
         self._epoch = _layout.epoch()
 
-        def pure(arrays: list[jax.Array], batch: PyTree, placed: _PlacedSpecs | None) -> tuple[list[jax.Array], Any]:
+        def pure(
+            arrays: list[jax.Array], batch: PyTree, placed: _PlacedSpecs | None
+        ) -> tuple[list[jax.Array], Any]:
             model, optimizer = nnx.merge(graphdef, jax.tree.unflatten(treedef, arrays))
             out = step._run(model, optimizer, batch, placed)
             return jax.tree.leaves(nnx.state((model, optimizer))), out
@@ -333,7 +337,9 @@ class _SplitState:
             return False
         for node, saved in zip(self._nodes, self._snapshot, strict=True):
             now = vars(node)
-            if len(now) != len(saved) + ("_pytree__state" in now) or any(now.get(k) is not v for k, v in saved):
+            if len(now) != len(saved) + ("_pytree__state" in now) or any(
+                now.get(k) is not v for k, v in saved
+            ):
                 return False
         return True
 

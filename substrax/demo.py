@@ -114,7 +114,9 @@ def main(argv: list[str] | None = None) -> None:
     # The same model in every layout and mode: what each device holds, what each step
     # communicates, and the losses.
     print(f"\nlayouts ({jax.device_count()} devices), {min(args.steps, 20)} steps each:")
-    print(f"  {'layout':<10} {'mode':<9} {'state B/device':>14}  {'census':<9} {'all-reduce':>10} {'all-gather':>10} {'reduce-scatter':>14}  final loss")
+    print(
+        f"  {'layout':<10} {'mode':<9} {'state B/device':>14}  {'census':<9} {'all-reduce':>10} {'all-gather':>10} {'reduce-scatter':>14}  final loss"
+    )
     layout_losses: dict[tuple[str, str], list[float]] = {}
     fsdp_census = None
     for layout in substrax.LAYOUTS:
@@ -124,12 +126,19 @@ def main(argv: list[str] | None = None) -> None:
             if layout != "replicated":
                 substrax.shard_state(model, optimizer, mesh=mesh, params=layout == "fsdp", min_size=256)
             state_bytes = substrax.layout_of(model, optimizer, mesh=mesh).bytes_per_device
-            train_step = substrax.make_train_step(loss_fn, mode, mesh=mesh, has_aux=True, reduce={"max_abs_err": "max"})
-            found = train_step.census(model, optimizer, place_batch_on_shards({"x": x[0], "y": y[0]}, sharding))
+            train_step = substrax.make_train_step(
+                loss_fn, mode, mesh=mesh, has_aux=True, reduce={"max_abs_err": "max"}
+            )
+            found = train_step.census(
+                model, optimizer, place_batch_on_shards({"x": x[0], "y": y[0]}, sharding)
+            )
             if (layout, mode) == ("fsdp", "explicit"):
                 fsdp_census = found
             with train_step.bind(model, optimizer) as fast:
-                losses = [float(fast(place_batch_on_shards({"x": x[i], "y": y[i]}, sharding))[0]) for i in range(min(args.steps, 20))]
+                losses = [
+                    float(fast(place_batch_on_shards({"x": x[i], "y": y[i]}, sharding))[0])
+                    for i in range(min(args.steps, 20))
+                ]
             layout_losses[layout, mode] = losses
             r = found.report
             print(
@@ -139,7 +148,9 @@ def main(argv: list[str] | None = None) -> None:
             )
     base = np.asarray(layout_losses["replicated", "implicit"])
     worst = max(float(np.max(np.abs(np.asarray(v) - base) / np.abs(base))) for v in layout_losses.values())
-    print(f"every layout and mode agrees with replicated implicit: largest relative loss difference {worst:.1e}")
+    print(
+        f"every layout and mode agrees with replicated implicit: largest relative loss difference {worst:.1e}"
+    )
     print(f"\nthe census of the explicit FSDP step:\n{fsdp_census}")
     if worst > 1e-4:
         raise SystemExit("layouts disagree")

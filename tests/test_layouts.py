@@ -24,7 +24,11 @@ MIN_SIZE = 16  # the test MLP (width 16): hidden kernel, hidden bias and out ker
 
 def _shardings(model: nnx.Module, optimizer: nnx.Optimizer) -> dict[str, PartitionSpec]:
     flat = nnx.to_flat_state(nnx.state((model, optimizer)))
-    return {"/".join(map(str, p)): v.get_value().sharding.spec for p, v in flat if hasattr(v.get_value(), "sharding")}
+    return {
+        "/".join(map(str, p)): v.get_value().sharding.spec
+        for p, v in flat
+        if hasattr(v.get_value(), "sharding")
+    }
 
 
 def _same_layout(model: nnx.Module, optimizer: nnx.Optimizer, before: dict) -> None:
@@ -89,7 +93,8 @@ def test_state_bytes_per_device(mesh8: jax.sharding.Mesh, layout: str) -> None:
     held = sum(
         v.get_value().addressable_shards[0].data.nbytes
         for _, v in nnx.to_flat_state(nnx.state((model, optimizer)))
-        if isinstance(v.get_value(), jax.Array) and not jnp.issubdtype(v.get_value().dtype, jax.dtypes.prng_key)
+        if isinstance(v.get_value(), jax.Array)
+        and not jnp.issubdtype(v.get_value().dtype, jax.dtypes.prng_key)
     )
     split = sum(r.nbytes for r in report.rows if r.split_dim is not None)
     whole = sum(r.nbytes for r in report.rows if r.split_dim is None)
@@ -101,8 +106,14 @@ def test_state_bytes_per_device(mesh8: jax.sharding.Mesh, layout: str) -> None:
 def test_explicit_fsdp_step_gathers_and_reduce_scatters(mesh8: jax.sharding.Mesh, batches: list) -> None:
     model, optimizer = _placed(mesh8, "fsdp")
     batch = place_batch_on_shards(batches[0], create_data_parallel_sharding(mesh8))
-    report = census(substrax.make_train_step(mse, "explicit", mesh=mesh8).lower(model, optimizer, batch).compile())
-    split_bytes = sum(r.nbytes for r in substrax.layout_of(model, optimizer).rows if r.owner == "model" and r.split_dim is not None)
+    report = census(
+        substrax.make_train_step(mse, "explicit", mesh=mesh8).lower(model, optimizer, batch).compile()
+    )
+    split_bytes = sum(
+        r.nbytes
+        for r in substrax.layout_of(model, optimizer).rows
+        if r.owner == "model" and r.split_dim is not None
+    )
     assert report.bytes("all-gather") == split_bytes  # each split parameter gathered whole, once
     assert report.bytes("reduce-scatter") == split_bytes  # and its gradient reduce-scattered, once
     assert report.bytes("all-reduce") < 16  # the loss and the 1-element out bias; no split gradient
@@ -116,7 +127,9 @@ class Noisy(nnx.Module):
         rngs = nnx.Rngs(0, dropout=1)
         self.hidden = nnx.Linear(4, 16, use_bias=False, rngs=rngs)  # a bias before BatchNorm has no gradient
         # the global batch's statistics: implicit mode sees it whole; explicit mode reduces over the axis
-        self.norm = nnx.BatchNorm(16, momentum=0.5, axis_name="data" if mode == "explicit" else None, rngs=rngs)
+        self.norm = nnx.BatchNorm(
+            16, momentum=0.5, axis_name="data" if mode == "explicit" else None, rngs=rngs
+        )
         self.drop = nnx.Dropout(dropout, rngs=rngs)
         self.out = nnx.Linear(16, 1, rngs=rngs)
 
@@ -125,7 +138,9 @@ class Noisy(nnx.Module):
 
 
 @pytest.mark.parametrize("layout", ["zero1", "fsdp"])
-def test_batchnorm_model_matches_between_modes_and_dropout_trains(mesh8: jax.sharding.Mesh, batches: list, layout: str) -> None:
+def test_batchnorm_model_matches_between_modes_and_dropout_trains(
+    mesh8: jax.sharding.Mesh, batches: list, layout: str
+) -> None:
     results = {}
     for mode in substrax.MODES:
         model = Noisy(mode, dropout=0.0)
@@ -155,10 +170,15 @@ def test_shard_state_errors(mesh8: jax.sharding.Mesh) -> None:
         substrax.shard_state(model, optimizer, mesh=mesh8, min_size=-1)
     with pytest.raises(TypeError, match=r"min_size must be an int"):
         substrax.shard_state(model, optimizer, mesh=mesh8, min_size=2.5)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"takes the model's nnx.Optimizer; got Adam|got GradientTransformation"):
+    with pytest.raises(
+        TypeError, match=r"takes the model's nnx.Optimizer; got Adam|got GradientTransformation"
+    ):
         substrax.shard_state(model, optax.adam(LR), mesh=mesh8)  # type: ignore[arg-type]
     other = nnx.Optimizer(MLP(width=32), optax.adam(LR), wrt=nnx.Param)
-    with pytest.raises(ValueError, match=r"optimizer\['opt_state'\]\[0\]\['mu'\]\['hidden'\]\['bias'\] \(shape \(32,\)\) mirrors no parameter"):
+    with pytest.raises(
+        ValueError,
+        match=r"optimizer\['opt_state'\]\[0\]\['mu'\]\['hidden'\]\['bias'\] \(shape \(32,\)\) mirrors no parameter",
+    ):
         substrax.shard_state(model, other, mesh=mesh8)
 
 
@@ -179,9 +199,17 @@ def test_a_parameter_split_over_another_axis_is_refused_inside_nnx_jit_too(batch
     def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: dict) -> jax.Array:
         return explicit_train_step(model, optimizer, mse, batch)
 
-    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"model\['hidden'\]\['kernel'\] is sharded as P\(None, 'model'\), over mesh axis 'model'"):
+    with (
+        jax.set_mesh(mesh),
+        pytest.raises(
+            ValueError,
+            match=r"model\['hidden'\]\['kernel'\] is sharded as P\(None, 'model'\), over mesh axis 'model'",
+        ),
+    ):
         train_step(model, optimizer, batches[0])
-    with pytest.raises(ValueError, match=r"model\['hidden'\]\['kernel'\] is already declared sharded as \(None, 'model'\)"):
+    with pytest.raises(
+        ValueError, match=r"model\['hidden'\]\['kernel'\] is already declared sharded as \(None, 'model'\)"
+    ):
         substrax.shard_state(model, optimizer, mesh=mesh)
 
 
@@ -201,14 +229,20 @@ def test_microbatches_train_like_the_whole_batch(
 ) -> None:
     model, optimizer = _placed(mesh8, layout)
     reduce = {"x0": "gather", "x0_max": "max", "x0_sum": "sum", "x0_mean": "mean"}
-    step = substrax.make_train_step(_aux_loss, mode, mesh=mesh8, has_aux=True, reduce=reduce, microbatches=microbatches)
+    step = substrax.make_train_step(
+        _aux_loss, mode, mesh=mesh8, has_aux=True, reduce=reduce, microbatches=microbatches
+    )
     losses = []
     for b in batches[:5]:
         loss, metrics = step(model, optimizer, place_batch_on_shards(b, create_data_parallel_sharding(mesh8)))
         losses.append(float(loss))
         x0 = b["x"][:, 0]
         np.testing.assert_array_equal(np.asarray(metrics["x0"]), x0)  # every row, in the global order
-        np.testing.assert_allclose([metrics["x0_max"], metrics["x0_sum"], metrics["x0_mean"]], [x0.max(), x0.sum(), x0.mean()], rtol=1e-5)
+        np.testing.assert_allclose(
+            [metrics["x0_max"], metrics["x0_sum"], metrics["x0_mean"]],
+            [x0.max(), x0.sum(), x0.mean()],
+            rtol=1e-5,
+        )
     np.testing.assert_allclose(losses, reference5[0], rtol=1e-5)
     assert_params_close(params_of(model), reference5[1])
 
@@ -218,7 +252,9 @@ def _reductions(report: object) -> list:
 
 
 @pytest.mark.parametrize("layout", ["replicated", "fsdp"])
-def test_explicit_microbatches_reduce_once_outside_the_loop(mesh8: jax.sharding.Mesh, batches: list, layout: str) -> None:
+def test_explicit_microbatches_reduce_once_outside_the_loop(
+    mesh8: jax.sharding.Mesh, batches: list, layout: str
+) -> None:
     batch = place_batch_on_shards(batches[0], create_data_parallel_sharding(mesh8))
     reports = {}
     for k in (1, 4):
@@ -239,7 +275,10 @@ def test_microbatch_errors(mesh8: jax.sharding.Mesh, batches: list) -> None:
     for mode in substrax.MODES:
         model, optimizer = _placed(mesh8, "replicated")
         step = substrax.make_train_step(mse, mode, mesh=mesh8, microbatches=3)
-        with pytest.raises(ValueError, match=r"batch\['x'\] has 4 rows per device \(32 rows over 8 devices\), which do not split into microbatches=3"):
+        with pytest.raises(
+            ValueError,
+            match=r"batch\['x'\] has 4 rows per device \(32 rows over 8 devices\), which do not split into microbatches=3",
+        ):
             step(model, optimizer, batches[0])
 
 
@@ -271,4 +310,6 @@ def test_two_processes_train_split_state_like_one(mesh8: jax.sharding.Mesh) -> N
                 got = re.search(rf"^\[{process}\] LOSSES {mode} {layout} (.*)$", run.stdout, flags=re.M)
                 assert got is not None, run.output
                 np.testing.assert_allclose([float(x) for x in got.group(1).split(",")], want, rtol=1e-6)
-                assert re.search(rf"^\[{process}\] SPLIT {mode} {layout} True$", run.stdout, flags=re.M), run.output
+                assert re.search(rf"^\[{process}\] SPLIT {mode} {layout} True$", run.stdout, flags=re.M), (
+                    run.output
+                )

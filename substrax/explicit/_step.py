@@ -111,7 +111,9 @@ def _param_vars(model: nnx.Module) -> dict[Path, nnx.Variable[Any]]:
     return {tuple(p): v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
-def _set_whole_varying(model: nnx.Module, plans: Mapping[Path, _ParamPlan], data_axis: str) -> dict[Path, Any]:
+def _set_whole_varying(
+    model: nnx.Module, plans: Mapping[Path, _ParamPlan], data_axis: str
+) -> dict[Path, Any]:
     """Give every parameter its whole value, varying over ``data_axis``; return what it held."""
     held = {}
     for path, variable in _param_vars(model).items():
@@ -163,7 +165,9 @@ def _without_axis(specs: PyTree, axis: str) -> PyTree:
     return jax.tree.map(drop, specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
 
 
-def _reduce_metrics_on_one_device(metrics: Mapping[str, Any], reduce: Mapping[str, str | None] | None) -> dict[str, Any]:
+def _reduce_metrics_on_one_device(
+    metrics: Mapping[str, Any], reduce: Mapping[str, str | None] | None
+) -> dict[str, Any]:
     """What ``reduce_metrics_collective`` gives over a size-1 axis, without a collective."""
     ops = dict(reduce or {})
     out = reduce_metrics(metrics, reduce)
@@ -414,7 +418,13 @@ def explicit_train_step(
         if one_device:
             held = {p: v.get_value() for p, v in _param_vars(model).items()}
             loss, metrics, grads = _value_and_local_grad(
-                model, split_loss, shard, specs, data_axis=data_axis, microbatches=microbatches, one_device=True
+                model,
+                split_loss,
+                shard,
+                specs,
+                data_axis=data_axis,
+                microbatches=microbatches,
+                one_device=True,
             )
         else:
             held = _set_whole_varying(model, plans, data_axis)
@@ -433,7 +443,9 @@ def explicit_train_step(
         for path, variable in _param_vars(model).items():  # ZeRO-1: gather the updated slices
             plan = plans[path]
             if plan.update_dim is not None and plan.gather_dim is None:
-                variable.set_value(gather_invariant(variable.get_value(), data_axis, axis=plan.update_dim, tiled=True))
+                variable.set_value(
+                    gather_invariant(variable.get_value(), data_axis, axis=plan.update_dim, tiled=True)
+                )
         if microbatches > 1:
             metrics = fold_microbatch_metrics(metrics, reduce)
         if one_device:

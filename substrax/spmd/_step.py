@@ -188,13 +188,17 @@ def spmd_train_step(
         ways = 1
     else:
         ways = found.shape[data_axis]
-        (loss, aux), grads = _accumulated_value_and_grad(model, checked_loss, batch, specs, ways, microbatches)
+        (loss, aux), grads = _accumulated_value_and_grad(
+            model, checked_loss, batch, specs, ways, microbatches
+        )
     optimizer.update(model, grads)
     pin_layout((model, optimizer))
     if not has_aux:
         return loss
     if reduce is not None:
         if microbatches > 1:
-            aux = {n: unfold_global_gather(v, ways) if reduce.get(n) == "gather" else v for n, v in aux.items()}
+            aux = {
+                n: unfold_global_gather(v, ways) if reduce.get(n) == "gather" else v for n, v in aux.items()
+            }
         aux = reduce_metrics(aux, reduce)
     return loss, aux

@@ -44,5 +44,7 @@ for mode in substrax.MODES:
             losses.append(float(step(model, optimizer, placed)))
         print(f"LOSSES {mode} {layout} {','.join(f'{x:.9g}' for x in losses)}", flush=True)
         kernel = optimizer.opt_state[0].mu["hidden"]["kernel"].get_value()
-        split = len(kernel.sharding.device_set) == jax.device_count() and not kernel.sharding.is_fully_replicated
+        split = (
+            len(kernel.sharding.device_set) == jax.device_count() and not kernel.sharding.is_fully_replicated
+        )
         print(f"SPLIT {mode} {layout} {split}", flush=True)
