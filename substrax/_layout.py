@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -38,12 +39,13 @@ __all__ = ["Layout", "LeafPlacement", "layout_of", "shard_state"]
 
 LayoutKind = Literal["replicated", "zero1", "fsdp"]
 LAYOUTS: tuple[LayoutKind, ...] = ("replicated", "zero1", "fsdp")
-_EPOCH = [0]  # counts shard_state calls: a step that split a model before one must split it again
+# shard_state calls per object: a step that split a model before one must split it again.
+_EPOCHS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
 
-def epoch() -> int:
-    """How many times ``shard_state`` has run in this process."""
-    return _EPOCH[0]
+def epoch(obj: Any) -> int:
+    """How many times ``shard_state`` has placed ``obj`` (a model or an optimizer)."""
+    return _EPOCHS.get(obj, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,7 +270,8 @@ def shard_state(
         for path, variable in variables.items():  # everything else: replicated on the mesh
             if (owner, path) not in placed and hasattr(variable.get_value(), "shape"):
                 _place(variable, (None,) * np.ndim(variable.get_value()), found)
-    _EPOCH[0] += 1
+    for obj in (model, optimizer):
+        _EPOCHS[obj] = epoch(obj) + 1
     kind: LayoutKind = (
         ("fsdp" if params else "zero1")
         if any(

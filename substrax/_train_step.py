@@ -167,6 +167,7 @@ class TrainStep:
         self.reduce = reduce
         self.microbatches = microbatches
         self._cached: _SplitState | None = None
+        self._pure_steps: dict[Any, Any] = {}
 
     def placed_specs(self, batch: PyTree) -> _PlacedSpecs | None:
         """How ``batch`` is already laid out, when no ``batch_spec`` was given.
@@ -238,6 +239,21 @@ class TrainStep:
     def mesh_context(self) -> contextlib.AbstractContextManager[Any]:
         """``jax.set_mesh(self.mesh)``, or nothing when the step has no mesh of its own."""
         return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+    def _pure_step(self, graphdef: Any, treedef: Any, donate: bool) -> Any:
+        """The jitted pure step for one graph, made once per graph (a re-split reuses it)."""
+        key = (graphdef, treedef, donate)
+        if key not in self._pure_steps:
+
+            def pure(
+                arrays: list[jax.Array], batch: PyTree, placed: _PlacedSpecs | None
+            ) -> tuple[list[jax.Array], Any]:
+                model, optimizer = nnx.merge(graphdef, jax.tree.unflatten(treedef, arrays))
+                out = self._run(model, optimizer, batch, placed)
+                return jax.tree.leaves(nnx.state((model, optimizer))), out
+
+            self._pure_steps[key] = jax.jit(pure, donate_argnums=0 if donate else (), static_argnames="placed")
+        return self._pure_steps[key]
 
     def _split(self, model: nnx.Module, optimizer: nnx.Optimizer, *, donate: bool) -> _SplitState:
         self._check_model(model)
@@ -321,19 +337,16 @@ class _SplitState:
         self._refs = (weakref.ref(model), weakref.ref(optimizer))
         self._nodes = [n for _, n in nnx.iter_graph((model, optimizer)) if isinstance(n, nnx.Pytree)]
         self._snapshot = [_attributes(n) for n in self._nodes]
-        self._epoch = _layout.epoch()
+        self._epochs = (_layout.epoch(model), _layout.epoch(optimizer))
 
-        def pure(
-            arrays: list[jax.Array], batch: PyTree, placed: _PlacedSpecs | None
-        ) -> tuple[list[jax.Array], Any]:
-            model, optimizer = nnx.merge(graphdef, jax.tree.unflatten(treedef, arrays))
-            out = step._run(model, optimizer, batch, placed)
-            return jax.tree.leaves(nnx.state((model, optimizer))), out
-
-        self.jitted = jax.jit(pure, donate_argnums=0 if donate else (), static_argnames="placed")
+        self.jitted = step._pure_step(graphdef, treedef, donate)
 
     def valid_for(self, model: nnx.Module, optimizer: nnx.Optimizer) -> bool:
-        if self._refs[0]() is not model or self._refs[1]() is not optimizer or self._epoch != _layout.epoch():
+        if (
+            self._refs[0]() is not model
+            or self._refs[1]() is not optimizer
+            or self._epochs != (_layout.epoch(model), _layout.epoch(optimizer))
+        ):
             return False
         for node, saved in zip(self._nodes, self._snapshot, strict=True):
             now = vars(node)

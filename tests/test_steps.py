@@ -211,3 +211,39 @@ def test_a_prefix_placed_batch_needs_no_batch_spec(mesh8: jax.sharding.Mesh, bat
     host = {"rows": batches[0], "batch_state": {"scale": np.float32(0.5)}}
     with pytest.raises(ValueError, match=r"batch\['batch_state'\]\['scale'\] has shape \(\).*give the step batch_spec="):
         substrax.make_train_step(_weighted_loss, mode, mesh=mesh8)(model, optimizer, host)
+
+
+class _Dropped(nnx.Module):
+    def __init__(self) -> None:
+        rngs = nnx.Rngs(0, dropout=1)
+        self.hidden = nnx.Linear(4, 16, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.out = nnx.Linear(16, 1, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.out(self.drop(jnp.tanh(self.hidden(x))))
+
+
+@pytest.mark.parametrize("mode", substrax.MODES)
+def test_the_plain_call_follows_changes_to_the_model(mesh8: jax.sharding.Mesh, mode: str) -> None:
+    """The split is kept between calls, but a changed graph, setting or layout is seen."""
+    batch = regression_batches(1, rows=32)[0]
+    model = _Dropped()
+    optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
+    step = substrax.make_train_step(mse, mode, mesh=mesh8)
+    step(model, optimizer, batch)
+    model.eval()  # a setting: dropout off
+    want = float(mse(model, batch))  # the step returns the loss before its update
+    assert float(step(model, optimizer, batch)) == pytest.approx(want, rel=1e-5)
+    model.out = nnx.Linear(16, 1, rngs=nnx.Rngs(7))  # a new layer (its optimizer state is stale: not used)
+    model.out.kernel.set_value(model.out.kernel.get_value() * 0)
+    model.out.bias.set_value(model.out.bias.get_value() + 2.0)
+    assert float(step(model, nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param), batch)) == pytest.approx(
+        float(jnp.mean((2.0 - batch["y"]) ** 2)), rel=1e-5
+    )
+    optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
+    step(model, optimizer, batch)
+    substrax.shard_state(model, optimizer, mesh=mesh8, min_size=16)  # a layout placed after a call
+    step(model, optimizer, batch)
+    assert model.hidden.kernel.get_value().sharding.spec == P(None, "data")
+    assert optimizer.opt_state[0].mu["hidden"]["kernel"].get_value().sharding.spec == P(None, "data")
