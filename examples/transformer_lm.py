@@ -38,6 +38,7 @@ from flax import nnx
 
 import substrax
 import substrax.launch
+from substrax import checkpoint
 from substrax.launch import process_slice
 from substrax.mesh import create_data_parallel_mesh, use_cpu_devices
 from substrax.spmd import create_data_parallel_sharding, place_batch_on_shards
@@ -207,6 +208,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--sample", type=int, default=80, help="characters to sample at the end (0: none)")
+    parser.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="save the model and optimizer here (orbax), and resume from the latest step found there",
+    )
+    parser.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
     return parser.parse_args(argv)
 
 
@@ -245,27 +252,44 @@ def main(argv: list[str] | None = None) -> list[float]:
 
     mine = process_slice(args.batch)
     data = batches(text, args.batch, model.seq, args.seed)
+    ckpt = None
+    first = 1
+    if args.checkpoint_dir:  # every process saves and restores its own shards
+        ckpt = checkpoint.CheckpointManager(
+            os.path.abspath(args.checkpoint_dir), max_to_keep=2, save_interval_steps=args.checkpoint_every
+        )
+        if ckpt.latest_step() is not None:
+            first = ckpt.restore(model, optimizer) + 1  # restored in the layout placed above
+            for _ in range(first - 1):  # the batches those steps consumed
+                next(data)
+            if leader:
+                print(f"resumed from step {first - 1} in {args.checkpoint_dir}", flush=True)
     progress = Progress(args.steps, enabled=leader)
     losses = []
     with train_step.bind(model, optimizer) as fast:
         start = mark = time.perf_counter()
-        marked = 0
-        for step in range(1, args.steps + 1):
+        marked = first - 1
+        for step in range(first, args.steps + 1):
             batch = next(data)
             losses.append(fast(place_batch_on_shards({k: v[mine] for k, v in batch.items()}, sharding)))
             progress.tick(step)
-            if step == 1 or step % args.log_every == 0 or step == args.steps:
+            if step == first or step % args.log_every == 0 or step == args.steps:
                 loss = float(losses[-1])  # waits for the step
                 now = time.perf_counter()
                 rate = (step - marked) * tokens_per_step / (now - mark)
-                note = "  (includes compiling)" if step == 1 else ""
+                note = "  (includes compiling)" if step == first else ""
                 if leader:
                     progress.line(
                         f"step {step:>5}/{args.steps}  loss {loss:.6f}  {rate:>9,.0f} tokens/s  "
                         f"{now - start:6.1f} s{note}"
                     )
                 mark, marked = now, step
+            if ckpt is not None:
+                ckpt.save(step, fast)  # every --checkpoint-every steps, written in the background
     # model and optimizer hold the trained state again here
+    if ckpt is not None:
+        ckpt.wait()
+        ckpt.close()
 
     if args.sample:
         model.eval()  # no dropout

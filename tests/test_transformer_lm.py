@@ -100,3 +100,15 @@ def test_two_processes_give_the_same_losses(two_processes: subprocess.Popen[str]
     printed = [float(x) for x in re.findall(r"^\[p0\] step +\d+/\d+  loss ([\d.]+)", stdout, flags=re.M)]
     assert "[p1] step" not in stdout  # only process 0 reports
     np.testing.assert_allclose(printed, losses["implicit"], rtol=1e-5)
+
+
+def test_a_run_resumes_from_its_checkpoint_with_the_same_losses(losses: dict, tmp_path: Any) -> None:
+    """Two steps saved as FSDP in explicit mode; resumed replicated in implicit mode for steps 3-4."""
+    example = load_example()
+    common = ["--log-every", "1", "--sample", "0", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "2"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        example.main([*common, "--steps", "2", "--mode", "explicit", "--layout", "fsdp"])
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        resumed = example.main([*common, "--steps", str(STEPS), "--mode", "implicit"])
+    assert "resumed from step 2" in printed.getvalue()
+    np.testing.assert_allclose(resumed, losses["implicit"][2:], rtol=1e-5)
