@@ -200,5 +200,5 @@ def spmd_train_step(
             aux = {
                 n: unfold_global_gather(v, ways) if reduce.get(n) == "gather" else v for n, v in aux.items()
             }
-        aux = reduce_metrics(aux, reduce)
+        aux = reduce_metrics(aux, reduce, mesh=found)
     return loss, aux
