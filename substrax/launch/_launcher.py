@@ -117,9 +117,14 @@ class _Printer:
         self, pipe: BinaryIO, stream: str, prefix: str, on_line: Callable[[], None] = lambda: None
     ) -> None:
         with pipe:
+            after_gloo = False  # gloo's pieces leave stray newlines and digits on the lines after them
             for raw in iter(pipe.readline, b""):
                 on_line()
-                line = drop_gloo_chatter(raw.decode(errors="replace"))
+                text = raw.decode(errors="replace")
+                line = drop_gloo_chatter(text)
+                if line is not None and after_gloo and not line.strip(" \t\r\n0123456789"):
+                    line = None
+                after_gloo = line is None or line != text
                 if line is not None:
                     self.write(stream, prefix, line)
 
