@@ -42,6 +42,8 @@ test-floor: $(FLOOR_STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/train_step.py --quick --json benchmarks/results/train_step_quick.json
 	$(PY) benchmarks/collectives.py --quick
+	$(PY) benchmarks/layouts.py --quick --json benchmarks/results/layouts_quick.json
+	$(PY) benchmarks/accumulation.py --quick --json benchmarks/results/accumulation_quick.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
