@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from substrax._layout import LAYOUTS
+
 __all__ = [
     "KINDS",
     "LAYOUTS",
@@ -60,8 +62,7 @@ KINDS = (
 )
 """The HLO collectives a census counts, by their names without ``-start``/``-done``."""
 
-LAYOUTS = ("replicated", "zero1", "fsdp")
-"""The layouts ``expected_communication`` knows."""
+# The layouts ``expected_communication`` knows: those of ``substrax.shard_state``.
 
 _MODES = ("implicit", "explicit")
 _REDUCTIONS = ("all-reduce", "reduce-scatter")

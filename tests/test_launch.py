@@ -204,14 +204,16 @@ def test_process_slice_on_one_process_is_every_row() -> None:
 def test_sys_exit_in_a_jax_process_ends_the_run_at_once_with_its_code() -> None:
     # Process 1 calls sys.exit(3) while process 0 waits for it in a collective; without
     # the launcher's care process 1 would wait in JAX's shutdown barrier, then abort.
-    run = launch(2, 2, "mp_worker.py", "exit", timeout=120)
+    # A long shutdown barrier (60 s) sets the old behaviour far from the bound asserted
+    # below, which is loose enough for a loaded 2-core machine.
+    run = launch(2, 2, "mp_worker.py", "exit", timeout=120, options=["--shutdown-timeout", "60"])
     ended = time.time()
     pids = run.pids()
     try:
         assert run.returncode == 3, run.output
         assert f"[launch] process 1 (pid {pids[1]}) exited with code 3" in run.stderr
         exited = float(re.search(r"\[p1\] EXITING (\S+)", run.stdout).group(1))
-        assert ended - exited < 5, f"the run ended {ended - exited:.1f} s after sys.exit(3)"
+        assert ended - exited < 15, f"the run ended {ended - exited:.1f} s after sys.exit(3)"
         assert running(pids) == []
     finally:
         kill_all(pids)
