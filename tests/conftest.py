@@ -8,7 +8,6 @@ from substrax.mesh import use_cpu_devices
 
 use_cpu_devices(8)  # before anything touches a backend
 
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import pytest  # noqa: E402
@@ -17,28 +16,7 @@ from flax import nnx  # noqa: E402
 from substrax.mesh import create_device_mesh  # noqa: E402
 
 
-class MLP(nnx.Module):
-    def __init__(self, din: int = 4, width: int = 16, dout: int = 1, *, seed: int = 0) -> None:
-        rngs = nnx.Rngs(seed)
-        self.hidden = nnx.Linear(din, width, rngs=rngs)
-        self.out = nnx.Linear(width, dout, rngs=rngs)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.out(jnp.tanh(self.hidden(x)))
-
-
-def mse(model: MLP, batch: dict) -> jax.Array:
-    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
-
-
-def regression_batches(steps: int, rows: int, din: int = 4, seed: int = 0) -> list[dict[str, np.ndarray]]:
-    rng = np.random.default_rng(seed)
-    w = rng.normal(size=(din, 1))
-    out = []
-    for _ in range(steps):
-        x = rng.normal(size=(rows, din)).astype(np.float32)
-        out.append({"x": x, "y": np.sin(x @ w).astype(np.float32)})
-    return out
+from models import MLP, mse, regression_batches  # noqa: E402,F401  (re-exported for the tests)
 
 
 def params_of(model: nnx.Module) -> dict[str, np.ndarray]:

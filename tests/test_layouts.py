@@ -297,6 +297,7 @@ def test_two_processes_train_split_state_like_one(mesh8: jax.sharding.Mesh) -> N
 
     run = launch(2, 4, "layout_worker.py", timeout=240)
     assert run.returncode == 0, run.output
+    assert run.stdout.count("DEVICES 2 x 4") == 2, run.output  # one 8-device system from 2 processes
     batches = regression_batches(6, rows=32)
     sharding = create_data_parallel_sharding(mesh8)
     for mode in substrax.MODES:

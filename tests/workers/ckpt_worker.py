@@ -21,6 +21,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 if sys.argv[1] == "train":
     import substrax.launch
@@ -32,7 +33,6 @@ else:
     use_cpu_devices(8)
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
@@ -42,32 +42,15 @@ from substrax import checkpoint  # noqa: E402
 from substrax.launch import process_slice  # noqa: E402
 from substrax.mesh import create_device_mesh  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from models import MLP, mse, regression_batches  # noqa: E402
+
 ROWS, DIN, STEPS, LR, MIN_SIZE = 32, 4, 4, 1e-2, 8
-
-
-class MLP(nnx.Module):
-    def __init__(self, din: int = DIN, width: int = 16, *, seed: int = 0) -> None:
-        rngs = nnx.Rngs(seed)
-        self.hidden = nnx.Linear(din, width, rngs=rngs)
-        self.out = nnx.Linear(width, 1, rngs=rngs)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.out(jnp.tanh(self.hidden(x)))
-
-
-def mse(model: MLP, batch: dict) -> jax.Array:
-    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
 
 
 def batches(steps: int = 2 * STEPS, rows: int = ROWS, seed: int = 0) -> list[dict[str, np.ndarray]]:
     """The global batches: the same on every process, and in the test that resumes."""
-    rng = np.random.default_rng(seed)
-    w = rng.normal(size=(DIN, 1))
-    out = []
-    for _ in range(steps):
-        x = rng.normal(size=(rows, DIN)).astype(np.float32)
-        out.append({"x": x, "y": np.sin(x @ w).astype(np.float32)})
-    return out
+    return regression_batches(steps, rows, DIN, seed)
 
 
 def fsdp_model(mesh: jax.sharding.Mesh, seed: int = 0) -> tuple[MLP, nnx.Optimizer]:

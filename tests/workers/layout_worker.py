@@ -20,7 +20,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import MLP, mse, regression_batches  # noqa: E402
+from models import MLP, mse, regression_batches  # noqa: E402  (not conftest: it sets 8 devices)
 
 import substrax  # noqa: E402
 from substrax.launch import process_slice  # noqa: E402
@@ -29,6 +29,7 @@ from substrax.spmd import create_data_parallel_sharding, place_batch_on_shards  
 
 STEPS, ROWS, LR, MIN_SIZE = 6, 32, 1e-2, 16
 
+print(f"DEVICES {jax.process_count()} x {jax.local_device_count()}", flush=True)
 mesh = create_data_parallel_mesh()
 sharding = create_data_parallel_sharding(mesh)
 mine = process_slice(ROWS)
