@@ -22,8 +22,8 @@ from substrax._tree import PyTree, path_str
 __all__ = ["check_microbatches", "fold_microbatch_metrics", "split_microbatches"]
 
 
-def _row_ways(spec: PartitionSpec, sizes: Mapping[str, int]) -> int | None:
-    """How many ways a leaf's rows are split (1 when dimension 0 is not), None for a 0-d spec."""
+def _row_ways(spec: PartitionSpec, sizes: Mapping[str, int]) -> int:
+    """How many ways a leaf's rows are split (1 when dimension 0 is not, or the spec is empty)."""
     if not len(spec) or spec[0] is None:
         return 1
     axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
@@ -57,7 +57,7 @@ def check_microbatches(
         if not _has_rows(spec):
             continue
         ways = _row_ways(spec, dict(mesh.shape))
-        rows = np.shape(leaf)[0] // (ways or 1)
+        rows = np.shape(leaf)[0] // ways
         if rows % microbatches:
             raise ValueError(
                 f"{path_str(tuple(path))} has {rows} rows per device ({np.shape(leaf)[0]} rows over "
