@@ -1,4 +1,4 @@
-"""compare_gradients on attention and dropout: no false alarm, and real mistakes still named."""
+"""compare_gradients on attention, dropout and BatchNorm: no false alarm, and real mistakes still named."""
 
 from __future__ import annotations
 
@@ -126,3 +126,64 @@ def test_active_dropout_is_refused_naming_the_stream(mesh8: jax.sharding.Mesh) -
     assert "model.set_attributes(deterministic=True)" in str(e.value)
     model.set_attributes(deterministic=True)  # what the message says to do
     assert compare_gradients(model, _lm_loss, _lm_batch(), mesh8).ok
+
+
+class Normed(nnx.Module):
+    """A BatchNorm in training mode between two layers; ``axis_name`` as given."""
+
+    def __init__(self, axis_name: str | None = None) -> None:
+        rngs = nnx.Rngs(0)
+        self.hidden = nnx.Linear(4, 8, rngs=rngs)
+        self.norm = nnx.BatchNorm(8, momentum=0.5, axis_name=axis_name, rngs=rngs)
+        self.out = nnx.Linear(8, 1, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.out(jnp.tanh(self.norm(self.hidden(x))))
+
+
+def test_batchnorm_with_the_data_axis_name_passes_and_the_model_is_unchanged(
+    mesh8: jax.sharding.Mesh,
+) -> None:
+    # The reference and the implicit path run where no shard_map binds 'data': the axis is
+    # bound with size 1 there, so the layer's pmean is a no-op over the whole batch.
+    model = Normed(axis_name="data")
+    report = compare_gradients(model, mse, regression_batches(1, rows=32)[0], mesh8)
+    assert report.ok and not report.diagnosis, str(report)
+    assert report.methods == ("implicit", "explicit")
+    np.testing.assert_array_equal(model.norm.mean.get_value(), 0.0)  # the running statistics untouched
+
+
+def test_per_shard_batch_statistics_are_named_as_the_cause(mesh8: jax.sharding.Mesh) -> None:
+    model = Normed(axis_name=None)
+    report = compare_gradients(model, mse, regression_batches(1, rows=32)[0], mesh8)
+    # the implicit path normalizes the global batch, as the reference does; explicit, each shard
+    assert not report.ok
+    assert all(row.ok["implicit"] for row in report.rows) and report.diagnosis.keys() == {"explicit"}
+    text = report.diagnosis["explicit"]
+    assert "not by a constant factor" not in text
+    assert "nnx.BatchNorm in training mode at norm (axis_name=None)" in text
+    assert "that shard's own batch statistics" in text and "not the global batch's" in text
+    assert "axis_name='data'" in text
+    model.eval()  # the running averages: the same on every device
+    assert compare_gradients(model, mse, regression_batches(1, rows=32)[0], mesh8).ok
+
+
+class Centered(nnx.Module):
+    """Not a BatchNorm: subtracts its input's batch mean, and keeps it in an nnx.BatchStat."""
+
+    def __init__(self) -> None:
+        self.inner = MLP(seed=1)
+        self.last_mean = nnx.BatchStat(jnp.zeros((4,)))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        mean = jnp.mean(x, axis=0)
+        self.last_mean.set_value(mean)
+        return self.inner(x - mean)
+
+
+def test_other_per_shard_batch_statistics_name_the_layer_and_its_variable(mesh8: jax.sharding.Mesh) -> None:
+    report = compare_gradients(Centered(), mse, regression_batches(1, rows=32)[0], mesh8)
+    assert not report.ok and report.diagnosis.keys() == {"explicit"}
+    text = report.diagnosis["explicit"]
+    assert "nnx.BatchStat variables updated by the loss at (the model) (Centered: last_mean)" in text
+    assert "jax.lax.pmean(..., 'data')" in text

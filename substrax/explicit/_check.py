@@ -167,15 +167,153 @@ def _refuse_random_draws(before: dict[str, int], after: dict[str, int]) -> None:
         )
 
 
+def _layer_axis_names(model: nnx.Module) -> tuple[str, ...]:
+    """The axis names the model's layers reduce over (``nnx.BatchNorm(axis_name=...)`` and the like)."""
+    names: list[str] = []
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Module):
+            axis_name = getattr(node, "axis_name", None)
+            for name in axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,):
+                if isinstance(name, str) and name not in names:
+                    names.append(name)
+    return tuple(names)
+
+
+def _bound_axes(fn: Callable[..., Any], axes: Sequence[str]) -> Callable[..., Any]:
+    """``fn`` with each of ``axes`` bound as a size-1 axis, so a collective over it is the identity.
+
+    A layer that reduces over a named axis (``nnx.BatchNorm(axis_name="data")``) fails
+    where no ``shard_map`` binds that axis: on one device, and under ``jax.jit``. Bound
+    with size 1, its ``pmean`` returns its input, which there is already the whole batch's
+    statistic. Every input is unmapped; the outputs gain, then lose, a leading size-1 axis.
+    """
+
+    def bound(*args: Any) -> Any:
+        run = fn
+        for axis in axes:
+            run = jax.vmap(run, in_axes=None, out_axes=0, axis_size=1, axis_name=axis)
+        return jax.tree.map(lambda x: x.reshape(x.shape[len(axes) :]), run(*args))
+
+    return bound
+
+
+def _grad_and_state(
+    graphdef: nnx.GraphDef, loss_fn: Callable[[Any, PyTree], jax.Array], axes: Sequence[str]
+) -> Callable[[nnx.State, PyTree], tuple[nnx.State, nnx.State]]:
+    """``(state, batch) -> (grads, state after the loss)``, with ``axes`` bound (``_bound_axes``)."""
+
+    def grad_and_state(state: nnx.State, batch: PyTree) -> tuple[nnx.State, nnx.State]:
+        model = nnx.merge(graphdef, state)
+        grads = nnx.grad(loss_fn)(model, batch)
+        return grads, nnx.state(model)
+
+    return _bound_axes(grad_and_state, axes)
+
+
 def _reference_gradient(
-    graphdef: nnx.GraphDef, state: nnx.State, loss_fn: Callable[[Any, PyTree], jax.Array], host_batch: PyTree
-) -> nnx.State:
-    """The gradient on the whole batch on one device, refusing a loss that draws random numbers."""
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    loss_fn: Callable[[Any, PyTree], jax.Array],
+    host_batch: PyTree,
+    axes: Sequence[str],
+) -> tuple[nnx.State, nnx.State]:
+    """The gradient on the whole batch on one device, and the state after the loss ran.
+
+    Refuses a loss that draws random numbers.
+    """
     one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    model = nnx.merge(graphdef, jax.device_put(state, one_device))
-    grads = nnx.grad(loss_fn)(model, map_arrays(lambda x: jax.device_put(x, one_device), host_batch))
-    _refuse_random_draws(_rng_counts(state), _rng_counts(nnx.state(model)))
-    return grads
+    grads, after = _grad_and_state(graphdef, loss_fn, axes)(
+        jax.device_put(state, one_device), map_arrays(lambda x: jax.device_put(x, one_device), host_batch)
+    )
+    _refuse_random_draws(_rng_counts(state), _rng_counts(after))
+    return grads, after
+
+
+@dataclasses.dataclass(frozen=True)
+class _ShardStatistics:
+    """A layer that computes statistics from each device's shard alone, when the batch is split.
+
+    ``kind`` is the layer's class name; ``batchnorm``: it is an ``nnx.BatchNorm`` (whose
+    ``axis_name`` is ``axis_name``); otherwise a layer that updates the ``nnx.BatchStat``
+    variables ``stats``.
+    """
+
+    path: str
+    kind: str
+    batchnorm: bool
+    axis_name: Any
+    stats: tuple[str, ...]
+
+
+def _per_shard_statistics(
+    model: nnx.Module, before: nnx.State, after: nnx.State, data_axis: str
+) -> list[_ShardStatistics]:
+    """The layers whose batch statistics, under shard_map, come from each device's shard alone.
+
+    An ``nnx.BatchNorm`` in training mode (``use_running_average=False``, or its
+    statistics updated by the loss) whose ``axis_name`` does not name ``data_axis``, and
+    any other layer whose ``nnx.BatchStat`` variables the loss updated, unless its
+    ``axis_name`` names ``data_axis``.
+    """
+
+    def batch_stats(state: nnx.State) -> dict[tuple[Any, ...], np.ndarray]:
+        return {
+            tuple(path): np.asarray(var.get_value())
+            for path, var in nnx.to_flat_state(state)
+            if isinstance(var, nnx.BatchStat)
+        }
+
+    old, new = batch_stats(before), batch_stats(after)
+    updated = {p for p, v in old.items() if p in new and not np.array_equal(v, new[p], equal_nan=True)}
+    found = []
+    for path, node in nnx.iter_graph(model):
+        if not isinstance(node, nnx.Module):
+            continue
+        where = tuple(path)
+        own = [p for p in updated if p[:-1] == where]
+        axis_name = getattr(node, "axis_name", None)
+        names = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
+        if data_axis in names:
+            continue
+        batchnorm = isinstance(node, nnx.BatchNorm)
+        if (batchnorm and getattr(node, "use_running_average", True) is False) or own:
+            found.append(
+                _ShardStatistics(
+                    ".".join(map(str, where)) or "(the model)",
+                    type(node).__name__,
+                    batchnorm,
+                    axis_name,
+                    tuple(".".join(map(str, p)) for p in sorted(own, key=str)),
+                )
+            )
+    return found
+
+
+def _per_shard_statistics_text(layers: Sequence[_ShardStatistics], data_axis: str) -> str:
+    """Why a gradient under shard_map differs from the reference, given those layers."""
+    norms = [layer for layer in layers if layer.batchnorm]
+    others = [layer for layer in layers if not layer.batchnorm]
+    parts = []
+    if norms:
+        named = ", ".join(f"{layer.path} (axis_name={layer.axis_name!r})" for layer in norms)
+        parts.append(
+            f"nnx.BatchNorm in training mode at {named}: under shard_map each device normalizes "
+            f"its shard with that shard's own batch statistics (mean and variance over its rows), "
+            f"not the global batch's that the reference and the implicit path use, so the loss "
+            f"itself differs, and with it the gradient (its reduction over the devices may be "
+            f"right). Give the layer axis_name={data_axis!r} (nnx.BatchNorm(..., "
+            f"axis_name={data_axis!r})): the statistics are then averaged over the data axis and "
+            f"equal the global batch's. Or check with the running averages (model.eval())."
+        )
+    if others:
+        named = ", ".join(f"{layer.path} ({layer.kind}: {', '.join(layer.stats)})" for layer in others)
+        parts.append(
+            f"nnx.BatchStat variables updated by the loss at {named}: if the layer computes them "
+            f"from its input, under shard_map each device computes them from its own shard, and "
+            f"they differ from the global batch's. Average them over {data_axis!r} inside the "
+            f"layer (jax.lax.pmean(..., {data_axis!r})) to use the global batch's."
+        )
+    return " ".join(parts)
 
 
 def _batch_shardings(host_batch: PyTree, mesh: Mesh, data_axis: str, batch_spec: BatchSpec | None) -> PyTree:
@@ -199,14 +337,19 @@ def _data_parallel_gradients(
     data_axis: str,
     batch_spec: BatchSpec | None,
     candidate: Callable[[Any, PyTree], nnx.State] | None,
+    axes: Sequence[str],
 ) -> dict[str, Any]:
-    """The gradient by the implicit path, the explicit path and ``candidate``, by method."""
+    """The gradient by the implicit path, the explicit path and ``candidate``, by method.
+
+    The implicit path runs with ``axes`` bound (``_bound_axes``); the explicit one
+    under ``shard_map``, which binds every mesh axis.
+    """
     shardings = _batch_shardings(host_batch, mesh, data_axis, batch_spec)
     with jax.set_mesh(mesh):
         model = nnx.merge(graphdef, jax.device_put(state, NamedSharding(mesh, PartitionSpec())))
         placed = place_batch_on_shards(host_batch, shardings)
         grads = {
-            "implicit": nnx.jit(lambda m, b: nnx.grad(loss_fn)(m, b))(model, placed),
+            "implicit": jax.jit(_grad_and_state(graphdef, loss_fn, axes))(nnx.state(model), placed)[0],
             "explicit": nnx.jit(
                 lambda m, b: explicit_value_and_grad(
                     m, loss_fn, b, mesh=mesh, data_axis=data_axis, batch_spec=batch_spec
@@ -293,15 +436,29 @@ def _scale_and_diagnosis(
     worst: list[str],
     mesh: Mesh,
     data_axis: str,
+    shard_statistics: str,
 ) -> tuple[float, str | None]:
-    """The least-squares factor ``c`` in ``grad ≈ c * reference``, and what is wrong, if anything."""
+    """The least-squares factor ``c`` in ``grad ≈ c * reference``, and what is wrong, if anything.
+
+    ``shard_statistics``: why a gradient under shard_map legitimately differs here (the
+    model's per-shard batch statistics), or ``""``.
+    """
     misshapen = [row.path for row, g in zip(rows, leaves, strict=True) if g.shape != row.shape]
     if misshapen:
         return float("nan"), f"gradient has the wrong shape at {', '.join(misshapen)}."
     c = sum(float(np.vdot(g, r)) for g, r in zip(leaves, ref.values, strict=True)) / max(ref.sq_norm, 1e-300)
     if all(row.ok[method] for row in rows):
         return c, None
-    return c, _diagnose(c, _fits_factor(leaves, ref, c), mesh, data_axis, worst[:3])
+    if shard_statistics and method == "explicit":
+        return c, (
+            f"gradient differs from the reference beyond round-off (worst leaves: "
+            f"{', '.join(worst[:3])}) because of the model's batch statistics: {shard_statistics}"
+        )
+    fits = _fits_factor(leaves, ref, c)
+    text = _diagnose(c, fits, mesh, data_axis, worst[:3])
+    if shard_statistics and not fits:
+        text += f" This model has such state; if the {method} runs under shard_map: {shard_statistics}"
+    return c, text
 
 
 def compare_gradients(
@@ -326,6 +483,13 @@ def compare_gradients(
     dtype's factor (``1e-5`` for float32) times the largest magnitude in the whole
     reference gradient: a leaf whose exact gradient is zero holds only round-off, and
     passes. A gradient off by a constant factor is reported with that factor.
+
+    The reference and the implicit path run with ``data_axis`` (and any axis a layer
+    names, as ``nnx.BatchNorm(axis_name=...)`` does) bound with size 1, so such a layer
+    reduces over the whole batch there, as it does over the shards under ``shard_map``.
+    BatchNorm in training mode without ``axis_name=data_axis`` normalizes each device's
+    shard with its own statistics in the explicit path, which then legitimately differs
+    from the reference; the diagnosis names the layer and says so.
 
     Args:
       model: The NNX model; it is not changed.
@@ -360,7 +524,12 @@ def compare_gradients(
         loss_fn = lambda m, b: loss_with_aux(m, b)[0]  # noqa: E731
     graphdef, state = nnx.split(model)
     host_batch = map_arrays(np.asarray, batch)
-    ref = _flatten_reference(_reference_gradient(graphdef, state, loss_fn, host_batch))
+    # A layer that reduces over a named axis needs it bound off shard_map too (size 1 there).
+    axes = tuple(dict.fromkeys((data_axis, *_layer_axis_names(model))))
+    reference, after = _reference_gradient(graphdef, state, loss_fn, host_batch, axes)
+    ref = _flatten_reference(reference)
+    per_shard = _per_shard_statistics(model, state, after, data_axis)
+    shard_statistics = _per_shard_statistics_text(per_shard, data_axis)
     grads = _data_parallel_gradients(
         graphdef,
         state,
@@ -370,12 +539,15 @@ def compare_gradients(
         data_axis=data_axis,
         batch_spec=batch_spec,
         candidate=candidate,
+        axes=axes,
     )
     by_method = {method: _flatten_method(method, g, ref) for method, g in grads.items()}
     rows, worst = _rows(ref, by_method)
     scale, diagnosis = {}, {}
     for method, leaves in by_method.items():
-        scale[method], text = _scale_and_diagnosis(method, leaves, ref, rows, worst[method], mesh, data_axis)
+        scale[method], text = _scale_and_diagnosis(
+            method, leaves, ref, rows, worst[method], mesh, data_axis, shard_statistics
+        )
         if text is not None:
             diagnosis[method] = text
     max_diff = max((d for row in rows for d in row.max_abs_diff.values()), default=0.0)
