@@ -17,6 +17,15 @@ The split rule: a parameter with at least ``min_size`` elements is split on its
 largest dimension that the axis size divides (the first such on a tie); a smaller or
 indivisible parameter, a scalar, and anything that is not an ``nnx.Param`` (BatchNorm
 statistics, random keys, the step count) stays replicated.
+
+Optimizer state belongs to the parameter whose path its path ends with (the longest
+such). State of the parameter's shape (Adam's moments, momentum, ``MultiSteps``'
+accumulated gradients) is split like the parameter's state. State of another shape
+that keeps the parameter's split dimension (adafactor's factored row or column
+statistics: the parameter's shape with one dimension dropped) is split on that
+dimension; any other state (a ``(1,)`` placeholder, a statistic that dropped the split
+dimension, a counter, a leaf of no parameter such as muon's coefficients) is
+replicated. Nothing the optimizer holds for the model is refused.
 """
 
 from __future__ import annotations
@@ -152,6 +161,92 @@ def _flat(tree: Any) -> Iterator[tuple[tuple[Any, ...], nnx.Variable[Any]]]:
         yield tuple(path), variable
 
 
+def _owner(path: tuple[Any, ...], params: dict[tuple[Any, ...], Any]) -> tuple[Any, ...] | None:
+    """The parameter path that ``path`` ends with (the longest such), or None."""
+    ends = [p for p in params if len(p) <= len(path) and path[len(path) - len(p) :] == p]
+    return max(ends, key=len) if ends else None
+
+
+def follow_dim(param_shape: tuple[int, ...], leaf_shape: tuple[int, ...], dim: int | None) -> int | None:
+    """The dimension of an optimizer leaf that follows its parameter's dimension ``dim``.
+
+    The leaf has the parameter's shape (``dim`` itself), the parameter's shape with one
+    dimension dropped (adafactor's factored statistics: the same dimension, shifted
+    past the dropped one) or one inserted (a history axis), or as many dimensions with
+    the same size on ``dim`` (a statistic with kept dimensions). ``None`` when ``dim``
+    is None, when the dropped dimension is ``dim`` itself, and when the shapes leave
+    the correspondence ambiguous: such a leaf is replicated.
+    """
+    if dim is None:
+        return None
+    p, leaf = tuple(param_shape), tuple(leaf_shape)
+    if leaf == p:
+        return dim
+    if len(leaf) == len(p):
+        return dim if leaf[dim] == p[dim] else None
+    if len(leaf) == len(p) - 1:  # dimension k of the parameter dropped
+        found = {None if k == dim else dim - (k < dim) for k in range(len(p)) if p[:k] + p[k + 1 :] == leaf}
+    elif len(leaf) == len(p) + 1:  # a dimension inserted at k
+        found = {dim + (k <= dim) for k in range(len(leaf)) if leaf[:k] + leaf[k + 1 :] == p}
+    else:
+        return None
+    return found.pop() if len(found) == 1 else None
+
+
+def _expected_opt_state(model: nnx.Module, optimizer: nnx.Optimizer[Any]) -> dict[tuple[Any, ...], tuple[int, ...]] | None:
+    """The optimizer-state paths and shapes ``optimizer.tx`` gives ``model``; None if not computable."""
+    tx = getattr(optimizer, "tx", None)
+    if tx is None:
+        return None
+    wrt = getattr(optimizer, "wrt", nnx.Param)
+    graph = getattr(optimizer, "graph", None)
+    try:
+        fresh = nnx.eval_shape(lambda m: nnx.Optimizer(m, tx, wrt=wrt, graph=graph), model)
+    except Exception:  # an init jax cannot evaluate abstractly: no check, nothing refused
+        return None
+    return {
+        path: tuple(np.shape(v.get_value())) for path, v in _flat(fresh) if path[:1] == ("opt_state",)
+    }
+
+
+def check_optimizer_of(model: nnx.Module, optimizer: nnx.Optimizer[Any]) -> None:
+    """Raise a ValueError unless ``optimizer``'s state is what its transformation gives ``model``.
+
+    ``optimizer.tx`` is initialized abstractly on ``model``'s parameters (no memory, no
+    compute) and its state's paths and shapes compared with ``optimizer.opt_state``'s.
+
+    Raises:
+      ValueError: If they differ (the optimizer was built for another model); names
+        the first leaf that differs, with both shapes.
+    """
+    want = _expected_opt_state(model, optimizer)
+    if want is None:
+        return
+    have = {path: tuple(np.shape(v.get_value())) for path, v in _flat(optimizer) if path[:1] == ("opt_state",)}
+    hint = (
+        f"is the optimizer the model's? Pass the model the optimizer was built for, or build "
+        f"one for this model: nnx.Optimizer(model, tx, wrt=nnx.Param)."
+    )
+    name = type(model).__name__
+    for path, shape in have.items():
+        if path not in want:
+            raise ValueError(
+                f"{path_str(path, 'optimizer')} (shape {shape}) mirrors no parameter of the {name} "
+                f"given (the optimizer's transformation gives this model no such leaf): {hint}"
+            )
+        if want[path] != shape:
+            raise ValueError(
+                f"{path_str(path, 'optimizer')} (shape {shape}) mirrors no parameter of the {name} "
+                f"given (for this model it would have shape {want[path]}): {hint}"
+            )
+    missing = [path for path in want if path not in have]
+    if missing:
+        raise ValueError(
+            f"The optimizer lacks {path_str(missing[0], 'optimizer')} (shape {want[missing[0]]}), "
+            f"which its transformation gives the {name} given: {hint}"
+        )
+
+
 def optimizer_mirrors(
     model: nnx.Module, optimizer: nnx.Optimizer[Any]
 ) -> dict[tuple[Any, ...], tuple[tuple[Any, ...], ...]]:
@@ -159,45 +254,63 @@ def optimizer_mirrors(
 
     A leaf of ``optimizer.opt_state`` mirrors a parameter when its path ends with the
     parameter's path and it has the parameter's shape (Adam's ``mu`` and ``nu``,
-    momentum's trace).
+    momentum's trace, ``MultiSteps``' accumulated gradients). Other optimizer state
+    (adafactor's factored statistics and placeholders, counters, coefficients) mirrors
+    none and is not listed; ``optimizer_followers`` lists the parameter's leaves of
+    other shapes.
 
     Raises:
-      ValueError: If an optimizer leaf with at least one dimension mirrors no parameter
-        of ``model`` (the optimizer was built for another model); names the leaf.
+      ValueError: If ``optimizer`` was built for another model (``check_optimizer_of``);
+        names the first leaf that differs.
     """
+    check_optimizer_of(model, optimizer)
     params = {p: v for p, v in _flat(model) if isinstance(v, nnx.Param)}
     mirrors: dict[tuple[Any, ...], list[tuple[Any, ...]]] = {p: [] for p in params}
     for path, variable in _flat(optimizer):
         if path[:1] != ("opt_state",) or np.ndim(variable.get_value()) == 0:
             continue
-        shape = np.shape(variable.get_value())
-        match = [p for p in params if path[-len(p) :] == p and np.shape(params[p].get_value()) == shape]
-        if not match:
-            raise ValueError(
-                f"{path_str(path, 'optimizer')} (shape {shape}) mirrors no parameter of the "
-                f"{type(model).__name__} given: is the optimizer the model's? Pass the model "
-                f"the optimizer was built for, nnx.Optimizer(model, tx, wrt=nnx.Param)."
-            )
-        mirrors[max(match, key=len)].append(path)
+        owner = _owner(path, params)
+        if owner is not None and np.shape(variable.get_value()) == np.shape(params[owner].get_value()):
+            mirrors[owner].append(path)
     return {p: tuple(m) for p, m in mirrors.items()}
+
+
+def optimizer_followers(
+    model: nnx.Module, optimizer: nnx.Optimizer[Any]
+) -> dict[tuple[Any, ...], tuple[tuple[Any, ...], ...]]:
+    """Each model parameter's path, with its optimizer leaves of another shape (at least 1-d).
+
+    These are the leaves whose path ends with the parameter's path but whose shape is
+    not the parameter's: adafactor's ``v_row``/``v_col`` and ``(1,)`` placeholders, for
+    example. ``shard_state`` splits one on ``follow_dim`` of it, when that is not None.
+    """
+    params = {p: v for p, v in _flat(model) if isinstance(v, nnx.Param)}
+    followers: dict[tuple[Any, ...], list[tuple[Any, ...]]] = {p: [] for p in params}
+    for path, variable in _flat(optimizer):
+        if path[:1] != ("opt_state",) or np.ndim(variable.get_value()) == 0:
+            continue
+        owner = _owner(path, params)
+        if owner is not None and np.shape(variable.get_value()) != np.shape(params[owner].get_value()):
+            followers[owner].append(path)
+    return {p: tuple(f) for p, f in followers.items()}
+
+
+def _global(value: Any, sharding: NamedSharding) -> jax.Array:
+    """``value`` on ``sharding``; on several processes, each fills its devices from its own copy."""
+    if jax.process_count() > 1 and getattr(value, "is_fully_addressable", True):
+        host = np.asarray(jax.device_get(value))
+        return jax.make_array_from_callback(np.shape(value), sharding, lambda idx: host[idx])
+    return jax.device_put(value, sharding)
 
 
 def _place(variable: nnx.Variable[Any], spec: tuple[Any, ...], mesh: Mesh) -> None:
     value = variable.get_value()
     if isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
-        variable.set_value(jax.device_put(value, NamedSharding(mesh, PartitionSpec())))
+        # A typed key array has no host form: place its raw data, then wrap it again.
+        data = _global(jax.random.key_data(value), NamedSharding(mesh, PartitionSpec()))
+        variable.set_value(jax.random.wrap_key_data(data, impl=jax.random.key_impl(value)))
         return
-    sharding = NamedSharding(mesh, PartitionSpec(*spec))
-    if jax.process_count() > 1:
-        host = np.asarray(jax.device_get(value)) if getattr(value, "is_fully_addressable", True) else None
-        placed = (
-            jax.make_array_from_callback(np.shape(value), sharding, lambda idx: host[idx])  # type: ignore[index]
-            if host is not None
-            else jax.device_put(value, sharding)
-        )
-    else:
-        placed = jax.device_put(value, sharding)
-    variable.set_value(placed)
+    variable.set_value(_global(value, NamedSharding(mesh, PartitionSpec(*spec))))
     variable.set_metadata(out_sharding=spec)
 
 
@@ -246,6 +359,7 @@ def shard_state(
         raise ValueError("shard_state places arrays: call it outside jax.jit, with a concrete mesh.")
     size = found.shape[axis]
     mirrors = optimizer_mirrors(model, optimizer)
+    followers = optimizer_followers(model, optimizer)
     model_vars = dict(_flat(model))
     opt_vars = dict(_flat(optimizer))
     for path, variable in model_vars.items():
@@ -265,7 +379,17 @@ def shard_state(
         _place(variable, split if params else whole, found)
         for mirror in mirror_paths:
             _place(opt_vars[mirror], split, found)
-    placed = {("model", p) for p in mirrors} | {("optimizer", m) for ms in mirrors.values() for m in ms}
+        for follower in followers[path]:
+            leaf_shape = tuple(np.shape(opt_vars[follower].get_value()))
+            on = follow_dim(shape, leaf_shape, dim)
+            if on is not None and leaf_shape[on] % size:
+                on = None
+            _place(opt_vars[follower], tuple(axis if d == on else None for d in range(len(leaf_shape))), found)
+    placed = (
+        {("model", p) for p in mirrors}
+        | {("optimizer", m) for ms in mirrors.values() for m in ms}
+        | {("optimizer", f) for fs in followers.values() for f in fs}
+    )
     for owner, variables in (("model", model_vars), ("optimizer", opt_vars)):
         for path, variable in variables.items():  # everything else: replicated on the mesh
             if (owner, path) not in placed and hasattr(variable.get_value(), "shape"):
