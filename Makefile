@@ -41,7 +41,7 @@ test-floor: $(FLOOR_STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/train_step.py --quick --json benchmarks/results/train_step_quick.json
-	$(PY) benchmarks/collectives.py --quick
+	$(PY) benchmarks/collectives.py --quick --json benchmarks/results/collectives_quick.json
 	$(PY) benchmarks/layouts.py --quick --json benchmarks/results/layouts_quick.json
 	$(PY) benchmarks/accumulation.py --quick --json benchmarks/results/accumulation_quick.json
 

@@ -7,9 +7,12 @@ psum_scatter's output is size/8 of its size-byte input). Reported as nccl-tests 
 ``algbw = size / time`` and ``busbw = algbw * factor`` with the factor of a ring
 algorithm (psum 2(n-1)/n; all_gather, psum_scatter and all_to_all (n-1)/n; ppermute 1),
 the bandwidth each link would need. Ops run interleaved per size after warm-up; each
-sample is a block of calls. Writes JSON and a PNG plot.
+sample is a block of calls. Writes the rows as JSON, the printed table beside it (.txt)
+and a PNG plot: a full run to ``results/collectives.*`` (the committed results), a quick
+one to ``results/collectives_quick.*``, so a quick run never replaces the full results.
 
-    python benchmarks/collectives.py --quick
+    python benchmarks/collectives.py            # results/collectives.{json,txt,png}
+    python benchmarks/collectives.py --quick    # results/collectives_quick.{json,txt,png}
 """
 
 from __future__ import annotations
@@ -28,9 +31,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="4 sizes, fewer rounds: under 2 minutes")
     parser.add_argument("--devices", type=int, default=8)
-    parser.add_argument("--json", default=str(HERE / "results" / "collectives.json"))
-    parser.add_argument("--png", default=str(HERE / "results" / "collectives.png"))
+    parser.add_argument(
+        "--json",
+        metavar="PATH",
+        help="write the rows as JSON there, and the table (.txt) beside it; default "
+        "results/collectives.json, with --quick results/collectives_quick.json",
+    )
+    parser.add_argument("--png", metavar="PATH", help="the plot; default the JSON path with .png")
     args = parser.parse_args()
+    default = HERE / "results" / ("collectives_quick.json" if args.quick else "collectives.json")
+    json_path = Path(args.json) if args.json else default
+    png_path = Path(args.png) if args.png else json_path.with_suffix(".png")
 
     import jax
 
@@ -98,14 +109,18 @@ def main() -> None:
             )
         del inputs, fns
 
-    print(f"{'op':<13} {'size':>9} {'median us':>11} {'algbw GB/s':>11} {'busbw GB/s':>11}")
+    lines = [f"{'op':<13} {'size':>9} {'median us':>11} {'algbw GB/s':>11} {'busbw GB/s':>11}"]
     for r in rows:
         size = r["size_bytes"]
         label = f"{size // 2**20} MiB" if size >= 2**20 else f"{size // 1024} KiB"
-        print(f"{r['op']:<13} {label:>9} {r['median_us']:>11.1f} {r['algbw_GBps']:>11.3f} {r['busbw_GBps']:>11.3f}")
+        timing = f"{r['median_us']:>11.1f} {r['algbw_GBps']:>11.3f} {r['busbw_GBps']:>11.3f}"
+        lines.append(f"{r['op']:<13} {label:>9} {timing}")
+    text = "\n".join(lines)
+    print(text)
 
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(rows, indent=1))
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(rows, indent=1))
+    json_path.with_suffix(".txt").write_text(text + "\n")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -121,8 +136,9 @@ def main() -> None:
     ax_bw.set(xlabel="per-device buffer (bytes)", ylabel="bus bandwidth (GB/s)", title="busbw (nccl-tests definition)")
     ax_t.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(args.png)
-    print(f"wrote {args.json} and {args.png}")
+    png_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png_path)
+    print(f"wrote {json_path}, {json_path.with_suffix('.txt')} and {png_path}")
 
 
 if __name__ == "__main__":
