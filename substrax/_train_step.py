@@ -46,6 +46,7 @@ def make_train_step(
     has_aux: bool = False,
     reduce: Mapping[str, str | None] | None = None,
     microbatches: int = 1,
+    skip_nonfinite: bool = True,
 ) -> TrainStep:
     """Build a jitted data-parallel step ``(model, optimizer, batch) -> loss``, in either mode.
 
@@ -84,6 +85,11 @@ def make_train_step(
         once per step, after the loop; each device holds a full-size gradient
         accumulator (under FSDP, the whole parameters too) for the step. Metrics are
         reduced over the whole batch.
+      skip_nonfinite: When the loss or any gradient element is NaN or infinite, skip
+        the update in the graph: the model, its BatchNorm statistics and the optimizer
+        (its step count too) keep the values they had, and the step returns the
+        non-finite loss, so the caller sees it. On by default: no step leaves
+        non-finite state. ``False`` applies every update.
 
     Returns:
       A ``TrainStep``: call it as ``step(model, optimizer, batch)``; it updates
@@ -111,6 +117,7 @@ def make_train_step(
         has_aux=has_aux,
         reduce=reduce,
         microbatches=microbatches,
+        skip_nonfinite=skip_nonfinite,
     )
 
 
@@ -151,6 +158,7 @@ class TrainStep:
         has_aux: bool = False,
         reduce: Mapping[str, str | None] | None = None,
         microbatches: int = 1,
+        skip_nonfinite: bool = True,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}; got {mode!r}.")
@@ -166,6 +174,9 @@ class TrainStep:
         self.has_aux = has_aux
         self.reduce = reduce
         self.microbatches = microbatches
+        if not isinstance(skip_nonfinite, bool):
+            raise TypeError(f"skip_nonfinite must be True or False; got {skip_nonfinite!r}.")
+        self.skip_nonfinite = skip_nonfinite
         self._cached: _SplitState | None = None
         self._pure_steps: dict[Any, Any] = {}
 
@@ -234,6 +245,7 @@ class TrainStep:
             batch_spec=placed.tree() if placed is not None else self.batch_spec,
             reduce=dict(self.reduce or {}) if self.has_aux else None,
             microbatches=self.microbatches,
+            skip_nonfinite=self.skip_nonfinite,
         )
 
     def mesh_context(self) -> contextlib.AbstractContextManager[Any]:

@@ -94,7 +94,8 @@ def data_parallel_value_and_grad(
                 f"its own shard's gradient (pass check_vma=True), or the loss does not read "
                 f"a batch split over {axis_name!r} (check in_specs)."
             )
-        loss = jax.lax.pmean(loss, axis_name)
+        with jax.named_scope("substrax.loss"):
+            loss = jax.lax.pmean(loss, axis_name)
         return (loss, aux) if has_aux else loss
 
     return nnx.value_and_grad(averaged, argnums=argnums, has_aux=has_aux)

@@ -1,6 +1,6 @@
 """The explicit data-parallel step: the same step as ``spmd_train_step``, under ``jax.shard_map``.
 
-Every collective the step runs is written here. Each device sees its shard of the batch;
+Every collective of the gradient computation is written here. Each device sees its shard of the batch;
 the loss is ``pmean``-ed over the data axis before ``grad``. The parameters are cast to
 varying over the axis first (``to_varying``: no communication), so ``grad`` itself
 runs no collective and each device holds its shard's share of the gradient; the step
@@ -9,8 +9,17 @@ then reduces it once, in plain sight:
 - a replicated parameter's gradient is ``psum``-ed (one all-reduce);
 - a split one (``substrax.shard_state``) is ``psum_scatter``-ed (a reduce-scatter):
   each device gets the slice its optimizer state updates. Under FSDP the parameter
-  was ``all_gather``-ed right before use; under ZeRO-1 the updated slices are gathered
-  back into the replicated parameter after the update.
+  was ``all_gather``-ed right before use.
+
+The ``shard_map`` ends there: it returns the gradients (split where the state is) and
+the model's other state. The optimizer update runs after it, on the global arrays,
+under the same jit (``substrax._update``): element-wise math stays on each device's
+slice, and XLA adds only what a transformation needs: one scalar all-reduce for
+``clip_by_global_norm``'s norm under a split layout, and under ZeRO-1 the all-gather
+of the updated slices into the replicated parameters. Each library collective sits
+under a ``jax.named_scope`` (``substrax.grad_reduce``, ``substrax.gather_params``,
+``substrax.loss``, ``substrax.metrics``, ``substrax.batch_stats``,
+``substrax.update``, ``substrax.finite``) that the census reads back.
 
 With ``microbatches=k`` the gradient part runs in a ``lax.scan`` over k slices of each
 device's shard and accumulates the local gradients; the reduction above still runs
@@ -30,12 +39,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from substrax._collectives import gather_invariant, to_varying
+from substrax._collectives import to_varying
 from substrax._layout import optimizer_mirrors, spec_tuple, split_dim_of
 from substrax._microbatch import check_microbatches, fold_microbatch_metrics, split_microbatches
 from substrax._placement import batch_partition_specs
 from substrax._reductions import split_loss_output
 from substrax._tree import PyTree, is_array, path_str
+from substrax._update import apply_update, state_values
 from substrax.explicit._grad import data_parallel_value_and_grad, varying_axes
 from substrax.explicit._metrics import reduce_metrics_collective
 from substrax.mesh import current_mesh
@@ -82,27 +92,24 @@ def check_data_axis_only(tree: Any, data_axis: str, owner: str) -> None:
 
 
 def _plans(model: nnx.Module, optimizer: nnx.Optimizer[Any] | None, data_axis: str) -> dict[Path, _ParamPlan]:
-    """Each parameter's ``_ParamPlan``, read from the ``out_sharding`` metadata of it and its mirrors."""
+    """Each parameter's ``_ParamPlan``, read from the ``out_sharding`` metadata of it and its mirrors.
+
+    The gradient is reduce-scattered where the parameter is split (FSDP), else where
+    the optimizer state mirroring it is (ZeRO-1), else all-reduced. The update runs on
+    the global arrays after the ``shard_map``, so this choice moves bytes, never values.
+    """
     check_data_axis_only(model, data_axis, "model")
     params = {tuple(p): v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-    if optimizer is None:
-        mirrors: dict[Path, tuple[Path, ...]] = {p: () for p in params}
-        opt_vars: dict[Path, Any] = {}
-    else:
-        check_data_axis_only(optimizer, data_axis, "optimizer")
+    mirrors: Mapping[Path, tuple[Path, ...]] = {}
+    opt_vars: dict[Path, Any] = {}
+    if optimizer is not None:
         mirrors = optimizer_mirrors(model, optimizer)
         opt_vars = {tuple(p): v for p, v in nnx.to_flat_state(nnx.state(optimizer))}
     plans = {}
     for path, variable in params.items():
         gather = split_dim_of(spec_tuple(variable), data_axis)
-        dims = {split_dim_of(spec_tuple(opt_vars[m]), data_axis) for m in mirrors.get(path, ())}
-        if len(dims) > 1 or (gather is not None and dims and dims != {gather}):
-            raise ValueError(
-                f"{path_str(path, 'model')} is split on dimension {gather} but its optimizer "
-                f"state on {sorted(d for d in dims if d is not None)}; place both with "
-                f"substrax.shard_state so they agree."
-            )
-        update = gather if gather is not None else next(iter(dims), None)
+        dims = [split_dim_of(spec_tuple(opt_vars[m]), data_axis) for m in mirrors.get(path, ())]
+        update = gather if gather is not None else next((d for d in dims if d is not None), None)
         plans[path] = _ParamPlan(gather, update)
     return plans
 
@@ -120,7 +127,8 @@ def _set_whole_varying(
         value = held[path] = variable.get_value()
         dim = plans[path].gather_dim
         if dim is not None:
-            whole = jax.lax.all_gather(value, data_axis, axis=dim, tiled=True)
+            with jax.named_scope("substrax.gather_params"):
+                whole = jax.lax.all_gather(value, data_axis, axis=dim, tiled=True)
         elif data_axis in (varying_axes(value) or ()):
             whole = value
         else:
@@ -133,21 +141,16 @@ def _reduce_gradients(grads: nnx.State, plans: Mapping[Path, _ParamPlan], data_a
     """The once-per-step reduction: psum the whole-updated gradients, psum_scatter the split ones."""
     flat = [(tuple(p), v) for p, v in nnx.to_flat_state(grads)]
     whole = [i for i, (p, _) in enumerate(flat) if plans[p].update_dim is None]
-    summed = jax.lax.psum([flat[i][1].get_value() for i in whole], data_axis) if whole else []
-    out = {}
-    for i, value in zip(whole, summed, strict=True):
-        out[i] = value
-    for i, (path, variable) in enumerate(flat):
-        dim = plans[path].update_dim
-        if dim is not None:
-            out[i] = jax.lax.psum_scatter(variable.get_value(), data_axis, scatter_dimension=dim, tiled=True)
+    with jax.named_scope("substrax.grad_reduce"):
+        summed = jax.lax.psum([flat[i][1].get_value() for i in whole], data_axis) if whole else []
+        out = dict(zip(whole, summed, strict=True))
+        for i, (path, variable) in enumerate(flat):
+            dim = plans[path].update_dim
+            if dim is not None:
+                out[i] = jax.lax.psum_scatter(
+                    variable.get_value(), data_axis, scatter_dimension=dim, tiled=True
+                )
     return nnx.from_flat_state([(p, v.replace(out[i])) for i, (p, v) in enumerate(flat)])
-
-
-def _slice_for_update(value: Any, dim: int, data_axis: str) -> Any:
-    """This device's slice of a replicated array along ``dim`` (ZeRO-1's update view)."""
-    size = value.shape[dim] // jax.lax.axis_size(data_axis)
-    return jax.lax.dynamic_slice_in_dim(value, jax.lax.axis_index(data_axis) * size, size, axis=dim)
 
 
 def _without_axis(specs: PyTree, axis: str) -> PyTree:
@@ -194,29 +197,53 @@ def _per_device_random_streams(model: nnx.Module, data_axis: str) -> Iterator[No
             key.set_value(value)
 
 
-def _average_per_device_state(state: nnx.State, specs: Any, data_axis: str) -> nnx.State:
-    """Average, over ``data_axis``, any replicated state the step updated from this device's shard.
+def _settle_per_device_state(state: nnx.State, specs: Any, data_axis: str) -> nnx.State:
+    """The model's non-parameter state after the step, made one model's again.
 
-    Parameters and optimizer state come out equal on every device (or split as
-    placed). State a layer updates from the batch it sees (BatchNorm's running
-    statistics) differs per device and could not leave ``shard_map`` as replicated;
-    the average keeps one model.
+    A layer that updates state from the shard it sees (BatchNorm's running statistics,
+    ``nnx.BatchStat``) computes it per device: that, and only that, is averaged over
+    ``data_axis`` (one ``pmean``). Any other replicated state that came out varying over
+    the axis would be a different model per device, and is refused at trace time by
+    path: ``check_vma`` types every value, so the check cannot miss one.
     """
 
-    def average(path: tuple[Any, ...], x: jax.Array, spec: PartitionSpec) -> jax.Array:
-        axes = varying_axes(x)
-        if axes is None or data_axis not in axes or any(e is not None for e in spec):
-            return x
-        if jnp.issubdtype(x.dtype, jnp.inexact):
-            return jax.lax.pmean(x, data_axis)
-        owner = ("model", "optimizer")[path[0].key]  # nnx.state((model, optimizer)) keys them 0, 1
+    def settle(path: tuple[Any, ...], variable: nnx.Variable[Any], spec: Any) -> nnx.Variable[Any]:
+        value = variable.get_value()
+        axes = varying_axes(value)
+        if axes is None or data_axis not in axes or any(e is not None for e in (spec.get_value() if isinstance(spec, nnx.Variable) else spec)):
+            return variable
+        if isinstance(variable, nnx.BatchStat) and jnp.issubdtype(value.dtype, jnp.inexact):
+            with jax.named_scope("substrax.batch_stats"):
+                return variable.replace(jax.lax.pmean(value, data_axis))
         raise ValueError(
-            f"{path_str(path[1:], owner)} ({x.dtype}) was updated differently on each device "
-            f"and cannot be averaged over {data_axis!r}; compute it from values reduced over "
-            f"the axis, or keep it out of the model's state."
+            f"{path_str(path, 'model')} ({type(variable).__name__}, {value.dtype}) came out of the "
+            f"step different on each device, and it is replicated: substrax averages only "
+            f"nnx.BatchStat state (statistics a layer computes from its shard). Compute it from "
+            f"values reduced over {data_axis!r} (jax.lax.pmean), declare it an nnx.BatchStat if "
+            f"a per-device average is what it means, or keep it out of the model's state."
         )
 
-    return jax.tree.map_with_path(average, state, specs)
+    return jax.tree.map_with_path(
+        settle, state, specs, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+
+
+def _varying_carry(body: Callable[..., Any], carry: Any, piece: PyTree, data_axis: str) -> Any:
+    """``carry`` with every leaf that ``body`` returns varying over ``data_axis`` cast to varying.
+
+    ``lax.scan`` needs a carry of one type in and out; a BatchNorm without
+    ``axis_name`` turns its replicated statistics into per-device ones in the body.
+    """
+    out = jax.eval_shape(body, carry, piece)[0]
+    cast = [data_axis in getattr(getattr(o, "manual_axis_type", None), "varying", ()) for o in jax.tree.leaves(out)]
+    leaves, treedef = jax.tree.flatten(carry)
+    return jax.tree.unflatten(
+        treedef,
+        [
+            to_varying(x, data_axis) if c and data_axis not in (varying_axes(x) or ()) else x
+            for x, c in zip(leaves, cast, strict=True)
+        ],
+    )
 
 
 def _value_and_local_grad(
@@ -263,12 +290,17 @@ def _value_and_local_grad(
         total = jax.tree.map(jnp.add, total, grads)
         return (params, nnx.state(m, nnx.Not(nnx.Param)), total), (loss, metrics)
 
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    (_, rest, total), (losses, metrics) = jax.lax.scan(body, (params, rest, zeros), slices)
+    carry = (params, rest, jax.tree.map(jnp.zeros_like, params))
+    if not one_device:
+        carry = _varying_carry(body, carry, jax.tree.map(lambda x: x[0], slices), data_axis)
+    (_, rest, total), (losses, metrics) = jax.lax.scan(body, carry, slices)
     nnx.update(model, rest)
     grads = jax.tree.map(lambda g: g / microbatches, total)
     loss = jnp.mean(losses)
-    return (loss if one_device else jax.lax.psum(loss, data_axis)), metrics, grads
+    if one_device:
+        return loss, metrics, grads
+    with jax.named_scope("substrax.loss"):
+        return jax.lax.psum(loss, data_axis), metrics, grads
 
 
 def explicit_value_and_grad(
@@ -334,6 +366,7 @@ def explicit_train_step(
     has_aux: bool = False,
     reduce: Mapping[str, str | None] | None = None,
     microbatches: int = 1,
+    skip_nonfinite: bool = True,
 ) -> jax.Array | tuple[jax.Array, dict[str, Any]]:
     """Execute a data-parallel training step with every collective written out.
 
@@ -344,20 +377,21 @@ def explicit_train_step(
     ``substrax.explicit._step`` lists the collectives each layout runs. Every device
     ends the step with the same model (or its slice of it), in the layout it began.
 
-    Non-parameter state that a layer updates from the shard it sees, such as
-    BatchNorm's running statistics, is averaged over ``data_axis`` after the step, so
-    every device keeps the same model. Such a layer normalizes with its shard's
+    The ``shard_map`` covers the forward pass, the backward pass and the gradient
+    reduction; the optimizer update then runs on the global arrays (split or not) under
+    the same jit, so every optax transformation, ``clip_by_global_norm`` and
+    ``adafactor`` included, gives the one-device result (``substrax._update``).
+
+    ``nnx.BatchStat`` state that a layer updates from the shard it sees (BatchNorm's
+    running statistics) is averaged over ``data_axis`` after the step, so every device
+    keeps the same model; any other replicated state that comes out different per
+    device is refused at trace time, by path. Such a layer normalizes with its shard's
     statistics; give ``nnx.BatchNorm`` ``axis_name=data_axis`` to use the global batch's.
     With ``microbatches=k`` it normalizes with each microbatch's statistics and its
     running averages take k updates per step. Random streams (``nnx.Rngs``, as
     ``nnx.Dropout`` uses) get the device's index folded into their keys for the step, so
     each shard draws its own mask, and each microbatch draws its own; the losses then
     differ from the implicit step's, which draws one mask for the global batch.
-
-    With split state the optimizer runs on each device's slices: an element-wise
-    transformation (``adam``, ``adamw``, ``sgd``, momentum) gives the replicated
-    result; one that reads the whole gradient (``clip_by_global_norm``) would see only
-    the slice.
 
     Args:
       model: The NNX model to train.
@@ -382,6 +416,9 @@ def explicit_train_step(
         in order) and accumulate their gradients locally: the step holds one
         full-size gradient per device (under FSDP, the whole parameters too) and
         reduces it once.
+      skip_nonfinite: Skip the update, in the graph, when the loss or a gradient is
+        not finite: the model and optimizer keep their values and the step returns
+        the non-finite loss (see ``substrax._update``).
 
     Returns:
       The global batch's loss, replicated; with ``has_aux``, ``(loss, metrics)``.
@@ -390,10 +427,11 @@ def explicit_train_step(
       ValueError: If there is no mesh or it lacks ``data_axis``, if ``batch_spec`` does
         not fit the batch, if a leaf cannot be split over its axes, if ``loss_fn``'s
         output does not match ``has_aux``, if ``reduce`` is given without ``has_aux``,
-        names a metric ``loss_fn`` does not return or an unknown operation, if a
-        variable is declared sharded over an axis other than ``data_axis``, or if
-        ``microbatches`` does not divide the rows per device; each message names the
-        axis, leaf, parameter or metric.
+        names a metric ``loss_fn`` does not return or an unknown operation, if a model
+        variable is declared sharded over an axis other than ``data_axis``, if
+        ``microbatches`` does not divide the rows per device, or if replicated state
+        other than ``nnx.BatchStat`` comes out different per device; each message
+        names the axis, leaf, parameter or metric.
     """
     if reduce is not None and not has_aux:
         raise ValueError("reduce= says how to reduce metrics, which loss_fn returns only with has_aux=True.")
@@ -402,66 +440,60 @@ def explicit_train_step(
     specs = batch_partition_specs(batch, batch_spec, mesh, data_axis)
     check_microbatches(microbatches, batch, specs, mesh, data_axis)
     plans = _plans(model, optimizer, data_axis)
-    graphdef, state = nnx.split((model, optimizer))
+    before = state_values((model, optimizer)) if skip_nonfinite else None
+    graphdef, state = nnx.split(model)
     state_specs = nnx.get_partition_spec(state)
+    rest_specs = nnx.get_partition_spec(nnx.state(model, nnx.Not(nnx.Param)))
     split_loss = _split_loss(loss_fn, has_aux)
     # A data axis of size 1 needs no collective: nothing is typed as varying over it (the
     # batch and state enter replicated, which is the same placement), so none is emitted.
     one_device = mesh.shape[data_axis] == 1
     if one_device:
         state_specs = _without_axis(state_specs, data_axis)
+        rest_specs = _without_axis(rest_specs, data_axis)
         plans = {p: _ParamPlan(None, None) for p in plans}
     shard_specs = _without_axis(specs, data_axis) if one_device else specs
+    grad_specs = nnx.from_flat_state(
+        [
+            (p, PartitionSpec(*(data_axis if d == plan.update_dim else None for d in range(v.get_value().ndim))))
+            for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+            for plan in (plans[tuple(p)],)
+        ]
+    )
 
-    def per_device(state: nnx.State, shard: PyTree) -> tuple[nnx.State, jax.Array, dict[str, Any]]:
-        model, optimizer = nnx.merge(graphdef, state)
+    def per_device(state: nnx.State, shard: PyTree) -> tuple[nnx.State, nnx.State, jax.Array, dict[str, Any]]:
+        model = nnx.merge(graphdef, state)
         if one_device:
-            held = {p: v.get_value() for p, v in _param_vars(model).items()}
             loss, metrics, grads = _value_and_local_grad(
-                model,
-                split_loss,
-                shard,
-                specs,
-                data_axis=data_axis,
-                microbatches=microbatches,
-                one_device=True,
+                model, split_loss, shard, specs, data_axis=data_axis, microbatches=microbatches, one_device=True
             )
         else:
-            held = _set_whole_varying(model, plans, data_axis)
+            _set_whole_varying(model, plans, data_axis)
             with _per_device_random_streams(model, data_axis):
                 loss, metrics, grads = _value_and_local_grad(
                     model, split_loss, shard, specs, data_axis=data_axis, microbatches=microbatches
                 )
             grads = _reduce_gradients(grads, plans, data_axis)
-        for path, variable in _param_vars(model).items():  # the values the optimizer updates
-            plan = plans[path]
-            value = held[path]
-            if plan.update_dim is not None and plan.gather_dim is None:
-                value = _slice_for_update(value, plan.update_dim, data_axis)
-            variable.set_value(value)
-        optimizer.update(model, grads)
-        for path, variable in _param_vars(model).items():  # ZeRO-1: gather the updated slices
-            plan = plans[path]
-            if plan.update_dim is not None and plan.gather_dim is None:
-                variable.set_value(
-                    gather_invariant(variable.get_value(), data_axis, axis=plan.update_dim, tiled=True)
-                )
         if microbatches > 1:
             metrics = fold_microbatch_metrics(metrics, reduce)
         if one_device:
             metrics = _reduce_metrics_on_one_device(metrics, reduce)
         else:
-            metrics = reduce_metrics_collective(metrics, reduce, data_axis)
-        new_state = _average_per_device_state(nnx.state((model, optimizer)), state_specs, data_axis)
-        return new_state, loss, metrics
+            with jax.named_scope("substrax.metrics"):
+                metrics = reduce_metrics_collective(metrics, reduce, data_axis)
+        rest = nnx.state(model, nnx.Not(nnx.Param))
+        if not one_device:
+            rest = _settle_per_device_state(rest, rest_specs, data_axis)
+        return rest, grads, loss, metrics
 
     run = jax.shard_map(
         per_device,
         mesh=mesh,
         in_specs=(state_specs, shard_specs),
-        out_specs=(state_specs, PartitionSpec(), PartitionSpec()),
+        out_specs=(rest_specs, grad_specs, PartitionSpec(), PartitionSpec()),
         check_vma=True,
     )
-    new_state, loss, metrics = run(state, batch)
-    nnx.update((model, optimizer), new_state)
+    rest, grads, loss, metrics = run(state, batch)
+    nnx.update(model, rest)
+    apply_update(model, optimizer, grads, loss, before)
     return (loss, metrics) if has_aux else loss

@@ -8,12 +8,11 @@ from typing import Any, Literal, TypeVar, overload
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec
 
-from substrax._layout import spec_tuple
 from substrax._microbatch import check_microbatches, split_global_microbatches, unfold_global_gather
 from substrax._placement import batch_partition_specs
 from substrax._reductions import split_loss_output
+from substrax._update import apply_update, state_values
 from substrax.mesh import current_mesh
 from substrax.spmd._metrics import reduce_metrics
 
@@ -30,18 +29,6 @@ def _mesh_or_none(mesh: Any, data_axis: str) -> Any:
     except ValueError:
         return None
     return found if data_axis in found.axis_names else None
-
-
-def pin_layout(tree: Any) -> None:
-    """Constrain every variable with ``out_sharding`` metadata to that sharding, in place.
-
-    Without it XLA picks the output shardings of a jitted step, and a ZeRO-1 model's
-    replicated parameters come back split like their optimizer state.
-    """
-    for _, variable in nnx.to_flat_state(nnx.state(tree)):
-        spec = spec_tuple(variable)
-        if spec is not None:
-            variable.set_value(jax.lax.with_sharding_constraint(variable.get_value(), PartitionSpec(*spec)))
 
 
 def _accumulated_value_and_grad(
@@ -77,6 +64,7 @@ def spmd_train_step(
     batch_spec: Any = None,
     reduce: Mapping[str, str | None] | None = None,
     microbatches: int = 1,
+    skip_nonfinite: bool = True,
 ) -> jax.Array: ...
 
 
@@ -93,6 +81,7 @@ def spmd_train_step(
     batch_spec: Any = None,
     reduce: Mapping[str, str | None] | None = None,
     microbatches: int = 1,
+    skip_nonfinite: bool = True,
 ) -> tuple[jax.Array, Any]: ...
 
 
@@ -109,6 +98,7 @@ def spmd_train_step(
     batch_spec: Any = None,
     reduce: Mapping[str, str | None] | None = None,
     microbatches: int = 1,
+    skip_nonfinite: bool = True,
 ) -> jax.Array | tuple[jax.Array, Any]: ...
 
 
@@ -124,6 +114,7 @@ def spmd_train_step(
     batch_spec: Any = None,
     reduce: Mapping[str, str | None] | None = None,
     microbatches: int = 1,
+    skip_nonfinite: bool = True,
 ) -> jax.Array | tuple[jax.Array, Any]:
     """Execute a data-parallel training step using SPMD.
 
@@ -155,6 +146,9 @@ def spmd_train_step(
         device's next rows, and accumulate their gradients in a ``lax.scan`` (see
         ``make_train_step``). ``aux`` then gains a leading microbatch axis, unless
         ``reduce`` reduces it.
+      skip_nonfinite: Skip the update, in the graph, when the loss or a gradient is
+        not finite: the model and optimizer keep their values and the step returns
+        the non-finite loss (see ``substrax._update``).
 
     Returns:
       The loss value; with ``has_aux``, ``(loss, aux)``.
@@ -179,6 +173,8 @@ def spmd_train_step(
         check_microbatches(microbatches, batch, specs, found, data_axis)
         batch = jax.lax.with_sharding_constraint(batch, specs)
 
+    before = state_values((model, optimizer)) if skip_nonfinite else None
+
     def checked_loss(model: M, batch: PyTree) -> tuple[Any, Any]:
         loss, aux = split_loss_output(loss_fn(model, batch), has_aux)
         return loss, aux
@@ -191,8 +187,7 @@ def spmd_train_step(
         (loss, aux), grads = _accumulated_value_and_grad(
             model, checked_loss, batch, specs, ways, microbatches
         )
-    optimizer.update(model, grads)
-    pin_layout((model, optimizer))
+    apply_update(model, optimizer, grads, loss, before)
     if not has_aux:
         return loss
     if reduce is not None:
