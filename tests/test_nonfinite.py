@@ -1,0 +1,99 @@
+"""A non-finite step is skipped in the graph: no state goes NaN, and the loss says so."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+from conftest import MLP, mse, params_of, regression_batches
+from flax import nnx
+
+import substrax
+from substrax.spmd import create_data_parallel_sharding, place_batch_on_shards
+
+
+def _poisoned(batch: dict, leaf: str, value: float) -> dict:
+    bad = {k: v.copy() for k, v in batch.items()}
+    bad[leaf][3, 0] = value
+    return bad
+
+
+def _state(model: nnx.Module, optimizer: nnx.Optimizer) -> list[np.ndarray]:
+    return [np.asarray(x) for x in jax.tree.leaves(nnx.state((model, optimizer)))]
+
+
+@pytest.mark.parametrize("spelling", ["call", "bind"])
+@pytest.mark.parametrize("layout", ["replicated", "fsdp"])
+@pytest.mark.parametrize("mode", substrax.MODES)
+@pytest.mark.parametrize(("leaf", "value"), [("x", np.nan), ("y", np.inf)])
+def test_a_nonfinite_batch_skips_the_update_and_training_goes_on(
+    mesh8: jax.sharding.Mesh, mode: str, layout: str, spelling: str, leaf: str, value: float
+) -> None:
+    good = regression_batches(3, rows=32)
+    sharding = create_data_parallel_sharding(mesh8)
+    batches = [good[0], _poisoned(good[1], leaf, value), good[2]]
+
+    def train(batches: list[dict]) -> tuple[list[float], dict, list[np.ndarray]]:
+        with jax.set_mesh(mesh8):
+            model = MLP()
+            optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+        if layout == "fsdp":
+            substrax.shard_state(model, optimizer, mesh=mesh8, min_size=1)
+        step = substrax.make_train_step(mse, mode, mesh=mesh8)
+        if spelling == "bind":
+            with step.bind(model, optimizer) as fast:
+                losses = [float(fast(place_batch_on_shards(b, sharding))) for b in batches]
+        else:
+            losses = [float(step(model, optimizer, place_batch_on_shards(b, sharding))) for b in batches]
+        return losses, params_of(model), _state(model, optimizer)
+
+    losses, params, state = train(batches)
+    want_losses, want_params, want_state = train([good[0], good[2]])  # the bad step never happened
+    assert not np.isfinite(losses[1])  # the step says so
+    np.testing.assert_allclose([losses[0], losses[2]], want_losses, rtol=1e-6)
+    for name in want_params:
+        np.testing.assert_allclose(params[name], want_params[name], rtol=1e-6, atol=1e-7, err_msg=name)
+    for got, want in zip(state, want_state, strict=True):  # the optimizer's count and moments too
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+        assert np.all(np.isfinite(got))
+
+
+class Normed(nnx.Module):
+    def __init__(self) -> None:
+        rngs = nnx.Rngs(0)
+        self.hidden = nnx.Linear(4, 8, rngs=rngs)
+        self.norm = nnx.BatchNorm(8, rngs=rngs)
+        self.out = nnx.Linear(8, 1, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.out(self.norm(self.hidden(x)))
+
+
+@pytest.mark.parametrize("mode", substrax.MODES)
+def test_a_skipped_step_keeps_the_batch_statistics(mesh8: jax.sharding.Mesh, mode: str) -> None:
+    with jax.set_mesh(mesh8):
+        model = Normed()
+        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    before = _state(model, optimizer)
+    batch = _poisoned(regression_batches(1, rows=32)[0], "x", np.nan)
+    step = substrax.make_train_step(mse, mode, mesh=mesh8)
+    assert np.isnan(float(step(model, optimizer, place_batch_on_shards(batch, create_data_parallel_sharding(mesh8)))))
+    for got, want in zip(_state(model, optimizer), before, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("mode", substrax.MODES)
+def test_skip_nonfinite_false_applies_every_update(mesh8: jax.sharding.Mesh, mode: str) -> None:
+    with jax.set_mesh(mesh8):
+        model = MLP()
+        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    batch = _poisoned(regression_batches(1, rows=32)[0], "x", np.nan)
+    step = substrax.make_train_step(mse, mode, mesh=mesh8, skip_nonfinite=False)
+    step(model, optimizer, place_batch_on_shards(batch, create_data_parallel_sharding(mesh8)))
+    assert np.isnan(params_of(model)["hidden/kernel"]).any()
+
+
+def test_skip_nonfinite_must_be_a_bool() -> None:
+    with pytest.raises(TypeError, match=r"skip_nonfinite must be True or False; got 'yes'"):
+        substrax.make_train_step(mse, skip_nonfinite="yes")  # type: ignore[arg-type]
