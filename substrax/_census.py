@@ -22,6 +22,7 @@ communicate, and ``compare`` (or ``CensusReport.check``) holds a census against 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import re
@@ -44,9 +45,13 @@ __all__ = [
     "Expected",
     "ExpectedCollective",
     "Operand",
+    "Part",
+    "SOURCES",
     "census",
     "compare",
     "expected_communication",
+    "library_scope",
+    "phase_of",
 ]
 
 KINDS = (
@@ -142,7 +147,12 @@ class Collective:
       source_target_pairs: a collective-permute's ``(source, target)`` pairs.
       trip_counts: the trip count of each ``while`` loop around it, outermost first;
         ``None`` where the compiler does not state it; ``()`` outside loops.
-      op_name: the JAX operation it came from (the HLO metadata), ``""`` when absent.
+      op_name: the JAX operation it came from (the HLO metadata), ``""`` when absent. A
+        collective XLA combined from several writes them all, e.g.
+        ``"jit(step)/shard_map/(substrax.grad_reduce/psum:jvp(substrax.loss)/psum)"``.
+      buffer_op_names: the JAX operation of each buffer of ``parts``, in order: for a
+        combined collective, read from the ``get-tuple-element`` instructions that take
+        its results apart (each keeps its own operation's metadata).
     """
 
     kind: str
@@ -158,6 +168,20 @@ class Collective:
     source_target_pairs: tuple[tuple[int, int], ...] | None = None
     trip_counts: tuple[int | None, ...] = ()
     op_name: str = ""
+    buffer_op_names: tuple[str, ...] = ()
+
+    @property
+    def parts(self) -> tuple[Part, ...]:
+        """Its buffers one by one, each with its own operation and bytes (they sum to ``bytes``).
+
+        An all-gather's parts are its gathered results; a collective-permute's, a send's
+        and a recv's the one buffer ``bytes`` counts; the others' their operands.
+        """
+        buffers = _part_buffers(self)
+        if len(buffers) <= 1:
+            return (Part(self, 0, buffers[0] if buffers else Operand("?", ()), self.op_name, self.bytes),)
+        names = self.buffer_op_names if len(self.buffer_op_names) == len(buffers) else (self.op_name,) * len(buffers)
+        return tuple(Part(self, i, b, n, b.bytes) for i, (b, n) in enumerate(zip(buffers, names, strict=True)))
 
     @property
     def in_loop(self) -> bool:
@@ -194,6 +218,80 @@ class Collective:
     def group_size(self) -> int | None:
         """Devices in each replica group, ``None`` when the groups are unknown."""
         return len(self.groups[0]) if self.groups else None
+
+LIBRARY_SCOPE = re.compile(r"\bsubstrax\.[A-Za-z_][\w]*")
+"""A ``jax.named_scope`` of the library's steps in an operation's name, e.g. ``substrax.grad_reduce``."""
+
+_BACKWARD = re.compile(r"(?:^|[/(])transpose\(")
+_FORWARD = re.compile(r"(?:^|[/(])(?:jvp|vjp|linearize)\(")
+
+
+def library_scope(op_name: str) -> str | None:
+    """The library scope an operation ran under (``"substrax.loss"``, ...), ``None`` outside them."""
+    match = LIBRARY_SCOPE.search(op_name)
+    return match[0] if match else None
+
+
+def phase_of(op_name: str) -> str | None:
+    """``"backward"`` for an operation of a gradient's transpose, ``"forward"`` for one
+    differentiated (under ``jvp``), ``None`` for one outside the differentiated function."""
+    if _BACKWARD.search(op_name):
+        return "backward"
+    if _FORWARD.search(op_name):
+        return "forward"
+    return None
+
+
+@dataclass(frozen=True)
+class Part:
+    """One buffer of a collective: what ``compare`` matches against one expected buffer.
+
+    Attributes:
+      row: the collective it belongs to.
+      index: its position among the collective's buffers.
+      buffer: its element type and shape.
+      op_name: the JAX operation it came from (its own, in a combined collective).
+      bytes: its bytes per execution, counted as ``Collective.bytes`` counts them.
+    """
+
+    row: Collective
+    index: int
+    buffer: Operand
+    op_name: str
+    bytes: int
+
+    @property
+    def kind(self) -> str:
+        return self.row.kind
+
+    @property
+    def bytes_per_step(self) -> int:
+        """``bytes`` times the collective's executions per step."""
+        return self.bytes * (self.row.executions or 1)
+
+    @property
+    def scope(self) -> str | None:
+        """``library_scope(op_name)``."""
+        return library_scope(self.op_name)
+
+    @property
+    def phase(self) -> str | None:
+        """``phase_of(op_name)``: where in the differentiated computation it ran, if there."""
+        return phase_of(self.op_name)
+
+    def __str__(self) -> str:
+        where = f" from {self.op_name}" if self.op_name else ""
+        times = self.row.trip_count
+        runs = f", {times if times is not None else 'an unstated number of'} times per step" if self.row.in_loop else ""
+        return f"{self.buffer} ({self.bytes:,} B) of {self.kind} {self.row.name}{where}{runs}"
+
+
+def _part_buffers(row: Collective) -> tuple[Operand, ...]:
+    if row.kind == "all-gather" or row.kind == "recv":
+        return row.results
+    if row.kind in ("collective-permute", "send", "ragged-all-to-all"):
+        return (row.operands or row.results)[:1]
+    return row.operands or row.results
 
 
 @dataclass(frozen=True)
@@ -338,6 +436,8 @@ class _Computation:
     name: str
     instructions: list[_Instruction] = field(default_factory=list)
     shapes: dict[str, str] = field(default_factory=dict)
+    pieces: dict[str, dict[int, str]] = field(default_factory=dict)  # tuple -> {index: op_name of its gte}
+    done: dict[str, str] = field(default_factory=dict)  # an async -start -> its -done
 
 
 @dataclass
@@ -379,11 +479,32 @@ def _parse_module(text: str) -> _Module:
             if instruction is not None:
                 current.instructions.append(instruction)
                 current.shapes[instruction.name] = instruction.shape
+                _note_users(current, instruction)
     if not entry:
         raise ValueError(
             "census: no ENTRY computation in this HLO text; pass compiled.as_text() of a program"
         )
     return _Module(name, entry, computations, num_devices)
+
+
+_INDEX = re.compile(r"\bindex=(\d+)")
+
+
+def _note_users(computation: _Computation, instruction: _Instruction) -> None:
+    """Remember what takes a tuple apart: a ``get-tuple-element``'s index and operation, a ``-done``."""
+    if not instruction.operands:
+        return
+    source = _operand_name(instruction.operands[0])
+    if instruction.opcode == "get-tuple-element":
+        index, op_name = _INDEX.search(instruction.attrs), _OP_NAME.search(instruction.attrs)
+        if index and op_name:
+            computation.pieces.setdefault(source, {})[int(index[1])] = op_name[1]
+    elif instruction.opcode.endswith("-done"):
+        computation.done[source] = instruction.name
+
+
+def _operand_name(text: str) -> str:
+    return text.split()[-1].lstrip("%") if text.split() else ""
 
 
 def _module_header(line: str) -> tuple[str, int | None]:
@@ -532,7 +653,8 @@ def _row(
     raw, groups, hlo_axes = _replica_groups(instruction.attrs, module.num_devices)
     pairs = _source_target_pairs(instruction.attrs)
     op_name = _OP_NAME.search(instruction.attrs)
-    return Collective(
+    name = op_name[1] if op_name else ""
+    row = Collective(
         kind=kind,
         name=instruction.name,
         opcode=instruction.opcode,
@@ -545,13 +667,48 @@ def _row(
         axes=_axes(groups, pairs, hlo_axes, mesh),
         source_target_pairs=pairs,
         trip_counts=trips,
-        op_name=op_name[1] if op_name else "",
+        op_name=name,
     )
+    count = len(_part_buffers(row))
+    if count <= 1:
+        return row
+    return dataclasses.replace(row, buffer_op_names=_buffer_op_names(instruction, computation, name, count))
+
+
+def _buffer_op_names(instruction: _Instruction, computation: _Computation, name: str, count: int) -> tuple[str, ...]:
+    """Each buffer's operation: from the get-tuple-elements of its results, else split from ``name``."""
+    result = computation.done.get(instruction.name, instruction.name)
+    pieces = computation.pieces.get(result, {})
+    split = _split_combined(name)
+    fallback = split if len(split) == count else [name] * count
+    return tuple(pieces.get(i, fallback[i]) for i in range(count))
+
+
+def _split_combined(name: str) -> list[str]:
+    """``"a/b/(c/d:e)"`` (XLA's name for a combined collective) as ``["a/b/c/d", "a/b/e"]``."""
+    if not name.endswith(")"):
+        return [name]
+    depth = 0
+    for i in range(len(name) - 1, -1, -1):
+        depth += {")": 1, "(": -1}.get(name[i], 0)
+        if depth == 0:
+            break
+    if depth or not (i == 0 or name[i - 1] == "/"):
+        return [name]
+    prefix, inner = name[:i], name[i + 1 : -1]
+    pieces, depth, begin = [], 0, 0
+    for j, c in enumerate(inner):
+        depth += {"(": 1, ")": -1}.get(c, 0)
+        if c == ":" and depth == 0:
+            pieces.append(inner[begin:j])
+            begin = j + 1
+    pieces.append(inner[begin:])
+    return [prefix + piece for piece in pieces]
 
 
 def _operand_buffers(text: str, computation: _Computation) -> tuple[Operand, ...]:
     """An operand's buffers: from its inline shape, or from the instruction defining it."""
-    name = text.split()[-1].lstrip("%") if text.split() else ""
+    name = _operand_name(text)
     inline = text[: len(text) - len(text.split()[-1])] if text.split() else ""
     return _arrays(inline) if _ARRAY.search(inline) else _arrays(computation.shapes.get(name, ""))
 
@@ -692,20 +849,58 @@ def _axes_of_pairs(
 # the expected communication of a data-parallel step
 # ---------------------------------------------------------------------------------------
 
+SOURCES = ("gradients", "parameters", "loss", "metrics", "batch stats", "update", "model")
+"""What an expected buffer is for, in the order ``str()`` lists them.
+
+``"gradients"``: a gradient's reduction; ``"parameters"``: an FSDP parameter gathered
+before use; ``"loss"``, ``"metrics"``: their reductions; ``"batch stats"``: the explicit
+step's average of a BatchNorm statistic; ``"update"``: what the optimizer update (and the
+step's non-finite guard) communicates; ``"model"``: a collective the model's own forward or
+backward pass issues, attributed from the compiled program (``compare(...,
+attribute_model=True)``).
+"""
+
 
 @dataclass(frozen=True)
 class ExpectedCollective:
-    """One buffer a layout's step should communicate.
+    """One buffer a step should communicate.
 
     Attributes:
       kind: the collective, e.g. ``"reduce-scatter"``.
-      what: the parameter's path, ``"loss"`` or ``"metrics"``.
-      bytes: its full (unsplit) size in bytes.
+      what: what it is: the parameter's path, ``"loss"``, ``"metrics"``, ``"metric 'x'"``,
+        a statistic's path; for update and model buffers, ``"<source>: <operation>"``.
+      bytes: its bytes per device per step (a parameter's full, unsplit size).
+      source: one of ``SOURCES``; ``""`` reads it from ``what`` (``"loss"``, ``"metric..."``,
+        else ``"gradients"``).
+      scopes: the library scopes it may be compiled under (``"substrax.grad_reduce"``, ...;
+        ``None``: under none); ``()``: anywhere.
+      optional: the step is right with or without it; ``why`` says when it is absent.
+      buffer: its element type and shape (``"f32[4,16]"``), ``""`` when not known.
+      why: for an optional buffer, why the compiler may leave it out.
     """
 
     kind: str
     what: str
     bytes: int
+    source: str = ""
+    scopes: tuple[str | None, ...] = ()
+    optional: bool = False
+    buffer: str = ""
+    why: str = ""
+
+    @property
+    def category(self) -> str:
+        """``source``, or the source ``what`` implies."""
+        if self.source:
+            return self.source
+        if self.what == "loss":
+            return "loss"
+        return "metrics" if self.what.startswith("metric") else "gradients"
+
+    def __str__(self) -> str:
+        buffer = f" {self.buffer}" if self.buffer and self.buffer not in self.what else ""
+        optional = ", optional" if self.optional else ""
+        return f"{self.what}{buffer} ({self.kind}, {self.bytes:,} B{optional})"
 
 
 @dataclass(frozen=True)
@@ -715,9 +910,10 @@ class Expected:
     Attributes:
       layout: ``"replicated"``, ``"zero1"`` or ``"fsdp"``.
       mode: ``"implicit"`` or ``"explicit"``.
-      microbatches: the gradient-accumulation steps; every collective still runs once
-        per step, outside the accumulation loop.
-      items: the buffers, one per parameter and collective, plus the loss and metrics.
+      microbatches: the gradient-accumulation steps; every collective of the library still
+        runs once per step, outside the accumulation loop.
+      items: the buffers: one per parameter and collective, the loss, the metrics, and
+        what else the step was found to need (``SOURCES``).
     """
 
     layout: str
@@ -725,9 +921,9 @@ class Expected:
     microbatches: int
     items: tuple[ExpectedCollective, ...]
 
-    def bytes(self, kind: str | None = None) -> int:
-        """Bytes per step of ``kind`` (all kinds when ``None``)."""
-        return sum(i.bytes for i in self.items if kind is None or i.kind == kind)
+    def bytes(self, kind: str | None = None, *, optional: bool = False) -> int:
+        """Bytes per step of ``kind`` (all kinds when ``None``); optional buffers only if ``optional``."""
+        return sum(i.bytes for i in self.items if (kind is None or i.kind == kind) and (optional or not i.optional))
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -735,12 +931,26 @@ class Expected:
         present = {i.kind for i in self.items}
         return tuple(k for k in KINDS if k in present)
 
+    def with_items(self, items: Sequence[ExpectedCollective]) -> Expected:
+        """The same expectation with ``items`` added."""
+        return dataclasses.replace(self, items=self.items + tuple(items))
+
     def __str__(self) -> str:
         lines = [f"expected communication: {self.layout}, {self.mode}, {self.microbatches} microbatch(es)"]
-        for kind in self.kinds:
-            whats = [i.what for i in self.items if i.kind == kind]
-            lines.append(f"  {kind:<15} {self.bytes(kind):>14,} B  ({_shorten(whats, 6)})")
+        for source in _sources(self.items):
+            for kind in self.kinds:
+                chosen = [i for i in self.items if i.kind == kind and i.category == source]
+                if not chosen:
+                    continue
+                whats = [i.what + (" (optional)" if i.optional else "") for i in chosen]
+                total = sum(i.bytes for i in chosen)
+                lines.append(f"  {source:<11} {kind:<15} {total:>14,} B  ({_shorten(whats, 6)})")
         return "\n".join(lines)
+
+
+def _sources(items: Sequence[ExpectedCollective]) -> list[str]:
+    present = {i.category for i in items}
+    return [s for s in SOURCES if s in present] + sorted(present - set(SOURCES))
 
 
 def expected_communication(
@@ -752,6 +962,7 @@ def expected_communication(
     extra_reduce_bytes: int = 0,
     loss_bytes: int = 4,
     communicated_dtype: Any = None,
+    update: Sequence[ExpectedCollective] | None = None,
 ) -> Expected:
     """The collectives a data-parallel step of ``layout`` should compile to.
 
@@ -774,11 +985,14 @@ def expected_communication(
       mode: ``"implicit"`` or ``"explicit"``; recorded for ``compare``.
       microbatches: the gradient-accumulation steps, at least 1.
       extra_reduce_bytes: the bytes of the metrics the step reduces.
-      loss_bytes: the bytes of the reduced loss (a float32 scalar: 4).
+      loss_bytes: the bytes of the reduced loss (a float32 scalar: 4; 0: none).
       communicated_dtype: optional; the floating type the compiler moves narrower floating
         leaves in. XLA CPU moves bfloat16 and float16 collectives in float32 (measured, jax
         0.12: a bfloat16 psum or all_gather compiles to an f32 one), so pass ``"float32"``
         to predict a CPU program; leave it ``None`` for the leaves' own types.
+      update: optional; what the optimizer update communicates, found by compiling it
+        (``substrax._step_census.update_items``). Given, it replaces the rule's own
+        guess for the update: ZeRO-1's all-gather of each updated parameter.
 
     Returns:
       An ``Expected``.
@@ -791,11 +1005,19 @@ def expected_communication(
         raise ValueError(f"expected_communication: microbatches must be at least 1, not {microbatches}")
     items: list[ExpectedCollective] = []
     for path, shape, dtype, split in leaves:
-        size = math.prod(shape) * _itemsize(dtype, communicated_dtype)
-        items.extend(ExpectedCollective(kind, str(path), size) for kind in _leaf_kinds(layout, split))
-    items.append(ExpectedCollective("all-reduce", "loss", loss_bytes))
+        itemsize = _itemsize(dtype, communicated_dtype)
+        size = math.prod(shape) * itemsize
+        buffer = f"{_hlo_type(dtype, itemsize)}[{','.join(str(d) for d in shape)}]"
+        for kind in _leaf_kinds(layout, split):
+            source = "gradients" if kind in _REDUCTIONS else "parameters" if layout == "fsdp" else "update"
+            if source == "update" and update is not None:
+                continue
+            items.append(ExpectedCollective(kind, str(path), size, source, buffer=buffer))
+    if loss_bytes:
+        items.append(ExpectedCollective("all-reduce", "loss", loss_bytes, "loss"))
     if extra_reduce_bytes:
-        items.append(ExpectedCollective("all-reduce", "metrics", extra_reduce_bytes))
+        items.append(ExpectedCollective("all-reduce", "metrics", extra_reduce_bytes, "metrics"))
+    items.extend(update or ())
     return Expected(layout, mode, microbatches, tuple(items))
 
 
@@ -804,6 +1026,19 @@ def _itemsize(dtype: Any, communicated: Any) -> int:
     if communicated is None or not jnp.issubdtype(leaf, jnp.floating):
         return leaf.itemsize
     return max(leaf.itemsize, np.dtype(communicated).itemsize)
+
+
+def _hlo_type(dtype: Any, itemsize: int) -> str:
+    """The HLO name of ``dtype`` moved in ``itemsize`` bytes (``"f32"``, ``"bf16"``, ``"s32"``)."""
+    kind = np.dtype(dtype).kind
+    if kind == "b":
+        return "pred"
+    letter = {"f": "f", "V": "bf", "i": "s", "u": "u", "c": "c"}.get(kind, "?")
+    if np.dtype(dtype).name == "bfloat16" and itemsize == 2:
+        letter = "bf"
+    elif letter == "bf":
+        letter = "f"
+    return f"{letter}{itemsize * 8}"
 
 
 def _leaf_kinds(layout: str, split: bool) -> tuple[str, ...]:
@@ -827,10 +1062,17 @@ class Comparison:
 
     Attributes:
       matches: whether the compiled program communicates as expected.
-      differences: one sentence per difference, naming the instructions involved.
-      notes: what was accepted under the implicit-mode rule, and why.
+      differences: one sentence per difference, naming the buffers involved (element
+        type, shape, bytes, instruction and the JAX operation they came from).
+      notes: what was accepted and why: optional buffers not compiled, buffers compiled
+        combined, the implicit-mode bound.
       report: the census.
-      expected: the expected communication.
+      expected: the expected communication, with the model's own buffers added when
+        ``attribute_model`` found any (source ``"model"``).
+      matched: each expected buffer with the compiled buffers it was matched to (none for
+        one not compiled).
+      model: the compiled buffers attributed to the model's own forward or backward pass.
+      unexpected: the compiled buffers nothing accounts for.
     """
 
     matches: bool
@@ -838,6 +1080,9 @@ class Comparison:
     notes: tuple[str, ...]
     report: CensusReport
     expected: Expected
+    matched: tuple[tuple[ExpectedCollective, tuple[Part, ...]], ...] = ()
+    model: tuple[Part, ...] = ()
+    unexpected: tuple[Part, ...] = ()
 
     def __iter__(self) -> Iterator[Any]:
         return iter((self.matches, list(self.differences)))
@@ -846,120 +1091,309 @@ class Comparison:
         return _format_comparison(self)
 
 
-def compare(report: CensusReport, expected: Expected) -> Comparison:
+def compare(report: CensusReport, expected: Expected, *, attribute_model: bool = False) -> Comparison:
     """Hold a census against the expected communication of a step.
 
-    The rule, bytes per device per step, by kind (not instruction counts: XLA combines
-    reductions into one variadic all-reduce, and may split them again):
+    The compiled buffers (``Collective.parts``: each operand of a combined all-reduce on
+    its own, with its own JAX operation) are matched to the expected buffers:
 
-    1. Every collective runs once per step: any collective inside a ``while`` loop is a
-       difference (with microbatches, the reductions belong after the loop).
-    2. ``"explicit"`` mode: the bytes of each kind equal the expected bytes of that kind,
-       and a kind the layout does not call for is a difference.
-    3. ``"implicit"`` mode: XLA's partitioner picks the collectives, so all-reduce and
-       reduce-scatter bytes are compared as one sum (a reduce-scatter may compile to an
-       all-reduce and a slice); other kinds as in 2. For ``"replicated"`` that is the
-       whole rule. For ``"zero1"`` and ``"fsdp"``, when the kinds do not match, the
-       program still matches if it communicates no more bytes in total than expected
-       (the partitioner may move activations instead of gradients: measured on 8 CPU
-       devices with large weights and a small batch); a note says what it chose.
+    1. One to one, by collective and bytes, within the scopes an expected buffer allows
+       (``ExpectedCollective.scopes``: the step's ``jax.named_scope``\\ s, such as
+       ``substrax.grad_reduce``), required buffers first. ``"implicit"`` mode compares
+       all-reduce and reduce-scatter as one kind (XLA's partitioner may compile a
+       reduce-scatter as an all-reduce and a slice). A gradient prefers a buffer of the
+       backward pass, the loss and metrics one of the forward pass.
+    2. What is left, combined: one compiled buffer holding several expected ones (XLA
+       concatenates), or one expected buffer compiled as several (a note says which).
+    3. With ``attribute_model``, a compiled buffer still unmatched, under no library scope,
+       whose operation ran inside the differentiated loss (``jvp(...)`` or
+       ``transpose(jvp(...))`` in its name: BatchNorm's ``pmean`` of its statistics with
+       ``axis_name`` and its transpose; in implicit mode, any reduction over the batch the
+       model computes, which XLA turns into an all-reduce) is the model's own: it is added
+       to the expectation as a ``"model"`` buffer, counted and listed, and may run in a
+       loop (once per microbatch).
+
+    Then the differences: an expected buffer not compiled (unless optional); a compiled
+    buffer nothing accounts for (an unscoped one outside the loss, or one under a library
+    scope that no buffer of that scope expects); a buffer the library communicates inside
+    a ``while`` loop (with microbatches it belongs after the loop). In ``"implicit"``
+    mode with a ``"zero1"`` or ``"fsdp"`` layout, a program that differs only in which
+    buffers it moves still matches if it communicates no more bytes in all than expected
+    (the partitioner may move activations instead of gradients: measured on 8 CPU devices
+    with large weights and a small batch); a note says what it chose.
 
     Args:
       report: a census (``census(compiled)``).
       expected: ``expected_communication(...)`` for the step.
+      attribute_model: count the model's own collectives as above (``TrainStep.census``
+        does); ``False`` makes every unmatched buffer a difference.
 
     Returns:
       A ``Comparison``; ``str()`` of it shows the census, expected against compiled
-      bytes per kind, and each difference.
+      bytes per source and kind, the model's buffers, and each difference.
     """
-    differences = [_loop_difference(row, expected) for row in report.rows if row.in_loop]
-    want, got = _by_kind(expected.items, expected.mode), _by_kind(report.rows, expected.mode)
-    mismatched = [k for k in _ordered({*want, *got}) if want.get(k, 0) != got.get(k, 0)]
-    notes: list[str] = []
-    if mismatched and _bound_applies(expected, differences, got, want):
-        notes.append(_bound_note(mismatched, want, got))
-        mismatched = []
-    differences += [_kind_difference(k, want.get(k, 0), got.get(k, 0), report, expected) for k in mismatched]
-    return Comparison(not differences, tuple(differences), tuple(notes), report, expected)
+    return _Matcher(report, expected, attribute_model).result()
 
 
 def _key(kind: str, mode: str) -> str:
     return _REDUCTION_KEY if mode == "implicit" and kind in _REDUCTIONS else kind
 
 
-def _by_kind(items: Sequence[ExpectedCollective] | Sequence[Collective], mode: str) -> dict[str, int]:
-    totals: dict[str, int] = {}
-    for item in items:
-        size = item.bytes_per_step if isinstance(item, Collective) else item.bytes
-        key = _key(item.kind, mode)
-        totals[key] = totals.get(key, 0) + size
-    return totals
-
-
 def _ordered(keys: set[str]) -> list[str]:
     order = [_REDUCTION_KEY, *KINDS]
-    return sorted(keys, key=order.index)
+    return sorted(keys, key=lambda k: order.index(k) if k in order else len(order))
 
 
-def _bound_applies(expected: Expected, loops: list[str], got: dict[str, int], want: dict[str, int]) -> bool:
-    sharded_implicit = expected.mode == "implicit" and expected.layout != "replicated"
-    return sharded_implicit and not loops and sum(got.values()) <= sum(want.values())
+_PHASE_ORDER = {
+    "gradients": {"backward": 0, None: 1, "forward": 2},
+    "loss": {"forward": 0, None: 1, "backward": 2},
+    "metrics": {"forward": 0, None: 1, "backward": 2},
+}
+_OTHER_ORDER = {None: 0, "forward": 1, "backward": 2}
+_SEARCH_LIMIT = 1 << 14  # partial sums kept while looking for a combined buffer
 
 
-def _bound_note(keys: list[str], want: dict[str, int], got: dict[str, int]) -> str:
-    changes = ", ".join(f"{k} {want.get(k, 0):,} -> {got.get(k, 0):,} B" for k in keys)
-    return (
-        f"implicit mode: XLA chose its own collectives ({changes}); accepted because the step communicates "
-        f"{sum(got.values()):,} B in all, no more than the {sum(want.values()):,} B expected"
-    )
+class _Matcher:
+    """The matching of ``compare``, step by step."""
 
+    def __init__(self, report: CensusReport, expected: Expected, attribute_model: bool) -> None:
+        self.report, self.expected, self.mode = report, expected, expected.mode
+        self.parts = [p for row in report.rows for p in row.parts]
+        self.items = [i for i in expected.items if i.bytes > 0]
+        self.assigned: dict[int, list[int]] = {}  # item -> parts
+        self.taken: set[int] = set()
+        self.notes: list[str] = []
+        self._one_to_one()
+        self._combined()
+        left = [j for j in range(len(self.parts)) if j not in self.taken]
+        self.model = [j for j in left if attribute_model and self._model_like(self.parts[j])]
+        self.unexpected = [j for j in left if j not in self.model]
 
-def _loop_difference(row: Collective, expected: Expected) -> str:
-    runs = f"{row.trip_count} times" if row.trip_count is not None else "an unstated number of times"
-    return (
-        f"{row.kind} {row.name} ({_describe(row)}) sits inside a while loop and runs {runs} per step; "
-        f"the {expected.layout} layout with {expected.microbatches} microbatch(es) expects every "
-        f"collective once per step, outside loops"
-    )
-
-
-def _kind_difference(key: str, want: int, got: int, report: CensusReport, expected: Expected) -> str:
-    rows = [r for r in report.rows if _key(r.kind, expected.mode) == key]
-    if not want:
-        return (
-            f"unexpected {key}: {got:,} B per step that the {expected.layout} layout does not call for: "
-            + ("; ".join(_describe(r) for r in rows))
+    def _fits(self, item: ExpectedCollective, part: Part) -> bool:
+        return _key(item.kind, self.mode) == _key(part.kind, self.mode) and (
+            not item.scopes or part.scope in item.scopes
         )
-    if not got:
-        whats = [i.what for i in expected.items if _key(i.kind, expected.mode) == key]
-        return f"missing {key}: expected {want:,} B per step ({_shorten(whats, 6)}), compiled none"
-    if got < want:
-        return f"too little {key}: compiled {got:,} B per step, expected {want:,} B ({want - got:,} B short)"
-    return (
-        f"extra {key}: compiled {got:,} B per step, expected {want:,} B ({got - want:,} B more); "
-        + _culprit(rows, got - want, [i for i in expected.items if _key(i.kind, expected.mode) == key])
-    )
+
+    def _preference(self, item: ExpectedCollective, j: int) -> tuple[int, int, bool, int]:
+        part = self.parts[j]
+        order = _PHASE_ORDER.get(item.category, _OTHER_ORDER)
+        return order.get(part.phase, 3), _shape_distance(item.buffer, part.buffer), part.row.in_loop, j
+
+    def _order(self) -> list[int]:
+        return sorted(
+            range(len(self.items)),
+            key=lambda i: (self.items[i].optional, not self.items[i].scopes, -self.items[i].bytes, i),
+        )
+
+    def _one_to_one(self) -> None:
+        for i in self._order():
+            item = self.items[i]
+            free = [
+                j
+                for j, p in enumerate(self.parts)
+                if j not in self.taken and p.bytes == item.bytes and self._fits(item, p)
+            ]
+            if free:
+                j = min(free, key=lambda j: self._preference(item, j))
+                self.assigned[i] = [j]
+                self.taken.add(j)
+
+    def _combined(self) -> None:
+        left = [i for i in self._order() if i not in self.assigned and not self.items[i].optional]
+        if not left:
+            return
+        for j in sorted(range(len(self.parts)), key=lambda j: -self.parts[j].bytes):
+            if j in self.taken:
+                continue
+            group = [i for i in left if i not in self.assigned and self._fits(self.items[i], self.parts[j])]
+            chosen = _subset_sum([self.items[i].bytes for i in group], self.parts[j].bytes)
+            if chosen:
+                for k in chosen:
+                    self.assigned[group[k]] = [j]
+                self.taken.add(j)
+                whats = [self.items[group[k]].what for k in chosen]
+                self.notes.append(f"{_shorten(whats, 4)} compiled as one buffer: {self.parts[j]}")
+        for i in left:
+            if i in self.assigned:
+                continue
+            free = [j for j, p in enumerate(self.parts) if j not in self.taken and self._fits(self.items[i], p)]
+            chosen = _subset_sum([self.parts[j].bytes for j in free], self.items[i].bytes)
+            if chosen:
+                self.assigned[i] = [free[k] for k in chosen]
+                self.taken.update(free[k] for k in chosen)
+                pieces = "; ".join(str(self.parts[free[k]]) for k in chosen)
+                self.notes.append(f"{self.items[i].what} compiled in {len(chosen)} pieces: {pieces}")
+
+    @staticmethod
+    def _model_like(part: Part) -> bool:
+        return part.scope is None and part.phase is not None
+
+    def result(self) -> Comparison:
+        expected, parts = self.expected, self.parts
+        differences = self._loop_differences()
+        loops = bool(differences)
+        differences += self._kind_differences()
+        notes = list(self.notes)
+        for i, item in enumerate(self.items):
+            if item.optional and i not in self.assigned:
+                notes.append(f"not compiled, optional: {item}" + (f": {item.why}" if item.why else ""))
+        if differences and not loops and self._bound_applies():
+            notes.append(self._bound_note())
+            differences = []
+        model_items = [
+            ExpectedCollective(
+                parts[j].kind,
+                f"model: {parts[j].op_name or parts[j].row.name}",
+                parts[j].bytes_per_step,
+                "model",
+                buffer=str(parts[j].buffer),
+            )
+            for j in self.model
+        ]
+        matched = tuple(
+            (item, tuple(parts[j] for j in self.assigned.get(i, ()))) for i, item in enumerate(self.items)
+        )
+        matched += tuple((m, (parts[j],)) for m, j in zip(model_items, self.model, strict=True))
+        return Comparison(
+            matches=not differences,
+            differences=tuple(differences),
+            notes=tuple(notes),
+            report=self.report,
+            expected=expected.with_items(model_items) if model_items else expected,
+            matched=matched,
+            model=tuple(parts[j] for j in self.model),
+            unexpected=tuple(parts[j] for j in self.unexpected),
+        )
+
+    def _loop_differences(self) -> list[str]:
+        rows: list[Collective] = []
+        for i, js in self.assigned.items():
+            for j in js:
+                row = self.parts[j].row
+                if row.in_loop and row not in rows:
+                    rows.append(row)
+        rows += [
+            self.parts[j].row for j in self.unexpected if self.parts[j].row.in_loop and self.parts[j].row not in rows
+        ]
+        carried: dict[int, list[str]] = {}
+        for i, js in self.assigned.items():
+            for j in js:
+                carried.setdefault(id(self.parts[j].row), []).append(self.items[i].what)
+        return [
+            _loop_difference(row, self.expected, carried.get(id(row), []))
+            for row in sorted(rows, key=self.report.rows.index)
+        ]
+
+    def _kind_differences(self) -> list[str]:
+        mode = self.mode
+        keys = _ordered({_key(i.kind, mode) for i in self.items} | {_key(p.kind, mode) for p in self.parts})
+        out = []
+        for key in keys:
+            extra = [self.parts[j] for j in self.unexpected if _key(self.parts[j].kind, mode) == key]
+            missing = [
+                item
+                for i, item in enumerate(self.items)
+                if not item.optional and i not in self.assigned and _key(item.kind, mode) == key
+            ]
+            items = [i for i in self.items if _key(i.kind, mode) == key]
+            want = sum(i.bytes for i in items if not i.optional)
+            model = {id(self.parts[j]) for j in self.model}
+            got = sum(p.bytes_per_step for p in self.parts if _key(p.kind, mode) == key and id(p) not in model)
+            if extra and not items:
+                out.append(
+                    f"unexpected {key}: {sum(p.bytes_per_step for p in extra):,} B per step that the "
+                    f"{self.expected.layout} layout does not call for: " + "; ".join(map(str, extra))
+                )
+            elif extra:
+                surplus = sum(p.bytes_per_step for p in extra)
+                out.append(
+                    f"extra {key}: compiled {got:,} B per step, expected {want:,} B ({surplus:,} B more); "
+                    + _twice(surplus, items)
+                    + "nothing expected accounts for "
+                    + "; ".join(map(str, extra))
+                )
+            if missing:
+                short = sum(i.bytes for i in missing)
+                named = "; ".join(map(str, missing))
+                if not any(_key(p.kind, mode) == key for p in self.parts):
+                    out.append(f"missing {key}: expected {want:,} B per step, compiled none; not compiled: {named}")
+                else:
+                    out.append(
+                        f"too little {key}: compiled {got:,} B per step, expected {want:,} B ({short:,} B short); "
+                        f"not compiled: {named}"
+                    )
+        return out
+
+    def _bound_applies(self) -> bool:
+        sharded_implicit = self.mode == "implicit" and self.expected.layout != "replicated"
+        got = sum(p.bytes_per_step for p in self.parts)
+        want = sum(i.bytes for i in self.items)
+        return sharded_implicit and got <= want
+
+    def _bound_note(self) -> str:
+        mode = self.mode
+        want: dict[str, int] = {}
+        for i in self.items:
+            want[_key(i.kind, mode)] = want.get(_key(i.kind, mode), 0) + i.bytes
+        got: dict[str, int] = {}
+        for p in self.parts:
+            got[_key(p.kind, mode)] = got.get(_key(p.kind, mode), 0) + p.bytes_per_step
+        keys = [k for k in _ordered({*want, *got}) if want.get(k, 0) != got.get(k, 0)]
+        changes = ", ".join(f"{k} {want.get(k, 0):,} -> {got.get(k, 0):,} B" for k in keys)
+        return (
+            f"implicit mode: XLA chose its own collectives ({changes}); accepted because the step communicates "
+            f"{sum(got.values()):,} B in all, no more than the {sum(want.values()):,} B expected"
+        )
 
 
-def _culprit(rows: list[Collective], surplus: int, items: list[ExpectedCollective]) -> str:
-    """Name the instruction (or the operand of a combined one) the size of the surplus.
+def _shape_distance(buffer: str, compiled: Operand) -> int:
+    """How far a compiled buffer is from the expected one's shape (``buffer``, as written).
 
-    Failing that, name the expected buffers of that size (reduced twice?) and list the rows.
+    0: the same; 1: its dimensions in another order; 2: the same ones but for unit
+    dimensions; 3: other (or nothing to compare with).
     """
-    for row in rows:
-        if row.bytes_per_step == surplus:
-            return f"the surplus is {_describe(row)}"
-    for row in rows:
-        for i, buffer in enumerate(row.operands):
-            if buffer.bytes == surplus and len(row.operands) > 1:
-                return f"the surplus is operand {i} ({buffer}) of {_describe(row)}"
-    return _twice(surplus, items) + "compiled: " + "; ".join(_describe(r) for r in rows)
+    if buffer == str(compiled):
+        return 0
+    dims = [int(d) for d in re.findall(r"\d+", buffer.partition("[")[2])] if "[" in buffer else None
+    if dims is None:
+        return 3
+    if sorted(dims) == sorted(compiled.shape):
+        return 1
+    return 2 if sorted(d for d in dims if d != 1) == sorted(d for d in compiled.shape if d != 1) else 3
+
+
+def _subset_sum(values: Sequence[int], target: int) -> tuple[int, ...] | None:
+    """Indices of at least two of ``values`` that add up to ``target``, or ``None``."""
+    reach: dict[int, tuple[int, ...]] = {0: ()}
+    for k, v in enumerate(values):
+        if v <= 0:
+            continue
+        for total, chosen in list(reach.items()):
+            t = total + v
+            if t <= target and t not in reach:
+                reach[t] = (*chosen, k)
+        hit = reach.get(target)
+        if hit is not None and len(hit) >= 2:
+            return hit
+        if len(reach) > _SEARCH_LIMIT:
+            return None
+    return None
+
+
+def _loop_difference(row: Collective, expected: Expected, carried: Sequence[str] = ()) -> str:
+    runs = f"{row.trip_count} times" if row.trip_count is not None else "an unstated number of times"
+    what = f", carrying {_shorten(list(carried), 4)}," if carried else ""
+    return (
+        f"{row.kind} {row.name} ({_describe(row)}){what} sits inside a while loop and runs {runs} per step; "
+        f"the {expected.layout} layout with {expected.microbatches} microbatch(es) expects every "
+        f"collective of the step once per step, outside loops"
+    )
 
 
 def _twice(surplus: int, items: list[ExpectedCollective]) -> str:
-    leaves = [i for i in items if i.what not in ("loss", "metrics")]
+    leaves = [i for i in items if i.category == "gradients"]
     if leaves and surplus == sum(i.bytes for i in leaves):
-        return "the surplus is every parameter's buffer once more (gradients reduced twice?); "
+        return "the surplus is every parameter's gradient once more (gradients reduced twice?); "
     same = [i.what for i in items if i.bytes == surplus]
     return f"the surplus is the size of {_shorten(same, 3)} (reduced twice?); " if same else ""
 
@@ -992,17 +1426,31 @@ def _format_report(report: CensusReport) -> str:
 
 def _format_comparison(comparison: Comparison) -> str:
     expected = comparison.expected
+    mode = expected.mode
     verdict = "matches" if comparison.matches else "does NOT match"
     head = (
-        f"{verdict} the expected communication of {expected.layout} ({expected.mode}, "
+        f"{verdict} the expected communication of {expected.layout} ({mode}, "
         f"{expected.microbatches} microbatch(es)), bytes per device per step:"
     )
-    want = _by_kind(expected.items, expected.mode)
-    got = _by_kind(comparison.report.rows, expected.mode)
-    table = [("kind", "expected", "compiled")]
-    for key in _ordered({*want, *got}):
-        table.append((key, f"{want.get(key, 0):,}", f"{got.get(key, 0):,}"))
-    lines = [str(comparison.report), head, *_table(table, right={1, 2})]
+    rows: dict[tuple[str, str], list[int]] = {}  # (source, kind) -> [expected, optional, compiled]
+    seen: set[int] = set()
+    for item, parts in comparison.matched:
+        cell = rows.setdefault((item.category, _key(item.kind, mode)), [0, 0, 0])
+        cell[1 if item.optional else 0] += item.bytes
+        for p in parts:
+            if id(p) not in seen:
+                seen.add(id(p))
+                cell[2] += p.bytes_per_step
+    for p in comparison.unexpected:
+        rows.setdefault(("not expected", _key(p.kind, mode)), [0, 0, 0])[2] += p.bytes_per_step
+    sources = [*_sources([i for i, _ in comparison.matched]), "not expected"]
+    table = [("source", "kind", "expected", "optional", "compiled")]
+    for source in sources:
+        for key in _ordered({k for s, k in rows if s == source}):
+            want, optional, got = rows[source, key]
+            table.append((source, key, f"{want:,}", f"{optional:,}" if optional else "", f"{got:,}"))
+    lines = [str(comparison.report), head, *_table(table, right={2, 3, 4})]
+    lines += [f"  model: {p}" for p in comparison.model]
     lines += [f"  difference: {d}" for d in comparison.differences]
     lines += [f"  note: {n}" for n in comparison.notes]
     return "\n".join(lines)

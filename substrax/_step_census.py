@@ -1,21 +1,82 @@
-"""A training step's census held against the communication its layout calls for."""
+"""A training step's census held against the communication its layout calls for.
+
+The expected communication of a step is built from four parts, each found without
+reading the step's own program:
+
+- the layout's rule for the gradients and parameters (``expected_communication``), from
+  the state's placement;
+- the loss and the metrics, from the step's outputs;
+- what the optimizer update communicates (and the step's non-finite guard, when on):
+  the update is lowered and compiled alone, on arguments placed as the step hands them
+  over (parameters and optimizer state as placed, gradients split where the optimizer
+  updates slices), and its own census is taken (``update_items``);
+- in explicit mode, the average of each ``nnx.BatchStat`` the step may make
+  (optional: only a statistic that came out different per device is averaged).
+
+``compare(..., attribute_model=True)`` then adds the collectives the model's own forward
+and backward pass issue (BatchNorm with ``axis_name``; in implicit mode, the model's
+reductions over the batch), read from the program's operation names.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
-from substrax._census import Comparison, ExpectedCollective, census, compare, expected_communication
+from substrax._census import (
+    CensusReport,
+    Comparison,
+    Expected,
+    ExpectedCollective,
+    census,
+    compare,
+    expected_communication,
+    library_scope,
+)
 from substrax._layout import layout_of, optimizer_mirrors, spec_tuple, split_dim_of
 from substrax._tree import PyTree, path_str
 
 if TYPE_CHECKING:
     from substrax._train_step import TrainStep
 
-__all__ = ["step_census"]
+__all__ = ["parameter_leaves", "step_census", "update_dims", "update_items"]
+
+Path = tuple[Any, ...]
+
+# The scope each expected buffer of the explicit step is compiled under (substrax.explicit._step).
+_EXPLICIT_SCOPES = {
+    "gradients": "substrax.grad_reduce",
+    "parameters": "substrax.gather_params",
+    "loss": "substrax.loss",
+    "metrics": "substrax.metrics",
+    "batch stats": "substrax.batch_stats",
+}
+
+
+def update_dims(model: nnx.Module, optimizer: nnx.Optimizer[Any], axis: str) -> dict[Path, int | None]:
+    """Per parameter path: the dimension the optimizer updates a slice on, ``None`` if whole.
+
+    The parameter's own split dimension (FSDP), else that of the optimizer state
+    mirroring it (ZeRO-1): the dimension its gradient is reduce-scattered on.
+    """
+    mirrors = optimizer_mirrors(model, optimizer)
+    opt = {tuple(p): v for p, v in nnx.to_flat_state(nnx.state(optimizer))}
+    dims: dict[Path, int | None] = {}
+    for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        dim = split_dim_of(spec_tuple(variable), axis)
+        if dim is None:
+            found = (split_dim_of(spec_tuple(opt[m]), axis) for m in mirrors.get(tuple(path), ()))
+            dim = next((d for d in found if d is not None), None)
+        dims[tuple(path)] = dim
+    return dims
 
 
 def parameter_leaves(
@@ -25,15 +86,13 @@ def parameter_leaves(
 
     ``split``: the parameter, or the optimizer state mirroring it, is split over ``axis``.
     """
-    mirrors = optimizer_mirrors(model, optimizer)
-    opt = {tuple(p): v for p, v in nnx.to_flat_state(nnx.state(optimizer))}
+    dims = update_dims(model, optimizer, axis)
     leaves = []
     for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         value = variable.get_value()
-        split = split_dim_of(spec_tuple(variable), axis) is not None or any(
-            split_dim_of(spec_tuple(opt[m]), axis) is not None for m in mirrors.get(tuple(path), ())
+        leaves.append(
+            (path_str(tuple(path), "model"), tuple(value.shape), value.dtype, dims[tuple(path)] is not None)
         )
-        leaves.append((path_str(tuple(path), "model"), tuple(value.shape), value.dtype, split))
     return leaves
 
 
@@ -46,43 +105,202 @@ def _metric_items(outputs: Any, has_aux: bool) -> tuple[int, list[ExpectedCollec
     for name, value in metrics.items():
         nbytes = math.prod(value.shape) * np.dtype(value.dtype).itemsize
         if value.shape:
-            gathered.append(ExpectedCollective("all-gather", f"metric {name!r}", nbytes))
+            gathered.append(ExpectedCollective("all-gather", f"metric {name!r}", nbytes, "metrics"))
         else:
             scalars += nbytes
     return scalars, gathered
 
 
+def _mesh_of(step: TrainStep, model: nnx.Module, optimizer: nnx.Optimizer[Any]) -> jax.sharding.Mesh | None:
+    """The concrete mesh the step runs on: its own, the state's, or the one set by ``jax.set_mesh``."""
+    if isinstance(step.mesh, jax.sharding.Mesh):
+        return step.mesh
+    for _, variable in nnx.to_flat_state(nnx.state((model, optimizer))):
+        sharding = getattr(variable.get_value(), "sharding", None)
+        if isinstance(sharding, NamedSharding) and step.data_axis in sharding.mesh.axis_names:
+            return sharding.mesh
+    try:
+        found = jax.sharding.get_mesh()
+    except ValueError:
+        return None
+    return found if step.data_axis in found.axis_names else None
+
+
+def _run_update(step: TrainStep, model: nnx.Module, optimizer: nnx.Optimizer[Any], grads: Any, loss: Any) -> None:
+    """The update the step runs after its gradients: ``substrax._update.apply_update`` when present."""
+    try:
+        from substrax._update import apply_update, state_values
+    except ImportError:  # a step that updates inside its own code: the optimizer's update alone
+        with jax.named_scope("substrax.update"):
+            optimizer.update(model, grads)
+        return
+    before = state_values((model, optimizer)) if getattr(step, "skip_nonfinite", False) else None
+    apply_update(model, optimizer, grads, loss, before)
+
+
+def update_census(
+    step: TrainStep, model: nnx.Module, optimizer: nnx.Optimizer[Any], loss_dtype: Any
+) -> CensusReport | None:
+    """The census of the step's optimizer update, lowered and compiled alone.
+
+    Its arguments are placed as the step hands them over: the model's and the
+    optimizer's state as placed, the gradients split over the data axis where the
+    optimizer updates slices (``update_dims``) and replicated elsewhere, the loss a
+    replicated scalar. ``None`` when no mesh is known.
+    """
+    mesh = _mesh_of(step, model, optimizer)
+    if mesh is None:
+        return None
+    axis = step.data_axis
+    dims = update_dims(model, optimizer, axis)
+    graphdef, state = nnx.split((model, optimizer))
+    treedef = jax.tree.structure(state)
+    arrays = jax.tree.leaves(state)
+
+    def placed(path: Path, variable: nnx.Variable[Any]) -> nnx.Variable[Any]:
+        value = variable.get_value()
+        spec = PartitionSpec(*(axis if d == dims[path] else None for d in range(np.ndim(value))))
+        return variable.replace(jax.ShapeDtypeStruct(np.shape(value), value.dtype, sharding=NamedSharding(mesh, spec)))
+
+    grads = nnx.from_flat_state(
+        [(p, placed(tuple(p), v)) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))]
+    )
+    loss = jax.ShapeDtypeStruct((), loss_dtype, sharding=NamedSharding(mesh, PartitionSpec()))
+
+    def update(arrays: list[jax.Array], grads: nnx.State, loss: jax.Array) -> list[jax.Array]:
+        model, optimizer = nnx.merge(graphdef, jax.tree.unflatten(treedef, arrays))
+        _run_update(step, model, optimizer, grads, loss)
+        return jax.tree.leaves(nnx.state((model, optimizer)))
+
+    with step.mesh_context():
+        compiled = jax.jit(update).lower(arrays, grads, loss).compile()
+    return census(compiled, mesh=mesh)
+
+
+def update_items(
+    step: TrainStep, model: nnx.Module, optimizer: nnx.Optimizer[Any], loss_dtype: Any
+) -> list[ExpectedCollective]:
+    """What the update communicates, one expected buffer per buffer of ``update_census``.
+
+    Each keeps the library scope it was compiled under (``substrax.update``,
+    ``substrax.finite``), and must be compiled under the same one in the step.
+    """
+    report = update_census(step, model, optimizer, loss_dtype)
+    if report is None:
+        return []
+    return [
+        ExpectedCollective(
+            part.kind,
+            f"update: {_operation(part.op_name)}",
+            part.bytes_per_step,
+            "update",
+            scopes=(part.scope,),
+            buffer=str(part.buffer),
+        )
+        for part in (p for row in report.rows for p in row.parts)
+    ]
+
+
+def _operation(op_name: str) -> str:
+    """An operation's name without its ``jit(...)/`` prefix."""
+    head, sep, rest = op_name.partition("/")
+    return rest if sep and head.startswith("jit(") else op_name
+
+
+def batch_stat_items(model: nnx.Module, axis: str) -> list[ExpectedCollective]:
+    """The explicit step's average of each replicated floating ``nnx.BatchStat`` (optional)."""
+    items = []
+    for path, variable in nnx.to_flat_state(nnx.state(model, nnx.BatchStat)):
+        value = variable.get_value()
+        if not hasattr(value, "shape") or not jnp.issubdtype(value.dtype, jnp.inexact):
+            continue
+        if split_dim_of(spec_tuple(variable), axis) is not None:
+            continue
+        dtype = np.dtype(value.dtype)
+        items.append(
+            ExpectedCollective(
+                "all-reduce",
+                path_str(tuple(path), "model"),
+                math.prod(value.shape) * dtype.itemsize,
+                "batch stats",
+                optional=True,
+                buffer=f"{_short_type(dtype)}[{','.join(map(str, value.shape))}]",
+                why="a statistic is averaged only when the step leaves it different on each device "
+                "(BatchNorm in training mode without axis_name)",
+            )
+        )
+    return items
+
+
+def _short_type(dtype: np.dtype[Any]) -> str:
+    return {"f": "f", "i": "s", "u": "u", "c": "c", "b": "pred"}.get(dtype.kind, "?") + (
+        "" if dtype.kind == "b" else str(dtype.itemsize * 8)
+    )
+
+
+def _scoped(items: Sequence[ExpectedCollective], scopes: dict[str, tuple[str | None, ...]]) -> list[ExpectedCollective]:
+    return [dataclasses.replace(i, scopes=scopes[i.category]) if i.category in scopes else i for i in items]
+
+
 def step_census(
     step: TrainStep, model: nnx.Module, optimizer: nnx.Optimizer[Any], batch: PyTree
 ) -> Comparison:
-    """Compile ``step`` for these arguments, take its census, and compare it with its layout's rule.
+    """Compile ``step`` for these arguments, take its census, and compare it with what it should communicate.
 
-    The expected communication is computed from the state's placement alone
-    (``substrax.layout_of``): see ``substrax.expected_communication`` for the rule per
-    layout and ``substrax.compare`` for how a census is held against it (bytes per kind).
-    It covers the gradients, the loss and the metrics; a layer's own collectives
-    (BatchNorm with ``axis_name``, the explicit step's average of such state) show as
-    differences.
+    The expected communication (see the module docstring): the layout's rule for the
+    gradients and parameters (``substrax.expected_communication``), the loss, the
+    metrics, the optimizer update's own census, and in explicit mode the optional
+    average of each BatchNorm statistic. The explicit step's collectives are matched
+    under the ``jax.named_scope`` each is written in (``substrax.grad_reduce``, ...),
+    so a buffer the library adds twice is a difference. Collectives the model's forward
+    or backward pass issues are attributed to the model and listed
+    (``compare(..., attribute_model=True)``). In implicit mode the loss's all-reduce is
+    optional when the step gathers per-example values (XLA may compute the loss from the
+    gathered vector). On a data axis of size 1 it expects no communication at all.
     """
     lowered = step.lower(model, optimizer, batch)
     compiled = lowered.compile()
     with step.mesh_context():
         layout = layout_of(model, optimizer, mesh=step.mesh, axis=step.data_axis)
+    mesh = step.mesh if step.mesh is not None else None
+    report = census(compiled, mesh=mesh)
     out = lowered.out_info[1]  # the step's (loss, metrics), as shapes and dtypes
+    loss_dtype = out[0].dtype if step.has_aux else out.dtype
+    if layout.axis_size == 1:  # a data axis of size 1 calls for no communication at all
+        expected = expected_communication([], layout=layout.kind, mode=step.mode, microbatches=step.microbatches, loss_bytes=0)
+        return compare(report, expected)
     scalars, gathered = _metric_items(out, step.has_aux)
-    one_device = layout.axis_size == 1  # a data axis of size 1 calls for no communication at all
     expected = expected_communication(
-        [] if one_device else parameter_leaves(model, optimizer, step.data_axis),
+        parameter_leaves(model, optimizer, step.data_axis),
         layout=layout.kind,
         mode=step.mode,
         microbatches=step.microbatches,
-        extra_reduce_bytes=0 if one_device else scalars,
-        loss_bytes=0 if one_device else np.dtype(out[0].dtype if step.has_aux else out.dtype).itemsize,
+        extra_reduce_bytes=scalars,
+        loss_bytes=np.dtype(loss_dtype).itemsize,
+        update=update_items(step, model, optimizer, loss_dtype),
     )
-    gathered = [] if one_device else gathered
-    if gathered:
-        expected = type(expected)(
-            expected.layout, expected.mode, expected.microbatches, expected.items + tuple(gathered)
+    items = [*expected.items, *gathered]
+    if step.mode == "explicit":
+        items += batch_stat_items(model, step.data_axis)
+        if any(library_scope(p.op_name) for row in report.rows for p in row.parts):
+            items = _scoped(items, {k: (v,) for k, v in _EXPLICIT_SCOPES.items()})
+    else:
+        items = _scoped(
+            items,
+            {
+                "gradients": (None,),
+                "parameters": (None,),
+                "loss": (None, "substrax.loss"),
+                "metrics": (None, "substrax.metrics"),
+            },
         )
-    mesh = step.mesh if step.mesh is not None else None
-    return compare(census(compiled, mesh=mesh), expected)
+        if gathered:  # XLA may compute the loss and scalar metrics from the gathered vectors
+            why = "XLA may compute it from the per-example values it gathers anyway"
+            items = [
+                dataclasses.replace(i, optional=True, why=why)
+                if i.category in ("loss", "metrics") and i.kind == "all-reduce"
+                else i
+                for i in items
+            ]
+    expected = dataclasses.replace(expected, items=tuple(items))
+    return compare(report, expected, attribute_model=True)
