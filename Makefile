@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-floor bench clean
+.PHONY: demo test test-floor bench fuzz clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The parity fuzzer with a larger budget (`make test` runs a fixed-seed sample of it): random
+# configurations, one line per draw, every failing one listed at the end as Python code.
+# SUBSTRAX_FUZZ_EXAMPLES=N sets the number of draws (default 300; about 5-20 s each on 2 cores).
+fuzz: $(STAMP)
+	SUBSTRAX_FUZZ=full $(PY) -m pytest -q -s -p no:cacheprovider tests/test_fuzz.py
 
 # The library tests (not the notebooks) against the oldest versions pyproject.toml allows:
 # each `name>=X` of its dependencies installed as `name==X`, in a venv of their own.

@@ -1,0 +1,345 @@
+"""What the parity fuzzer (``test_fuzz.py``) draws: a ``Config``, one small strategy per axis, and
+the builders that turn a ``Config`` into a model, an optimizer, a loss function and batches.
+
+Everything here is deterministic in the ``Config``: the same ``Config`` builds the same model
+(same initial parameters), the same optimizer and the same batches, so a failure is reproduced
+by pasting the ``Config`` the fuzzer printed into ``check(Config(...))``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from hypothesis import strategies as st
+from jax.sharding import PartitionSpec
+
+P = PartitionSpec
+
+# ----------------------------------------------------------------------------------------- the axes
+
+STEMS = ("dense", "conv", "attention")  # Linear on vectors; Conv on 5x5 images; Embed + attention on tokens
+# Blocks keep the width. "batchnorm_sync" is nnx.BatchNorm(axis_name="data") in explicit mode (the
+# global batch's statistics); the implicit step and the one-device reference build it without
+# axis_name, which computes the same statistics. The dropout blocks are off: rate 0, or rate 0.5
+# switched off with model.set_attributes(nnx.Dropout, deterministic=True) (model.eval() for dropout only).
+BLOCKS = ("linear", "layernorm", "batchnorm", "batchnorm_sync", "dropout_zero", "dropout_eval")
+WIDTHS = (8, 16, 32)
+TASKS = ("regress", "classify")  # squared error on 2 outputs; cross-entropy over 4 classes, int labels
+SGD_FAMILY = ("sgd", "momentum", "clip_sgd")
+ADAM_FAMILY = ("adam", "adamw_masked", "clip_adamw", "adafactor", "lamb", "multisteps")
+OPTIMIZERS = SGD_FAMILY + ADAM_FAMILY
+LAYOUTS = ("replicated", "zero1", "fsdp")
+MIN_SIZES = (None, 1)  # None: shard_state's default (1024)
+MODES = ("implicit", "explicit")
+MICROBATCHES = (1, 2, 4)
+DEVICES = (1, 2, 4, 8)
+ROWS = (2, 3, 4)  # rows per device per microbatch
+BATCH_TREES = ("flat", "nested", "tuple")
+PLACEMENTS = ("batch_spec", "placed")  # host arrays + batch_spec=, or place_batch_on_shards and no batch_spec
+# A metric per reduction; "default" is a metric reduce= does not name (it gets "mean").
+METRICS = ("mean", "sum", "max", "min", "gather", None, "default")
+SPELLINGS = ("call", "bind")  # step(model, optimizer, batch), or step.bind(model, optimizer)(batch)
+
+LR_SGD = 0.05
+LR_ADAPTIVE = 1e-2
+CLIP = 1e-3  # far below these models' gradient norms: every step clips
+VOCAB, TOKENS, IMAGE, FEATURES, CLASSES, TARGETS = 11, 4, 5, 6, 4, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One draw. ``repr(config)`` is Python code that rebuilds it."""
+
+    mode: str = "explicit"
+    layout: str = "replicated"
+    min_size: int | None = None
+    devices: int = 8
+    microbatches: int = 1
+    rows: int = 2
+    stem: str = "dense"
+    blocks: tuple[str, ...] = ()
+    width: int = 8
+    task: str = "regress"
+    optimizer: str = "sgd"
+    batch_tree: str = "flat"
+    mask: bool = False
+    scale: bool = False
+    placement: str = "batch_spec"
+    metrics: tuple[str | None, ...] | None = None  # None: has_aux=False
+    spelling: str = "call"
+    compare_gradients: bool = False  # also run substrax.explicit.compare_gradients (3 more compiles)
+    seed: int = 0
+    steps: int = 3
+
+    @property
+    def adaptive(self) -> bool:
+        """An Adam-family optimizer: it divides by a gradient statistic, which can blow up round-off."""
+        return self.optimizer in ADAM_FAMILY
+
+    @property
+    def global_rows(self) -> int:
+        return self.devices * self.microbatches * self.rows
+
+    @property
+    def has_aux(self) -> bool:
+        return self.metrics is not None
+
+    @property
+    def batchnorm(self) -> bool:
+        return any(b.startswith("batchnorm") for b in self.blocks)
+
+    def short(self) -> str:
+        """A one-line summary for the fuzzer's log."""
+        layout = self.layout if self.layout == "replicated" else f"{self.layout}/min{self.min_size or 'def'}"
+        extras = [self.batch_tree] + ["mask"] * self.mask + ["scale"] * self.scale + [self.placement]
+        aux = "" if self.metrics is None else " aux(" + ",".join(str(m) for m in self.metrics) + ")"
+        return (
+            f"{self.mode:<8} {layout:<12} n{self.devices} k{self.microbatches} r{self.rows} "
+            f"{self.stem}[{','.join(self.blocks)}]w{self.width} {self.task} {self.optimizer} "
+            f"{' '.join(extras)}{aux} {self.spelling} s{self.seed}"
+        )
+
+
+def configs() -> st.SearchStrategy[Config]:
+    """Every axis drawn independently."""
+    return st.builds(
+        Config,
+        mode=st.sampled_from(MODES),
+        layout=st.sampled_from(LAYOUTS),
+        min_size=st.sampled_from(MIN_SIZES),
+        devices=st.sampled_from(DEVICES),
+        microbatches=st.sampled_from(MICROBATCHES),
+        rows=st.sampled_from(ROWS),
+        stem=st.sampled_from(STEMS),
+        blocks=st.lists(st.sampled_from(BLOCKS), max_size=3).map(tuple),
+        width=st.sampled_from(WIDTHS),
+        task=st.sampled_from(TASKS),
+        optimizer=st.sampled_from(OPTIMIZERS),
+        batch_tree=st.sampled_from(BATCH_TREES),
+        mask=st.booleans(),
+        scale=st.booleans(),
+        placement=st.sampled_from(PLACEMENTS),
+        metrics=st.none() | st.lists(st.sampled_from(METRICS), min_size=1, max_size=4, unique=True).map(tuple),
+        spelling=st.sampled_from(SPELLINGS),
+        compare_gradients=st.booleans(),
+        seed=st.integers(0, 2**16 - 1),
+    )
+
+
+# ----------------------------------------------------------------------------------------- the model
+
+
+class Model(nnx.Module):
+    """A stem, a stack of width-keeping blocks, a pooled linear head."""
+
+    def __init__(self, config: Config, *, sync_axis: str | None) -> None:
+        rngs = nnx.Rngs(params=config.seed, dropout=config.seed + 1)
+        w = config.width
+        self.stem_kind = config.stem
+        if config.stem == "dense":
+            self.stem = nnx.Linear(FEATURES, w, rngs=rngs)
+        elif config.stem == "conv":
+            self.stem = nnx.Conv(2, w, kernel_size=(3, 3), rngs=rngs)
+        else:
+            self.stem = nnx.Embed(VOCAB, w, rngs=rngs)
+            self.attention = nnx.MultiHeadAttention(
+                num_heads=2, in_features=w, qkv_features=w, decode=False, rngs=rngs
+            )
+        layers: list[nnx.Module] = []
+        for block in config.blocks:
+            if block == "linear":
+                layers.append(nnx.Linear(w, w, rngs=rngs))
+            elif block == "layernorm":
+                layers.append(nnx.LayerNorm(w, rngs=rngs))
+            elif block == "batchnorm":
+                layers.append(nnx.BatchNorm(w, momentum=0.8, rngs=rngs))
+            elif block == "batchnorm_sync":
+                layers.append(nnx.BatchNorm(w, momentum=0.8, axis_name=sync_axis, rngs=rngs))
+            elif block == "dropout_zero":
+                layers.append(nnx.Dropout(0.0, rngs=rngs))
+            else:
+                layers.append(nnx.Dropout(0.5, rngs=rngs))
+        self.blocks = nnx.List(layers)
+        self.head = nnx.Linear(w, CLASSES if config.task == "classify" else TARGETS, rngs=rngs)
+        self.set_attributes(nnx.Dropout, deterministic=True, raise_if_not_found=False)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = self.stem(x)
+        if self.stem_kind == "attention":
+            h = self.attention(h)
+        for layer in self.blocks:
+            h = layer(h)
+            if isinstance(layer, nnx.Linear):
+                h = jnp.tanh(h)
+        if h.ndim > 2:
+            h = jnp.mean(h, axis=tuple(range(1, h.ndim - 1)))
+        return self.head(h)
+
+
+def build_model(config: Config, *, sync_axis: str | None = None) -> Model:
+    """The model; ``sync_axis`` goes to the "batchnorm_sync" blocks' ``axis_name``."""
+    return Model(config, sync_axis=sync_axis)
+
+
+# ----------------------------------------------------------------------------------------- the optimizer
+
+
+def _decay_mask(params: Any) -> Any:
+    """Weight decay on kernels and embeddings only, not on biases or norm scales."""
+    return jax.tree.map(lambda p: jnp.ndim(p) > 1, params)
+
+
+@functools.cache
+def build_tx(name: str) -> optax.GradientTransformation:
+    """One transformation per name, shared: it is part of the optimizer's graph, so a new one
+    (new closures) would make ``nnx.jit`` compile every run's step again."""
+    if name == "sgd":
+        return optax.sgd(LR_SGD)
+    if name == "momentum":
+        return optax.sgd(LR_SGD, momentum=0.9)
+    if name == "clip_sgd":
+        return optax.chain(optax.clip_by_global_norm(CLIP), optax.sgd(LR_SGD * 100))
+    if name == "adam":
+        return optax.adam(LR_ADAPTIVE)
+    if name == "adamw_masked":
+        return optax.adamw(LR_ADAPTIVE, weight_decay=0.1, mask=_decay_mask)
+    if name == "clip_adamw":
+        return optax.chain(optax.clip_by_global_norm(CLIP), optax.adamw(LR_ADAPTIVE, weight_decay=0.1))
+    if name == "adafactor":
+        return optax.adafactor(LR_ADAPTIVE, min_dim_size_to_factor=4)  # factored: these widths are small
+    if name == "lamb":
+        return optax.lamb(LR_ADAPTIVE)
+    if name == "multisteps":
+        return optax.MultiSteps(optax.adam(LR_ADAPTIVE), every_k_schedule=2)
+    raise ValueError(f"unknown optimizer {name!r}")
+
+
+def build(config: Config, *, sync_axis: str | None = None) -> tuple[Model, nnx.Optimizer]:
+    model = build_model(config, sync_axis=sync_axis)
+    return model, nnx.Optimizer(model, build_tx(config.optimizer), wrt=nnx.Param)
+
+
+# ----------------------------------------------------------------------------------------- the batch
+
+
+def batch_parts(config: Config, step: int) -> dict[str, np.ndarray]:
+    """One step's batch as named parts: x, y, and mask / scale when drawn. Rows are global."""
+    rng = np.random.default_rng([config.seed, step])
+    b = config.global_rows
+    if config.stem == "dense":
+        x = rng.normal(size=(b, FEATURES)).astype(np.float32)
+    elif config.stem == "conv":
+        x = rng.normal(size=(b, IMAGE, IMAGE, 2)).astype(np.float32)
+    else:
+        x = rng.integers(0, VOCAB, size=(b, TOKENS)).astype(np.int32)
+    if config.task == "classify":
+        y = rng.integers(0, CLASSES, size=(b,)).astype(np.int32)
+    else:
+        y = rng.normal(size=(b, TARGETS)).astype(np.float32)
+    parts = {"x": x, "y": y}
+    if config.mask:
+        mask = rng.random(b) < 0.7
+        mask[0] = True
+        parts["mask"] = mask
+    if config.scale:
+        parts["scale"] = np.float32(rng.uniform(0.5, 2.0))
+    return parts
+
+
+ROW_PARTS = ("x", "y", "mask")
+
+
+def pack(config: Config, parts: dict[str, Any]) -> Any:
+    """The batch tree the loss function reads, of ``config.batch_tree``'s shape."""
+    mask, scale = parts.get("mask"), parts.get("scale")
+    if config.batch_tree == "flat":
+        return dict(parts)
+    if config.batch_tree == "nested":
+        tree: dict[str, Any] = {"inputs": {"x": parts["x"]}, "targets": (parts["y"],) + ((mask,) if config.mask else ())}
+        if config.scale:
+            tree["meta"] = {"scale": scale}
+        return tree
+    return (parts["x"], (parts["y"],) + ((mask,) if config.mask else ())) + ((scale,) if config.scale else ())
+
+
+def unpack(config: Config, tree: Any) -> dict[str, Any]:
+    """``pack``'s inverse."""
+    if config.batch_tree == "flat":
+        return dict(tree)
+    if config.batch_tree == "nested":
+        parts = {"x": tree["inputs"]["x"], "y": tree["targets"][0]}
+        if config.mask:
+            parts["mask"] = tree["targets"][1]
+        if config.scale:
+            parts["scale"] = tree["meta"]["scale"]
+        return parts
+    parts = {"x": tree[0], "y": tree[1][0]}
+    if config.mask:
+        parts["mask"] = tree[1][1]
+    if config.scale:
+        parts["scale"] = tree[2]
+    return parts
+
+
+def batch_specs(config: Config) -> Any:
+    """The batch's PartitionSpec tree: rows over "data", the batch-level scalar replicated."""
+    specs = {"x": P("data"), "y": P("data")}
+    if config.mask:
+        specs["mask"] = P("data")
+    if config.scale:
+        specs["scale"] = P()
+    return pack(config, specs)
+
+
+# ----------------------------------------------------------------------------------------- the loss
+
+
+def per_example(config: Config, model: nnx.Module, parts: dict[str, Any]) -> jax.Array:
+    """Each row's (masked) loss."""
+    out = model(parts["x"])
+    if config.task == "classify":
+        pe = optax.softmax_cross_entropy_with_integer_labels(out, parts["y"])
+    else:
+        pe = jnp.mean((out - parts["y"]) ** 2, axis=-1)
+    if config.mask:
+        pe = jnp.where(parts["mask"], pe, 0.0)
+    return pe
+
+
+def loss_of(config: Config, pe: jax.Array, parts: dict[str, Any]) -> jax.Array:
+    """The loss: a mean over the rows (masked rows count as 0), times the batch-level scalar."""
+    loss = jnp.mean(pe)
+    return loss * parts["scale"] if config.scale else loss
+
+
+def metric_name(op: str | None) -> str:
+    return f"pe_{op}"
+
+
+def reduce_map(config: Config) -> dict[str, str | None] | None:
+    """``reduce=`` for the step: each drawn metric's reduction ("default" left out: it gets "mean")."""
+    if config.metrics is None:
+        return None
+    return {metric_name(op): op for op in config.metrics if op != "default"}
+
+
+def make_loss_fn(config: Config) -> Callable[[nnx.Module, Any], Any]:
+    """The ``loss_fn`` both modes train: every metric is the per-example losses, reduced by its name."""
+
+    def loss_fn(model: nnx.Module, batch: Any) -> Any:
+        parts = unpack(config, batch)
+        pe = per_example(config, model, parts)
+        loss = loss_of(config, pe, parts)
+        if config.metrics is None:
+            return loss
+        return loss, {metric_name(op): pe for op in config.metrics}
+
+    return loss_fn

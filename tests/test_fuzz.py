@@ -1,0 +1,505 @@
+"""The parity fuzzer: both modes, every layout, against an independent one-device reference.
+
+Hypothesis draws a ``Config`` (``fuzz_space.py``: model blocks, optimizer, layout, mode,
+microbatches, devices, batch tree, metrics, spelling) and ``check(config)`` trains it for a few
+steps with ``substrax.make_train_step`` and, separately, with a plain one-device reference
+(``nnx.value_and_grad`` and ``optimizer.update`` under ``nnx.jit``, no mesh). It checks:
+
+- the losses, the metrics (every reduction) and the model's state (parameters and BatchNorm
+  statistics) against the reference;
+- that the layout is kept (``substrax.layout_of`` and every array's sharding, before == after);
+- that the step's census matches its layout's rule (``step.census(...).matches``);
+- ``compare_gradients`` on the trained model, where it applies (no BatchNorm: below).
+
+What the reference computes, and why (the documented semantics, not bugs):
+
+- **A model without BatchNorm**: the plain reference, one ``nnx.value_and_grad`` of the loss
+  on the whole global batch. Microbatches, devices and layouts must not change the result.
+- **BatchNorm** normalizes with the statistics of the rows it sees, so the reference sees the
+  same groups of rows the step does. With ``microbatches=k`` both modes normalize each
+  microbatch on its own, microbatch j being every device's j-th slice of its rows; the
+  reference differentiates the mean of the k microbatch losses, one after the other (the
+  running statistics updated k times). BatchNorm with ``axis_name="data"`` (explicit mode;
+  built without it in implicit mode and in the reference) uses the statistics of the whole
+  (micro)batch. BatchNorm *without* ``axis_name`` in **explicit** mode uses each device's shard:
+  there the reference ``jax.vmap``s the loss over the devices' shards (``axis_name="data"``,
+  so a synchronized BatchNorm in the same model still sees all of them), and averages the
+  shards' running statistics, as the step does after it. In implicit mode it sees the global
+  (micro)batch. ``compare_gradients`` has no such grouping (its explicit path always normalizes
+  per shard, and its reference has no axis to bind): it is skipped for BatchNorm models.
+- **Dropout** is off in every draw (rate 0, or ``deterministic=True`` on the dropout layers
+  only): active dropout draws different masks in the two modes.
+- **Metrics** reduced by ``None`` come back unreduced: the global value in implicit mode
+  (with microbatches, one per microbatch), per device in explicit mode (with microbatches,
+  per device and microbatch). The reference's per-example losses give each shape.
+
+Tolerances come from a noise floor measured in every draw: the reference is run again on
+row-permuted batches (rows permuted only within the groups a BatchNorm normalizes together,
+so the permuted run is just as valid; the loss is a row mean, invariant to the order), which
+sums every batch reduction in another order. The floor of a quantity is its largest deviation
+between those runs. Under the SGD family a value must be within ``atol 1e-6 + rtol 1e-5``;
+under the Adam family (adaptive steps turn a near-zero gradient element's round-off into a
+visible difference) within ``max(1e-6, 4 x floor + 1e-7) + rtol 1e-5``, the floor taken per
+state leaf, per metric and over the losses.
+
+``make test`` runs a fixed-seed sample (``SUBSTRAX_FUZZ`` unset: profile ``fuzz-ci``);
+``make fuzz`` (``SUBSTRAX_FUZZ=full``) a few hundred random draws (``SUBSTRAX_FUZZ_EXAMPLES``),
+printing one line per draw. Every failing draw is listed at the end with its ``Config`` as
+Python code: ``check(Config(...)).assert_ok()`` is its regression test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from fuzz_space import (
+    ROW_PARTS,
+    Config,
+    batch_parts,
+    batch_specs,
+    build,
+    configs,
+    loss_of,
+    make_loss_fn,
+    metric_name,
+    pack,
+    per_example,
+    reduce_map,
+    unpack,
+)
+from hypothesis import HealthCheck, given, settings
+from jax.sharding import NamedSharding, PartitionSpec
+
+import substrax
+from substrax.explicit import compare_gradients
+from substrax.mesh import create_device_mesh
+from substrax.spmd import place_batch_on_shards
+
+P = PartitionSpec
+STRICT_RTOL, STRICT_ATOL = 1e-5, 1e-6
+SAFETY, FLOOR_EPS = 4.0, 1e-7
+FLOOR_RUNS = 2  # permuted reference runs per draw
+
+settings.register_profile(
+    "fuzz-ci", max_examples=12, derandomize=True, deadline=None, database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "fuzz-full", max_examples=int(os.environ.get("SUBSTRAX_FUZZ_EXAMPLES", "300")), derandomize=False,
+    deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+PROFILE = "fuzz-full" if os.environ.get("SUBSTRAX_FUZZ") == "full" else "fuzz-ci"
+
+# ----------------------------------------------------------------------------------------- row groups
+
+
+def row_groups(config: Config) -> np.ndarray:
+    """The rows the reference normalizes together: indices of shape (groups, parts, rows).
+
+    Device d holds global rows ``[d*k*m, (d+1)*k*m)``; its microbatch j is ``m`` rows from
+    ``d*k*m + j*m``. A group is one microbatch (every device's j-th slice, in device order);
+    it has one part per device where explicit mode normalizes per shard, else one part.
+    """
+    n, k, m = config.devices, config.microbatches, config.rows
+    rows = np.arange(config.global_rows).reshape(n, k, m)  # [device, microbatch, row]
+    if not config.batchnorm:
+        return rows.reshape(1, 1, -1)
+    by_microbatch = rows.transpose(1, 0, 2)  # [microbatch, device, row]
+    if per_shard_statistics(config):
+        return by_microbatch
+    return by_microbatch.reshape(k, 1, n * m)
+
+
+def per_shard_statistics(config: Config) -> bool:
+    """Explicit mode with a BatchNorm that has no axis_name: statistics per device shard."""
+    return config.mode == "explicit" and "batchnorm" in config.blocks and config.devices > 1
+
+
+def within_group_permutation(config: Config, seed: int) -> np.ndarray:
+    """A row permutation that keeps every row in its group and part."""
+    rng = np.random.default_rng(seed)
+    perm = np.arange(config.global_rows)
+    for block in row_groups(config).reshape(-1, row_groups(config).shape[-1]):
+        perm[block] = rng.permutation(block)
+    return perm
+
+
+# ----------------------------------------------------------------------------------------- the reference
+
+
+@dataclasses.dataclass
+class Run:
+    """What a training run gave: per step the loss and the metrics, and the final state."""
+
+    losses: list[float]
+    metrics: list[dict[str, np.ndarray]]
+    state: dict[str, np.ndarray]
+
+
+def state_of(model: nnx.Module) -> dict[str, np.ndarray]:
+    """Parameters and BatchNorm statistics, by path."""
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Any(nnx.Param, nnx.BatchStat)))
+    return {"/".join(map(str, path)): np.asarray(var.get_value()) for path, var in flat}
+
+
+def _average(x: jax.Array) -> jax.Array:
+    """The mean over the parts' leading axis; a non-float leaf (random keys, counts) is equal in all."""
+    return jnp.mean(x, axis=0) if jnp.issubdtype(x.dtype, jnp.inexact) else x[0]
+
+
+def _grouped_loss(config: Config, groups: np.ndarray):  # noqa: ANN202
+    """The loss of ``row_groups``: the mean of the groups' losses, each group's parts vmapped."""
+
+    def loss(model: nnx.Module, tree: Any) -> tuple[jax.Array, jax.Array]:
+        parts = unpack(config, tree)
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        losses, pes = [], []
+        for group in groups:  # the microbatches, one after the other
+            piece = {name: v[group] if name in ROW_PARTS else v for name, v in parts.items()}
+
+            def one(rest: Any, piece: dict) -> tuple[jax.Array, jax.Array, Any]:
+                m = nnx.merge(graphdef, params, rest)
+                pe = per_example(config, m, piece)
+                return loss_of(config, pe, piece), pe, nnx.state(m, nnx.Not(nnx.Param))
+
+            axes = {name: 0 if name in ROW_PARTS else None for name in piece}
+            group_losses, pe, rests = jax.vmap(one, in_axes=(None, axes), axis_name="data")(rest, piece)
+            rest = jax.tree.map(_average, rests)
+            losses.append(jnp.mean(group_losses))
+            pes.append(pe.reshape(-1))
+        nnx.update(model, rest)
+        return jnp.mean(jnp.stack(losses)), jnp.concatenate(pes)
+
+    return loss
+
+
+def reference_runs(config: Config, batches: list[dict], permutations: list[np.ndarray | None]) -> list[Run]:
+    """Train on one device, no mesh, once per permutation: the plain step, or the grouped one for
+    BatchNorm (module docstring). A permutation reorders every batch's rows first (within
+    groups; ``None``: as drawn); the per-example values come back in the original order.
+    """
+    groups = row_groups(config)
+    plain = groups.shape[:2] == (1, 1)
+    device = jax.devices()[0]
+    # explicit mode's per-shard parts carry the step's axis name; else BatchNorm is unsynchronized
+    sync_axis = "data" if per_shard_statistics(config) else None
+
+    def plain_loss(model: nnx.Module, tree: Any) -> tuple[jax.Array, jax.Array]:
+        parts = unpack(config, tree)
+        pe = per_example(config, model, parts)
+        return loss_of(config, pe, parts), pe
+
+    loss_fn = plain_loss if plain else _grouped_loss(config, groups)
+
+    @nnx.jit
+    def step(model: nnx.Module, optimizer: nnx.Optimizer, tree: Any) -> tuple[jax.Array, jax.Array]:
+        (loss, pe), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, tree)
+        optimizer.update(model, grads)
+        return loss, pe
+
+    order = groups.reshape(-1)  # row i of pe is global row order[i]
+    runs = []
+    for permutation in permutations:
+        rows = np.arange(config.global_rows) if permutation is None else permutation
+        with jax.default_device(device):
+            model, optimizer = build(config, sync_axis=sync_axis)
+            state = nnx.state((model, optimizer))  # committed to the device, as the step's outputs are:
+            nnx.update((model, optimizer), jax.device_put(state, device))  # one compile, not two
+            losses, metrics = [], []
+            for parts in batches:
+                moved = {name: v[rows] if name in ROW_PARTS else v for name, v in parts.items()}
+                loss, pe = step(model, optimizer, jax.device_put(pack(config, moved), device))
+                back = np.empty(config.global_rows, np.float32)
+                back[rows[order]] = np.asarray(pe)
+                losses.append(float(loss))
+                metrics.append(expected_metrics(config, back))
+        runs.append(Run(losses, metrics, state_of(model)))
+    return runs
+
+
+def expected_metrics(config: Config, pe: np.ndarray) -> dict[str, np.ndarray]:
+    """Every drawn metric as the step returns it, from the per-example losses in global order."""
+    if config.metrics is None:
+        return {}
+    n, k, m = config.devices, config.microbatches, config.rows
+    out = {}
+    for op in config.metrics:
+        if op in ("mean", "default"):
+            value = pe.mean()
+        elif op in ("sum", "max", "min"):
+            value = getattr(pe, op)()
+        elif op == "gather":
+            value = pe
+        elif config.mode == "explicit":  # None: per device (and microbatch)
+            value = pe.reshape(n, k, m) if k > 1 else pe.reshape(n, k * m)
+        else:  # None, implicit: the global value, per microbatch
+            value = pe.reshape(n, k, m).transpose(1, 0, 2).reshape(k, n * m) if k > 1 else pe
+        out[metric_name(op)] = np.asarray(value, np.float32)
+    return out
+
+
+# ----------------------------------------------------------------------------------------- the step under test
+
+
+@dataclasses.dataclass
+class DeviceRun:
+    run: Run | None = None
+    problems: list[str] = dataclasses.field(default_factory=list)
+    census: str = "-"
+    gradients: str = "-"
+
+
+def _shardings(model: nnx.Module, optimizer: nnx.Optimizer) -> dict[str, tuple[Any, int]]:
+    flat = nnx.to_flat_state(nnx.state((model, optimizer)))
+    return {
+        "/".join(map(str, p)): (v.get_value().sharding, v.get_value().ndim)
+        for p, v in flat
+        if hasattr(v.get_value(), "sharding")
+    }
+
+
+def _layout_changes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """Arrays whose placement changed: a mesh placement must stay equivalent; an unplaced one replicated."""
+    changed = []
+    for path, (old, ndim) in before.items():
+        new, _ = after[path]
+        if isinstance(old, NamedSharding):
+            same = isinstance(new, NamedSharding) and new.is_equivalent_to(NamedSharding(new.mesh, old.spec), ndim)
+        else:
+            same = new.is_fully_replicated
+        if not same:
+            changed.append(f"{path}: {getattr(old, 'spec', old)} -> {getattr(new, 'spec', new)}")
+    return changed
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:300] if text else ''}"
+
+
+def device_run(config: Config, batches: list[dict]) -> DeviceRun:
+    """Train with ``make_train_step`` on ``config.devices`` devices; check layout, census, gradients."""
+    out = DeviceRun()
+    mesh = create_device_mesh({"data": config.devices}, devices=jax.devices()[: config.devices])
+    model, optimizer = build(config, sync_axis="data" if config.mode == "explicit" else None)
+    try:
+        if config.layout != "replicated":
+            size = {} if config.min_size is None else {"min_size": config.min_size}
+            substrax.shard_state(model, optimizer, mesh=mesh, params=config.layout == "fsdp", **size)
+    except Exception as e:  # noqa: BLE001
+        out.problems.append(f"shard_state raised {_first_line(e)}")
+        return out
+    layout_before = substrax.layout_of(model, optimizer, mesh=mesh)
+    placed_before = _shardings(model, optimizer)
+    specs = batch_specs(config)
+    loss_fn = make_loss_fn(config)
+    step = substrax.make_train_step(
+        loss_fn,
+        config.mode,
+        mesh=mesh,
+        batch_spec=specs if config.placement == "batch_spec" else None,
+        has_aux=config.has_aux,
+        reduce=reduce_map(config),
+        microbatches=config.microbatches,
+    )
+    if config.placement == "placed":
+        shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, P))
+        feed = [place_batch_on_shards(pack(config, b), shardings) for b in batches]
+    else:
+        feed = [pack(config, b) for b in batches]
+    try:
+        if config.spelling == "bind":
+            with step.bind(model, optimizer) as fast:
+                outs = [jax.device_get(fast(b)) for b in feed]
+        else:
+            outs = [jax.device_get(step(model, optimizer, b)) for b in feed]
+    except Exception as e:  # noqa: BLE001
+        out.problems.append(f"step raised {_first_line(e)}")
+        return out
+    losses = [float(o[0] if config.has_aux else o) for o in outs]
+    metrics = [{k: np.asarray(v) for k, v in o[1].items()} for o in outs] if config.has_aux else [{}] * len(outs)
+    out.run = Run(losses, metrics, state_of(model))
+
+    layout_after = substrax.layout_of(model, optimizer, mesh=mesh)
+    if layout_after != layout_before:
+        out.problems.append(f"layout_of changed: {layout_before.kind} -> {layout_after.kind}")
+    moved = _layout_changes(placed_before, _shardings(model, optimizer))
+    if moved:
+        out.problems.append(f"{len(moved)} array(s) moved, e.g. {moved[0]}")
+    # The census on plain-call draws: the bound step compiles the same program with donated
+    # buffers, and its census would compile it once more.
+    if config.spelling == "call":
+        try:
+            found = step.census(model, optimizer, feed[0])
+            out.census = "ok" if found.matches else "MISMATCH"
+            if not found.matches:
+                out.problems.append("census mismatch: " + " | ".join(found.differences)[:600])
+        except Exception as e:  # noqa: BLE001
+            out.census = "raised"
+            out.problems.append(f"census raised {_first_line(e)}")
+    if config.compare_gradients and not config.batchnorm:
+        try:
+            report = compare_gradients(
+                model, loss_fn, pack(config, batches[0]), mesh, batch_spec=specs, has_aux=config.has_aux
+            )
+            out.gradients = f"ok {report.max_abs_diff:.1e}" if report.ok else f"MISMATCH {report.max_abs_diff:.1e}"
+            if not report.ok:
+                out.problems.append(f"compare_gradients: {' | '.join(report.diagnosis.values())[:400]}")
+        except Exception as e:  # noqa: BLE001
+            out.gradients = "raised"
+            out.problems.append(f"compare_gradients raised {_first_line(e)}")
+    return out
+
+
+# ----------------------------------------------------------------------------------------- the checks
+
+
+@dataclasses.dataclass
+class Deviation:
+    """The largest |got - want| of a quantity, and the worst element's error in tolerances."""
+
+    abs: float = 0.0
+    ratio: float = 0.0
+    where: str = ""
+
+    def add(self, got: Any, want: Any, tol_atol: float, where: str) -> str | None:
+        """Fold in one comparison; returns a problem when the shapes differ."""
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        if got.shape != want.shape:
+            return f"{where}: shape {got.shape}, reference {want.shape}"
+        diff = np.abs(got - want)
+        tol = tol_atol + STRICT_RTOL * np.abs(want)
+        dev, ratio = float(np.max(diff, initial=0.0)), float(np.max(diff / tol, initial=0.0))
+        if not np.all(np.isfinite(got)):
+            dev = ratio = float("inf")
+        if ratio > self.ratio:
+            self.ratio, self.where = ratio, where
+        self.abs = max(self.abs, dev)
+        return None
+
+    def __str__(self) -> str:
+        return f"{self.abs:.1e}({self.ratio:.2f})"
+
+
+def atol_for(config: Config, floor: float) -> float:
+    """The absolute tolerance: strict under SGD, the measured floor (x SAFETY) under Adam-like steps."""
+    return max(STRICT_ATOL, SAFETY * floor + FLOOR_EPS) if config.adaptive else STRICT_ATOL
+
+
+@dataclasses.dataclass
+class Result:
+    config: Config
+    problems: list[str]
+    deviations: dict[str, Deviation]
+    floors: dict[str, float]
+    census: str = "-"
+    gradients: str = "-"
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def line(self) -> str:
+        devs = " ".join(f"{name} {d}" for name, d in self.deviations.items())
+        floors = "/".join(f"{self.floors.get(k, 0.0):.0e}" for k in ("loss", "state", "metrics"))
+        return (
+            f"{'ok  ' if self.ok else 'FAIL'} {self.seconds:4.1f}s {self.config.short()} | {devs} | "
+            f"floor l/s/m {floors} | census {self.census} grads {self.gradients}"
+        )
+
+    def report(self) -> str:
+        lines = [f"check({self.config!r}).assert_ok()", *(f"  - {p}" for p in self.problems)]
+        lines.append(f"  deviations (max abs, worst in tolerances): {self.deviations}; floors {self.floors}")
+        return "\n".join(lines)
+
+    def assert_ok(self) -> None:
+        assert self.ok, self.report()
+
+
+def _floors(config: Config, ref: Run, others: list[Run]) -> tuple[float, dict[str, float], dict[str, float]]:
+    """The largest deviation between the reference and its permuted runs: losses, per metric, per leaf."""
+    loss = max((abs(a - b) for o in others for a, b in zip(o.losses, ref.losses, strict=True)), default=0.0)
+    metrics = {
+        name: max(float(np.max(np.abs(o.metrics[t][name] - ref.metrics[t][name]), initial=0.0)) for o in others for t in range(config.steps))
+        for name in (ref.metrics[0] if ref.metrics else {})
+    }
+    state = {
+        name: max(float(np.max(np.abs(o.state[name] - ref.state[name]), initial=0.0)) for o in others)
+        for name in ref.state
+    }
+    return loss, metrics, state
+
+
+def check(config: Config) -> Result:
+    """Train ``config`` both ways (the step under test and the reference) and hold one against the other."""
+    start = time.perf_counter()
+    batches = [batch_parts(config, s) for s in range(config.steps)]
+    permutations = [within_group_permutation(config, s) for s in range(1, FLOOR_RUNS + 1)]
+    ref, *others = reference_runs(config, batches, [None, *permutations])
+    loss_floor, metric_floors, state_floors = _floors(config, ref, others)
+    floors = {
+        "loss": loss_floor,
+        "state": max(state_floors.values(), default=0.0),
+        "metrics": max(metric_floors.values(), default=0.0),
+    }
+    got = device_run(config, batches)
+    problems = list(got.problems)
+    deviations = {"loss": Deviation(), "state": Deviation(), "metrics": Deviation()}
+    if got.run is not None:
+        run = got.run
+        for t, (a, b) in enumerate(zip(run.losses, ref.losses, strict=True)):
+            deviations["loss"].add(a, b, atol_for(config, loss_floor), f"loss[{t}]")
+        if run.state.keys() != ref.state.keys():
+            problems.append(f"state paths differ: {sorted(run.state.keys() ^ ref.state.keys())}")
+        for name in run.state.keys() & ref.state.keys():
+            problem = deviations["state"].add(run.state[name], ref.state[name], atol_for(config, state_floors[name]), name)
+            problems += [problem] if problem else []
+        for t, (mine, want) in enumerate(zip(run.metrics, ref.metrics, strict=True)):
+            if mine.keys() != want.keys():
+                problems.append(f"metric names {sorted(mine)}, expected {sorted(want)}")
+                continue
+            for name in want:
+                problem = deviations["metrics"].add(mine[name], want[name], atol_for(config, metric_floors[name]), f"{name}[{t}]")
+                problems += [problem] if problem else []
+        for name, d in deviations.items():
+            if d.ratio > 1.0:
+                floor_note = ""
+                if not config.adaptive:
+                    floor = {"loss": loss_floor, "state": state_floors.get(d.where, 0.0)}.get(name, metric_floors.get(d.where.split("[")[0], 0.0))
+                    floor_note = f"; measured floor there {floor:.1e}"
+                problems.append(f"{name} off the reference: worst {d.where}, max |diff| {d.abs:.2e}, {d.ratio:.1f}x the tolerance{floor_note}")
+    return Result(config, problems, deviations, floors, got.census, got.gradients, time.perf_counter() - start)
+
+
+# ----------------------------------------------------------------------------------------- the fuzzer
+
+
+def test_parity_fuzz() -> None:
+    """Draw configurations (profile ``fuzz-ci``, or ``fuzz-full`` with ``SUBSTRAX_FUZZ=full``) and check each."""
+    results: list[Result] = []
+
+    @settings(settings.get_profile(PROFILE))
+    @given(configs())
+    def draw(config: Config) -> None:
+        result = check(config)
+        results.append(result)
+        print(f"#{len(results):<3} {result.line()}", flush=True)
+
+    draw()
+    failed = [r for r in results if not r.ok]
+    floors = {}
+    for r in results:
+        family = "adam" if r.config.adaptive else "sgd"
+        for k, v in r.floors.items():
+            floors[(family, k)] = max(floors.get((family, k), 0.0), v)
+    print(f"\n{len(results)} draws, {len(failed)} failed; largest floors: "
+          + ", ".join(f"{f}/{k} {v:.1e}" for (f, k), v in sorted(floors.items())), flush=True)
+    assert not failed, f"{len(failed)} of {len(results)} draws failed:\n\n" + "\n\n".join(r.report() for r in failed)
