@@ -193,7 +193,9 @@ def follow_dim(param_shape: tuple[int, ...], leaf_shape: tuple[int, ...], dim: i
     return found.pop() if len(found) == 1 else None
 
 
-def _expected_opt_state(model: nnx.Module, optimizer: nnx.Optimizer[Any]) -> dict[tuple[Any, ...], tuple[int, ...]] | None:
+def _expected_opt_state(
+    model: nnx.Module, optimizer: nnx.Optimizer[Any]
+) -> dict[tuple[Any, ...], tuple[int, ...]] | None:
     """The optimizer-state paths and shapes ``optimizer.tx`` gives ``model``; None if not computable."""
     tx = getattr(optimizer, "tx", None)
     if tx is None:
@@ -202,11 +204,9 @@ def _expected_opt_state(model: nnx.Module, optimizer: nnx.Optimizer[Any]) -> dic
     graph = getattr(optimizer, "graph", None)
     try:
         fresh = nnx.eval_shape(lambda m: nnx.Optimizer(m, tx, wrt=wrt, graph=graph), model)
-    except Exception:  # an init jax cannot evaluate abstractly: no check, nothing refused
+    except Exception:  # noqa: BLE001  (an init jax cannot evaluate abstractly: no check, nothing refused)
         return None
-    return {
-        path: tuple(np.shape(v.get_value())) for path, v in _flat(fresh) if path[:1] == ("opt_state",)
-    }
+    return {path: tuple(np.shape(v.get_value())) for path, v in _flat(fresh) if path[:1] == ("opt_state",)}
 
 
 def check_optimizer_of(model: nnx.Module, optimizer: nnx.Optimizer[Any]) -> None:
@@ -222,10 +222,12 @@ def check_optimizer_of(model: nnx.Module, optimizer: nnx.Optimizer[Any]) -> None
     want = _expected_opt_state(model, optimizer)
     if want is None:
         return
-    have = {path: tuple(np.shape(v.get_value())) for path, v in _flat(optimizer) if path[:1] == ("opt_state",)}
+    have = {
+        path: tuple(np.shape(v.get_value())) for path, v in _flat(optimizer) if path[:1] == ("opt_state",)
+    }
     hint = (
-        f"is the optimizer the model's? Pass the model the optimizer was built for, or build "
-        f"one for this model: nnx.Optimizer(model, tx, wrt=nnx.Param)."
+        "is the optimizer the model's? Pass the model the optimizer was built for, or build "
+        "one for this model: nnx.Optimizer(model, tx, wrt=nnx.Param)."
     )
     name = type(model).__name__
     for path, shape in have.items():
@@ -331,8 +333,8 @@ def shard_state(
 
     Args:
       model: The model; its ``nnx.Param`` variables are placed.
-      optimizer: The model's ``nnx.Optimizer``; the state mirroring each parameter is
-        placed with it.
+      optimizer: The model's ``nnx.Optimizer``; the state of each parameter is placed
+        with it (see the module docstring), everything else replicated.
       mesh: The mesh; ``None`` takes the one set by ``jax.set_mesh``.
       axis: The data axis to split over.
       params: ``True`` splits parameters and their optimizer state (FSDP); ``False``
@@ -345,8 +347,10 @@ def shard_state(
     Raises:
       TypeError: If ``optimizer`` is not an ``nnx.Optimizer`` or ``min_size`` not an int.
       ValueError: If the mesh lacks ``axis``, ``min_size`` is negative, the optimizer is
-        not the model's, or a parameter already carries a sharding over another axis;
-        each message names the axis or leaf.
+        not the model's (its state is not what its transformation gives this model:
+        ``check_optimizer_of``), or a parameter already carries a sharding over another
+        axis; each message names the axis or leaf. Optimizer state that mirrors no
+        parameter (adafactor's factored statistics, counters) is placed, never refused.
     """
     if not isinstance(optimizer, nnx.Optimizer):
         raise TypeError(f"shard_state takes the model's nnx.Optimizer; got {type(optimizer).__name__}.")
@@ -384,7 +388,9 @@ def shard_state(
             on = follow_dim(shape, leaf_shape, dim)
             if on is not None and leaf_shape[on] % size:
                 on = None
-            _place(opt_vars[follower], tuple(axis if d == on else None for d in range(len(leaf_shape))), found)
+            _place(
+                opt_vars[follower], tuple(axis if d == on else None for d in range(len(leaf_shape))), found
+            )
     placed = (
         {("model", p) for p in mirrors}
         | {("optimizer", m) for ms in mirrors.values() for m in ms}

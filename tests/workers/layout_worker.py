@@ -42,7 +42,6 @@ from substrax.spmd import create_data_parallel_sharding, place_batch_on_shards  
 STEPS, ROWS, LR, MIN_SIZE = 6, 32, 1e-2, 16
 
 
-
 class Dropped(nnx.Module):
     """The test MLP with dropout: random streams (a key and a count) in the model's state."""
 
