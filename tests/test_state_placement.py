@@ -177,6 +177,17 @@ def test_state_of_no_parameter_is_replicated_not_refused(mesh8: jax.sharding.Mes
     assert coeffs and all(v.sharding.is_fully_replicated and len(v.sharding.device_set) == 8 for v in coeffs)
 
 
+def test_lbfgs_history_follows_the_split_dimension(mesh8: jax.sharding.Mesh) -> None:
+    # lbfgs keeps a history of each parameter, (10, *shape), and weights (10,) of no parameter.
+    model = MLP()
+    optimizer = nnx.Optimizer(model, optax.lbfgs(), wrt=nnx.Param)
+    substrax.shard_state(model, optimizer, mesh=mesh8, min_size=1)
+    state = optimizer.opt_state[0]
+    history = state.diff_params_memory["hidden"]["kernel"].get_value()
+    assert history.shape == (10, 4, 16) and history.sharding.spec == P(None, None, "data")
+    assert state.weights_memory.get_value().sharding.is_fully_replicated
+
+
 class Renamed(nnx.Module):
     """The MLP's shapes under other names: its optimizer is not the MLP's."""
 
@@ -191,12 +202,16 @@ def test_an_optimizer_built_for_another_model_is_refused(mesh8: jax.sharding.Mes
     other = nnx.Optimizer(Renamed(), optax.adafactor(LR), wrt=nnx.Param)
     with pytest.raises(
         ValueError,
-        match=r"optimizer\['opt_state'\]\[0\]\['v'\]\['first'\]\['bias'\] \(shape \(16,\)\) mirrors no "
-        r"parameter of the MLP given .*is the optimizer the model's\? Pass the model the optimizer was "
-        r"built for",
+        match=r"optimizer\['opt_state'\]\[0\]\['v_row'\]\['first'\]\['bias'\] \(shape \(1,\)\) mirrors "
+        r"no parameter of the MLP given \(the optimizer's transformation gives this model no such leaf\): "
+        r"is the optimizer the model's\? Pass the model the optimizer was built for",
     ):
         substrax.shard_state(model, other, mesh=mesh8)
-    wider = nnx.Optimizer(MLP(width=32), optax.adafactor(LR, min_dim_size_to_factor=4), wrt=nnx.Param)
+    # also once both are placed: the check reads shapes, not the variables' sharding metadata
+    substrax.shard_state(model, nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param), mesh=mesh8, min_size=1)
+    wider_model = MLP(width=32)
+    wider = nnx.Optimizer(wider_model, optax.adafactor(LR, min_dim_size_to_factor=4), wrt=nnx.Param)
+    substrax.shard_state(wider_model, wider, mesh=mesh8, min_size=1)
     with pytest.raises(
         ValueError, match=r"\(shape \(32,\)\) mirrors no parameter .*would have shape \(16,\)"
     ):
