@@ -9,17 +9,18 @@ whole by every microbatch. Metrics come back with a leading microbatch axis, and
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import PartitionSpec
 
 from substrax._tree import PyTree, path_str
 
-__all__ = ["check_microbatches", "fold_microbatch_metrics", "split_microbatches"]
+__all__ = ["check_microbatches", "fold_microbatch_metrics", "microbatched", "split_microbatches"]
 
 
 def _row_ways(spec: PartitionSpec, sizes: Mapping[str, int]) -> int:
@@ -118,3 +119,40 @@ def unfold_global_gather(value: jax.Array, ways: int) -> jax.Array:
     k, rows = value.shape[:2]
     y = value.reshape(k, ways, rows // ways, *value.shape[2:])
     return jnp.swapaxes(y, 0, 1).reshape(k * rows, *value.shape[2:])
+
+
+def microbatched(
+    value_and_grad: Callable[[nnx.Module, PyTree], tuple[tuple[Any, Any], nnx.State]],
+    model: nnx.Module,
+    slices: PyTree,
+    *,
+    prepare_carry: Callable[[Callable[..., Any], Any, PyTree], Any] | None = None,
+) -> tuple[tuple[jax.Array, Any], nnx.State]:
+    """``value_and_grad`` over microbatches in one ``lax.scan``: the mean loss and gradient.
+
+    The one loop both steps use. ``value_and_grad(model, piece) -> ((loss, aux), grads)``
+    runs on each slice of ``slices`` (stacked on a leading axis, from
+    ``split_microbatches`` or ``split_global_microbatches``); the model's other state
+    (BatchNorm statistics) carries from one slice to the next and is written back to
+    ``model``. ``prepare_carry(body, carry, first_slice)`` may retype the loop's carry
+    before it runs (the explicit step marks what the body makes per-device).
+
+    Returns:
+      ``((mean loss, aux stacked on a leading microbatch axis), mean gradient)``.
+    """
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
+    count = jax.tree.leaves(slices)[0].shape[0] if jax.tree.leaves(slices) else 1
+
+    def body(carry: tuple[Any, Any, Any], piece: PyTree) -> tuple[tuple[Any, Any, Any], Any]:
+        params, rest, total = carry  # the parameters ride along so they live at the loop's trace level
+        m = nnx.merge(graphdef, params, rest)
+        (loss, aux), grads = value_and_grad(m, piece)
+        total = jax.tree.map(jnp.add, total, grads)
+        return (params, nnx.state(m, nnx.Not(nnx.Param)), total), (loss, aux)
+
+    carry = (params, rest, jax.tree.map(jnp.zeros_like, params))
+    if prepare_carry is not None:
+        carry = prepare_carry(body, carry, jax.tree.map(lambda x: x[0], slices))
+    (_, rest, total), (losses, aux) = jax.lax.scan(body, carry, slices)
+    nnx.update(model, rest)
+    return (jnp.mean(losses), aux), jax.tree.map(lambda g: g / count, total)

@@ -13,7 +13,7 @@ import functools
 import weakref
 from collections.abc import Callable, Mapping
 from types import TracebackType
-from typing import Any, Literal, NamedTuple, Self
+from typing import Any, NamedTuple, Self
 
 import jax
 from flax import nnx
@@ -21,19 +21,20 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from substrax import _layout
 from substrax._census import Comparison
-from substrax._microbatch import check_microbatches
-from substrax._reductions import METRIC_REDUCTIONS
+from substrax._options import MODES, Mode, StepOptions
 from substrax._step_census import step_census
 from substrax._tree import PyTree, path_str
-from substrax.explicit._step import BatchSpec, explicit_train_step
+from substrax.explicit import _step as explicit_step
+from substrax.explicit._step import BatchSpec
 from substrax.mesh import current_mesh
-from substrax.spmd._step import spmd_train_step
+from substrax.spmd import _step as implicit_step
 
 __all__ = ["MODES", "BoundTrainStep", "TrainStep", "make_train_step"]
 
-Mode = Literal["implicit", "explicit"]
-MODES: tuple[Mode, ...] = ("implicit", "explicit")
-_STEPS: dict[str, Callable[..., Any]] = {"implicit": spmd_train_step, "explicit": explicit_train_step}
+_STEPS: dict[str, Callable[..., Any]] = {
+    "implicit": implicit_step.run_step,
+    "explicit": explicit_step.run_step,
+}
 
 
 def make_train_step(
@@ -131,19 +132,6 @@ class _PlacedSpecs(NamedTuple):
         return jax.tree.unflatten(self.treedef, self.specs)
 
 
-def _check_reduce(reduce: Mapping[str, str | None] | None, has_aux: bool) -> None:
-    if reduce is None:
-        return
-    if not has_aux:
-        raise ValueError("reduce= says how to reduce metrics, which loss_fn returns only with has_aux=True.")
-    for name, op in reduce.items():
-        if op is not None and op not in METRIC_REDUCTIONS:
-            raise ValueError(
-                f"Metric {name!r} asks for reduction {op!r}; use one of "
-                f"{', '.join(repr(a) for a in METRIC_REDUCTIONS)} or None (keep it unreduced)."
-            )
-
-
 class TrainStep:
     """A data-parallel training step in one mode; see ``make_train_step``."""
 
@@ -160,25 +148,32 @@ class TrainStep:
         microbatches: int = 1,
         skip_nonfinite: bool = True,
     ) -> None:
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}; got {mode!r}.")
-        _check_reduce(reduce, has_aux)
-        check_microbatches(microbatches)
+        self.options = StepOptions(
+            mode=mode,
+            mesh=mesh,
+            data_axis=data_axis,
+            batch_spec=batch_spec,
+            has_aux=has_aux,
+            reduce=reduce,
+            microbatches=microbatches,
+            skip_nonfinite=skip_nonfinite,
+        )
         if mesh is not None:
             current_mesh(mesh, required_axes=(data_axis,))
         self.loss_fn = loss_fn
-        self.mode = mode
-        self.mesh = mesh
-        self.data_axis = data_axis
-        self.batch_spec = batch_spec
-        self.has_aux = has_aux
-        self.reduce = reduce
-        self.microbatches = microbatches
-        if not isinstance(skip_nonfinite, bool):
-            raise TypeError(f"skip_nonfinite must be True or False; got {skip_nonfinite!r}.")
-        self.skip_nonfinite = skip_nonfinite
+        # the chooser always reduces metrics (unlisted ones by their mean)
+        self._step_options = self.options.replace(reduce=dict(reduce or {}) if has_aux else None)
         self._cached: _SplitState | None = None
         self._pure_steps: dict[Any, Any] = {}
+
+    mode = property(lambda self: self.options.mode, doc="``StepOptions.mode``.")
+    mesh = property(lambda self: self.options.mesh, doc="``StepOptions.mesh``.")
+    data_axis = property(lambda self: self.options.data_axis, doc="``StepOptions.data_axis``.")
+    batch_spec = property(lambda self: self.options.batch_spec, doc="``StepOptions.batch_spec``.")
+    has_aux = property(lambda self: self.options.has_aux, doc="``StepOptions.has_aux``.")
+    reduce = property(lambda self: self.options.reduce, doc="``StepOptions.reduce``.")
+    microbatches = property(lambda self: self.options.microbatches, doc="``StepOptions.microbatches``.")
+    skip_nonfinite = property(lambda self: self.options.skip_nonfinite, doc="``StepOptions.skip_nonfinite``.")
 
     def placed_specs(self, batch: PyTree) -> _PlacedSpecs | None:
         """How ``batch`` is already laid out, when no ``batch_spec`` was given.
@@ -234,19 +229,10 @@ class TrainStep:
     def _run(
         self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree, placed: _PlacedSpecs | None = None
     ) -> Any:
-        return _STEPS[self.mode](
-            model,
-            optimizer,
-            self.loss_fn,
-            batch,
-            has_aux=self.has_aux,
-            mesh=self.mesh,
-            data_axis=self.data_axis,
-            batch_spec=placed.tree() if placed is not None else self.batch_spec,
-            reduce=dict(self.reduce or {}) if self.has_aux else None,
-            microbatches=self.microbatches,
-            skip_nonfinite=self.skip_nonfinite,
-        )
+        options = self._step_options
+        if placed is not None:
+            options = options.replace(batch_spec=placed.tree())
+        return _STEPS[self.mode](model, optimizer, self.loss_fn, batch, options)
 
     def mesh_context(self) -> contextlib.AbstractContextManager[Any]:
         """``jax.set_mesh(self.mesh)``, or nothing when the step has no mesh of its own."""
@@ -264,7 +250,9 @@ class TrainStep:
                 out = self._run(model, optimizer, batch, placed)
                 return jax.tree.leaves(nnx.state((model, optimizer))), out
 
-            self._pure_steps[key] = jax.jit(pure, donate_argnums=0 if donate else (), static_argnames="placed")
+            self._pure_steps[key] = jax.jit(
+                pure, donate_argnums=0 if donate else (), static_argnames="placed"
+            )
         return self._pure_steps[key]
 
     def _split(self, model: nnx.Module, optimizer: nnx.Optimizer, *, donate: bool) -> _SplitState:

@@ -78,7 +78,9 @@ def test_a_skipped_step_keeps_the_batch_statistics(mesh8: jax.sharding.Mesh, mod
     before = _state(model, optimizer)
     batch = _poisoned(regression_batches(1, rows=32)[0], "x", np.nan)
     step = substrax.make_train_step(mse, mode, mesh=mesh8)
-    assert np.isnan(float(step(model, optimizer, place_batch_on_shards(batch, create_data_parallel_sharding(mesh8)))))
+    assert np.isnan(
+        float(step(model, optimizer, place_batch_on_shards(batch, create_data_parallel_sharding(mesh8))))
+    )
     for got, want in zip(_state(model, optimizer), before, strict=True):
         np.testing.assert_array_equal(got, want)
 

@@ -109,7 +109,9 @@ def test_replicated_state_that_varies_per_device_is_refused_not_averaged(mesh8: 
         optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
     batch = place_batch_on_shards(regression_batches(1, rows=32)[0], create_data_parallel_sharding(mesh8))
     step = substrax.make_train_step(mse, "explicit", mesh=mesh8)
-    with pytest.raises(ValueError, match=r"model\['seen'\] \(Tally, float32\) came out of the step different on each device"):
+    with pytest.raises(
+        ValueError, match=r"model\['seen'\] \(Tally, float32\) came out of the step different on each device"
+    ):
         step(model, optimizer, batch)
 
 
@@ -170,7 +172,9 @@ def test_batchnorm_without_axis_name_trains_with_microbatches_in_explicit_mode(
         assert getattr(model.norm, stat).get_value().sharding.is_fully_replicated
 
 
-def test_batchnorm_with_axis_name_and_microbatches_matches_the_implicit_step(mesh8: jax.sharding.Mesh) -> None:
+def test_batchnorm_with_axis_name_and_microbatches_matches_the_implicit_step(
+    mesh8: jax.sharding.Mesh,
+) -> None:
     # Each microbatch normalizes with its global statistics: implicit mode by seeing the
     # global microbatch, explicit mode by the layer's own pmean over axis_name.
     batches = regression_batches(3, rows=64)

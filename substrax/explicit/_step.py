@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
@@ -41,7 +42,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from substrax._collectives import to_varying
 from substrax._layout import optimizer_mirrors, spec_tuple, split_dim_of
-from substrax._microbatch import check_microbatches, fold_microbatch_metrics, split_microbatches
+from substrax._microbatch import check_microbatches, fold_microbatch_metrics, microbatched, split_microbatches
+from substrax._options import StepOptions
 from substrax._placement import batch_partition_specs
 from substrax._reductions import split_loss_output
 from substrax._tree import PyTree, is_array, path_str
@@ -210,7 +212,11 @@ def _settle_per_device_state(state: nnx.State, specs: Any, data_axis: str) -> nn
     def settle(path: tuple[Any, ...], variable: nnx.Variable[Any], spec: Any) -> nnx.Variable[Any]:
         value = variable.get_value()
         axes = varying_axes(value)
-        if axes is None or data_axis not in axes or any(e is not None for e in (spec.get_value() if isinstance(spec, nnx.Variable) else spec)):
+        if (
+            axes is None
+            or data_axis not in axes
+            or any(e is not None for e in (spec.get_value() if isinstance(spec, nnx.Variable) else spec))
+        ):
             return variable
         if isinstance(variable, nnx.BatchStat) and jnp.issubdtype(value.dtype, jnp.inexact):
             with jax.named_scope("substrax.batch_stats"):
@@ -223,9 +229,7 @@ def _settle_per_device_state(state: nnx.State, specs: Any, data_axis: str) -> nn
             f"a per-device average is what it means, or keep it out of the model's state."
         )
 
-    return jax.tree.map_with_path(
-        settle, state, specs, is_leaf=lambda x: isinstance(x, nnx.Variable)
-    )
+    return jax.tree.map_with_path(settle, state, specs, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def _varying_carry(body: Callable[..., Any], carry: Any, piece: PyTree, data_axis: str) -> Any:
@@ -235,7 +239,10 @@ def _varying_carry(body: Callable[..., Any], carry: Any, piece: PyTree, data_axi
     ``axis_name`` turns its replicated statistics into per-device ones in the body.
     """
     out = jax.eval_shape(body, carry, piece)[0]
-    cast = [data_axis in getattr(getattr(o, "manual_axis_type", None), "varying", ()) for o in jax.tree.leaves(out)]
+    cast = [
+        data_axis in getattr(getattr(o, "manual_axis_type", None), "varying", ())
+        for o in jax.tree.leaves(out)
+    ]
     leaves, treedef = jax.tree.flatten(carry)
     return jax.tree.unflatten(
         treedef,
@@ -279,24 +286,11 @@ def _value_and_local_grad(
         loss, aux = split_loss_output(split_loss(m, piece), True)
         return loss / devices, aux
 
-    value_and_grad = nnx.value_and_grad(share, has_aux=True)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
     slices = split_microbatches(shard, specs, data_axis, microbatches)
-
-    def body(carry: tuple[Any, Any, Any], piece: PyTree) -> tuple[tuple[Any, Any, Any], Any]:
-        params, rest, total = carry  # the parameters ride along so they live at the loop's trace level
-        m = nnx.merge(graphdef, params, rest)
-        (loss, metrics), grads = value_and_grad(m, piece)
-        total = jax.tree.map(jnp.add, total, grads)
-        return (params, nnx.state(m, nnx.Not(nnx.Param)), total), (loss, metrics)
-
-    carry = (params, rest, jax.tree.map(jnp.zeros_like, params))
-    if not one_device:
-        carry = _varying_carry(body, carry, jax.tree.map(lambda x: x[0], slices), data_axis)
-    (_, rest, total), (losses, metrics) = jax.lax.scan(body, carry, slices)
-    nnx.update(model, rest)
-    grads = jax.tree.map(lambda g: g / microbatches, total)
-    loss = jnp.mean(losses)
+    prepare = None if one_device else functools.partial(_varying_carry, data_axis=data_axis)
+    (loss, metrics), grads = microbatched(
+        nnx.value_and_grad(share, has_aux=True), model, slices, prepare_carry=prepare
+    )
     if one_device:
         return loss, metrics, grads
     with jax.named_scope("substrax.loss"):
@@ -433,18 +427,37 @@ def explicit_train_step(
         other than ``nnx.BatchStat`` comes out different per device; each message
         names the axis, leaf, parameter or metric.
     """
-    if reduce is not None and not has_aux:
-        raise ValueError("reduce= says how to reduce metrics, which loss_fn returns only with has_aux=True.")
-    check_microbatches(microbatches)
-    mesh = current_mesh(mesh, required_axes=(data_axis,))
-    specs = batch_partition_specs(batch, batch_spec, mesh, data_axis)
+    options = StepOptions(
+        mesh=mesh,
+        data_axis=data_axis,
+        batch_spec=batch_spec,
+        has_aux=has_aux,
+        reduce=reduce,
+        microbatches=microbatches,
+        skip_nonfinite=skip_nonfinite,
+    )
+    return run_step(model, optimizer, loss_fn, batch, options)
+
+
+def run_step(
+    model: M,
+    optimizer: nnx.Optimizer[M],
+    loss_fn: Callable[[M, PyTree], Any],
+    batch: PyTree,
+    options: StepOptions,
+) -> jax.Array | tuple[jax.Array, dict[str, Any]]:
+    """``explicit_train_step`` with its keywords as one ``StepOptions``."""
+    o = options
+    data_axis, microbatches, reduce = o.data_axis, o.microbatches, o.reduce
+    mesh = current_mesh(o.mesh, required_axes=(data_axis,))
+    specs = batch_partition_specs(batch, o.batch_spec, mesh, data_axis)
     check_microbatches(microbatches, batch, specs, mesh, data_axis)
     plans = _plans(model, optimizer, data_axis)
-    before = state_values((model, optimizer)) if skip_nonfinite else None
+    before = state_values((model, optimizer)) if o.skip_nonfinite else None
     graphdef, state = nnx.split(model)
     state_specs = nnx.get_partition_spec(state)
     rest_specs = nnx.get_partition_spec(nnx.state(model, nnx.Not(nnx.Param)))
-    split_loss = _split_loss(loss_fn, has_aux)
+    split_loss = _split_loss(loss_fn, o.has_aux)
     # A data axis of size 1 needs no collective: nothing is typed as varying over it (the
     # batch and state enter replicated, which is the same placement), so none is emitted.
     one_device = mesh.shape[data_axis] == 1
@@ -455,7 +468,12 @@ def explicit_train_step(
     shard_specs = _without_axis(specs, data_axis) if one_device else specs
     grad_specs = nnx.from_flat_state(
         [
-            (p, PartitionSpec(*(data_axis if d == plan.update_dim else None for d in range(v.get_value().ndim))))
+            (
+                p,
+                PartitionSpec(
+                    *(data_axis if d == plan.update_dim else None for d in range(v.get_value().ndim))
+                ),
+            )
             for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
             for plan in (plans[tuple(p)],)
         ]
@@ -465,7 +483,13 @@ def explicit_train_step(
         model = nnx.merge(graphdef, state)
         if one_device:
             loss, metrics, grads = _value_and_local_grad(
-                model, split_loss, shard, specs, data_axis=data_axis, microbatches=microbatches, one_device=True
+                model,
+                split_loss,
+                shard,
+                specs,
+                data_axis=data_axis,
+                microbatches=microbatches,
+                one_device=True,
             )
         else:
             _set_whole_varying(model, plans, data_axis)
@@ -496,4 +520,4 @@ def explicit_train_step(
     rest, grads, loss, metrics = run(state, batch)
     nnx.update(model, rest)
     apply_update(model, optimizer, grads, loss, before)
-    return (loss, metrics) if has_aux else loss
+    return (loss, metrics) if o.has_aux else loss

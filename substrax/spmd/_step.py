@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, TypeVar, overload
+from typing import Any, TypeVar
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
-from substrax._microbatch import check_microbatches, split_global_microbatches, unfold_global_gather
+from substrax._microbatch import (
+    check_microbatches,
+    microbatched,
+    split_global_microbatches,
+    unfold_global_gather,
+)
+from substrax._options import StepOptions
 from substrax._placement import batch_partition_specs
 from substrax._reductions import split_loss_output
 from substrax._update import apply_update, state_values
@@ -29,77 +34,6 @@ def _mesh_or_none(mesh: Any, data_axis: str) -> Any:
     except ValueError:
         return None
     return found if data_axis in found.axis_names else None
-
-
-def _accumulated_value_and_grad(
-    model: nnx.Module, loss_fn: Callable[..., Any], batch: PyTree, specs: PyTree, ways: int, microbatches: int
-) -> tuple[Any, nnx.State]:
-    """The mean loss (and stacked aux) and mean gradient over ``microbatches`` slices, in a ``lax.scan``."""
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
-    slices = split_global_microbatches(batch, specs, ways, microbatches)
-
-    def body(carry: tuple[Any, Any, Any], piece: PyTree) -> tuple[tuple[Any, Any, Any], Any]:
-        params, rest, total = carry
-        m = nnx.merge(graphdef, params, rest)
-        (loss, aux), grads = nnx.value_and_grad(loss_fn, has_aux=True)(m, piece)
-        total = jax.tree.map(jnp.add, total, grads)
-        return (params, nnx.state(m, nnx.Not(nnx.Param)), total), (loss, aux)
-
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    (_, rest, total), (losses, aux) = jax.lax.scan(body, (params, rest, zeros), slices)
-    nnx.update(model, rest)
-    return (jnp.mean(losses), aux), jax.tree.map(lambda g: g / microbatches, total)
-
-
-@overload
-def spmd_train_step(
-    model: M,
-    optimizer: nnx.Optimizer[M],
-    loss_fn: Callable[[M, PyTree], jax.Array],
-    batch: PyTree,
-    *,
-    has_aux: Literal[False] = False,
-    mesh: Any = None,
-    data_axis: str = "data",
-    batch_spec: Any = None,
-    reduce: Mapping[str, str | None] | None = None,
-    microbatches: int = 1,
-    skip_nonfinite: bool = True,
-) -> jax.Array: ...
-
-
-@overload
-def spmd_train_step(
-    model: M,
-    optimizer: nnx.Optimizer[M],
-    loss_fn: Callable[[M, PyTree], tuple[jax.Array, Any]],
-    batch: PyTree,
-    *,
-    has_aux: Literal[True],
-    mesh: Any = None,
-    data_axis: str = "data",
-    batch_spec: Any = None,
-    reduce: Mapping[str, str | None] | None = None,
-    microbatches: int = 1,
-    skip_nonfinite: bool = True,
-) -> tuple[jax.Array, Any]: ...
-
-
-@overload
-def spmd_train_step(
-    model: M,
-    optimizer: nnx.Optimizer[M],
-    loss_fn: Callable[[M, PyTree], Any],
-    batch: PyTree,
-    *,
-    has_aux: bool,
-    mesh: Any = None,
-    data_axis: str = "data",
-    batch_spec: Any = None,
-    reduce: Mapping[str, str | None] | None = None,
-    microbatches: int = 1,
-    skip_nonfinite: bool = True,
-) -> jax.Array | tuple[jax.Array, Any]: ...
 
 
 def spmd_train_step(
@@ -161,39 +95,56 @@ def spmd_train_step(
       >>> with jax.set_mesh(mesh):
       ...     loss = train_step(model, optimizer, batch)
     """
-    if reduce is not None and not has_aux:
-        raise ValueError("reduce= says how to reduce metrics, which loss_fn returns only with has_aux=True.")
-    check_microbatches(microbatches)
-    found = _mesh_or_none(mesh, data_axis)
-    if found is None and (batch_spec is not None or microbatches > 1):
-        current_mesh(mesh, required_axes=(data_axis,))  # raises, naming what is missing
+    options = StepOptions(
+        mesh=mesh,
+        data_axis=data_axis,
+        batch_spec=batch_spec,
+        has_aux=has_aux,
+        reduce=reduce,
+        microbatches=microbatches,
+        skip_nonfinite=skip_nonfinite,
+    )
+    return run_step(model, optimizer, loss_fn, batch, options)
+
+
+def run_step(
+    model: M,
+    optimizer: nnx.Optimizer[M],
+    loss_fn: Callable[[M, PyTree], Any],
+    batch: PyTree,
+    options: StepOptions,
+) -> jax.Array | tuple[jax.Array, Any]:
+    """``spmd_train_step`` with its keywords as one ``StepOptions``."""
+    o = options
+    found = _mesh_or_none(o.mesh, o.data_axis)
+    if found is None and (o.batch_spec is not None or o.microbatches > 1):
+        current_mesh(o.mesh, required_axes=(o.data_axis,))  # raises, naming what is missing
     specs = None
     if found is not None:
-        specs = batch_partition_specs(batch, batch_spec, found, data_axis)
-        check_microbatches(microbatches, batch, specs, found, data_axis)
+        specs = batch_partition_specs(batch, o.batch_spec, found, o.data_axis)
+        check_microbatches(o.microbatches, batch, specs, found, o.data_axis)
         batch = jax.lax.with_sharding_constraint(batch, specs)
-
-    before = state_values((model, optimizer)) if skip_nonfinite else None
+    before = state_values((model, optimizer)) if o.skip_nonfinite else None
 
     def checked_loss(model: M, batch: PyTree) -> tuple[Any, Any]:
-        loss, aux = split_loss_output(loss_fn(model, batch), has_aux)
+        loss, aux = split_loss_output(loss_fn(model, batch), o.has_aux)
         return loss, aux
 
-    if microbatches == 1:
-        (loss, aux), grads = nnx.value_and_grad(checked_loss, has_aux=True)(model, batch)
-        ways = 1
+    value_and_grad = nnx.value_and_grad(checked_loss, has_aux=True)
+    ways = 1
+    if o.microbatches == 1:
+        (loss, aux), grads = value_and_grad(model, batch)
     else:
-        ways = found.shape[data_axis]
-        (loss, aux), grads = _accumulated_value_and_grad(
-            model, checked_loss, batch, specs, ways, microbatches
-        )
+        ways = found.shape[o.data_axis]
+        slices = split_global_microbatches(batch, specs, ways, o.microbatches)
+        (loss, aux), grads = microbatched(value_and_grad, model, slices)
     apply_update(model, optimizer, grads, loss, before)
-    if not has_aux:
+    if not o.has_aux:
         return loss
-    if reduce is not None:
-        if microbatches > 1:
+    if o.reduce is not None:
+        if o.microbatches > 1:
             aux = {
-                n: unfold_global_gather(v, ways) if reduce.get(n) == "gather" else v for n, v in aux.items()
+                n: unfold_global_gather(v, ways) if o.reduce.get(n) == "gather" else v for n, v in aux.items()
             }
-        aux = reduce_metrics(aux, reduce, mesh=found)
+        aux = reduce_metrics(aux, o.reduce, mesh=found)
     return loss, aux

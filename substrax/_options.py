@@ -1,0 +1,72 @@
+"""The options of a training step, written and checked once.
+
+``make_train_step``, ``TrainStep``, ``spmd_train_step`` and ``explicit_train_step``
+each take these as keywords and build one ``StepOptions``; the steps read it. A new
+option is one field here and one keyword in each public signature.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from substrax._microbatch import check_microbatches
+from substrax._reductions import METRIC_REDUCTIONS
+
+__all__ = ["MODES", "Mode", "StepOptions"]
+
+Mode = Literal["implicit", "explicit"]
+MODES: tuple[Mode, ...] = ("implicit", "explicit")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """How a data-parallel step runs; see ``make_train_step`` for each field.
+
+    Attributes:
+      mode: ``"implicit"`` or ``"explicit"`` (read by the chooser only).
+      mesh: The mesh, or ``None`` for the one set by ``jax.set_mesh``.
+      data_axis: The mesh axis the batch is split over.
+      batch_spec: How the batch is split, or ``None`` for the default.
+      has_aux: Whether ``loss_fn`` returns ``(loss, metrics)``.
+      reduce: Metric name to reduction, or ``None``.
+      microbatches: Microbatches per step.
+      skip_nonfinite: Whether a non-finite step skips its update.
+
+    Raises:
+      ValueError: If ``mode`` is unknown, ``reduce`` is given without ``has_aux`` or
+        names an unknown operation, or ``microbatches`` is below 1.
+      TypeError: If ``microbatches`` is not an int or ``skip_nonfinite`` not a bool.
+    """
+
+    mode: Mode = "implicit"
+    mesh: Any = None
+    data_axis: str = "data"
+    batch_spec: Any = None
+    has_aux: bool = False
+    reduce: Mapping[str, str | None] | None = None
+    microbatches: int = 1
+    skip_nonfinite: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}; got {self.mode!r}.")
+        if self.reduce is not None:
+            if not self.has_aux:
+                raise ValueError(
+                    "reduce= says how to reduce metrics, which loss_fn returns only with has_aux=True."
+                )
+            for name, op in self.reduce.items():
+                if op is not None and op not in METRIC_REDUCTIONS:
+                    raise ValueError(
+                        f"Metric {name!r} asks for reduction {op!r}; use one of "
+                        f"{', '.join(repr(a) for a in METRIC_REDUCTIONS)} or None (keep it unreduced)."
+                    )
+        check_microbatches(self.microbatches)
+        if not isinstance(self.skip_nonfinite, bool):
+            raise TypeError(f"skip_nonfinite must be True or False; got {self.skip_nonfinite!r}.")
+
+    def replace(self, **changes: Any) -> StepOptions:
+        """A copy with ``changes``, checked again."""
+        return dataclasses.replace(self, **changes)
