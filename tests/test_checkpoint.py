@@ -339,13 +339,19 @@ def test_a_save_killed_before_its_commit_leaves_the_previous_step(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert sorted(os.listdir(directory)) == ["1", "2.orbax-checkpoint-tmp"], os.listdir(directory)
+    # the killed run's claim is left behind
+    assert sorted(os.listdir(directory)) == ["1", "2.orbax-checkpoint-tmp", "substrax.lock"]
+    claim = json.loads((directory / "substrax.lock").read_text())
+    assert claim["pid"] == proc.pid
 
     model, optimizer = build("fsdp", mesh8, seed=1)
-    assert checkpoint.restore(directory, model, optimizer) == 1
+    assert checkpoint.restore(directory, model, optimizer) == 1  # reading takes no claim
     want = values(*build("fsdp", mesh8, seed=0))
     got = values(model, optimizer)
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
-    checkpoint.save(directory, 2, model, optimizer)  # the run goes on past the broken save
+    # the run goes on past the broken save, taking over the dead process's claim
+    with pytest.warns(UserWarning, match=rf"took over .* from a run that is gone: pid {proc.pid} on "):
+        checkpoint.save(directory, 2, model, optimizer)
     assert checkpoint.restore(directory, model, optimizer) == 2
+    assert not (directory / "substrax.lock").exists()  # released

@@ -11,7 +11,7 @@ checkpoint into a fresh FSDP model, train the last ``STEPS`` steps again, and pr
 ``python ckpt_worker.py crash DIR`` (one process, 8 CPU devices): saves step 1, then
 starts an asynchronous save of step 2 in which orbax's commit (the rename of the
 temporary directory) never returns; it prints ``COMMITTING`` there, with every array of
-step 2 written, and waits to be killed. Step 1 holds a fresh model's FSDP state (seed 0)
+step 2 written, and waits to be killed, its manager's claim on DIR still held. Step 1 holds a fresh model's FSDP state (seed 0)
 and its Adam optimizer's, step 2 every array of it plus one.
 """
 
@@ -81,7 +81,13 @@ def train(directory: str) -> None:
     print(f"RESUMED {json.dumps(resumed)}", flush=True)
 
 
-def _blocked_rename(*args: object, **kwargs: object) -> None:
+_rename = os.rename
+
+
+def _blocked_rename(src: str, dst: str, *args: object, **kwargs: object) -> None:
+    """Orbax's commit of a step (the rename of its temporary directory) never returns."""
+    if not os.fspath(src).endswith(".orbax-checkpoint-tmp"):
+        return _rename(src, dst, *args, **kwargs)  # type: ignore[arg-type]
     print("COMMITTING", flush=True)
     time.sleep(600)
 
@@ -92,7 +98,7 @@ def crash(directory: str) -> None:
     checkpoint.save(directory, 1, model, optimizer)
     for _, variable in nnx.to_flat_state(nnx.state((model, optimizer))):
         variable.set_raw_value(variable.get_raw_value() + 1)
-    os.rename = _blocked_rename  # type: ignore[assignment]  # orbax's commit never completes
+    os.rename = _blocked_rename  # type: ignore[assignment]
     manager = checkpoint.CheckpointManager(directory, async_save=True)
     manager.save(2, model, optimizer)
     print("SAVING", flush=True)
