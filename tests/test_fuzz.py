@@ -431,6 +431,7 @@ class Result:
         return (
             f"{'ok  ' if self.ok else 'FAIL'} {self.seconds:4.1f}s {self.config.short()} | {devs} | "
             f"floor l/s/m {floors} | census {self.census} grads {self.gradients}"
+            + ("" if self.ok else f" | {self.problems[0][:160]}")
         )
 
     def report(self) -> str:
