@@ -16,14 +16,16 @@ from types import TracebackType
 from typing import Any, NamedTuple, Self
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from substrax import _layout
 from substrax._census import Comparison
 from substrax._options import MODES, Mode, StepOptions
+from substrax._placement import check_batch_leaves
 from substrax._step_census import step_census
-from substrax._tree import PyTree, path_str
+from substrax._tree import PyTree
 from substrax.explicit import _step as explicit_step
 from substrax.explicit._step import BatchSpec
 from substrax.mesh import current_mesh
@@ -31,10 +33,7 @@ from substrax.spmd import _step as implicit_step
 
 __all__ = ["MODES", "BoundTrainStep", "TrainStep", "make_train_step"]
 
-_STEPS: dict[str, Callable[..., Any]] = {
-    "implicit": implicit_step.run_step,
-    "explicit": explicit_step.run_step,
-}
+_STEPS = {"implicit": implicit_step, "explicit": explicit_step}  # each: run_step, check_placement
 
 
 def make_train_step(
@@ -180,9 +179,12 @@ class TrainStep:
 
         A leaf placed on a ``NamedSharding`` of a mesh with ``data_axis`` keeps its spec
         (a prefix placement of ``place_batch_on_shards``: rows on the data axis, a
-        batch-level value replicated); any other leaf gets ``PartitionSpec(data_axis)``.
+        batch-level value replicated); any other leaf gets ``PartitionSpec(data_axis)``,
+        or ``PartitionSpec()`` when it is 0-d. Refuses a Python list in ``batch`` and
+        warns about a float64 leaf jax would cast (``check_batch_leaves``).
         ``None`` when ``batch_spec`` was given or nothing is placed so.
         """
+        check_batch_leaves(batch)  # outside the trace: a list is refused, a float64 leaf named
         if self.batch_spec is not None:
             return None
         leaves, treedef = jax.tree.flatten(batch)
@@ -191,30 +193,11 @@ class TrainStep:
             sharding = getattr(leaf, "sharding", None)
             if isinstance(sharding, NamedSharding) and self.data_axis in sharding.mesh.axis_names:
                 specs.append(sharding.spec)
-            else:
-                specs.append(PartitionSpec(self.data_axis))
-        if all(spec == PartitionSpec(self.data_axis) for spec in specs):
+            else:  # what the step's default does: rows split, a 0-d leaf replicated
+                specs.append(PartitionSpec() if np.ndim(leaf) == 0 else PartitionSpec(self.data_axis))
+        if all(spec == PartitionSpec(self.data_axis) or np.ndim(leaf) == 0 for spec, leaf in zip(specs, leaves)):
             return None
         return _PlacedSpecs(treedef, tuple(specs))
-
-    def _check_model(self, model: nnx.Module) -> None:
-        """Explicit mode: refuse a parameter split on the devices in a way its metadata does not say."""
-        if self.mode != "explicit":
-            return
-        for path, variable in nnx.to_flat_state(nnx.state(model)):
-            sharding = getattr(variable.get_value(), "sharding", None)
-            if not isinstance(sharding, NamedSharding) or sharding.is_fully_replicated:
-                continue
-            declared = _layout.spec_tuple(variable)
-            said = NamedSharding(sharding.mesh, PartitionSpec(*(declared or ())))
-            if declared is None or not said.is_equivalent_to(sharding, variable.get_value().ndim):
-                raise ValueError(
-                    f"{path_str(path, 'model')} is sharded as {sharding.spec}, but its variable "
-                    f"does not say so (out_sharding={declared}), and the explicit step reads the "
-                    f"layout from it. Split the state with substrax.shard_state(model, "
-                    f"optimizer), replicate the variable (NamedSharding(mesh, PartitionSpec())), "
-                    f"or use mode='implicit', where XLA follows the parameters' shardings."
-                )
 
     def step(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree) -> Any:
         """The un-jitted step, for use inside your own ``nnx.jit``.
@@ -232,7 +215,7 @@ class TrainStep:
         options = self._step_options
         if placed is not None:
             options = options.replace(batch_spec=placed.tree())
-        return _STEPS[self.mode](model, optimizer, self.loss_fn, batch, options)
+        return _STEPS[self.mode].run_step(model, optimizer, self.loss_fn, batch, options)
 
     def mesh_context(self) -> contextlib.AbstractContextManager[Any]:
         """``jax.set_mesh(self.mesh)``, or nothing when the step has no mesh of its own."""
@@ -256,7 +239,7 @@ class TrainStep:
         return self._pure_steps[key]
 
     def _split(self, model: nnx.Module, optimizer: nnx.Optimizer, *, donate: bool) -> _SplitState:
-        self._check_model(model)
+        _STEPS[self.mode].check_placement(model)
         return _SplitState(self, model, optimizer, donate=donate)
 
     def __call__(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree) -> Any:

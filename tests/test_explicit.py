@@ -245,7 +245,7 @@ def test_batch_spec_errors(mesh8: jax.sharding.Mesh) -> None:
     batch = {"rows": rows, "scale": np.float32(1.0)}
     loss = lambda m, b: mse(m, b["rows"])  # noqa: E731
     cases = [
-        (None, r"batch\['scale'\] has shape \(\) .* splits dimension 0"),
+        ({"rows": P("data"), "scale": P("data")}, r"batch\['scale'\] has shape \(\) .* splits dimension 0"),
         ({"rows": P("data")}, r"batch_spec tree does not fit the batch at batch \(the root\)"),
         ({"rows": P("data"), "scale": P("model")}, r"axis 'model' of .* is not in the mesh, whose axes are \('data',\)"),
         ({"rows": P("data"), "scale": "replicated"}, r"holds 'replicated' at batch\['scale'\], which is not a batch_spec"),

@@ -207,10 +207,13 @@ def test_a_prefix_placed_batch_needs_no_batch_spec(mesh8: jax.sharding.Mesh, bat
         results.append((losses, params_of(model)))
     np.testing.assert_allclose(results[0][0], results[1][0], rtol=1e-6)
     assert_params_close(results[0][1], results[1][1], rtol=1e-6, atol=1e-7)
-    # a host batch has no placement to read: the scalar is refused, naming what to pass
+    # a host batch has no placement to read: its 0-d scale is replicated, never split
+    with jax.set_mesh(mesh8):
+        model = MLP()
+        optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
     host = {"rows": batches[0], "batch_state": {"scale": np.float32(0.5)}}
-    with pytest.raises(ValueError, match=r"batch\['batch_state'\]\['scale'\] has shape \(\).*give the step batch_spec="):
-        substrax.make_train_step(_weighted_loss, mode, mesh=mesh8)(model, optimizer, host)
+    loss = substrax.make_train_step(_weighted_loss, mode, mesh=mesh8)(model, optimizer, host)
+    np.testing.assert_allclose(float(loss), results[0][0][0], rtol=1e-6)
 
 
 class _Dropped(nnx.Module):

@@ -24,7 +24,7 @@ from substrax._collectives import (
 from substrax._reductions import METRIC_REDUCTIONS, check_reduce_fn
 from substrax._tree import is_array
 
-__all__ = ["reduce_metrics_collective"]
+__all__ = ["reduce_metrics_collective", "reduce_metrics_on_one_device"]
 
 _LOCAL_THEN_COLLECTIVE: dict[str, tuple[Callable[[Any], Any], Callable[[Any, str], Any]]] = {
     "mean": (jnp.mean, reduce_mean_collective),
@@ -76,4 +76,23 @@ def reduce_metrics_collective(
         else:
             local, collective = _LOCAL_THEN_COLLECTIVE[op]
             reduced[name] = collective(local(value), axis_name)
+    return reduced
+
+
+def reduce_metrics_on_one_device(
+    metrics: Mapping[str, Any], reduce: Mapping[str, str | None] | None = None
+) -> dict[str, Any]:
+    """What ``reduce_metrics_collective`` gives over an axis of size 1, with no collective."""
+    ops = check_reduce_fn(
+        metrics, reduce, allowed=METRIC_REDUCTIONS, none_means="stack the devices' values unreduced"
+    )
+    reduced: dict[str, Any] = {}
+    for name, value in metrics.items():
+        op = ops[name]
+        if not is_array(value) or op == "gather":
+            reduced[name] = value
+        elif op is None:
+            reduced[name] = value[None]
+        else:
+            reduced[name] = _LOCAL_THEN_COLLECTIVE[op][0](value)
     return reduced

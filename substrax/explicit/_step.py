@@ -46,12 +46,11 @@ from substrax._microbatch import check_microbatches, fold_microbatch_metrics, mi
 from substrax._options import StepOptions
 from substrax._placement import batch_partition_specs
 from substrax._reductions import split_loss_output
-from substrax._tree import PyTree, is_array, path_str
+from substrax._tree import PyTree, path_str
 from substrax._update import apply_update, state_values
 from substrax.explicit._grad import data_parallel_value_and_grad, varying_axes
-from substrax.explicit._metrics import reduce_metrics_collective
+from substrax.explicit._metrics import reduce_metrics_collective, reduce_metrics_on_one_device
 from substrax.mesh import current_mesh
-from substrax.spmd._metrics import reduce_metrics
 
 __all__ = ["explicit_train_step", "explicit_value_and_grad"]
 
@@ -86,10 +85,33 @@ def check_data_axis_only(tree: Any, data_axis: str, owner: str) -> None:
         others = [e for e in spec or () if e is not None and split_dim_of((e,), data_axis) is None]
         if others:
             raise ValueError(
-                f"{path_str(tuple(path), owner)} is sharded as {PartitionSpec(*(spec or ()))}, over mesh axis "
-                f"{others[0]!r}; the explicit step splits state only over the data axis "
+                f"{path_str(tuple(path), owner)} is sharded as {PartitionSpec(*(spec or ()))}, "
+                f"over mesh axis {others[0]!r}; the explicit step splits state only over the data axis "
                 f"{data_axis!r} (substrax.shard_state). Replicate it over {others[0]!r}, or use "
                 f"mode='implicit', where XLA follows any sharding."
+            )
+
+
+def check_placement(model: nnx.Module) -> None:
+    """Refuse a variable split on the devices in a way its metadata does not say (outside jit).
+
+    The step reads the layout from the variables' ``out_sharding`` metadata, which
+    ``substrax.shard_state`` writes; an array placed by hand without it would be read
+    as replicated.
+    """
+    for path, variable in nnx.to_flat_state(nnx.state(model)):
+        sharding = getattr(variable.get_value(), "sharding", None)
+        if not isinstance(sharding, NamedSharding) or sharding.is_fully_replicated:
+            continue
+        declared = spec_tuple(variable)
+        said = NamedSharding(sharding.mesh, PartitionSpec(*(declared or ())))
+        if declared is None or not said.is_equivalent_to(sharding, variable.get_value().ndim):
+            raise ValueError(
+                f"{path_str(tuple(path), 'model')} is sharded as {sharding.spec}, but its variable "
+                f"does not say so (out_sharding={declared}), and the explicit step reads the "
+                f"layout from it. Split the state with substrax.shard_state(model, "
+                f"optimizer), replicate the variable (NamedSharding(mesh, PartitionSpec())), "
+                f"or use mode='implicit', where XLA follows the parameters' shardings."
             )
 
 
@@ -168,15 +190,6 @@ def _without_axis(specs: PyTree, axis: str) -> PyTree:
         return PartitionSpec(*(entry(e) for e in spec))
 
     return jax.tree.map(drop, specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
-
-
-def _reduce_metrics_on_one_device(
-    metrics: Mapping[str, Any], reduce: Mapping[str, str | None] | None
-) -> dict[str, Any]:
-    """What ``reduce_metrics_collective`` gives over a size-1 axis, without a collective."""
-    ops = dict(reduce or {})
-    out = reduce_metrics(metrics, reduce)
-    return {n: v[None] if n in ops and ops[n] is None and is_array(v) else v for n, v in out.items()}
 
 
 @contextlib.contextmanager
@@ -501,7 +514,7 @@ def run_step(
         if microbatches > 1:
             metrics = fold_microbatch_metrics(metrics, reduce)
         if one_device:
-            metrics = _reduce_metrics_on_one_device(metrics, reduce)
+            metrics = reduce_metrics_on_one_device(metrics, reduce)
         else:
             with jax.named_scope("substrax.metrics"):
                 metrics = reduce_metrics_collective(metrics, reduce, data_axis)
