@@ -39,6 +39,7 @@ from substrax._layout import LAYOUTS
 __all__ = [
     "KINDS",
     "LAYOUTS",
+    "SOURCES",
     "CensusReport",
     "Collective",
     "Comparison",
@@ -46,7 +47,6 @@ __all__ = [
     "ExpectedCollective",
     "Operand",
     "Part",
-    "SOURCES",
     "census",
     "compare",
     "expected_communication",
@@ -180,8 +180,14 @@ class Collective:
         buffers = _part_buffers(self)
         if len(buffers) <= 1:
             return (Part(self, 0, buffers[0] if buffers else Operand("?", ()), self.op_name, self.bytes),)
-        names = self.buffer_op_names if len(self.buffer_op_names) == len(buffers) else (self.op_name,) * len(buffers)
-        return tuple(Part(self, i, b, n, b.bytes) for i, (b, n) in enumerate(zip(buffers, names, strict=True)))
+        names = (
+            self.buffer_op_names
+            if len(self.buffer_op_names) == len(buffers)
+            else (self.op_name,) * len(buffers)
+        )
+        return tuple(
+            Part(self, i, b, n, b.bytes) for i, (b, n) in enumerate(zip(buffers, names, strict=True))
+        )
 
     @property
     def in_loop(self) -> bool:
@@ -218,6 +224,7 @@ class Collective:
     def group_size(self) -> int | None:
         """Devices in each replica group, ``None`` when the groups are unknown."""
         return len(self.groups[0]) if self.groups else None
+
 
 LIBRARY_SCOPE = re.compile(r"\bsubstrax\.[A-Za-z_][\w]*")
 """A ``jax.named_scope`` of the library's steps in an operation's name, e.g. ``substrax.grad_reduce``."""
@@ -282,7 +289,11 @@ class Part:
     def __str__(self) -> str:
         where = f" from {self.op_name}" if self.op_name else ""
         times = self.row.trip_count
-        runs = f", {times if times is not None else 'an unstated number of'} times per step" if self.row.in_loop else ""
+        runs = (
+            f", {times if times is not None else 'an unstated number of'} times per step"
+            if self.row.in_loop
+            else ""
+        )
         return f"{self.buffer} ({self.bytes:,} B) of {self.kind} {self.row.name}{where}{runs}"
 
 
@@ -675,7 +686,9 @@ def _row(
     return dataclasses.replace(row, buffer_op_names=_buffer_op_names(instruction, computation, name, count))
 
 
-def _buffer_op_names(instruction: _Instruction, computation: _Computation, name: str, count: int) -> tuple[str, ...]:
+def _buffer_op_names(
+    instruction: _Instruction, computation: _Computation, name: str, count: int
+) -> tuple[str, ...]:
     """Each buffer's operation: from the get-tuple-elements of its results, else split from ``name``."""
     result = computation.done.get(instruction.name, instruction.name)
     pieces = computation.pieces.get(result, {})
@@ -923,7 +936,9 @@ class Expected:
 
     def bytes(self, kind: str | None = None, *, optional: bool = False) -> int:
         """Bytes per step of ``kind`` (all kinds when ``None``); optional buffers only if ``optional``."""
-        return sum(i.bytes for i in self.items if (kind is None or i.kind == kind) and (optional or not i.optional))
+        return sum(
+            i.bytes for i in self.items if (kind is None or i.kind == kind) and (optional or not i.optional)
+        )
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -1103,8 +1118,9 @@ def compare(report: CensusReport, expected: Expected, *, attribute_model: bool =
        all-reduce and reduce-scatter as one kind (XLA's partitioner may compile a
        reduce-scatter as an all-reduce and a slice). A gradient prefers a buffer of the
        backward pass, the loss and metrics one of the forward pass.
-    2. What is left, combined: one compiled buffer holding several expected ones (XLA
-       concatenates), or one expected buffer compiled as several (a note says which).
+    2. What is left, combined: the required buffers still unmatched of one kind and scope,
+       all together, against at most four compiled ones of the same total bytes (XLA
+       concatenates buffers, or cuts one; a note says which).
     3. With ``attribute_model``, a compiled buffer still unmatched, under no library scope,
        whose operation ran inside the differentiated loss (``jvp(...)`` or
        ``transpose(jvp(...))`` in its name: BatchNorm's ``pmean`` of its statistics with
@@ -1150,7 +1166,9 @@ _PHASE_ORDER = {
     "metrics": {"forward": 0, None: 1, "backward": 2},
 }
 _OTHER_ORDER = {None: 0, "forward": 1, "backward": 2}
-_SEARCH_LIMIT = 1 << 14  # partial sums kept while looking for a combined buffer
+_SEARCH_LIMIT = 1 << 12  # partial sums kept while looking for a combined buffer
+_SEARCH_BUDGET = 1 << 21  # partial sums tried in all, per comparison: a bound on its time
+_PIECES = 4  # compiled buffers that may stand for expected ones combined or cut differently
 
 
 class _Matcher:
@@ -1163,6 +1181,7 @@ class _Matcher:
         self.assigned: dict[int, list[int]] = {}  # item -> parts
         self.taken: set[int] = set()
         self.notes: list[str] = []
+        self.budget = [_SEARCH_BUDGET]
         self._one_to_one()
         self._combined()
         left = [j for j in range(len(self.parts)) if j not in self.taken]
@@ -1199,30 +1218,26 @@ class _Matcher:
                 self.taken.add(j)
 
     def _combined(self) -> None:
-        left = [i for i in self._order() if i not in self.assigned and not self.items[i].optional]
-        if not left:
-            return
-        for j in sorted(range(len(self.parts)), key=lambda j: -self.parts[j].bytes):
-            if j in self.taken:
-                continue
-            group = [i for i in left if i not in self.assigned and self._fits(self.items[i], self.parts[j])]
-            chosen = _subset_sum([self.items[i].bytes for i in group], self.parts[j].bytes)
-            if chosen:
-                for k in chosen:
-                    self.assigned[group[k]] = [j]
-                self.taken.add(j)
-                whats = [self.items[group[k]].what for k in chosen]
-                self.notes.append(f"{_shorten(whats, 4)} compiled as one buffer: {self.parts[j]}")
-        for i in left:
-            if i in self.assigned:
-                continue
-            free = [j for j, p in enumerate(self.parts) if j not in self.taken and self._fits(self.items[i], p)]
-            chosen = _subset_sum([self.parts[j].bytes for j in free], self.items[i].bytes)
-            if chosen:
+        """Buffers XLA combined or cut differently: the required buffers still unmatched of one
+        kind and scope, all of them, against at most ``_PIECES`` compiled ones of the same total."""
+        groups: dict[tuple[str, tuple[str | None, ...]], list[int]] = {}
+        for i in self._order():
+            item = self.items[i]
+            if i not in self.assigned and not item.optional:
+                groups.setdefault((_key(item.kind, self.mode), item.scopes), []).append(i)
+        for left in groups.values():
+            item = self.items[left[0]]
+            free = [j for j, p in enumerate(self.parts) if j not in self.taken and self._fits(item, p)]
+            total = sum(self.items[i].bytes for i in left)
+            chosen = _subset_sum([self.parts[j].bytes for j in free], total, self.budget)
+            if chosen is None or (len(chosen) == 1 and len(left) == 1):
+                continue  # (one to one was tried)
+            for i in left:
                 self.assigned[i] = [free[k] for k in chosen]
-                self.taken.update(free[k] for k in chosen)
-                pieces = "; ".join(str(self.parts[free[k]]) for k in chosen)
-                self.notes.append(f"{self.items[i].what} compiled in {len(chosen)} pieces: {pieces}")
+            self.taken.update(free[k] for k in chosen)
+            whats = _shorten([self.items[i].what for i in left], 4)
+            pieces = "; ".join(str(self.parts[free[k]]) for k in chosen)
+            self.notes.append(f"{whats} ({total:,} B) compiled combined differently, as {pieces}")
 
     @staticmethod
     def _model_like(part: Part) -> bool:
@@ -1273,7 +1288,9 @@ class _Matcher:
                 if row.in_loop and row not in rows:
                     rows.append(row)
         rows += [
-            self.parts[j].row for j in self.unexpected if self.parts[j].row.in_loop and self.parts[j].row not in rows
+            self.parts[j].row
+            for j in self.unexpected
+            if self.parts[j].row.in_loop and self.parts[j].row not in rows
         ]
         carried: dict[int, list[str]] = {}
         for i, js in self.assigned.items():
@@ -1298,11 +1315,13 @@ class _Matcher:
             items = [i for i in self.items if _key(i.kind, mode) == key]
             want = sum(i.bytes for i in items if not i.optional)
             model = {id(self.parts[j]) for j in self.model}
-            got = sum(p.bytes_per_step for p in self.parts if _key(p.kind, mode) == key and id(p) not in model)
+            got = sum(
+                p.bytes_per_step for p in self.parts if _key(p.kind, mode) == key and id(p) not in model
+            )
             if extra and not items:
                 out.append(
                     f"unexpected {key}: {sum(p.bytes_per_step for p in extra):,} B per step that the "
-                    f"{self.expected.layout} layout does not call for: " + "; ".join(map(str, extra))
+                    f"{self.expected.layout} layout does not call for: " + _listed(extra)
                 )
             elif extra:
                 surplus = sum(p.bytes_per_step for p in extra)
@@ -1310,13 +1329,15 @@ class _Matcher:
                     f"extra {key}: compiled {got:,} B per step, expected {want:,} B ({surplus:,} B more); "
                     + _twice(surplus, items)
                     + "nothing expected accounts for "
-                    + "; ".join(map(str, extra))
+                    + _listed(extra)
                 )
             if missing:
                 short = sum(i.bytes for i in missing)
-                named = "; ".join(map(str, missing))
+                named = _listed(missing)
                 if not any(_key(p.kind, mode) == key for p in self.parts):
-                    out.append(f"missing {key}: expected {want:,} B per step, compiled none; not compiled: {named}")
+                    out.append(
+                        f"missing {key}: expected {want:,} B per step, compiled none; not compiled: {named}"
+                    )
                 else:
                     out.append(
                         f"too little {key}: compiled {got:,} B per step, expected {want:,} B ({short:,} B short); "
@@ -1362,22 +1383,25 @@ def _shape_distance(buffer: str, compiled: Operand) -> int:
     return 2 if sorted(d for d in dims if d != 1) == sorted(d for d in compiled.shape if d != 1) else 3
 
 
-def _subset_sum(values: Sequence[int], target: int) -> tuple[int, ...] | None:
-    """Indices of at least two of ``values`` that add up to ``target``, or ``None``."""
+def _subset_sum(values: Sequence[int], target: int, budget: list[int]) -> tuple[int, ...] | None:
+    """Indices of at most ``_PIECES`` of ``values`` that add up to ``target`` (the fewest), or ``None``.
+
+    ``budget[0]`` partial sums may be tried; it is decreased by those tried (none left: ``None``).
+    """
     reach: dict[int, tuple[int, ...]] = {0: ()}
     for k, v in enumerate(values):
-        if v <= 0:
+        if v <= 0 or v > target:
             continue
+        budget[0] -= len(reach)
+        if budget[0] < 0:
+            return None
         for total, chosen in list(reach.items()):
             t = total + v
-            if t <= target and t not in reach:
+            if t <= target and len(chosen) < _PIECES and (t not in reach or len(reach[t]) > len(chosen) + 1):
                 reach[t] = (*chosen, k)
-        hit = reach.get(target)
-        if hit is not None and len(hit) >= 2:
-            return hit
         if len(reach) > _SEARCH_LIMIT:
             return None
-    return None
+    return reach.get(target) or None
 
 
 def _loop_difference(row: Collective, expected: Expected, carried: Sequence[str] = ()) -> str:
@@ -1388,6 +1412,19 @@ def _loop_difference(row: Collective, expected: Expected, carried: Sequence[str]
         f"the {expected.layout} layout with {expected.microbatches} microbatch(es) expects every "
         f"collective of the step once per step, outside loops"
     )
+
+
+_LISTED = 24  # buffers a difference names one by one
+
+
+def _listed(things: Sequence[Any]) -> str:
+    """The buffers, each named, up to ``_LISTED`` of them (then how many more, and their bytes)."""
+    shown = "; ".join(map(str, things[:_LISTED]))
+    rest = things[_LISTED:]
+    if not rest:
+        return shown
+    size = sum(getattr(t, "bytes_per_step", getattr(t, "bytes", 0)) for t in rest)
+    return f"{shown}; and {len(rest)} more ({size:,} B; Comparison.unexpected and .matched list them all)"
 
 
 def _twice(surplus: int, items: list[ExpectedCollective]) -> str:
