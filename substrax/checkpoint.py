@@ -70,7 +70,7 @@ __all__ = [
 
 Key = tuple[str, ...]
 _ROOTS = ("model", "optimizer")
-LOCK_FILE = "substrax.lock"  # a run's claim on its checkpoint directory
+_LOCK_FILE = "substrax.lock"  # a run's claim on its checkpoint directory
 _RECORD = "substrax"  # the integrity record's key in a step's custom metadata
 _STEP_METADATA = "_CHECKPOINT_METADATA"  # orbax's file of a step's metadata, custom metadata included
 _TRASH = ".substrax-trash"  # where orbax moves a step rotated out; the manager deletes it from there
@@ -481,7 +481,7 @@ def _claim(directory: str) -> dict[str, Any]:
       DirectoryInUseError: If a live process holds it, or one on another host.
     """
     os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, LOCK_FILE)
+    path = os.path.join(directory, _LOCK_FILE)
     mine = _new_claim()
     for _ in range(10):
         if _write_claim(path, mine):
@@ -643,7 +643,7 @@ class CheckpointManager:
         self._primary = jax.process_index() == 0
         self._closed = False
         self._sweeper: threading.Thread | None = None
-        lock = os.path.join(self.directory, LOCK_FILE) if self._local and not read_only else None
+        lock = os.path.join(self.directory, _LOCK_FILE) if self._local and not read_only else None
         claim = self._claim() if lock is not None else None
         try:
             self._listening = (
@@ -673,11 +673,12 @@ class CheckpointManager:
 
     def _claim(self) -> dict[str, Any] | None:
         """Process 0 claims the directory; every process learns whether it could."""
-        claim, error = None, None
+        claim: dict[str, Any] | None = None
+        error: Exception | None = None
         if self._primary:
             try:
                 claim = _claim(self.directory)
-            except DirectoryInUseError as e:
+            except Exception as e:  # noqa: BLE001  (raised below, once every process knows)
                 error = e
         if jax.process_count() > 1:
             refused = bool(multihost_utils.broadcast_one_to_all(np.int32(error is not None)))
@@ -760,8 +761,9 @@ class CheckpointManager:
             )
         if notice:
             if self._primary:
+                why = "SIGTERM" if self._listening else "JAX's preemption notice"
                 print(
-                    f"substrax.checkpoint: SIGTERM: saved step {step} in {self.directory}; exiting (143).",
+                    f"substrax.checkpoint: {why}: step {step} saved in {self.directory}; exiting (143).",
                     file=sys.stderr,
                     flush=True,
                 )

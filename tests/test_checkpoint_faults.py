@@ -246,6 +246,10 @@ def test_a_directory_belongs_to_one_manager_at_a_time(tmp_path: Path) -> None:
         assert first.save(1, model, optimizer)
         first.wait()
         assert checkpoint.restore(tmp_path, model, optimizer) == 1  # reading takes no claim
+        with CheckpointManager(tmp_path, read_only=True) as reader:
+            assert reader.all_steps() == [1]
+            with pytest.raises(ValueError, match=r"this manager of .* is read-only: it does not save\."):
+                reader.save(2, model, optimizer)
     assert not (tmp_path / "substrax.lock").exists()
     with CheckpointManager(tmp_path) as second:  # released by the first's close
         assert second.all_steps() == [1]
@@ -304,7 +308,7 @@ def test_a_sigterm_saves_the_step_at_hand_and_exits_143(tmp_path: Path) -> None:
     done = run_worker("sigterm", str(directory))
     assert done.returncode == 128 + signal.SIGTERM, done.stdout + done.stderr
     assert "STEP 4" in done.stdout and "STEP 5" not in done.stdout
-    assert f"SIGTERM: saved step 4 in {directory}; exiting (143)" in done.stderr
+    assert f"SIGTERM: step 4 saved in {directory}; exiting (143)" in done.stderr
     assert sorted(os.listdir(directory)) == ["1", "4"]  # saved every 100 steps, and at the SIGTERM
     model, optimizer = build(seed=1)
     assert checkpoint.restore(directory, model, optimizer) == 4
