@@ -15,9 +15,18 @@ the bytes on the wire (a ring all-reduce of ``S`` bytes over ``n`` devices sends
 ``2 S (n - 1) / n``). Bytes per step multiply a row's bytes by the trip counts of the
 loops around it, when the compiler states them.
 
+Each row also comes apart into ``parts``, one per buffer, each with the JAX operation it
+came from: XLA combines several all-reduces into one instruction, but the
+``get-tuple-element`` that takes each result back out keeps its own operation's metadata.
+That name carries the ``jax.named_scope`` it ran under (the library's steps write theirs:
+``substrax.grad_reduce``, ``substrax.gather_params``, ``substrax.loss``,
+``substrax.metrics``, ``substrax.batch_stats``, ``substrax.update``, ``substrax.finite``)
+and the transformation around it (``jvp(...)``: the forward pass of a gradient;
+``transpose(jvp(...))``: its backward pass).
+
 ``expected_communication`` states what a data-parallel step of a given layout should
-communicate, and ``compare`` (or ``CensusReport.check``) holds a census against it; see
-``compare`` for the rule.
+communicate, and ``compare`` (or ``CensusReport.check``) holds a census against it,
+buffer by buffer; see ``compare`` for the rule.
 """
 
 from __future__ import annotations

@@ -367,3 +367,23 @@ def test_buffers_xla_concatenates_match(mesh8: jax.sharding.Mesh) -> None:
     assert found.matches, str(found)
     assert any("compiled combined differently, as f32[32]" in n for n in found.notes), str(found)
     np.testing.assert_equal(report.bytes("all-reduce"), 32 * F32)
+
+
+def test_an_update_that_cannot_be_compiled_alone_falls_back_to_the_rule(
+    mesh8: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from substrax import _step_census
+
+    def fails(*args: Any) -> None:
+        raise RuntimeError("no")
+
+    monkeypatch.setattr(_step_census, "update_census", fails)
+    model = MLP()
+    optimizer = _state(model, mesh8, "zero1")
+    step = substrax.make_train_step(mse, "explicit", mesh=mesh8, skip_nonfinite=False)
+    found = step.census(model, optimizer, _batch(mesh8))
+    assert found.matches, str(found)  # the rule's ZeRO-1 all-gather of each updated parameter
+    assert any("could not be compiled alone (RuntimeError: no)" in n for n in found.notes)
+    assert _sources(found)["update"] == sum(
+        4 * int(np.prod(v.shape)) for v in jax.tree.leaves(nnx.state(model, nnx.Param)) if v.size >= 16
+    )
