@@ -294,6 +294,38 @@ def optimizer_mirrors(
     return {p: tuple(m) for p, m in mirrors.items()}
 
 
+@dataclasses.dataclass(frozen=True)
+class ParamSplit:
+    """Where one parameter and its update live over the data axis, read from the metadata.
+
+    Attributes:
+      gather_dim: The dimension the parameter itself is split on (FSDP), or ``None``.
+      update_dim: The dimension its update is split on: the parameter's own, else that
+        of the optimizer state mirroring it (ZeRO-1); ``None``: updated whole.
+    """
+
+    gather_dim: int | None
+    update_dim: int | None
+
+
+def parameter_splits(
+    model: nnx.Module, optimizer: nnx.Optimizer[Any] | None, axis: str
+) -> dict[tuple[Any, ...], ParamSplit]:
+    """Each parameter's ``ParamSplit`` over ``axis``: the one reading of a layout that the
+    explicit step, the census and ``layout_of`` share."""
+    mirrors = optimizer_mirrors(model, optimizer) if optimizer is not None else {}
+    opt = dict(_flat(optimizer)) if optimizer is not None else {}
+    splits = {}
+    for path, variable in _flat(model):
+        if not isinstance(variable, nnx.Param):
+            continue
+        gather = split_dim_of(spec_tuple(variable), axis)
+        dims = (split_dim_of(spec_tuple(opt[m]), axis) for m in mirrors.get(path, ()))
+        update = gather if gather is not None else next((d for d in dims if d is not None), None)
+        splits[path] = ParamSplit(gather, update)
+    return splits
+
+
 def optimizer_followers(
     model: nnx.Module, optimizer: nnx.Optimizer[Any]
 ) -> dict[tuple[Any, ...], tuple[tuple[Any, ...], ...]]:

@@ -30,7 +30,6 @@ it (see ``substrax.explicit._grad``).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
@@ -41,7 +40,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from substrax._collectives import to_varying
-from substrax._layout import optimizer_mirrors, spec_tuple, split_dim_of
+from substrax._layout import ParamSplit, parameter_splits, spec_tuple, split_dim_of
 from substrax._microbatch import check_microbatches, fold_microbatch_metrics, microbatched, split_microbatches
 from substrax._options import StepOptions
 from substrax._placement import batch_partition_specs
@@ -63,19 +62,6 @@ def _split_loss(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., tup
     if has_aux:
         return loss_fn
     return lambda model, batch: (loss_fn(model, batch), {})
-
-
-@dataclasses.dataclass(frozen=True)
-class _ParamPlan:
-    """How one parameter is held and updated.
-
-    ``gather_dim``: the parameter is stored split on it (FSDP) and gathered before use.
-    ``update_dim``: the optimizer updates a slice on it (FSDP and ZeRO-1), so the
-    gradient is reduce-scattered on it; ``None``: all-reduced, updated whole.
-    """
-
-    gather_dim: int | None
-    update_dim: int | None
 
 
 def check_data_axis_only(tree: Any, data_axis: str, owner: str) -> None:
@@ -115,27 +101,15 @@ def check_placement(model: nnx.Module) -> None:
             )
 
 
-def _plans(model: nnx.Module, optimizer: nnx.Optimizer[Any] | None, data_axis: str) -> dict[Path, _ParamPlan]:
-    """Each parameter's ``_ParamPlan``, read from the ``out_sharding`` metadata of it and its mirrors.
+def _plans(model: nnx.Module, optimizer: nnx.Optimizer[Any] | None, data_axis: str) -> dict[Path, ParamSplit]:
+    """Each parameter's ``ParamSplit`` (``substrax._layout.parameter_splits``), after refusing other axes.
 
-    The gradient is reduce-scattered where the parameter is split (FSDP), else where
-    the optimizer state mirroring it is (ZeRO-1), else all-reduced. The update runs on
-    the global arrays after the ``shard_map``, so this choice moves bytes, never values.
+    The gradient is reduce-scattered on ``update_dim`` and all-reduced where it is
+    ``None``. The update runs on the global arrays after the ``shard_map``, so this
+    choice moves bytes, never values.
     """
     check_data_axis_only(model, data_axis, "model")
-    params = {tuple(p): v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-    mirrors: Mapping[Path, tuple[Path, ...]] = {}
-    opt_vars: dict[Path, Any] = {}
-    if optimizer is not None:
-        mirrors = optimizer_mirrors(model, optimizer)
-        opt_vars = {tuple(p): v for p, v in nnx.to_flat_state(nnx.state(optimizer))}
-    plans = {}
-    for path, variable in params.items():
-        gather = split_dim_of(spec_tuple(variable), data_axis)
-        dims = [split_dim_of(spec_tuple(opt_vars[m]), data_axis) for m in mirrors.get(path, ())]
-        update = gather if gather is not None else next((d for d in dims if d is not None), None)
-        plans[path] = _ParamPlan(gather, update)
-    return plans
+    return parameter_splits(model, optimizer, data_axis)
 
 
 def _param_vars(model: nnx.Module) -> dict[Path, nnx.Variable[Any]]:
@@ -143,7 +117,7 @@ def _param_vars(model: nnx.Module) -> dict[Path, nnx.Variable[Any]]:
 
 
 def _set_whole_varying(
-    model: nnx.Module, plans: Mapping[Path, _ParamPlan], data_axis: str
+    model: nnx.Module, plans: Mapping[Path, ParamSplit], data_axis: str
 ) -> dict[Path, Any]:
     """Give every parameter its whole value, varying over ``data_axis``; return what it held."""
     held = {}
@@ -161,7 +135,7 @@ def _set_whole_varying(
     return held
 
 
-def _reduce_gradients(grads: nnx.State, plans: Mapping[Path, _ParamPlan], data_axis: str) -> nnx.State:
+def _reduce_gradients(grads: nnx.State, plans: Mapping[Path, ParamSplit], data_axis: str) -> nnx.State:
     """The once-per-step reduction: psum the whole-updated gradients, psum_scatter the split ones."""
     flat = [(tuple(p), v) for p, v in nnx.to_flat_state(grads)]
     whole = [i for i, (p, _) in enumerate(flat) if plans[p].update_dim is None]
@@ -339,7 +313,7 @@ def explicit_value_and_grad(
     """
     mesh = current_mesh(mesh, required_axes=(data_axis,))
     specs = batch_partition_specs(batch, batch_spec, mesh, data_axis)
-    plans = {p: _ParamPlan(plan.gather_dim, None) for p, plan in _plans(model, None, data_axis).items()}
+    plans = {p: ParamSplit(plan.gather_dim, None) for p, plan in _plans(model, None, data_axis).items()}
     graphdef, state = nnx.split(model)
     state_specs = nnx.get_partition_spec(state)
 
@@ -477,7 +451,7 @@ def run_step(
     if one_device:
         state_specs = _without_axis(state_specs, data_axis)
         rest_specs = _without_axis(rest_specs, data_axis)
-        plans = {p: _ParamPlan(None, None) for p in plans}
+        plans = {p: ParamSplit(None, None) for p in plans}
     shard_specs = _without_axis(specs, data_axis) if one_device else specs
     grad_specs = nnx.from_flat_state(
         [
