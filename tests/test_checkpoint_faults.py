@@ -26,6 +26,8 @@ import orbax.checkpoint as ocp
 import pytest
 from conftest import MLP
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from workers.launching import REPO, WORKERS
 
 from substrax import checkpoint
@@ -34,6 +36,8 @@ from substrax.checkpoint import (
     DamagedCheckpointError,
     DirectoryInUseError,
     NonFiniteStateError,
+    _inspect_on_device,
+    _inspect_on_host,
 )
 
 WIDTH = 256  # kernels over orbax's 1 KiB inline limit: the largest data file holds their values
@@ -316,3 +320,30 @@ def test_a_sigterm_saves_the_step_at_hand_and_exits_143(tmp_path: Path) -> None:
     np.testing.assert_array_equal(
         np.asarray(model.out.bias.get_value()), np.asarray(want.out.bias.get_value()) + 3
     )
+
+
+# --- the checksum ---------------------------------------------------------------------------
+
+
+def test_a_checksum_is_the_same_in_any_layout_and_read_on_the_host_or_the_devices(
+    mesh8: jax.sharding.Mesh,
+) -> None:
+    """A small array of one process is checked by NumPy, any other on its devices: the same sums."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 24)).astype(np.float32)
+    layouts = [jax.device_put(x, NamedSharding(mesh8, spec)) for spec in (P(), P("data"), P(None, "data"))]
+    others = [
+        jax.numpy.asarray(x[:3], dtype=jax.numpy.bfloat16),
+        jax.numpy.asarray(np.int32(7)),
+        jax.numpy.asarray(x[0] > 0),
+        jax.numpy.asarray([1.0, np.nan], np.float32),
+    ]
+    answers = []
+    for array in layouts + others:
+        finite, sums = _inspect_on_device(array)
+        host = _inspect_on_host(array)
+        assert bool(finite) == host[0] and np.array_equal(np.asarray(sums), host[1]), array.dtype
+        answers.append((host[0], tuple(host[1])))
+    assert answers[0] == answers[1] == answers[2]  # the same values in three layouts
+    assert [a[0] for a in answers[3:]] == [True, True, True, False]
+    assert len(set(answers)) == len(answers) - 2  # other values, other sums
