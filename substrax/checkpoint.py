@@ -360,7 +360,7 @@ def _reason(error: BaseException) -> str:
     while (error.__cause__ or error.__context__) is not None:
         error = error.__cause__ or error.__context__  # type: ignore[assignment]
     lines = str(error).strip().splitlines()
-    line = lines[0].strip() if lines else type(error).__name__
+    line = lines[0].split(" [tensorstore_spec=")[0].strip() if lines else type(error).__name__
     return line if len(line) <= 300 else line[:297] + "..."
 
 
@@ -740,9 +740,10 @@ class CheckpointManager:
     ) -> bool:
         """Save the state of ``model`` and ``optimizer`` as ``step``, if the interval says so.
 
-        The state is checked first (one jitted reduction over the arrays where they
-        live): a NaN or an infinity in any floating array refuses the save, so the steps
-        kept stay finite. A checksum of each array is recorded with the step.
+        The state is checked first, each array read where its shards live (a small one
+        of this process on the host): a NaN or an infinity in any floating array refuses
+        the save, so the steps kept stay finite. A checksum of each array is recorded
+        with the step, for ``restore`` to check.
 
         Args:
           step: The training step the state is at (usually the number of steps taken).
@@ -759,7 +760,8 @@ class CheckpointManager:
             that was not synced), naming it; or the manager is read-only.
           NonFiniteStateError: If an array holds a NaN or an infinity, naming the step
             and the first such arrays; nothing is saved, no step is deleted.
-          SystemExit: With code 143, after a SIGTERM: once this step is written.
+          SystemExit: With code 143 after a SIGTERM (``save_on_sigterm``), once this
+            step is written.
         """
         _check_args(model, optimizer)
         if self.read_only:
@@ -969,6 +971,11 @@ class CheckpointManager:
         Raises:
           DamagedCheckpointError: If the metadata is missing or unreadable.
         """
+        if not (epath.Path(self.directory) / str(step) / "default").exists():
+            raise DamagedCheckpointError(
+                step,
+                f"step {step} in {self.directory} is damaged: its arrays' directory (default/) is missing.",
+            )
         try:
             metadata = self.orbax.item_metadata(step)
         except Exception as e:
