@@ -287,6 +287,9 @@ def main(argv: list[str] | None = None) -> list[float]:
             if ckpt is not None:
                 ckpt.save(step, fast)  # every --checkpoint-every steps, written in the background
     # model and optimizer hold the trained state again here
+    skipped = [first + i for i, x in enumerate(losses) if not np.isfinite(float(x))]
+    if skipped and leader:  # the step skips a non-finite update (skip_nonfinite=True) and says so by its loss
+        print(f"{len(skipped)} step(s) had a non-finite loss and left the model unchanged: {skipped}", flush=True)
     if ckpt is not None:
         ckpt.wait()
         ckpt.close()
