@@ -40,7 +40,7 @@ from substrax._census import (
     expected_communication,
     library_scope,
 )
-from substrax._layout import layout_of, optimizer_mirrors, spec_tuple, split_dim_of
+from substrax._layout import layout_of, parameter_splits, spec_tuple, split_dim_of
 from substrax._tree import PyTree, path_str
 
 if TYPE_CHECKING:
@@ -64,18 +64,10 @@ def update_dims(model: nnx.Module, optimizer: nnx.Optimizer[Any], axis: str) -> 
     """Per parameter path: the dimension the optimizer updates a slice on, ``None`` if whole.
 
     The parameter's own split dimension (FSDP), else that of the optimizer state
-    mirroring it (ZeRO-1): the dimension its gradient is reduce-scattered on.
+    mirroring it (ZeRO-1): the dimension its gradient is reduce-scattered on
+    (``substrax._layout.parameter_splits``, the reading the explicit step uses).
     """
-    mirrors = optimizer_mirrors(model, optimizer)
-    opt = {tuple(p): v for p, v in nnx.to_flat_state(nnx.state(optimizer))}
-    dims: dict[Path, int | None] = {}
-    for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        dim = split_dim_of(spec_tuple(variable), axis)
-        if dim is None:
-            found = (split_dim_of(spec_tuple(opt[m]), axis) for m in mirrors.get(tuple(path), ()))
-            dim = next((d for d in found if d is not None), None)
-        dims[tuple(path)] = dim
-    return dims
+    return {path: split.update_dim for path, split in parameter_splits(model, optimizer, axis).items()}
 
 
 def parameter_leaves(
