@@ -6,7 +6,8 @@ implicit step because it never leaves the global view, the explicit step because
 arrays. So every optax transformation sees what it sees on one device: an
 element-wise one (``adam``, ``sgd``) stays local to each device's slice, and one that
 reads whole tensors (``clip_by_global_norm``, ``lamb``, ``adafactor``) gets from XLA
-exactly the communication it needs (one scalar all-reduce for a global norm). No
+exactly the communication it needs (for a global norm, one scalar partial sum per
+split tensor, which XLA combines into one all-reduce instruction). No
 optimizer can be given the slice's view by mistake.
 
 The guard: when the step's loss or any gradient element is not finite (a NaN in the

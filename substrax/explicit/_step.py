@@ -14,7 +14,8 @@ then reduces it once, in plain sight:
 The ``shard_map`` ends there: it returns the gradients (split where the state is) and
 the model's other state. The optimizer update runs after it, on the global arrays,
 under the same jit (``substrax._update``): element-wise math stays on each device's
-slice, and XLA adds only what a transformation needs: one scalar all-reduce for
+slice, and XLA adds only what a transformation needs: one scalar per split tensor
+(combined into one all-reduce) for
 ``clip_by_global_norm``'s norm under a split layout, and under ZeRO-1 the all-gather
 of the updated slices into the replicated parameters. Each library collective sits
 under a ``jax.named_scope`` (``substrax.grad_reduce``, ``substrax.gather_params``,
