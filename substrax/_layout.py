@@ -365,16 +365,34 @@ def _place(variable: nnx.Variable[Any], spec: tuple[Any, ...], mesh: Mesh) -> No
     variable.set_metadata(out_sharding=spec)
 
 
+def _layout_kind(layout: Any, params: bool | None) -> LayoutKind:
+    """``layout`` checked, with ``params`` (its older spelling) folded in."""
+    if params is not None:
+        if not isinstance(params, bool):
+            raise TypeError(f"params must be True (FSDP) or False (ZeRO-1); got {params!r}. Prefer layout=.")
+        implied: LayoutKind = "fsdp" if params else "zero1"
+        if layout is not None and layout != implied:
+            raise ValueError(f"layout={layout!r} and params={params} disagree; pass layout= only.")
+        return implied
+    if layout is None:
+        return "fsdp"
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}.")
+    return layout  # type: ignore[no-any-return]
+
+
 def shard_state(
     model: nnx.Module,
     optimizer: nnx.Optimizer[Any],
     *,
     mesh: Mesh | None = None,
-    axis: str = "data",
-    params: bool = True,
+    layout: LayoutKind | None = None,
+    data_axis: str = "data",
     min_size: int = 1024,
+    params: bool | None = None,
+    axis: str | None = None,
 ) -> Layout:
-    """Split ``model``'s and ``optimizer``'s state over ``axis``, in place: FSDP or ZeRO-1.
+    """Place ``model``'s and ``optimizer``'s state over ``data_axis``, in place: FSDP, ZeRO-1 or replicated.
 
     See the module docstring of ``substrax._layout`` for what each device then holds
     and which parameter is split on which dimension. Both modes of
@@ -385,17 +403,22 @@ def shard_state(
       optimizer: The model's ``nnx.Optimizer``; the state of each parameter is placed
         with it (see the module docstring), everything else replicated.
       mesh: The mesh; ``None`` takes the one set by ``jax.set_mesh``.
-      axis: The data axis to split over.
-      params: ``True`` splits parameters and their optimizer state (FSDP); ``False``
-        splits only the optimizer state (ZeRO-1).
+      layout: ``"fsdp"`` (the default) splits parameters and their optimizer state;
+        ``"zero1"`` only the optimizer state; ``"replicated"`` splits nothing (every
+        array placed whole on every device of the mesh).
+      data_axis: The data axis to split over.
       min_size: Parameters with fewer elements stay replicated.
+      params: The older spelling of ``layout``: ``True`` is ``"fsdp"``, ``False``
+        ``"zero1"``.
+      axis: The older spelling of ``data_axis``.
 
     Returns:
       The ``Layout``: which leaf went where, and the bytes per device.
 
     Raises:
       TypeError: If ``optimizer`` is not an ``nnx.Optimizer`` or ``min_size`` not an int.
-      ValueError: If the mesh lacks ``axis``, ``min_size`` is negative, the optimizer is
+      ValueError: If ``layout`` is unknown or contradicts ``params``, ``axis``
+        contradicts ``data_axis``, the mesh lacks the axis, ``min_size`` is negative, the optimizer is
         not the model's (its state is not what its transformation gives this model:
         ``check_optimizer_of``), or a parameter already carries a sharding over another
         axis; each message names the axis or leaf. Optimizer state that mirrors no
@@ -407,6 +430,10 @@ def shard_state(
         raise TypeError(f"min_size must be an int (a number of elements); got {min_size!r}.")
     if min_size < 0:
         raise ValueError(f"min_size must be >= 0 (a number of elements); got {min_size}.")
+    layout = _layout_kind(layout, params)
+    if axis is not None and axis != data_axis and data_axis != "data":
+        raise ValueError(f"axis={axis!r} and data_axis={data_axis!r} disagree; pass data_axis only.")
+    axis = data_axis if axis is None else axis
     found = current_mesh(mesh, required_axes=(axis,))
     if not isinstance(found, Mesh):
         raise ValueError("shard_state places arrays: call it outside jax.jit, with a concrete mesh.")
@@ -426,10 +453,10 @@ def shard_state(
     for path, mirror_paths in mirrors.items():
         variable = model_vars[path]
         shape = tuple(np.shape(variable.get_value()))
-        dim = choose_split_dim(shape, size, min_size)
+        dim = None if layout == "replicated" else choose_split_dim(shape, size, min_size)
         split = tuple(axis if d == dim else None for d in range(len(shape)))
         whole = (None,) * len(shape)
-        _place(variable, split if params else whole, found)
+        _place(variable, split if layout == "fsdp" else whole, found)
         for mirror in mirror_paths:
             _place(opt_vars[mirror], split, found)
         for follower in followers[path]:
@@ -452,7 +479,7 @@ def shard_state(
     for obj in (model, optimizer):
         _EPOCHS[obj] = epoch(obj) + 1
     kind: LayoutKind = (
-        ("fsdp" if params else "zero1")
+        layout
         if any(
             choose_split_dim(tuple(np.shape(model_vars[p].get_value())), size, min_size) is not None
             for p in mirrors
@@ -467,9 +494,10 @@ def layout_of(
     optimizer: nnx.Optimizer[Any],
     *,
     mesh: Mesh | None = None,
-    axis: str = "data",
+    data_axis: str = "data",
     axis_size: int | None = None,
     kind: LayoutKind | None = None,
+    axis: str | None = None,
 ) -> Layout:
     """The layout ``model`` and ``optimizer`` have now, read from their variables' metadata.
 
@@ -477,13 +505,15 @@ def layout_of(
       model: The model.
       optimizer: Its optimizer.
       mesh: The mesh, for the axis's size when no array is placed on one.
-      axis: The data axis.
+      data_axis: The data axis.
       axis_size: The axis's size; default: from the mesh the arrays are placed on, else
         ``mesh`` or the one set by ``jax.set_mesh``, else 1 (nothing placed: every
         device that runs it holds it whole).
       kind: The layout's name; default: ``"fsdp"`` when a parameter is split,
         ``"zero1"`` when only optimizer state is, else ``"replicated"``.
+      axis: The older spelling of ``data_axis``.
     """
+    axis = data_axis if axis is None else axis
     if axis_size is None:
         meshes = [
             v.get_value().sharding.mesh

@@ -304,3 +304,34 @@ def test_float64_leaves_are_named_when_jax_casts_them(mesh8: jax.sharding.Mesh) 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # float32 alone: no warning
         place_batch_on_shards({"y": batch["y"]}, create_data_parallel_sharding(mesh8))
+
+
+@pytest.mark.parametrize(("layout", "params"), [("fsdp", True), ("zero1", False)])
+def test_layout_keyword_is_the_params_keyword(mesh8: jax.sharding.Mesh, layout: str, params: bool) -> None:
+    placed = []
+    for kwargs in ({"layout": layout}, {"params": params}):
+        model = MLP()
+        optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+        placed.append(
+            substrax.shard_state(model, optimizer, mesh=mesh8, data_axis="data", min_size=1, **kwargs)
+        )
+    assert placed[0] == placed[1] and placed[0].kind == layout
+
+
+def test_layout_replicated_splits_nothing(mesh8: jax.sharding.Mesh) -> None:
+    model = MLP()
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    found = substrax.shard_state(model, optimizer, mesh=mesh8, layout="replicated", min_size=1)
+    assert found.kind == "replicated" and not found.split()
+    assert all(v.get_value().sharding.is_fully_replicated for _, v in nnx.to_flat_state(nnx.state(model)))
+
+
+def test_layout_keyword_errors(mesh8: jax.sharding.Mesh) -> None:
+    model = MLP()
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    with pytest.raises(
+        ValueError, match=r"layout must be one of \('replicated', 'zero1', 'fsdp'\); got 'zero3'"
+    ):
+        substrax.shard_state(model, optimizer, mesh=mesh8, layout="zero3")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"layout='fsdp' and params=False disagree"):
+        substrax.shard_state(model, optimizer, mesh=mesh8, layout="fsdp", params=False)
