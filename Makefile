@@ -20,6 +20,18 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# The documentation site (docs/, mkdocs.yml) into build/site, warnings as errors; the docs
+# extra is installed into .venv beside the dev one, again whenever .venv is refreshed.
+.PHONY: docs
+DOCS_STAMP := $(VENV)/.installed-docs
+
+$(DOCS_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[dev,docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
 # The parity fuzzer with a larger budget (`make test` runs a fixed-seed sample of it): random
 # configurations, one line per draw, every failing one listed at the end as Python code.
 # SUBSTRAX_FUZZ_EXAMPLES=N sets the number of draws (default 300; about 5-20 s each on 2 cores).
