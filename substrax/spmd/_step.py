@@ -1,0 +1,163 @@
+"""The implicit data-parallel step: differentiate the global loss, let XLA all-reduce."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import jax
+from flax import nnx
+
+from substrax._microbatch import (
+    check_microbatches,
+    microbatched,
+    split_global_microbatches,
+    unfold_global_gather,
+)
+from substrax._options import StepOptions
+from substrax._placement import batch_partition_specs
+from substrax._reductions import split_loss_output
+from substrax._update import apply_update, state_values
+from substrax.mesh import current_mesh
+from substrax.spmd._metrics import reduce_metrics
+
+PyTree = Any
+M = TypeVar("M", bound=nnx.Module)
+
+
+def _mesh_or_none(mesh: Any, data_axis: str) -> Any:
+    """The mesh the step splits the batch over: ``mesh``, or the current one when it has ``data_axis``."""
+    if mesh is not None:
+        return current_mesh(mesh, required_axes=(data_axis,))
+    try:
+        found = current_mesh(None)
+    except ValueError:
+        return None
+    return found if data_axis in found.axis_names else None
+
+
+def check_placement(model: nnx.Module) -> None:
+    """Nothing to refuse: XLA follows any sharding the arrays carry."""
+
+
+def spmd_train_step(
+    model: M,
+    optimizer: nnx.Optimizer[M],
+    loss_fn: Callable[[M, PyTree], Any],
+    batch: PyTree,
+    *,
+    has_aux: bool = False,
+    mesh: Any = None,
+    data_axis: str = "data",
+    batch_spec: Any = None,
+    reduce: Mapping[str, str | None] | None = None,
+    microbatches: int = 1,
+    skip_nonfinite: bool = True,
+) -> jax.Array | tuple[jax.Array, Any]:
+    """Execute a data-parallel training step using SPMD.
+
+    Uses ``nnx.value_and_grad`` for automatic differentiation. The XLA compiler handles
+    gradient AllReduce automatically when model parameters are sharded across devices
+    via ``jax.set_mesh`` or explicit ``NamedSharding``: ``loss_fn`` sees the global
+    batch, so its gradient is already the full one and needs no reduction.
+
+    This function should be called inside an ``@nnx.jit`` decorated function with a
+    mesh context active. When that mesh has ``data_axis``, the batch is constrained to
+    be split over it (a host batch would otherwise run whole on every device), and
+    every variable placed by ``substrax.shard_state`` is constrained to stay as placed,
+    so a ZeRO-1 or FSDP layout survives the step.
+
+    Args:
+      model: The NNX model to train.
+      optimizer: The NNX optimizer wrapping the model.
+      loss_fn: Function ``(model, batch) -> loss`` scalar; with ``has_aux``,
+        ``(model, batch) -> (loss, aux)``.
+      batch: The training batch (should be pre-sharded, see ``place_batch_on_shards``).
+      has_aux: Whether ``loss_fn`` also returns auxiliary values (metrics).
+      mesh: The mesh; ``None`` takes the one set by ``jax.set_mesh``, if any.
+      data_axis: The mesh axis the batch is split over.
+      batch_spec: How the batch is split (see ``substrax.explicit.batch_partition_specs``).
+      reduce: With ``has_aux``: ``None`` returns ``aux`` as ``loss_fn`` gave it; a
+        mapping reduces a flat metrics mapping by name as ``make_train_step`` does
+        (unlisted names get ``"mean"``).
+      microbatches: Split the batch into this many microbatches, each holding every
+        device's next rows, and accumulate their gradients in a ``lax.scan`` (see
+        ``make_train_step``). ``aux`` then gains a leading microbatch axis, unless
+        ``reduce`` reduces it.
+      skip_nonfinite: Skip the update, in the graph, when the loss or a gradient is
+        not finite: the model and optimizer keep their values and the step returns
+        the non-finite loss (see ``substrax._update``).
+
+    Returns:
+      The loss value; with ``has_aux``, ``(loss, aux)``.
+
+    Example:
+      With ``model``, its ``optimizer``, ``loss_fn`` and a host ``batch`` of 64 rows
+      (``docs/snippets/setup.py`` builds them):
+
+      >>> import jax
+      >>> from flax import nnx
+      >>> from substrax.mesh import DeviceMeshManager
+      >>> from substrax.spmd import spmd_train_step
+      >>> mesh = DeviceMeshManager.create_device_mesh({"data": jax.device_count()})
+      >>> @nnx.jit
+      ... def train_step(model, optimizer, batch):
+      ...     return spmd_train_step(model, optimizer, loss_fn, batch)
+      >>> with jax.set_mesh(mesh):
+      ...     loss = train_step(model, optimizer, batch)
+      >>> loss.shape
+      ()
+    """
+    options = StepOptions(
+        mesh=mesh,
+        data_axis=data_axis,
+        batch_spec=batch_spec,
+        has_aux=has_aux,
+        reduce=reduce,
+        microbatches=microbatches,
+        skip_nonfinite=skip_nonfinite,
+    )
+    return run_step(model, optimizer, loss_fn, batch, options)
+
+
+def run_step(
+    model: M,
+    optimizer: nnx.Optimizer[M],
+    loss_fn: Callable[[M, PyTree], Any],
+    batch: PyTree,
+    options: StepOptions,
+) -> jax.Array | tuple[jax.Array, Any]:
+    """``spmd_train_step`` with its keywords as one ``StepOptions``."""
+    o = options
+    found = _mesh_or_none(o.mesh, o.data_axis)
+    if found is None and (o.batch_spec is not None or o.microbatches > 1):
+        current_mesh(o.mesh, required_axes=(o.data_axis,))  # raises, naming what is missing
+    specs = None
+    if found is not None:
+        specs = batch_partition_specs(batch, o.batch_spec, found, o.data_axis)
+        check_microbatches(o.microbatches, batch, specs, found, o.data_axis)
+        batch = jax.lax.with_sharding_constraint(batch, specs)
+    before = state_values((model, optimizer)) if o.skip_nonfinite else None
+
+    def checked_loss(model: M, batch: PyTree) -> tuple[Any, Any]:
+        loss, aux = split_loss_output(loss_fn(model, batch), o.has_aux)
+        return loss, aux
+
+    value_and_grad = nnx.value_and_grad(checked_loss, has_aux=True)
+    ways = 1
+    if o.microbatches == 1:
+        (loss, aux), grads = value_and_grad(model, batch)
+    else:
+        ways = found.shape[o.data_axis]
+        slices = split_global_microbatches(batch, specs, ways, o.microbatches)
+        (loss, aux), grads = microbatched(value_and_grad, model, slices)
+    apply_update(model, optimizer, grads, loss, before)
+    if not o.has_aux:
+        return loss
+    if o.reduce is not None:
+        if o.microbatches > 1:
+            aux = {
+                n: unfold_global_gather(v, ways) if o.reduce.get(n) == "gather" else v for n, v in aux.items()
+            }
+        aux = reduce_metrics(aux, o.reduce, mesh=found)
+    return loss, aux
