@@ -16,6 +16,7 @@ model's and optimizer's state over the data axis (ZeRO-1, FSDP); both modes trai
 from substrax import explicit, mesh, spmd
 from substrax._census import CensusReport, Comparison, Expected, census, compare, expected_communication
 from substrax._layout import LAYOUTS, Layout, LeafPlacement, layout_of, shard_state
+from substrax._precision import MixedPrecision
 from substrax._train_step import MODES, BoundTrainStep, TrainStep, make_train_step
 
 __version__ = "0.1.0"
@@ -28,6 +29,7 @@ __all__ = [
     "Comparison",
     "Expected",
     "Layout",
+    "MixedPrecision",
     "LeafPlacement",
     "TrainStep",
     "__version__",

@@ -127,6 +127,7 @@ def microbatched(
     slices: PyTree,
     *,
     prepare_carry: Callable[[Callable[..., Any], Any, PyTree], Any] | None = None,
+    accumulate_dtype: Any = None,
 ) -> tuple[tuple[jax.Array, Any], nnx.State]:
     """``value_and_grad`` over microbatches in one ``lax.scan``: the mean loss and gradient.
 
@@ -136,6 +137,8 @@ def microbatched(
     (BatchNorm statistics) carries from one slice to the next and is written back to
     ``model``. ``prepare_carry(body, carry, first_slice)`` may retype the loop's carry
     before it runs (the explicit step marks what the body makes per-device).
+    ``accumulate_dtype``: the dtype the gradients are summed in (default: the
+    parameters' own; a mixed-precision policy's ``reduce_dtype``).
 
     Returns:
       ``((mean loss, aux stacked on a leading microbatch axis), mean gradient)``.
@@ -147,10 +150,10 @@ def microbatched(
         params, rest, total = carry  # the parameters ride along so they live at the loop's trace level
         m = nnx.merge(graphdef, params, rest)
         (loss, aux), grads = value_and_grad(m, piece)
-        total = jax.tree.map(jnp.add, total, grads)
+        total = jax.tree.map(lambda t, g: t + g.astype(t.dtype), total, grads)
         return (params, nnx.state(m, nnx.Not(nnx.Param)), total), (loss, aux)
 
-    carry = (params, rest, jax.tree.map(jnp.zeros_like, params))
+    carry = (params, rest, jax.tree.map(lambda p: jnp.zeros_like(p, dtype=accumulate_dtype), params))
     if prepare_carry is not None:
         carry = prepare_carry(body, carry, jax.tree.map(lambda x: x[0], slices))
     (_, rest, total), (losses, aux) = jax.lax.scan(body, carry, slices)

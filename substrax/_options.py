@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from substrax._microbatch import check_microbatches
+from substrax._precision import MixedPrecision
 from substrax._reductions import METRIC_REDUCTIONS
 
 __all__ = ["MODES", "Mode", "StepOptions"]
@@ -33,11 +34,13 @@ class StepOptions:
       reduce: Metric name to reduction, or ``None``.
       microbatches: Microbatches per step.
       skip_nonfinite: Whether a non-finite step skips its update.
+      precision: A ``MixedPrecision`` policy, or ``None`` (compute in the parameters' dtype).
 
     Raises:
       ValueError: If ``mode`` is unknown, ``reduce`` is given without ``has_aux`` or
         names an unknown operation, or ``microbatches`` is below 1.
-      TypeError: If ``microbatches`` is not an int or ``skip_nonfinite`` not a bool.
+      TypeError: If ``microbatches`` is not an int, ``skip_nonfinite`` not a bool, or
+        ``precision`` not a ``MixedPrecision``.
     """
 
     mode: Mode = "implicit"
@@ -48,6 +51,7 @@ class StepOptions:
     reduce: Mapping[str, str | None] | None = None
     microbatches: int = 1
     skip_nonfinite: bool = True
+    precision: MixedPrecision | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -66,6 +70,10 @@ class StepOptions:
         check_microbatches(self.microbatches)
         if not isinstance(self.skip_nonfinite, bool):
             raise TypeError(f"skip_nonfinite must be True or False; got {self.skip_nonfinite!r}.")
+        if self.precision is not None and not isinstance(self.precision, MixedPrecision):
+            raise TypeError(
+                f"precision must be a substrax.MixedPrecision policy or None; got {self.precision!r}."
+            )
 
     def replace(self, **changes: Any) -> StepOptions:
         """A copy with ``changes``, checked again."""

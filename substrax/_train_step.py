@@ -24,6 +24,7 @@ from substrax import _layout
 from substrax._census import Comparison
 from substrax._options import MODES, Mode, StepOptions
 from substrax._placement import check_batch_leaves
+from substrax._precision import MixedPrecision
 from substrax._step_census import step_census
 from substrax._tree import PyTree
 from substrax.explicit import _step as explicit_step
@@ -47,6 +48,7 @@ def make_train_step(
     reduce: Mapping[str, str | None] | None = None,
     microbatches: int = 1,
     skip_nonfinite: bool = True,
+    precision: MixedPrecision | None = None,
 ) -> TrainStep:
     """Build a jitted data-parallel step ``(model, optimizer, batch) -> loss``, in either mode.
 
@@ -90,6 +92,8 @@ def make_train_step(
         (its step count too) keep the values they had, and the step returns the
         non-finite loss, so the caller sees it. On by default: no step leaves
         non-finite state. ``False`` applies every update.
+      precision: A ``substrax.MixedPrecision`` policy (bfloat16 compute and gathers,
+        float32 state and update; see ``substrax._precision``), or ``None``.
 
     Returns:
       A ``TrainStep``: call it as ``step(model, optimizer, batch)``; it updates
@@ -118,6 +122,7 @@ def make_train_step(
         reduce=reduce,
         microbatches=microbatches,
         skip_nonfinite=skip_nonfinite,
+        precision=precision,
     )
 
 
@@ -146,6 +151,7 @@ class TrainStep:
         reduce: Mapping[str, str | None] | None = None,
         microbatches: int = 1,
         skip_nonfinite: bool = True,
+        precision: MixedPrecision | None = None,
     ) -> None:
         self.options = StepOptions(
             mode=mode,
@@ -156,6 +162,7 @@ class TrainStep:
             reduce=reduce,
             microbatches=microbatches,
             skip_nonfinite=skip_nonfinite,
+            precision=precision,
         )
         if mesh is not None:
             current_mesh(mesh, required_axes=(data_axis,))
@@ -172,6 +179,7 @@ class TrainStep:
     has_aux = property(lambda self: self.options.has_aux, doc="``StepOptions.has_aux``.")
     reduce = property(lambda self: self.options.reduce, doc="``StepOptions.reduce``.")
     microbatches = property(lambda self: self.options.microbatches, doc="``StepOptions.microbatches``.")
+    precision = property(lambda self: self.options.precision, doc="``StepOptions.precision``.")
     skip_nonfinite = property(lambda self: self.options.skip_nonfinite, doc="``StepOptions.skip_nonfinite``.")
 
     def placed_specs(self, batch: PyTree) -> _PlacedSpecs | None:
@@ -195,7 +203,9 @@ class TrainStep:
                 specs.append(sharding.spec)
             else:  # what the step's default does: rows split, a 0-d leaf replicated
                 specs.append(PartitionSpec() if np.ndim(leaf) == 0 else PartitionSpec(self.data_axis))
-        if all(spec == PartitionSpec(self.data_axis) or np.ndim(leaf) == 0 for spec, leaf in zip(specs, leaves)):
+        if all(
+            spec == PartitionSpec(self.data_axis) or np.ndim(leaf) == 0 for spec, leaf in zip(specs, leaves)
+        ):
             return None
         return _PlacedSpecs(treedef, tuple(specs))
 

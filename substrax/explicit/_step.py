@@ -45,6 +45,7 @@ from substrax._layout import ParamSplit, parameter_splits, spec_tuple, split_dim
 from substrax._microbatch import check_microbatches, fold_microbatch_metrics, microbatched, split_microbatches
 from substrax._options import StepOptions
 from substrax._placement import batch_partition_specs
+from substrax._precision import MixedPrecision
 from substrax._reductions import split_loss_output
 from substrax._tree import PyTree, path_str
 from substrax._update import apply_update, state_values
@@ -118,12 +119,17 @@ def _param_vars(model: nnx.Module) -> dict[Path, nnx.Variable[Any]]:
 
 
 def _set_whole_varying(
-    model: nnx.Module, plans: Mapping[Path, ParamSplit], data_axis: str
+    model: nnx.Module, plans: Mapping[Path, ParamSplit], data_axis: str, dtype: Any = None
 ) -> dict[Path, Any]:
-    """Give every parameter its whole value, varying over ``data_axis``; return what it held."""
+    """Give every parameter its whole value, varying over ``data_axis``; return what it held.
+
+    ``dtype``: cast floating parameters to it first, so a split one is gathered in it.
+    """
     held = {}
     for path, variable in _param_vars(model).items():
         value = held[path] = variable.get_value()
+        if dtype is not None and jnp.issubdtype(value.dtype, jnp.floating):
+            value = value.astype(dtype)
         dim = plans[path].gather_dim
         if dim is not None:
             with jax.named_scope("substrax.gather_params"):
@@ -250,6 +256,7 @@ def _value_and_local_grad(
     data_axis: str,
     microbatches: int,
     one_device: bool = False,
+    accumulate_dtype: Any = None,
 ) -> tuple[jax.Array, Any, nnx.State]:
     """The global loss, this device's metrics and its unreduced share of the gradient.
 
@@ -277,7 +284,11 @@ def _value_and_local_grad(
     slices = split_microbatches(shard, specs, data_axis, microbatches)
     prepare = None if one_device else functools.partial(_varying_carry, data_axis=data_axis)
     (loss, metrics), grads = microbatched(
-        nnx.value_and_grad(share, has_aux=True), model, slices, prepare_carry=prepare
+        nnx.value_and_grad(share, has_aux=True),
+        model,
+        slices,
+        prepare_carry=prepare,
+        accumulate_dtype=accumulate_dtype,
     )
     if one_device:
         return loss, metrics, grads
@@ -349,6 +360,7 @@ def explicit_train_step(
     reduce: Mapping[str, str | None] | None = None,
     microbatches: int = 1,
     skip_nonfinite: bool = True,
+    precision: MixedPrecision | None = None,
 ) -> jax.Array | tuple[jax.Array, dict[str, Any]]:
     """Execute a data-parallel training step with every collective written out.
 
@@ -401,6 +413,10 @@ def explicit_train_step(
       skip_nonfinite: Skip the update, in the graph, when the loss or a gradient is
         not finite: the model and optimizer keep their values and the step returns
         the non-finite loss (see ``substrax._update``).
+      precision: A ``substrax.MixedPrecision`` policy: parameters are cast to its
+        ``param_dtype`` before the all-gather (gathers move its bytes), gradients are
+        reduced and accumulated in its ``reduce_dtype`` and updated in the parameters'
+        own dtype (see ``substrax._precision``).
 
     Returns:
       The global batch's loss, replicated; with ``has_aux``, ``(loss, metrics)``.
@@ -423,6 +439,7 @@ def explicit_train_step(
         reduce=reduce,
         microbatches=microbatches,
         skip_nonfinite=skip_nonfinite,
+        precision=precision,
     )
     return run_step(model, optimizer, loss_fn, batch, options)
 
@@ -445,7 +462,11 @@ def run_step(
     graphdef, state = nnx.split(model)
     state_specs = nnx.get_partition_spec(state)
     rest_specs = nnx.get_partition_spec(nnx.state(model, nnx.Not(nnx.Param)))
-    split_loss = _split_loss(loss_fn, o.has_aux)
+    precision = o.precision
+    reduce_dtype = None if precision is None else precision.reduce_dtype
+    split_loss = _split_loss(
+        loss_fn if precision is None else precision.loss_fn(loss_fn, o.has_aux), o.has_aux
+    )
     # A data axis of size 1 needs no collective: nothing is typed as varying over it (the
     # batch and state enter replicated, which is the same placement), so none is emitted.
     one_device = mesh.shape[data_axis] == 1
@@ -470,6 +491,10 @@ def run_step(
     def per_device(state: nnx.State, shard: PyTree) -> tuple[nnx.State, nnx.State, jax.Array, dict[str, Any]]:
         model = nnx.merge(graphdef, state)
         if one_device:
+            held = {p: v.get_value() for p, v in _param_vars(model).items()}
+            if precision is not None:
+                for variable in _param_vars(model).values():
+                    variable.set_value(precision.cast_params(variable.get_value()))
             loss, metrics, grads = _value_and_local_grad(
                 model,
                 split_loss,
@@ -478,14 +503,32 @@ def run_step(
                 data_axis=data_axis,
                 microbatches=microbatches,
                 one_device=True,
+                accumulate_dtype=reduce_dtype,
             )
         else:
-            _set_whole_varying(model, plans, data_axis)
+            held = _set_whole_varying(
+                model, plans, data_axis, None if precision is None else precision.param_dtype
+            )
             with _per_device_random_streams(model, data_axis):
                 loss, metrics, grads = _value_and_local_grad(
-                    model, split_loss, shard, specs, data_axis=data_axis, microbatches=microbatches
+                    model,
+                    split_loss,
+                    shard,
+                    specs,
+                    data_axis=data_axis,
+                    microbatches=microbatches,
+                    accumulate_dtype=reduce_dtype,
                 )
+            if precision is not None:  # reduced in the policy's dtype
+                grads = jax.tree.map(lambda g: g.astype(reduce_dtype), grads)
             grads = _reduce_gradients(grads, plans, data_axis)
+        if precision is not None:  # the update runs in the parameters' own dtype
+            grads = nnx.from_flat_state(
+                [
+                    (p, v.replace(v.get_value().astype(held[tuple(p)].dtype)))
+                    for p, v in nnx.to_flat_state(grads)
+                ]
+            )
         if microbatches > 1:
             metrics = fold_microbatch_metrics(metrics, reduce)
         if one_device:

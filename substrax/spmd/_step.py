@@ -16,6 +16,7 @@ from substrax._microbatch import (
 )
 from substrax._options import StepOptions
 from substrax._placement import batch_partition_specs
+from substrax._precision import MixedPrecision
 from substrax._reductions import split_loss_output
 from substrax._update import apply_update, state_values
 from substrax.mesh import current_mesh
@@ -53,6 +54,7 @@ def spmd_train_step(
     reduce: Mapping[str, str | None] | None = None,
     microbatches: int = 1,
     skip_nonfinite: bool = True,
+    precision: MixedPrecision | None = None,
 ) -> jax.Array | tuple[jax.Array, Any]:
     """Execute a data-parallel training step using SPMD.
 
@@ -87,6 +89,8 @@ def spmd_train_step(
       skip_nonfinite: Skip the update, in the graph, when the loss or a gradient is
         not finite: the model and optimizer keep their values and the step returns
         the non-finite loss (see ``substrax._update``).
+      precision: A ``substrax.MixedPrecision`` policy: compute in its ``param_dtype``,
+        keep and update the state in its own dtype (see ``substrax._precision``).
 
     Returns:
       The loss value; with ``has_aux``, ``(loss, aux)``.
@@ -116,6 +120,7 @@ def spmd_train_step(
         reduce=reduce,
         microbatches=microbatches,
         skip_nonfinite=skip_nonfinite,
+        precision=precision,
     )
     return run_step(model, optimizer, loss_fn, batch, options)
 
@@ -139,11 +144,16 @@ def run_step(
         batch = jax.lax.with_sharding_constraint(batch, specs)
     before = state_values((model, optimizer)) if o.skip_nonfinite else None
 
+    run_loss = loss_fn if o.precision is None else o.precision.loss_fn(loss_fn, o.has_aux)
+
     def checked_loss(model: M, batch: PyTree) -> tuple[Any, Any]:
-        loss, aux = split_loss_output(loss_fn(model, batch), o.has_aux)
+        loss, aux = split_loss_output(run_loss(model, batch), o.has_aux)
         return loss, aux
 
-    value_and_grad = nnx.value_and_grad(checked_loss, has_aux=True)
+    if o.precision is None:
+        value_and_grad = nnx.value_and_grad(checked_loss, has_aux=True)
+    else:
+        value_and_grad = o.precision.value_and_grad(checked_loss)
     ways = 1
     if o.microbatches == 1:
         (loss, aux), grads = value_and_grad(model, batch)

@@ -1,0 +1,122 @@
+"""Mixed precision in the manner of PyTorch FSDP's ``MixedPrecision``: low-precision compute, float32 state.
+
+Parameters and optimizer state stay in their own dtype (float32) and the update runs
+there. The forward and backward passes see the parameters cast to ``param_dtype``;
+in explicit mode under a split layout the cast happens before the all-gather, so the
+gathers move ``param_dtype`` bytes. Floating batch leaves are cast too, except those
+named in ``keep_batch`` (targets, masks). Gradients are cast to ``reduce_dtype``
+before their reduction (``psum`` / ``psum_scatter``) and accumulated over
+microbatches in it, then cast back to the parameters' dtype for the update. The loss
+and floating metrics come back in float32.
+
+Implicit mode differentiates the float32 parameters through the cast; where XLA
+reduces (before or after the cast back) is its choice, which the census shows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from substrax._tree import PyTree
+
+__all__ = ["MixedPrecision"]
+
+
+def _floating(x: Any) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedPrecision:
+    """A mixed-precision policy for a training step (``make_train_step(..., precision=)``).
+
+    Attributes:
+      param_dtype: The dtype the forward and backward passes see the parameters (and
+        the floating batch leaves) in; ``jnp.bfloat16`` by default.
+      reduce_dtype: The dtype gradients are reduced and accumulated in.
+      keep_batch: Names of batch keys (at any depth) whose leaves keep their dtype,
+        such as ``("targets",)``.
+
+    Raises:
+      TypeError: If a dtype is not a floating dtype.
+      ValueError: If a dtype is float16: without loss scaling its gradients underflow;
+        use bfloat16.
+    """
+
+    param_dtype: Any = jnp.bfloat16
+    reduce_dtype: Any = jnp.float32
+    keep_batch: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            try:
+                dtype = np.dtype(value)
+            except TypeError:
+                raise TypeError(f"MixedPrecision.{name} must be a floating dtype; got {value!r}.") from None
+            if not jnp.issubdtype(dtype, jnp.floating):
+                raise TypeError(f"MixedPrecision.{name} must be a floating dtype; got {dtype.name}.")
+            if dtype == np.float16:
+                raise ValueError(
+                    f"MixedPrecision.{name}=float16 needs dynamic loss scaling, which substrax does not "
+                    f"do (float16 gradients underflow without it). Use jnp.bfloat16: the same bytes, "
+                    f"float32's range."
+                )
+            object.__setattr__(self, name, dtype)
+        if isinstance(self.keep_batch, str) or not all(isinstance(k, str) for k in self.keep_batch):
+            raise TypeError(
+                f"MixedPrecision.keep_batch must be a tuple of key names; got {self.keep_batch!r}."
+            )
+        object.__setattr__(self, "keep_batch", tuple(self.keep_batch))
+
+    def cast_params(self, tree: PyTree) -> PyTree:
+        """Floating leaves of ``tree`` in ``param_dtype``."""
+        return jax.tree.map(lambda x: x.astype(self.param_dtype) if _floating(x) else x, tree)
+
+    def cast_batch(self, batch: PyTree) -> PyTree:
+        """Floating batch leaves in ``param_dtype``, but those under a ``keep_batch`` key."""
+
+        def cast(path: tuple[Any, ...], x: Any) -> Any:
+            names = {getattr(k, "key", getattr(k, "name", None)) for k in path}
+            if _floating(x) and not names & set(self.keep_batch):
+                return jnp.asarray(x).astype(self.param_dtype)
+            return x
+
+        return jax.tree_util.tree_map_with_path(cast, batch)
+
+    def loss_fn(self, loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
+        """``loss_fn`` on the cast batch, its loss (and floating metrics) in float32."""
+
+        def wrapped(model: Any, batch: PyTree) -> Any:
+            out = loss_fn(model, self.cast_batch(batch))
+            return jax.tree.map(lambda x: x.astype(jnp.float32) if _floating(x) else x, out)
+
+        return wrapped
+
+    def value_and_grad(self, loss_fn: Callable[..., tuple[Any, Any]]) -> Callable[..., Any]:
+        """``nnx.value_and_grad(loss_fn, has_aux=True)`` with the parameters seen in ``param_dtype``.
+
+        The gradient is taken with respect to the parameters as stored (float32),
+        through the cast; the model's other state (BatchNorm statistics) is updated.
+        """
+
+        def value_and_grad(model: nnx.Module, batch: PyTree) -> tuple[tuple[Any, Any], nnx.State]:
+            graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
+
+            def pure(params: nnx.State) -> tuple[Any, tuple[Any, nnx.State]]:
+                m = nnx.merge(graphdef, self.cast_params(params), rest)
+                loss, aux = loss_fn(m, batch)
+                return loss, (aux, nnx.state(m, nnx.Not(nnx.Param)))
+
+            (loss, (aux, new_rest)), grads = jax.value_and_grad(pure, has_aux=True)(params)
+            nnx.update(model, new_rest)
+            return (loss, aux), grads
+
+        return value_and_grad

@@ -1,0 +1,110 @@
+"""MixedPrecision: bfloat16 compute and gathers, float32 state and update, in both modes and every layout."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import MLP, mse, regression_batches
+from flax import nnx
+
+import substrax
+from substrax.spmd import create_data_parallel_sharding, place_batch_on_shards
+
+# bfloat16 keeps 8 bits of mantissa (eps 2**-7 = 7.8e-3): one rounding of every input and
+# parameter moves a loss by about that much relative, and a few Adam steps keep it there.
+BF16_RTOL = 1e-2
+
+
+def _train(mesh, mode: str, layout: str, precision, microbatches: int = 1, steps: int = 4):
+    with jax.set_mesh(mesh):
+        model = MLP(width=64)
+        optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    substrax.shard_state(model, optimizer, mesh=mesh, layout=layout, min_size=16)
+    step = substrax.make_train_step(mse, mode, mesh=mesh, precision=precision, microbatches=microbatches)
+    sharding = create_data_parallel_sharding(mesh)
+    losses = [
+        step(model, optimizer, place_batch_on_shards(b, sharding)) for b in regression_batches(steps, rows=64)
+    ]
+    return losses, model, optimizer
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+@pytest.mark.parametrize("layout", substrax.LAYOUTS)
+@pytest.mark.parametrize("mode", substrax.MODES)
+def test_bfloat16_training_tracks_float32_and_keeps_float32_state(
+    mesh8: jax.sharding.Mesh, mode: str, layout: str, microbatches: int
+) -> None:
+    want, _, _ = _train(mesh8, mode, layout, None, microbatches)
+    policy = substrax.MixedPrecision(param_dtype=jnp.bfloat16, keep_batch=("y",))
+    got, model, optimizer = _train(mesh8, mode, layout, policy, microbatches)
+    assert all(loss.dtype == jnp.float32 for loss in got)
+    np.testing.assert_allclose([float(x) for x in got], [float(x) for x in want], rtol=BF16_RTOL)
+    floating = [
+        x for x in jax.tree.leaves(nnx.state((model, optimizer))) if jnp.issubdtype(x.dtype, jnp.floating)
+    ]
+    assert floating and all(x.dtype == jnp.float32 for x in floating)
+
+
+def _collective_operand_dtypes(lowered_text: str, op: str) -> list[str]:
+    """The element types of every ``stablehlo.<op>``'s operand in a lowered program."""
+    return re.findall(rf'"stablehlo\.{op}"\(.*?:\s*\(tensor<[0-9x]*x?(\w+)>', lowered_text)
+
+
+@pytest.mark.parametrize(("reduce_dtype", "reduced_in"), [(jnp.float32, "f32"), (jnp.bfloat16, "bf16")])
+def test_explicit_fsdp_gathers_in_param_dtype_and_reduces_in_reduce_dtype(
+    mesh8: jax.sharding.Mesh, reduce_dtype, reduced_in: str
+) -> None:
+    # The program the explicit step writes, as lowered: XLA's CPU compiler then widens
+    # bfloat16 collectives to float32 (the compiled census shows f32 there); an
+    # accelerator runs them as written.
+    with jax.set_mesh(mesh8):
+        model = MLP(width=64)
+        optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    substrax.shard_state(model, optimizer, mesh=mesh8, layout="fsdp", min_size=16)
+    policy = substrax.MixedPrecision(param_dtype=jnp.bfloat16, reduce_dtype=reduce_dtype)
+    step = substrax.make_train_step(mse, "explicit", mesh=mesh8, precision=policy)
+    batch = place_batch_on_shards(regression_batches(1, rows=64)[0], create_data_parallel_sharding(mesh8))
+    text = step.lower(model, optimizer, batch).as_text()
+    gathers = _collective_operand_dtypes(text, "all_gather")
+    scatters = re.findall(r'"stablehlo\.reduce_scatter"\(%\w+\)', text)
+    assert gathers == ["bf16"] * 3, gathers  # the three split parameters, cast before the gather
+    assert len(scatters) == 3
+    scattered = re.findall(r"reduce_scatter.*?\n(?:.*\n)*?.*?\}\) : \(tensor<[0-9x]*x?(\w+)>", text)
+    assert scattered and set(scattered) == {reduced_in}, scattered
+
+
+def test_the_batch_is_cast_but_kept_leaves_and_outputs_are_not(mesh8: jax.sharding.Mesh) -> None:
+    seen = {}
+
+    def loss(model: MLP, batch: dict) -> tuple[jax.Array, dict]:
+        seen.update(x=batch["x"].dtype, y=batch["y"].dtype)
+        value = mse(model, batch)
+        return value, {"double": 2 * value}
+
+    for mode in substrax.MODES:
+        with jax.set_mesh(mesh8):
+            model = MLP()
+            optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        policy = substrax.MixedPrecision(keep_batch=("y",))
+        step = substrax.make_train_step(loss, mode, mesh=mesh8, has_aux=True, precision=policy)
+        value, metrics = step(model, optimizer, regression_batches(1, rows=32)[0])
+        assert seen == {"x": jnp.bfloat16, "y": jnp.float32}, (mode, seen)
+        assert value.dtype == jnp.float32 and metrics["double"].dtype == jnp.float32
+
+
+def test_policy_errors() -> None:
+    with pytest.raises(ValueError, match=r"param_dtype=float16 needs dynamic loss scaling.*Use jnp.bfloat16"):
+        substrax.MixedPrecision(param_dtype=jnp.float16)
+    with pytest.raises(TypeError, match=r"reduce_dtype must be a floating dtype; got int32"):
+        substrax.MixedPrecision(reduce_dtype=jnp.int32)
+    with pytest.raises(TypeError, match=r"keep_batch must be a tuple of key names; got 'y'"):
+        substrax.MixedPrecision(keep_batch="y")  # type: ignore[arg-type]
+    with pytest.raises(
+        TypeError, match=r"precision must be a substrax.MixedPrecision policy or None; got 'bf16'"
+    ):
+        substrax.make_train_step(mse, precision="bf16")  # type: ignore[arg-type]
