@@ -214,6 +214,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="save the model and optimizer here (orbax), and resume from the latest step found there",
     )
     parser.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
+    parser.add_argument(
+        "--precision",
+        choices=("f32", "bf16"),
+        default="f32",
+        help="bf16: compute (and, in explicit mode, gather) in bfloat16; state and update stay float32",
+    )
     return parser.parse_args(argv)
 
 
@@ -235,7 +241,10 @@ def main(argv: list[str] | None = None) -> list[float]:
     ):  # split over the data axis: ZeRO-1 (optimizer state) or FSDP (parameters too)
         layout = substrax.shard_state(model, optimizer, mesh=mesh, params=args.layout == "fsdp")
         state_note += f" ({layout.bytes_per_device:,} of {layout.total_bytes:,} bytes per device)"
-    train_step = substrax.make_train_step(loss_fn, args.mode, mesh=mesh, microbatches=args.microbatches)
+    precision = substrax.MixedPrecision(jnp.bfloat16) if args.precision == "bf16" else None
+    train_step = substrax.make_train_step(
+        loss_fn, args.mode, mesh=mesh, microbatches=args.microbatches, precision=precision
+    )
 
     leader = jax.process_index() == 0
     params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
@@ -246,7 +255,8 @@ def main(argv: list[str] | None = None) -> list[float]:
             f"{params:,} parameters; {len(text):,} characters of Python {sys.version.split()[0]} stdlib; "
             f"{jax.process_count()} process(es), {jax.device_count()} {jax.default_backend()} devices; "
             f"{args.mode} step, {state_note}, global batch {args.batch} x {model.seq}"
-            + (f" in {args.microbatches} microbatches" if args.microbatches != 1 else ""),
+            + (f" in {args.microbatches} microbatches" if args.microbatches != 1 else "")
+            + (", bfloat16 compute" if precision is not None else ""),
             flush=True,
         )
 

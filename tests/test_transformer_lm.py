@@ -112,3 +112,12 @@ def test_a_run_resumes_from_its_checkpoint_with_the_same_losses(losses: dict, tm
         resumed = example.main([*common, "--steps", str(STEPS), "--mode", "implicit"])
     assert "resumed from step 2" in printed.getvalue()
     np.testing.assert_allclose(resumed, losses["implicit"][2:], rtol=1e-5)
+
+
+def test_bfloat16_compute_tracks_the_float32_run(losses: dict) -> None:
+    """--precision bf16 (explicit FSDP: bfloat16 gathers, float32 state) within bfloat16's tolerance."""
+    example = load_example()
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        got = example.main([*ARGS, "--sample", "0", "--mode", "explicit", "--layout", "fsdp", "--precision", "bf16"])
+    assert "bfloat16 compute" in printed.getvalue()
+    np.testing.assert_allclose(got, losses["explicit"], rtol=1e-2)  # bfloat16 eps 7.8e-3
