@@ -10,14 +10,16 @@ Two paths to the same step:
 
 ``make_train_step(loss_fn, mode)`` picks one with a word. ``shard_state`` splits the
 model's and optimizer's state over the data axis (ZeRO-1, FSDP); both modes train it.
-``substrax.mesh`` builds the meshes both use.
+``substrax.mesh`` builds the meshes both use. ``census(compiled)`` counts the collectives
+of a compiled program; it comes from the package ``substrax/census/``, and importing it
+here rebinds the attribute ``substrax.census`` from that package to the function.
 """
 
 from substrax import explicit, mesh, spmd
-from substrax._census import CensusReport, Comparison, Expected, census, compare, expected_communication
 from substrax._layout import LAYOUTS, Layout, LeafPlacement, layout_of, shard_state
 from substrax._precision import MixedPrecision
 from substrax._train_step import MODES, BoundTrainStep, TrainStep, make_train_step
+from substrax.census import CensusReport, Comparison, Expected, census, compare, expected_communication
 
 __version__ = "0.1.0"
 
@@ -29,8 +31,8 @@ __all__ = [
     "Comparison",
     "Expected",
     "Layout",
-    "MixedPrecision",
     "LeafPlacement",
+    "MixedPrecision",
     "TrainStep",
     "__version__",
     "census",

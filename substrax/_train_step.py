@@ -21,12 +21,12 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from substrax import _layout
-from substrax._census import Comparison
 from substrax._options import MODES, Mode, StepOptions
 from substrax._placement import check_batch_leaves
 from substrax._precision import MixedPrecision
-from substrax._step_census import step_census
 from substrax._tree import PyTree
+from substrax.census import Comparison
+from substrax.census._step import check_communication
 from substrax.explicit import _step as explicit_step
 from substrax.explicit._step import BatchSpec
 from substrax.mesh import current_mesh
@@ -278,14 +278,24 @@ class TrainStep:
         with self.mesh_context():
             return split.jitted.lower(split.arrays(), batch, placed=self.placed_specs(batch))
 
-    def census(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree) -> Comparison:
-        """Every collective of this step compiled for these arguments, against its layout's rule.
+    def check_communication(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree) -> Comparison:
+        """Every collective of this step compiled for these arguments, held against its layout's rule.
 
-        ``print(step.census(model, optimizer, batch))`` shows one row per collective,
-        the expected and compiled bytes per kind, and each difference; ``.matches`` says
-        whether they agree. See ``substrax.compare`` for the rule.
+        ``print(step.check_communication(model, optimizer, batch))`` shows the census (one
+        row per collective), the expected and compiled bytes per source and kind, and each
+        difference; ``.matches`` says whether they agree, and ``.report`` is the census
+        itself (the ``CensusReport`` that ``substrax.census`` gives of the compiled step).
+        See ``substrax.compare`` for the rule.
         """
-        return step_census(self, model, optimizer, batch)
+        return check_communication(self.lower(model, optimizer, batch), model, optimizer, self.options)
+
+    def census(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree) -> Comparison:
+        """``check_communication``, under the name it had first.
+
+        It returns a ``Comparison`` (the check), not the ``CensusReport`` that
+        ``substrax.census`` returns; the census is the comparison's ``.report``.
+        """
+        return self.check_communication(model, optimizer, batch)
 
     def bind(self, model: nnx.Module, optimizer: nnx.Optimizer, *, donate: bool = True) -> BoundTrainStep:
         """The loop spelling: split ``model`` and ``optimizer`` once, step on their arrays.
@@ -405,10 +415,14 @@ class BoundTrainStep:
         with self._step.mesh_context():
             return self._split.jitted.lower(self._arrays, batch, placed=self._step.placed_specs(batch))
 
-    def census(self, batch: PyTree) -> Comparison:
-        """This step's census against its layout's rule (see ``TrainStep.census``); syncs first."""
+    def check_communication(self, batch: PyTree) -> Comparison:
+        """This step's census against its layout's rule (see ``TrainStep.check_communication``); syncs first."""
         self.sync()
-        return self._step.census(self.model, self.optimizer, batch)
+        return self._step.check_communication(self.model, self.optimizer, batch)
+
+    def census(self, batch: PyTree) -> Comparison:
+        """``check_communication``, under the name it had first (a ``Comparison``; see ``TrainStep.census``)."""
+        return self.check_communication(batch)
 
     def sync(self) -> None:
         """Write the current state into ``model`` and ``optimizer``.

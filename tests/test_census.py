@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from substrax._census import census, compare, expected_communication
+from substrax.census import census, compare, expected_communication
 from substrax.mesh import create_device_mesh
 
 F32 = 4  # bytes

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from models import MLP, mse, regression_batches
 
 import substrax
-from substrax._census import Comparison, census, compare, expected_communication, library_scope, phase_of
+from substrax.census import Comparison, census, compare, expected_communication, library_scope, phase_of
 from substrax.spmd import create_data_parallel_sharding, place_batch_on_shards
 
 F32 = 4
@@ -372,7 +372,7 @@ def test_buffers_xla_concatenates_match(mesh8: jax.sharding.Mesh) -> None:
 def test_an_update_that_cannot_be_compiled_alone_falls_back_to_the_rule(
     mesh8: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from substrax import _step_census
+    from substrax.census import _step as _step_census
 
     def fails(*args: Any) -> None:
         raise RuntimeError("no")

@@ -16,14 +16,18 @@ reading the step's own program:
 ``compare(..., attribute_model=True)`` then adds the collectives the model's own forward
 and backward pass issue (BatchNorm with ``axis_name``; in implicit mode, the model's
 reductions over the batch), read from the program's operation names.
+
+It takes plain values, the lowered step, its model, optimizer and ``StepOptions``, and
+knows nothing of ``TrainStep``, which calls it (``TrainStep.check_communication``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -31,22 +35,15 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from substrax._census import (
-    CensusReport,
-    Comparison,
-    ExpectedCollective,
-    census,
-    compare,
-    expected_communication,
-    library_scope,
-)
 from substrax._layout import layout_of, parameter_splits, spec_tuple, split_dim_of
-from substrax._tree import PyTree, path_str
+from substrax._options import StepOptions
+from substrax._tree import path_str
+from substrax._update import apply_update, state_values
+from substrax.census._compare import Comparison, compare
+from substrax.census._expected import ExpectedCollective, expected_communication
+from substrax.census._report import CensusReport, census, library_scope
 
-if TYPE_CHECKING:
-    from substrax._train_step import TrainStep
-
-__all__ = ["parameter_leaves", "step_census", "update_dims", "update_items"]
+__all__ = ["check_communication", "parameter_leaves", "update_dims", "update_items"]
 
 Path = tuple[Any, ...]
 
@@ -102,38 +99,31 @@ def _metric_items(outputs: Any, has_aux: bool) -> list[ExpectedCollective]:
     return items
 
 
-def _mesh_of(step: TrainStep, model: nnx.Module, optimizer: nnx.Optimizer[Any]) -> jax.sharding.Mesh | None:
+def _mesh_context(options: StepOptions) -> contextlib.AbstractContextManager[Any]:
+    """``jax.set_mesh(options.mesh)``, or nothing when the step has no mesh of its own (as the step runs)."""
+    return jax.set_mesh(options.mesh) if options.mesh is not None else contextlib.nullcontext()
+
+
+def _mesh_of(
+    options: StepOptions, model: nnx.Module, optimizer: nnx.Optimizer[Any]
+) -> jax.sharding.Mesh | None:
     """The concrete mesh the step runs on: its own, the state's, or the one set by ``jax.set_mesh``."""
-    if isinstance(step.mesh, jax.sharding.Mesh):
-        return step.mesh
+    if isinstance(options.mesh, jax.sharding.Mesh):
+        return options.mesh
     for _, variable in nnx.to_flat_state(nnx.state((model, optimizer))):
         sharding = getattr(variable.get_value(), "sharding", None)
         mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None
-        if isinstance(mesh, jax.sharding.Mesh) and step.data_axis in mesh.axis_names:
+        if isinstance(mesh, jax.sharding.Mesh) and options.data_axis in mesh.axis_names:
             return mesh
     try:
         found = jax.sharding.get_mesh()
     except ValueError:
         return None
-    return found if isinstance(found, jax.sharding.Mesh) and step.data_axis in found.axis_names else None
-
-
-def _run_update(
-    step: TrainStep, model: nnx.Module, optimizer: nnx.Optimizer[Any], grads: Any, loss: Any
-) -> None:
-    """The update the step runs after its gradients: ``substrax._update.apply_update`` when present."""
-    try:
-        from substrax._update import apply_update, state_values
-    except ImportError:  # a step that updates inside its own code: the optimizer's update alone
-        with jax.named_scope("substrax.update"):
-            optimizer.update(model, grads)
-        return
-    before = state_values((model, optimizer)) if getattr(step, "skip_nonfinite", False) else None
-    apply_update(model, optimizer, grads, loss, before)
+    return found if isinstance(found, jax.sharding.Mesh) and options.data_axis in found.axis_names else None
 
 
 def update_census(
-    step: TrainStep, model: nnx.Module, optimizer: nnx.Optimizer[Any], loss_dtype: Any
+    options: StepOptions, model: nnx.Module, optimizer: nnx.Optimizer[Any], loss_dtype: Any
 ) -> CensusReport | None:
     """The census of the step's optimizer update, lowered and compiled alone.
 
@@ -142,10 +132,10 @@ def update_census(
     optimizer updates slices (``update_dims``) and replicated elsewhere, the loss a
     replicated scalar. ``None`` when no mesh is known.
     """
-    mesh = _mesh_of(step, model, optimizer)
+    mesh = _mesh_of(options, model, optimizer)
     if mesh is None:
         return None
-    axis = step.data_axis
+    axis = options.data_axis
     dims = update_dims(model, optimizer, axis)
     graphdef, state = nnx.split((model, optimizer))
     treedef = jax.tree.structure(state)
@@ -165,23 +155,24 @@ def update_census(
 
     def update(arrays: list[jax.Array], grads: nnx.State, loss: jax.Array) -> list[jax.Array]:
         model, optimizer = nnx.merge(graphdef, jax.tree.unflatten(treedef, arrays))
-        _run_update(step, model, optimizer, grads, loss)
+        before = state_values((model, optimizer)) if options.skip_nonfinite else None
+        apply_update(model, optimizer, grads, loss, before)  # the update the step runs after its gradients
         return jax.tree.leaves(nnx.state((model, optimizer)))
 
-    with step.mesh_context():
+    with _mesh_context(options):
         compiled = jax.jit(update).lower(arrays, grads, loss).compile()
     return census(compiled, mesh=mesh)
 
 
 def update_items(
-    step: TrainStep, model: nnx.Module, optimizer: nnx.Optimizer[Any], loss_dtype: Any
+    options: StepOptions, model: nnx.Module, optimizer: nnx.Optimizer[Any], loss_dtype: Any
 ) -> list[ExpectedCollective]:
     """What the update communicates, one expected buffer per buffer of ``update_census``.
 
     Each keeps the library scope it was compiled under (``substrax.update``,
     ``substrax.finite``), and must be compiled under the same one in the step.
     """
-    report = update_census(step, model, optimizer, loss_dtype)
+    report = update_census(options, model, optimizer, loss_dtype)
     if report is None:
         return []
     return [
@@ -240,10 +231,14 @@ def _scoped(
     return [dataclasses.replace(i, scopes=scopes[i.category]) if i.category in scopes else i for i in items]
 
 
-def step_census(
-    step: TrainStep, model: nnx.Module, optimizer: nnx.Optimizer[Any], batch: PyTree
+def check_communication(
+    lowered: jax.stages.Lowered, model: nnx.Module, optimizer: nnx.Optimizer[Any], options: StepOptions
 ) -> Comparison:
-    """Compile ``step`` for these arguments, take its census, and compare it with what it should communicate.
+    """Compile a lowered step, take its census, and compare it with what the step should communicate.
+
+    ``lowered``: the step lowered for ``model``, ``optimizer`` and a batch
+    (``TrainStep.lower``); ``options``: the step's options (mode, mesh, data axis,
+    ``has_aux``, microbatches, the non-finite guard).
 
     The expected communication (see the module docstring): the layout's rule for the
     gradients and parameters (``substrax.expected_communication``), the loss, the
@@ -258,23 +253,21 @@ def step_census(
     gathers per-example values (XLA may compute the loss from the gathered vector). On a
     data axis of size 1 it expects no communication at all.
     """
-    lowered = step.lower(model, optimizer, batch)
     compiled = lowered.compile()
-    with step.mesh_context():
-        layout = layout_of(model, optimizer, mesh=step.mesh, axis=step.data_axis)
-    mesh = step.mesh if step.mesh is not None else None
-    report = census(compiled, mesh=mesh)
+    with _mesh_context(options):
+        layout = layout_of(model, optimizer, mesh=options.mesh, axis=options.data_axis)
+    report = census(compiled, mesh=options.mesh)
     out = lowered.out_info[1]  # the step's (loss, metrics), as shapes and dtypes
-    loss_dtype = out[0].dtype if step.has_aux else out.dtype
+    loss_dtype = out[0].dtype if options.has_aux else out.dtype
     if layout.axis_size == 1:  # a data axis of size 1 calls for no communication at all
         expected = expected_communication(
-            [], layout=layout.kind, mode=step.mode, microbatches=step.microbatches, loss_bytes=0
+            [], layout=layout.kind, mode=options.mode, microbatches=options.microbatches, loss_bytes=0
         )
         return compare(report, expected)
-    metrics = _metric_items(out, step.has_aux)
+    metrics = _metric_items(out, options.has_aux)
     notes = []
     try:
-        update: list[ExpectedCollective] | None = update_items(step, model, optimizer, loss_dtype)
+        update: list[ExpectedCollective] | None = update_items(options, model, optimizer, loss_dtype)
     except Exception as error:  # noqa: BLE001  (the census goes on with the layout's rule)
         update = None
         notes.append(
@@ -282,18 +275,18 @@ def step_census(
             f"its communication is taken from the layout's rule"
         )
     expected = expected_communication(
-        parameter_leaves(model, optimizer, step.data_axis),
+        parameter_leaves(model, optimizer, options.data_axis),
         layout=layout.kind,
-        mode=step.mode,
-        microbatches=step.microbatches,
+        mode=options.mode,
+        microbatches=options.microbatches,
         loss_bytes=np.dtype(loss_dtype).itemsize,
         update=update,
     )
     items = [*expected.items, *metrics]
     gathered = any(i.kind == "all-gather" for i in metrics)
     scoped = any(library_scope(p.op_name) for row in report.rows for p in row.parts)
-    if step.mode == "explicit":
-        items += batch_stat_items(model, step.data_axis)
+    if options.mode == "explicit":
+        items += batch_stat_items(model, options.data_axis)
         if scoped:  # each buffer under the scope the step writes it in
             items = _scoped(items, {k: (v,) for k, v in _EXPLICIT_SCOPES.items()})
     else:
@@ -308,7 +301,7 @@ def step_census(
         )
     scalars = [i for i in metrics if i.kind == "all-reduce"]
     why = ""
-    if gathered and step.mode == "implicit":
+    if gathered and options.mode == "implicit":
         why = "XLA may compute it from the per-example values it gathers anyway"
     elif scalars:
         why = (

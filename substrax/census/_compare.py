@@ -1,0 +1,432 @@
+"""A census held against the expected communication: ``compare`` and its ``Comparison``.
+
+The compiled buffers (``Collective.parts``) are matched to the expected ones one to one,
+then combined, then (with ``attribute_model``) attributed to the model's own forward or
+backward pass; what is left over or missing is a difference. See ``compare`` for the rule.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from substrax.census._expected import REDUCTIONS, Expected, ExpectedCollective, sources_of
+from substrax.census._hlo import KINDS, Operand
+from substrax.census._report import CensusReport, Collective, Part, buffers_text
+from substrax.census._text import shorten, table
+
+__all__ = ["Comparison", "compare"]
+
+_REDUCTION_KEY = "all-reduce + reduce-scatter"
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """A census held against the expected communication.
+
+    Unpacks as ``matches, differences = compare(report, expected)``.
+
+    Attributes:
+      matches: whether the compiled program communicates as expected.
+      differences: one sentence per difference, naming the buffers involved (element
+        type, shape, bytes, instruction and the JAX operation they came from).
+      notes: what was accepted and why: optional buffers not compiled, buffers compiled
+        combined, the implicit-mode bound.
+      report: the census.
+      expected: the expected communication, with the model's own buffers added when
+        ``attribute_model`` found any (source ``"model"``).
+      matched: each expected buffer with the compiled buffers it was matched to (none for
+        one not compiled).
+      model: the compiled buffers attributed to the model's own forward or backward pass.
+      unexpected: the compiled buffers nothing accounts for.
+    """
+
+    matches: bool
+    differences: tuple[str, ...]
+    notes: tuple[str, ...]
+    report: CensusReport
+    expected: Expected
+    matched: tuple[tuple[ExpectedCollective, tuple[Part, ...]], ...] = ()
+    model: tuple[Part, ...] = ()
+    unexpected: tuple[Part, ...] = ()
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.matches, list(self.differences)))
+
+    def __str__(self) -> str:
+        return _format_comparison(self)
+
+
+def compare(report: CensusReport, expected: Expected, *, attribute_model: bool = False) -> Comparison:
+    """Hold a census against the expected communication of a step.
+
+    The compiled buffers (``Collective.parts``: each operand of a combined all-reduce on
+    its own, with its own JAX operation) are matched to the expected buffers:
+
+    1. One to one, by collective and bytes, within the scopes an expected buffer allows
+       (``ExpectedCollective.scopes``: the step's ``jax.named_scope``\\ s, such as
+       ``substrax.grad_reduce``), required buffers first. ``"implicit"`` mode compares
+       all-reduce and reduce-scatter as one kind (XLA's partitioner may compile a
+       reduce-scatter as an all-reduce and a slice). A gradient prefers a buffer of the
+       backward pass, the loss and metrics one of the forward pass.
+    2. What is left, combined: the required buffers still unmatched of one kind and scope,
+       all together, against at most four compiled ones of the same total bytes (XLA
+       concatenates buffers, or cuts one; a note says which).
+    3. With ``attribute_model``, a compiled buffer still unmatched, under no library scope,
+       whose operation ran inside the differentiated loss (``jvp(...)`` or
+       ``transpose(jvp(...))`` in its name: BatchNorm's ``pmean`` of its statistics with
+       ``axis_name`` and its transpose; in implicit mode, the all-reduce XLA makes of any
+       reduction over the batch the model computes, and what its partitioner moves inside
+       the forward and backward pass for the layout (measured: BatchNorm's 16-element
+       vectors all-gathered under ZeRO-1 and FSDP)) is the model's own: it is added
+       to the expectation as a ``"model"`` buffer, counted and listed, and may run in a
+       loop (once per microbatch).
+
+    Then the differences: an expected buffer not compiled (unless optional); a compiled
+    buffer nothing accounts for (an unscoped one outside the loss, or one under a library
+    scope that no buffer of that scope expects); a buffer the library communicates inside
+    a ``while`` loop (with microbatches it belongs after the loop). In ``"implicit"``
+    mode with a ``"zero1"`` or ``"fsdp"`` layout, a program that differs only in which
+    buffers it moves still matches if it communicates no more bytes in all than expected
+    (the partitioner may move activations instead of gradients: measured on 8 CPU devices
+    with large weights and a small batch); a note says what it chose.
+
+    Args:
+      report: a census (``census(compiled)``).
+      expected: ``expected_communication(...)`` for the step.
+      attribute_model: count the model's own collectives as above (``TrainStep.census``
+        does); ``False`` makes every unmatched buffer a difference.
+
+    Returns:
+      A ``Comparison``; ``str()`` of it shows the census, expected against compiled
+      bytes per source and kind, the model's buffers, and each difference.
+    """
+    return _Matcher(report, expected, attribute_model).result()
+
+
+def _key(kind: str, mode: str) -> str:
+    return _REDUCTION_KEY if mode == "implicit" and kind in REDUCTIONS else kind
+
+
+def _ordered(keys: set[str]) -> list[str]:
+    order = [_REDUCTION_KEY, *KINDS]
+    return sorted(keys, key=lambda k: order.index(k) if k in order else len(order))
+
+
+_PHASE_ORDER = {
+    "gradients": {"backward": 0, None: 1, "forward": 2},
+    "loss": {"forward": 0, None: 1, "backward": 2},
+    "metrics": {"forward": 0, None: 1, "backward": 2},
+}
+_OTHER_ORDER = {None: 0, "forward": 1, "backward": 2}
+_SEARCH_LIMIT = 1 << 12  # partial sums kept while looking for a combined buffer
+_SEARCH_BUDGET = 1 << 21  # partial sums tried in all, per comparison: a bound on its time
+_PIECES = 4  # compiled buffers that may stand for expected ones combined or cut differently
+
+
+class _Matcher:
+    """The matching of ``compare``, step by step."""
+
+    def __init__(self, report: CensusReport, expected: Expected, attribute_model: bool) -> None:
+        self.report, self.expected, self.mode = report, expected, expected.mode
+        self.parts = [p for row in report.rows for p in row.parts]
+        self.items = [i for i in expected.items if i.bytes > 0]
+        self.assigned: dict[int, list[int]] = {}  # item -> parts
+        self.taken: set[int] = set()
+        self.notes: list[str] = []
+        self.budget = [_SEARCH_BUDGET]
+        self._one_to_one()
+        self._combined()
+        left = [j for j in range(len(self.parts)) if j not in self.taken]
+        self.model = [j for j in left if attribute_model and self._model_like(self.parts[j])]
+        self.unexpected = [j for j in left if j not in self.model]
+
+    def _fits(self, item: ExpectedCollective, part: Part) -> bool:
+        return _key(item.kind, self.mode) == _key(part.kind, self.mode) and (
+            not item.scopes or part.scope in item.scopes
+        )
+
+    def _preference(self, item: ExpectedCollective, j: int) -> tuple[int, int, bool, int]:
+        part = self.parts[j]
+        order = _PHASE_ORDER.get(item.category, _OTHER_ORDER)
+        return order.get(part.phase, 3), _shape_distance(item.buffer, part.buffer), part.row.in_loop, j
+
+    def _order(self) -> list[int]:
+        return sorted(
+            range(len(self.items)),
+            key=lambda i: (self.items[i].optional, not self.items[i].scopes, -self.items[i].bytes, i),
+        )
+
+    def _one_to_one(self) -> None:
+        for i in self._order():
+            item = self.items[i]
+            free = [
+                j
+                for j, p in enumerate(self.parts)
+                if j not in self.taken and p.bytes == item.bytes and self._fits(item, p)
+            ]
+            if free:
+                j = min(free, key=lambda j: self._preference(item, j))
+                self.assigned[i] = [j]
+                self.taken.add(j)
+
+    def _combined(self) -> None:
+        """Buffers XLA combined or cut differently: the required buffers still unmatched of one
+        kind and scope, all of them, against at most ``_PIECES`` compiled ones of the same total."""
+        groups: dict[tuple[str, tuple[str | None, ...]], list[int]] = {}
+        for i in self._order():
+            item = self.items[i]
+            if i not in self.assigned and not item.optional:
+                groups.setdefault((_key(item.kind, self.mode), item.scopes), []).append(i)
+        for left in groups.values():
+            item = self.items[left[0]]
+            free = [j for j, p in enumerate(self.parts) if j not in self.taken and self._fits(item, p)]
+            total = sum(self.items[i].bytes for i in left)
+            chosen = _subset_sum([self.parts[j].bytes for j in free], total, self.budget)
+            if chosen is None or (len(chosen) == 1 and len(left) == 1):
+                continue  # (one to one was tried)
+            for i in left:
+                self.assigned[i] = [free[k] for k in chosen]
+            self.taken.update(free[k] for k in chosen)
+            whats = shorten([self.items[i].what for i in left], 4)
+            pieces = "; ".join(str(self.parts[free[k]]) for k in chosen)
+            self.notes.append(f"{whats} ({total:,} B) compiled combined differently, as {pieces}")
+
+    @staticmethod
+    def _model_like(part: Part) -> bool:
+        return part.scope is None and part.phase is not None
+
+    def result(self) -> Comparison:
+        expected, parts = self.expected, self.parts
+        differences = self._loop_differences()
+        loops = bool(differences)
+        differences += self._kind_differences()
+        notes = list(self.notes)
+        for i, item in enumerate(self.items):
+            if item.optional and i not in self.assigned:
+                notes.append(f"not compiled, optional: {item}" + (f": {item.why}" if item.why else ""))
+        if differences and not loops and self._bound_applies():
+            notes.append(self._bound_note())
+            differences = []
+        model_items = [
+            ExpectedCollective(
+                parts[j].kind,
+                f"model: {parts[j].op_name or parts[j].row.name}",
+                parts[j].bytes_per_step,
+                "model",
+                buffer=str(parts[j].buffer),
+            )
+            for j in self.model
+        ]
+        matched = tuple(
+            (item, tuple(parts[j] for j in self.assigned.get(i, ()))) for i, item in enumerate(self.items)
+        )
+        matched += tuple((m, (parts[j],)) for m, j in zip(model_items, self.model, strict=True))
+        return Comparison(
+            matches=not differences,
+            differences=tuple(differences),
+            notes=tuple(notes),
+            report=self.report,
+            expected=expected.with_items(model_items) if model_items else expected,
+            matched=matched,
+            model=tuple(parts[j] for j in self.model),
+            unexpected=tuple(parts[j] for j in self.unexpected),
+        )
+
+    def _loop_differences(self) -> list[str]:
+        rows: list[Collective] = []
+        for i, js in self.assigned.items():
+            for j in js:
+                row = self.parts[j].row
+                if row.in_loop and row not in rows:
+                    rows.append(row)
+        rows += [
+            self.parts[j].row
+            for j in self.unexpected
+            if self.parts[j].row.in_loop and self.parts[j].row not in rows
+        ]
+        carried: dict[int, list[str]] = {}
+        for i, js in self.assigned.items():
+            for j in js:
+                carried.setdefault(id(self.parts[j].row), []).append(self.items[i].what)
+        return [
+            _loop_difference(row, self.expected, carried.get(id(row), []))
+            for row in sorted(rows, key=self.report.rows.index)
+        ]
+
+    def _kind_differences(self) -> list[str]:
+        mode = self.mode
+        keys = _ordered({_key(i.kind, mode) for i in self.items} | {_key(p.kind, mode) for p in self.parts})
+        out = []
+        for key in keys:
+            extra = [self.parts[j] for j in self.unexpected if _key(self.parts[j].kind, mode) == key]
+            missing = [
+                item
+                for i, item in enumerate(self.items)
+                if not item.optional and i not in self.assigned and _key(item.kind, mode) == key
+            ]
+            items = [i for i in self.items if _key(i.kind, mode) == key]
+            want = sum(i.bytes for i in items if not i.optional)
+            model = {id(self.parts[j]) for j in self.model}
+            got = sum(
+                p.bytes_per_step for p in self.parts if _key(p.kind, mode) == key and id(p) not in model
+            )
+            if extra and not items:
+                out.append(
+                    f"unexpected {key}: {sum(p.bytes_per_step for p in extra):,} B per step that the "
+                    f"{self.expected.layout} layout does not call for: " + _listed(extra)
+                )
+            elif extra:
+                surplus = sum(p.bytes_per_step for p in extra)
+                out.append(
+                    f"extra {key}: compiled {got:,} B per step, expected {want:,} B ({surplus:,} B more); "
+                    + _twice(surplus, items)
+                    + "nothing expected accounts for "
+                    + _listed(extra)
+                )
+            if missing:
+                short = sum(i.bytes for i in missing)
+                named = _listed(missing)
+                if not any(_key(p.kind, mode) == key for p in self.parts):
+                    out.append(
+                        f"missing {key}: expected {want:,} B per step, compiled none; not compiled: {named}"
+                    )
+                else:
+                    out.append(
+                        f"too little {key}: compiled {got:,} B per step, expected {want:,} B ({short:,} B short); "
+                        f"not compiled: {named}"
+                    )
+        return out
+
+    def _bound_applies(self) -> bool:
+        sharded_implicit = self.mode == "implicit" and self.expected.layout != "replicated"
+        got = sum(p.bytes_per_step for p in self.parts)
+        want = sum(i.bytes for i in self.items)
+        return sharded_implicit and got <= want
+
+    def _bound_note(self) -> str:
+        mode = self.mode
+        want: dict[str, int] = {}
+        for i in self.items:
+            want[_key(i.kind, mode)] = want.get(_key(i.kind, mode), 0) + i.bytes
+        got: dict[str, int] = {}
+        for p in self.parts:
+            got[_key(p.kind, mode)] = got.get(_key(p.kind, mode), 0) + p.bytes_per_step
+        keys = [k for k in _ordered({*want, *got}) if want.get(k, 0) != got.get(k, 0)]
+        changes = ", ".join(f"{k} {want.get(k, 0):,} -> {got.get(k, 0):,} B" for k in keys)
+        return (
+            f"implicit mode: XLA chose its own collectives ({changes}); accepted because the step communicates "
+            f"{sum(got.values()):,} B in all, no more than the {sum(want.values()):,} B expected"
+        )
+
+
+def _shape_distance(buffer: str, compiled: Operand) -> int:
+    """How far a compiled buffer is from the expected one's shape (``buffer``, as written).
+
+    0: the same; 1: its dimensions in another order; 2: the same ones but for unit
+    dimensions; 3: other (or nothing to compare with).
+    """
+    if buffer == str(compiled):
+        return 0
+    dims = [int(d) for d in re.findall(r"\d+", buffer.partition("[")[2])] if "[" in buffer else None
+    if dims is None:
+        return 3
+    if sorted(dims) == sorted(compiled.shape):
+        return 1
+    return 2 if sorted(d for d in dims if d != 1) == sorted(d for d in compiled.shape if d != 1) else 3
+
+
+def _subset_sum(values: Sequence[int], target: int, budget: list[int]) -> tuple[int, ...] | None:
+    """Indices of at most ``_PIECES`` of ``values`` that add up to ``target`` (the fewest), or ``None``.
+
+    ``budget[0]`` partial sums may be tried; it is decreased by those tried (none left: ``None``).
+    """
+    reach: dict[int, tuple[int, ...]] = {0: ()}
+    for k, v in enumerate(values):
+        if v <= 0 or v > target:
+            continue
+        budget[0] -= len(reach)
+        if budget[0] < 0:
+            return None
+        for total, chosen in list(reach.items()):
+            t = total + v
+            if t <= target and len(chosen) < _PIECES and (t not in reach or len(reach[t]) > len(chosen) + 1):
+                reach[t] = (*chosen, k)
+        if len(reach) > _SEARCH_LIMIT:
+            return None
+    return reach.get(target) or None
+
+
+def _loop_difference(row: Collective, expected: Expected, carried: Sequence[str] = ()) -> str:
+    runs = f"{row.trip_count} times" if row.trip_count is not None else "an unstated number of times"
+    what = f", carrying {shorten(list(carried), 4)}," if carried else ""
+    return (
+        f"{row.kind} {row.name} ({_describe(row)}){what} sits inside a while loop and runs {runs} per step; "
+        f"the {expected.layout} layout with {expected.microbatches} microbatch(es) expects every "
+        f"collective of the step once per step, outside loops"
+    )
+
+
+_LISTED = 24  # buffers a difference names one by one
+
+
+def _listed(things: Sequence[Any]) -> str:
+    """The buffers, each named, up to ``_LISTED`` of them (then how many more, and their bytes)."""
+    shown = "; ".join(map(str, things[:_LISTED]))
+    rest = things[_LISTED:]
+    if not rest:
+        return shown
+    size = sum(getattr(t, "bytes_per_step", getattr(t, "bytes", 0)) for t in rest)
+    return f"{shown}; and {len(rest)} more ({size:,} B; Comparison.unexpected and .matched list them all)"
+
+
+def _twice(surplus: int, items: list[ExpectedCollective]) -> str:
+    leaves = [i for i in items if i.category == "gradients"]
+    if leaves and surplus == sum(i.bytes for i in leaves):
+        return "the surplus is every parameter's gradient once more (gradients reduced twice?); "
+    same = [i.what for i in items if i.bytes == surplus]
+    return f"the surplus is the size of {shorten(same, 3)} (reduced twice?); " if same else ""
+
+
+def _describe(row: Collective) -> str:
+    where = f" from {row.op_name}" if row.op_name else ""
+    return f"{row.kind} {row.name} [{buffers_text(row)}, {row.bytes:,} B]{where}"
+
+
+# ---------------------------------------------------------------------------------------
+# str()
+# ---------------------------------------------------------------------------------------
+
+
+def _format_comparison(comparison: Comparison) -> str:
+    expected = comparison.expected
+    mode = expected.mode
+    verdict = "matches" if comparison.matches else "does NOT match"
+    head = (
+        f"{verdict} the expected communication of {expected.layout} ({mode}, "
+        f"{expected.microbatches} microbatch(es)), bytes per device per step:"
+    )
+    rows: dict[tuple[str, str], list[int]] = {}  # (source, kind) -> [expected, optional, compiled]
+    seen: set[int] = set()
+    for item, parts in comparison.matched:
+        cell = rows.setdefault((item.category, _key(item.kind, mode)), [0, 0, 0])
+        cell[1 if item.optional else 0] += item.bytes
+        for p in parts:
+            if id(p) not in seen:
+                seen.add(id(p))
+                cell[2] += p.bytes_per_step
+    for p in comparison.unexpected:
+        rows.setdefault(("not expected", _key(p.kind, mode)), [0, 0, 0])[2] += p.bytes_per_step
+    sources = [*sources_of([i for i, _ in comparison.matched]), "not expected"]
+    cells = [("source", "kind", "expected", "optional", "compiled")]
+    for source in sources:
+        for key in _ordered({k for s, k in rows if s == source}):
+            want, optional, got = rows[source, key]
+            cells.append((source, key, f"{want:,}", f"{optional:,}" if optional else "", f"{got:,}"))
+    lines = [str(comparison.report), head, *table(cells, right={2, 3, 4})]
+    lines += [f"  model: {p}" for p in comparison.model]
+    lines += [f"  difference: {d}" for d in comparison.differences]
+    lines += [f"  note: {n}" for n in comparison.notes]
+    return "\n".join(lines)

@@ -1,0 +1,236 @@
+"""The communication a data-parallel step should compile to: ``expected_communication``.
+
+The layout's rule for the gradients and parameters (replicated, ZeRO-1, FSDP), the loss
+and the metrics, as ``ExpectedCollective`` buffers gathered in one ``Expected``;
+``substrax.census.compare`` holds a census against it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from substrax._layout import LAYOUTS
+from substrax.census._hlo import KINDS
+from substrax.census._text import shorten
+
+__all__ = [
+    "MODES",
+    "REDUCTIONS",
+    "SOURCES",
+    "Expected",
+    "ExpectedCollective",
+    "expected_communication",
+    "sources_of",
+]
+
+MODES = ("implicit", "explicit")
+REDUCTIONS = ("all-reduce", "reduce-scatter")
+
+SOURCES = ("gradients", "parameters", "loss", "metrics", "batch stats", "update", "model")
+"""What an expected buffer is for, in the order ``str()`` lists them.
+
+``"gradients"``: a gradient's reduction; ``"parameters"``: an FSDP parameter gathered
+before use; ``"loss"``, ``"metrics"``: their reductions; ``"batch stats"``: the explicit
+step's average of a BatchNorm statistic; ``"update"``: what the optimizer update (and the
+step's non-finite guard) communicates; ``"model"``: a collective the model's own forward or
+backward pass issues, attributed from the compiled program (``compare(...,
+attribute_model=True)``).
+"""
+
+
+@dataclass(frozen=True)
+class ExpectedCollective:
+    """One buffer a step should communicate.
+
+    Attributes:
+      kind: the collective, e.g. ``"reduce-scatter"``.
+      what: what it is: the parameter's path, ``"loss"``, ``"metrics"``, ``"metric 'x'"``,
+        a statistic's path; for update and model buffers, ``"<source>: <operation>"``.
+      bytes: its bytes per device per step (a parameter's full, unsplit size).
+      source: one of ``SOURCES``; ``""`` reads it from ``what`` (``"loss"``, ``"metric..."``,
+        else ``"gradients"``).
+      scopes: the library scopes it may be compiled under (``"substrax.grad_reduce"``, ...;
+        ``None``: under none); ``()``: anywhere.
+      optional: the step is right with or without it; ``why`` says when it is absent.
+      buffer: its element type and shape (``"f32[4,16]"``), ``""`` when not known.
+      why: for an optional buffer, why the compiler may leave it out.
+    """
+
+    kind: str
+    what: str
+    bytes: int
+    source: str = ""
+    scopes: tuple[str | None, ...] = ()
+    optional: bool = False
+    buffer: str = ""
+    why: str = ""
+
+    @property
+    def category(self) -> str:
+        """``source``, or the source ``what`` implies."""
+        if self.source:
+            return self.source
+        if self.what == "loss":
+            return "loss"
+        return "metrics" if self.what.startswith("metric") else "gradients"
+
+    def __str__(self) -> str:
+        buffer = f" {self.buffer}" if self.buffer and self.buffer not in self.what else ""
+        optional = ", optional" if self.optional else ""
+        return f"{self.what}{buffer} ({self.kind}, {self.bytes:,} B{optional})"
+
+
+@dataclass(frozen=True)
+class Expected:
+    """The communication a data-parallel step should compile to, per device and per step.
+
+    Attributes:
+      layout: ``"replicated"``, ``"zero1"`` or ``"fsdp"``.
+      mode: ``"implicit"`` or ``"explicit"``.
+      microbatches: the gradient-accumulation steps; every collective of the library still
+        runs once per step, outside the accumulation loop.
+      items: the buffers: one per parameter and collective, the loss, the metrics, and
+        what else the step was found to need (``SOURCES``).
+    """
+
+    layout: str
+    mode: str
+    microbatches: int
+    items: tuple[ExpectedCollective, ...]
+
+    def bytes(self, kind: str | None = None, *, optional: bool = False) -> int:
+        """Bytes per step of ``kind`` (all kinds when ``None``); optional buffers only if ``optional``."""
+        return sum(
+            i.bytes for i in self.items if (kind is None or i.kind == kind) and (optional or not i.optional)
+        )
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The kinds called for, in the order of ``KINDS``."""
+        present = {i.kind for i in self.items}
+        return tuple(k for k in KINDS if k in present)
+
+    def with_items(self, items: Sequence[ExpectedCollective]) -> Expected:
+        """The same expectation with ``items`` added."""
+        return dataclasses.replace(self, items=self.items + tuple(items))
+
+    def __str__(self) -> str:
+        lines = [f"expected communication: {self.layout}, {self.mode}, {self.microbatches} microbatch(es)"]
+        for source in sources_of(self.items):
+            for kind in self.kinds:
+                chosen = [i for i in self.items if i.kind == kind and i.category == source]
+                if not chosen:
+                    continue
+                whats = [i.what + (" (optional)" if i.optional else "") for i in chosen]
+                total = sum(i.bytes for i in chosen)
+                lines.append(f"  {source:<11} {kind:<15} {total:>14,} B  ({shorten(whats, 6)})")
+        return "\n".join(lines)
+
+
+def sources_of(items: Sequence[ExpectedCollective]) -> list[str]:
+    """The sources of ``items``, in the order of ``SOURCES`` (any other after them, sorted)."""
+    present = {i.category for i in items}
+    return [s for s in SOURCES if s in present] + sorted(present - set(SOURCES))
+
+
+def expected_communication(
+    leaves: Sequence[tuple[str, Sequence[int], Any, bool]],
+    *,
+    layout: str,
+    mode: str,
+    microbatches: int = 1,
+    extra_reduce_bytes: int = 0,
+    loss_bytes: int = 4,
+    communicated_dtype: Any = None,
+    update: Sequence[ExpectedCollective] | None = None,
+) -> Expected:
+    """The collectives a data-parallel step of ``layout`` should compile to.
+
+    The rule, per device and per step (bytes are full, unsplit sizes):
+
+    - ``"replicated"``: one all-reduce of every gradient;
+    - ``"zero1"`` (optimizer state split): a reduce-scatter of each split leaf's gradient,
+      an all-gather of its updated parameter, an all-reduce of the other gradients;
+    - ``"fsdp"`` (parameters split): an all-gather of each split parameter, a
+      reduce-scatter of its gradient, an all-reduce of the other gradients;
+    - every layout: an all-reduce of the loss (``loss_bytes``) and of the reduced
+      metrics (``extra_reduce_bytes``);
+    - ``microbatches > 1``: the same bytes, every collective outside the loop.
+
+    Args:
+      leaves: one ``(path, shape, dtype, split)`` per trainable parameter; ``split`` says
+        the parameter (``"fsdp"``) or its optimizer state (``"zero1"``) is split over the
+        data axis. Ignored for ``"replicated"``.
+      layout: one of ``LAYOUTS``.
+      mode: ``"implicit"`` or ``"explicit"``; recorded for ``compare``.
+      microbatches: the gradient-accumulation steps, at least 1.
+      extra_reduce_bytes: the bytes of the metrics the step reduces.
+      loss_bytes: the bytes of the reduced loss (a float32 scalar: 4; 0: none).
+      communicated_dtype: optional; the floating type the compiler moves narrower floating
+        leaves in. XLA CPU moves bfloat16 and float16 collectives in float32 (measured, jax
+        0.12: a bfloat16 psum or all_gather compiles to an f32 one), so pass ``"float32"``
+        to predict a CPU program; leave it ``None`` for the leaves' own types.
+      update: optional; what the optimizer update communicates, found by compiling it
+        (``substrax.census._step.update_items``). Given, it replaces the rule's own
+        guess for the update: ZeRO-1's all-gather of each updated parameter.
+
+    Returns:
+      An ``Expected``.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"expected_communication: layout must be one of {LAYOUTS}, not {layout!r}")
+    if mode not in MODES:
+        raise ValueError(f"expected_communication: mode must be one of {MODES}, not {mode!r}")
+    if microbatches < 1:
+        raise ValueError(f"expected_communication: microbatches must be at least 1, not {microbatches}")
+    items: list[ExpectedCollective] = []
+    for path, shape, dtype, split in leaves:
+        itemsize = _itemsize(dtype, communicated_dtype)
+        size = math.prod(shape) * itemsize
+        buffer = f"{_hlo_type(dtype, itemsize)}[{','.join(str(d) for d in shape)}]"
+        for kind in _leaf_kinds(layout, split):
+            source = "gradients" if kind in REDUCTIONS else "parameters" if layout == "fsdp" else "update"
+            if source == "update" and update is not None:
+                continue
+            items.append(ExpectedCollective(kind, str(path), size, source, buffer=buffer))
+    if loss_bytes:
+        items.append(ExpectedCollective("all-reduce", "loss", loss_bytes, "loss"))
+    if extra_reduce_bytes:
+        items.append(ExpectedCollective("all-reduce", "metrics", extra_reduce_bytes, "metrics"))
+    items.extend(update or ())
+    return Expected(layout, mode, microbatches, tuple(items))
+
+
+def _itemsize(dtype: Any, communicated: Any) -> int:
+    leaf = np.dtype(dtype)
+    if communicated is None or not jnp.issubdtype(leaf, jnp.floating):
+        return leaf.itemsize
+    return max(leaf.itemsize, np.dtype(communicated).itemsize)
+
+
+def _hlo_type(dtype: Any, itemsize: int) -> str:
+    """The HLO name of ``dtype`` moved in ``itemsize`` bytes (``"f32"``, ``"bf16"``, ``"s32"``)."""
+    kind = np.dtype(dtype).kind
+    if kind == "b":
+        return "pred"
+    letter = {"f": "f", "V": "bf", "i": "s", "u": "u", "c": "c"}.get(kind, "?")
+    if np.dtype(dtype).name == "bfloat16" and itemsize == 2:
+        letter = "bf"
+    elif letter == "bf":
+        letter = "f"
+    return f"{letter}{itemsize * 8}"
+
+
+def _leaf_kinds(layout: str, split: bool) -> tuple[str, ...]:
+    if layout == "replicated" or not split:
+        return ("all-reduce",)
+    if layout == "zero1":
+        return ("reduce-scatter", "all-gather")
+    return ("all-gather", "reduce-scatter")
