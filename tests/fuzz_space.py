@@ -142,7 +142,7 @@ def configs() -> st.SearchStrategy[Config]:
 class Model(nnx.Module):
     """A stem, a stack of width-keeping blocks, a pooled linear head."""
 
-    def __init__(self, config: Config, *, sync_axis: str | None) -> None:
+    def __init__(self, config: Config, *, sync_axis: str | None, local_axis: str | None = None) -> None:
         rngs = nnx.Rngs(params=config.seed, dropout=config.seed + 1)
         w = config.width
         self.stem_kind = config.stem
@@ -162,7 +162,7 @@ class Model(nnx.Module):
             elif block == "layernorm":
                 layers.append(nnx.LayerNorm(w, rngs=rngs))
             elif block == "batchnorm":
-                layers.append(nnx.BatchNorm(w, momentum=0.8, rngs=rngs))
+                layers.append(nnx.BatchNorm(w, momentum=0.8, axis_name=local_axis, rngs=rngs))
             elif block == "batchnorm_sync":
                 layers.append(nnx.BatchNorm(w, momentum=0.8, axis_name=sync_axis, rngs=rngs))
             elif block == "dropout_zero":
@@ -188,9 +188,10 @@ class Model(nnx.Module):
         return self.head(h)
 
 
-def build_model(config: Config, *, sync_axis: str | None = None) -> Model:
-    """The model; ``sync_axis`` goes to the "batchnorm_sync" blocks' ``axis_name``."""
-    return Model(config, sync_axis=sync_axis)
+def build_model(config: Config, *, sync_axis: str | None = None, local_axis: str | None = None) -> Model:
+    """The model; ``sync_axis`` goes to the "batchnorm_sync" blocks' ``axis_name``, ``local_axis``
+    to the "batchnorm" ones' (the one-device reference's split runs: module doc of test_fuzz)."""
+    return Model(config, sync_axis=sync_axis, local_axis=local_axis)
 
 
 # ----------------------------------------------------------------------------------------- the optimizer
@@ -226,8 +227,10 @@ def build_tx(name: str) -> optax.GradientTransformation:
     raise ValueError(f"unknown optimizer {name!r}")
 
 
-def build(config: Config, *, sync_axis: str | None = None) -> tuple[Model, nnx.Optimizer]:
-    model = build_model(config, sync_axis=sync_axis)
+def build(
+    config: Config, *, sync_axis: str | None = None, local_axis: str | None = None
+) -> tuple[Model, nnx.Optimizer]:
+    model = build_model(config, sync_axis=sync_axis, local_axis=local_axis)
     return model, nnx.Optimizer(model, build_tx(config.optimizer), wrt=nnx.Param)
 
 

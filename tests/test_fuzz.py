@@ -8,8 +8,11 @@ steps with ``substrax.make_train_step`` and, separately, with a plain one-device
 - the losses, the metrics (every reduction) and the model's state (parameters and BatchNorm
   statistics) against the reference;
 - that the layout is kept (``substrax.layout_of`` and every array's sharding, before == after);
-- that the step's census matches its layout's rule (``step.census(...).matches``);
-- ``compare_gradients`` on the trained model, where it applies (no BatchNorm: below).
+- that the step's census matches its layout's rule (``step.census(...).matches``), on the
+  draws that use the plain call (the bound step compiles the same program with donated
+  buffers; its census would compile it once more);
+- ``compare_gradients`` on the trained model, on the draws that ask for it (three more
+  compiles) and where it applies (no BatchNorm: below).
 
 What the reference computes, and why (the documented semantics, not bugs):
 
@@ -34,13 +37,17 @@ What the reference computes, and why (the documented semantics, not bugs):
   per device and microbatch). The reference's per-example losses give each shape.
 
 Tolerances come from a noise floor measured in every draw: the reference is run again on
-row-permuted batches (rows permuted only within the groups a BatchNorm normalizes together,
-so the permuted run is just as valid; the loss is a row mean, invariant to the order), which
-sums every batch reduction in another order. The floor of a quantity is its largest deviation
-between those runs. Under the SGD family a value must be within ``atol 1e-6 + rtol 1e-5``;
-under the Adam family (adaptive steps turn a near-zero gradient element's round-off into a
-visible difference) within ``max(1e-6, 4 x floor + 1e-7) + rtol 1e-5``, the floor taken per
-state leaf, per metric and over the losses.
+``FLOOR_RUNS`` row-permuted batches (rows permuted only within the groups a BatchNorm
+normalizes together, so each permuted run is just as valid; the loss is a row mean, invariant
+to the order), which sums every batch reduction in another order. The floor of a quantity is
+the largest deviation between any two of those runs (the reference included), per state leaf,
+per metric and over the losses. Under the SGD family a value must be within
+``atol 1e-6 + rtol 1e-5``; under the Adam family (adaptive steps turn a near-zero gradient
+element's round-off into a visible difference: an attention key bias, a bias before BatchNorm)
+within ``max(1e-6, 4 x floor + 1e-7) + rtol 1e-5``. The SGD family is held to the floor rule
+too where the floor itself is above 1e-6: BatchNorm over 2-4 rows divides by the square root
+of a variance that can be tiny, which amplifies round-off in any implementation (a failing
+line shows the floor next to the deviation).
 
 ``make test`` runs a fixed-seed sample (``SUBSTRAX_FUZZ`` unset: profile ``fuzz-ci``);
 ``make fuzz`` (``SUBSTRAX_FUZZ=full``) a few hundred random draws (``SUBSTRAX_FUZZ_EXAMPLES``),
@@ -100,19 +107,23 @@ PROFILE = "fuzz-full" if os.environ.get("SUBSTRAX_FUZZ") == "full" else "fuzz-ci
 # ----------------------------------------------------------------------------------------- row groups
 
 
-def row_groups(config: Config) -> np.ndarray:
-    """The rows the reference normalizes together: indices of shape (groups, parts, rows).
+def row_groups(config: Config, *, split: bool = False) -> np.ndarray:
+    """The rows the reference computes together: indices of shape (groups, parts, rows).
 
     Device d holds global rows ``[d*k*m, (d+1)*k*m)``; its microbatch j is ``m`` rows from
-    ``d*k*m + j*m``. A group is one microbatch (every device's j-th slice, in device order);
-    it has one part per device where explicit mode normalizes per shard, else one part.
+    ``d*k*m + j*m``. Without BatchNorm there is one group, the batch. With it a group is one
+    microbatch (every device's j-th slice, in device order), the rows a BatchNorm normalizes
+    together; it has one part per device where explicit mode normalizes per shard, else one
+    part. ``split``: every group cut into the devices' (and microbatches') slices, as the
+    step computes them, for the floor's split runs (a BatchNorm that normalizes the whole
+    group then reduces its statistics over the parts).
     """
     n, k, m = config.devices, config.microbatches, config.rows
     rows = np.arange(config.global_rows).reshape(n, k, m)  # [device, microbatch, row]
     if not config.batchnorm:
-        return rows.reshape(1, 1, -1)
+        return rows.reshape(1, n * k, m) if split else rows.reshape(1, 1, -1)
     by_microbatch = rows.transpose(1, 0, 2)  # [microbatch, device, row]
-    if per_shard_statistics(config):
+    if split or per_shard_statistics(config):
         return by_microbatch
     return by_microbatch.reshape(k, 1, n * m)
 
@@ -122,11 +133,12 @@ def per_shard_statistics(config: Config) -> bool:
     return config.mode == "explicit" and "batchnorm" in config.blocks and config.devices > 1
 
 
-def within_group_permutation(config: Config, seed: int) -> np.ndarray:
+def within_group_permutation(config: Config, seed: int, *, split: bool = False) -> np.ndarray:
     """A row permutation that keeps every row in its group and part."""
     rng = np.random.default_rng(seed)
     perm = np.arange(config.global_rows)
-    for block in row_groups(config).reshape(-1, row_groups(config).shape[-1]):
+    groups = row_groups(config, split=split)
+    for block in groups.reshape(-1, groups.shape[-1]):
         perm[block] = rng.permutation(block)
     return perm
 
@@ -155,41 +167,57 @@ def _average(x: jax.Array) -> jax.Array:
 
 
 def _grouped_loss(config: Config, groups: np.ndarray):  # noqa: ANN202
-    """The loss of ``row_groups``: the mean of the groups' losses, each group's parts vmapped."""
+    """The loss of ``row_groups``: the mean of the groups' losses, the groups one after the other
+    (a ``lax.scan``, carrying the BatchNorm statistics). A BatchNorm model's parts are vmapped
+    over the axis "data" and their statistics averaged; a model without one adds its parts'
+    losses one after the other too (a ``lax.scan``: partial sums, as devices and microbatches do).
+    """
 
     def loss(model: nnx.Module, tree: Any) -> tuple[jax.Array, jax.Array]:
         parts = unpack(config, tree)
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        losses, pes = [], []
-        for group in groups:  # the microbatches, one after the other
-            piece = {name: v[group] if name in ROW_PARTS else v for name, v in parts.items()}
+        rows = {name: v[groups] for name, v in parts.items() if name in ROW_PARTS}  # (groups, parts, m, ...)
+        whole = {name: v for name, v in parts.items() if name not in ROW_PARTS}
 
-            def one(rest: Any, piece: dict) -> tuple[jax.Array, jax.Array, Any]:
-                m = nnx.merge(graphdef, params, rest)
-                pe = per_example(config, m, piece)
-                return loss_of(config, pe, piece), pe, nnx.state(m, nnx.Not(nnx.Param))
+        def one(rest: Any, piece: dict) -> tuple[Any, tuple[jax.Array, jax.Array]]:
+            m = nnx.merge(graphdef, params, rest)
+            piece = {**piece, **whole}
+            pe = per_example(config, m, piece)
+            return nnx.state(m, nnx.Not(nnx.Param)), (loss_of(config, pe, piece), pe)
 
-            axes = {name: 0 if name in ROW_PARTS else None for name in piece}
-            group_losses, pe, rests = jax.vmap(one, in_axes=(None, axes), axis_name="data")(rest, piece)
-            rest = jax.tree.map(_average, rests)
-            losses.append(jnp.mean(group_losses))
-            pes.append(pe.reshape(-1))
+        def group(rest: Any, piece: dict) -> tuple[Any, tuple[jax.Array, jax.Array]]:
+            if config.batchnorm:
+                rests, out = jax.vmap(one, in_axes=(None, 0), out_axes=0, axis_name="data")(rest, piece)
+                rest = jax.tree.map(_average, rests)
+            else:
+                rest, out = jax.lax.scan(one, rest, piece)
+            losses, pe = out
+            return rest, (jnp.mean(losses), pe.reshape(-1))
+
+        rest, (losses, pes) = jax.lax.scan(group, rest, rows)
         nnx.update(model, rest)
-        return jnp.mean(jnp.stack(losses)), jnp.concatenate(pes)
+        return jnp.mean(losses), pes.reshape(-1)
 
     return loss
 
 
-def reference_runs(config: Config, batches: list[dict], permutations: list[np.ndarray | None]) -> list[Run]:
+def reference_runs(
+    config: Config, batches: list[dict], permutations: list[np.ndarray | None], *, split: bool = False
+) -> list[Run]:
     """Train on one device, no mesh, once per permutation: the plain step, or the grouped one for
     BatchNorm (module docstring). A permutation reorders every batch's rows first (within
     groups; ``None``: as drawn); the per-example values come back in the original order.
+    ``split``: the loss computed slice by slice (``row_groups(split=True)``), the same function
+    summed another way, for the floor.
     """
-    groups = row_groups(config)
+    groups = row_groups(config, split=split)
     plain = groups.shape[:2] == (1, 1)
     device = jax.devices()[0]
-    # explicit mode's per-shard parts carry the step's axis name; else BatchNorm is unsynchronized
-    sync_axis = "data" if per_shard_statistics(config) else None
+    # The parts of a group are vmapped over an axis "data": a BatchNorm that normalizes the
+    # whole group reduces over it; one that normalizes each device's shard (explicit mode,
+    # no axis_name) does not.
+    sync_axis = "data" if split or per_shard_statistics(config) else None
+    local_axis = "data" if split and not per_shard_statistics(config) else None
 
     def plain_loss(model: nnx.Module, tree: Any) -> tuple[jax.Array, jax.Array]:
         parts = unpack(config, tree)
@@ -209,7 +237,7 @@ def reference_runs(config: Config, batches: list[dict], permutations: list[np.nd
     for permutation in permutations:
         rows = np.arange(config.global_rows) if permutation is None else permutation
         with jax.default_device(device):
-            model, optimizer = build(config, sync_axis=sync_axis)
+            model, optimizer = build(config, sync_axis=sync_axis, local_axis=local_axis)
             state = nnx.state((model, optimizer))  # committed to the device, as the step's outputs are:
             nnx.update((model, optimizer), jax.device_put(state, device))  # one compile, not two
             losses, metrics = [], []
@@ -420,6 +448,7 @@ class Result:
     census: str = "-"
     gradients: str = "-"
     seconds: float = 0.0
+    cpu_seconds: float = 0.0  # this process's CPU time: the machine is shared, wall time says little
 
     @property
     def ok(self) -> bool:
@@ -429,7 +458,7 @@ class Result:
         devs = " ".join(f"{name} {d}" for name, d in self.deviations.items())
         floors = "/".join(f"{self.floors.get(k, 0.0):.0e}" for k in ("loss", "state", "metrics"))
         return (
-            f"{'ok  ' if self.ok else 'FAIL'} {self.seconds:4.1f}s {self.config.short()} | {devs} | "
+            f"{'ok  ' if self.ok else 'FAIL'} {self.seconds:4.1f}s/{self.cpu_seconds:4.1f}cpu {self.config.short()} | {devs} | "
             f"floor l/s/m {floors} | census {self.census} grads {self.gradients}"
             + ("" if self.ok else f" | {self.problems[0][:160]}")
         )
@@ -461,10 +490,11 @@ def _maxdiff(a: np.ndarray, b: np.ndarray) -> float:
 
 def check(config: Config) -> Result:
     """Train ``config`` both ways (the step under test and the reference) and hold one against the other."""
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     batches = [batch_parts(config, s) for s in range(config.steps)]
     permutations = [within_group_permutation(config, s) for s in range(1, FLOOR_RUNS + 1)]
     runs = reference_runs(config, batches, [None, *permutations])
+    runs += reference_runs(config, batches, [None, within_group_permutation(config, 0, split=True)], split=True)
     ref = runs[0]
     loss_floor, metric_floors, state_floors = _floors(config, runs)
     floors = {
@@ -491,7 +521,10 @@ def check(config: Config) -> Result:
                 problems.append(deviations["metrics"].add(config, mine[name], want[name], metric_floors[name], f"{name}[{t}]"))
         problems += [f"{name} {d.problem}" for name, d in deviations.items() if d.problem]
     problems = [p for p in problems if p]
-    return Result(config, problems, deviations, floors, got.census, got.gradients, time.perf_counter() - start)
+    return Result(
+        config, problems, deviations, floors, got.census, got.gradients,
+        time.perf_counter() - start, time.process_time() - cpu,
+    )
 
 
 # ----------------------------------------------------------------------------------------- the fuzzer
@@ -542,6 +575,6 @@ def test_parity_fuzz() -> None:
         family = "adam" if r.config.adaptive else "sgd"
         for k, v in r.floors.items():
             floors[(family, k)] = max(floors.get((family, k), 0.0), v)
-    print(f"\n{len(results)} draws, {len(failed)} failed; largest floors: "
+    print(f"\n{len(results)} draws ({sum(r.cpu_seconds for r in results):.0f} cpu-s), {len(failed)} failed; largest floors: "
           + ", ".join(f"{f}/{k} {v:.1e}" for (f, k), v in sorted(floors.items())), flush=True)
     assert not failed, f"{len(failed)} of {len(results)} draws failed:\n\n" + "\n\n".join(r.report() for r in failed)
