@@ -201,6 +201,27 @@ def test_process_slice_on_one_process_is_every_row() -> None:
     assert substrax.launch.process_slice(12) == slice(0, 12)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the port is held with Linux's SO_REUSEPORT")
+def test_the_coordinator_port_is_held_for_the_run(tmp_path) -> None:
+    # The children import JAX before process 0's coordinator binds the port: seconds in
+    # which another process on the machine (a bind to port 0, as gloo's listeners do) could
+    # take it, and process 0 would fail with "Address already in use". The launcher holds it.
+    script = tmp_path / "bind_coordinator_port.py"
+    script.write_text(
+        "import os, socket\n"
+        "host, port = os.environ['SUBSTRAX_COORDINATOR_ADDRESS'].rsplit(':', 1)\n"
+        "with socket.socket() as s:\n"
+        "    try:\n"
+        "        s.bind((host, int(port)))\n"
+        "        print('BOUND')\n"
+        "    except OSError as e:\n"
+        "        print('REFUSED', e.strerror)\n"
+    )
+    run = launch(1, 1, str(script), timeout=60)
+    assert run.returncode == 0, run.output
+    assert run.stdout.splitlines() == ["[p0] REFUSED Address already in use"], run.output
+
+
 def test_sys_exit_in_a_jax_process_ends_the_run_at_once_with_its_code() -> None:
     # Process 1 calls sys.exit(3) while process 0 waits for it in a collective; without
     # the launcher's care process 1 would wait in JAX's shutdown barrier, then abort.

@@ -46,6 +46,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def _reserved_port() -> Iterator[int]:
+    """A free loopback port for the coordinator, held until the run ends.
+
+    Between choosing a port and process 0's coordinator binding it lie seconds (each
+    child imports JAX first), in which any other process on the machine can take it: a
+    bind to port 0 (as gloo's listeners do) or a connection's ephemeral port. Process 0
+    then fails with "Address already in use". So on Linux the launcher keeps a socket
+    bound to the port with ``SO_REUSEPORT``, never listening: the coordinator (gRPC sets
+    ``SO_REUSEPORT`` on its listeners) binds beside it and gets every connection, while
+    any other bind to the port fails and no connection takes it as its local port.
+    Elsewhere the port is only chosen (``free_port``). The children do not inherit the
+    socket (Python's sockets are close-on-exec).
+    """
+    if not (sys.platform.startswith("linux") and hasattr(socket, "SO_REUSEPORT")):
+        yield free_port()
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        s.bind(("127.0.0.1", 0))
+        yield s.getsockname()[1]
+
+
 class _Signals:
     """Notes the first SIGINT, SIGTERM or SIGHUP; the watch loop acts on it.
 
@@ -350,19 +373,19 @@ def launch(
     if not os.path.isfile(script):
         raise ValueError(f"Script {script!r} is not a file; give the path of the Python script to run.")
 
-    coordinator = f"127.0.0.1:{free_port()}"
-    env = {
-        **os.environ,
-        _env.COORDINATOR: coordinator,
-        _env.NUM_PROCESSES: str(num_processes),
-        _env.DEVICES_PER_PROCESS: str(devices_per_process),
-        _env.SHUTDOWN_TIMEOUT: str(shutdown_timeout_s),
-        _env.LAUNCHER_PID: str(os.getpid()),
-        "PYTHONUNBUFFERED": "1",  # lines arrive as they are printed
-    }
     printer = _Printer()
     children: list[_Child] = []
-    with _Signals().noted() as signals:
+    with _reserved_port() as port, _Signals().noted() as signals:
+        coordinator = f"127.0.0.1:{port}"
+        env = {
+            **os.environ,
+            _env.COORDINATOR: coordinator,
+            _env.NUM_PROCESSES: str(num_processes),
+            _env.DEVICES_PER_PROCESS: str(devices_per_process),
+            _env.SHUTDOWN_TIMEOUT: str(shutdown_timeout_s),
+            _env.LAUNCHER_PID: str(os.getpid()),
+            "PYTHONUNBUFFERED": "1",  # lines arrive as they are printed
+        }
         try:
             for i in range(num_processes):
                 if signals.received is None:
