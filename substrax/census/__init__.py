@@ -6,13 +6,17 @@ loops. ``expected_communication`` states what a data-parallel step of a layout s
 communicate, and ``compare`` (or ``CensusReport.check``) holds a census against it,
 giving a ``Comparison``. ``TrainStep.check_communication`` does all three for a step.
 
-The package, one concept a module, each importing only those above it:
+The package, one concept a module, each importing only those listed above it (and
+``_text``, the tables of ``str()``):
 
 - ``_hlo``: the HLO reader (the module text, async pairs, loop trip counts, replica
   groups, operation names); it imports nothing of substrax;
-- ``_report``: ``census``, ``CensusReport``, ``Collective``, ``Part``;
-- ``_expected``: ``expected_communication``, ``Expected``, ``ExpectedCollective``;
-- ``_compare``: ``compare``, ``Comparison``;
+- ``_rows``: a ``Collective`` row per collective instruction, and its parts (``Part``:
+  one per buffer, with its operation, library scope and phase);
+- ``_expected``: ``expected_communication``, the layout's rule, as ``Expected``;
+- ``_match``: the matching rule of ``compare`` and the sentences of its differences;
+- ``_report``: ``census`` and ``compare``, and what they return: ``CensusReport`` and
+  ``Comparison`` (``CensusReport.check`` compares, so both live here);
 - ``_step``: a training step's expected communication and its check, from plain values
   (the lowered step, its state, its options).
 
@@ -22,10 +26,10 @@ The package, one concept a module, each importing only those above it:
 substrax.census import ...``; ``import substrax.census as m`` also gives the function.
 """
 
-from substrax.census._compare import Comparison, compare
 from substrax.census._expected import SOURCES, Expected, ExpectedCollective, expected_communication
 from substrax.census._hlo import KINDS, Operand
-from substrax.census._report import CensusReport, Collective, KindTotal, Part, census, library_scope, phase_of
+from substrax.census._report import CensusReport, Comparison, KindTotal, census, compare
+from substrax.census._rows import Collective, Part, library_scope, phase_of
 
 __all__ = [
     "KINDS",

@@ -39,9 +39,9 @@ from substrax._layout import layout_of, parameter_splits, spec_tuple, split_dim_
 from substrax._options import StepOptions
 from substrax._tree import path_str
 from substrax._update import apply_update, state_values
-from substrax.census._compare import Comparison, compare
 from substrax.census._expected import ExpectedCollective, expected_communication
-from substrax.census._report import CensusReport, census, library_scope
+from substrax.census._report import CensusReport, Comparison, census, compare
+from substrax.census._rows import library_scope
 
 __all__ = ["check_communication", "parameter_leaves", "update_dims", "update_items"]
 

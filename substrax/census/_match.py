@@ -1,116 +1,53 @@
-"""A census held against the expected communication: ``compare`` and its ``Comparison``.
+"""The matching rule of ``compare``: compiled buffers against expected ones, and the differences.
 
 The compiled buffers (``Collective.parts``) are matched to the expected ones one to one,
 then combined, then (with ``attribute_model``) attributed to the model's own forward or
-backward pass; what is left over or missing is a difference. See ``compare`` for the rule.
+backward pass; what is left over or missing is a difference, said in a sentence that
+names the buffers. See ``substrax.census.compare`` for the rule in full.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from substrax.census._expected import REDUCTIONS, Expected, ExpectedCollective, sources_of
+from substrax.census._expected import REDUCTIONS, Expected, ExpectedCollective
 from substrax.census._hlo import KINDS, Operand
-from substrax.census._report import CensusReport, Collective, Part, buffers_text
-from substrax.census._text import shorten, table
+from substrax.census._rows import Collective, Part, buffers_text
+from substrax.census._text import shorten
 
-__all__ = ["Comparison", "compare"]
+__all__ = ["Match", "kind_key", "match", "ordered_keys"]
 
 _REDUCTION_KEY = "all-reduce + reduce-scatter"
 
 
 @dataclass(frozen=True)
-class Comparison:
-    """A census held against the expected communication.
-
-    Unpacks as ``matches, differences = compare(report, expected)``.
-
-    Attributes:
-      matches: whether the compiled program communicates as expected.
-      differences: one sentence per difference, naming the buffers involved (element
-        type, shape, bytes, instruction and the JAX operation they came from).
-      notes: what was accepted and why: optional buffers not compiled, buffers compiled
-        combined, the implicit-mode bound.
-      report: the census.
-      expected: the expected communication, with the model's own buffers added when
-        ``attribute_model`` found any (source ``"model"``).
-      matched: each expected buffer with the compiled buffers it was matched to (none for
-        one not compiled).
-      model: the compiled buffers attributed to the model's own forward or backward pass.
-      unexpected: the compiled buffers nothing accounts for.
-    """
+class Match:
+    """What ``match`` found; ``substrax.census.Comparison`` describes each field."""
 
     matches: bool
     differences: tuple[str, ...]
     notes: tuple[str, ...]
-    report: CensusReport
     expected: Expected
-    matched: tuple[tuple[ExpectedCollective, tuple[Part, ...]], ...] = ()
-    model: tuple[Part, ...] = ()
-    unexpected: tuple[Part, ...] = ()
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter((self.matches, list(self.differences)))
-
-    def __str__(self) -> str:
-        return _format_comparison(self)
+    matched: tuple[tuple[ExpectedCollective, tuple[Part, ...]], ...]
+    model: tuple[Part, ...]
+    unexpected: tuple[Part, ...]
 
 
-def compare(report: CensusReport, expected: Expected, *, attribute_model: bool = False) -> Comparison:
-    """Hold a census against the expected communication of a step.
-
-    The compiled buffers (``Collective.parts``: each operand of a combined all-reduce on
-    its own, with its own JAX operation) are matched to the expected buffers:
-
-    1. One to one, by collective and bytes, within the scopes an expected buffer allows
-       (``ExpectedCollective.scopes``: the step's ``jax.named_scope``\\ s, such as
-       ``substrax.grad_reduce``), required buffers first. ``"implicit"`` mode compares
-       all-reduce and reduce-scatter as one kind (XLA's partitioner may compile a
-       reduce-scatter as an all-reduce and a slice). A gradient prefers a buffer of the
-       backward pass, the loss and metrics one of the forward pass.
-    2. What is left, combined: the required buffers still unmatched of one kind and scope,
-       all together, against at most four compiled ones of the same total bytes (XLA
-       concatenates buffers, or cuts one; a note says which).
-    3. With ``attribute_model``, a compiled buffer still unmatched, under no library scope,
-       whose operation ran inside the differentiated loss (``jvp(...)`` or
-       ``transpose(jvp(...))`` in its name: BatchNorm's ``pmean`` of its statistics with
-       ``axis_name`` and its transpose; in implicit mode, the all-reduce XLA makes of any
-       reduction over the batch the model computes, and what its partitioner moves inside
-       the forward and backward pass for the layout (measured: BatchNorm's 16-element
-       vectors all-gathered under ZeRO-1 and FSDP)) is the model's own: it is added
-       to the expectation as a ``"model"`` buffer, counted and listed, and may run in a
-       loop (once per microbatch).
-
-    Then the differences: an expected buffer not compiled (unless optional); a compiled
-    buffer nothing accounts for (an unscoped one outside the loss, or one under a library
-    scope that no buffer of that scope expects); a buffer the library communicates inside
-    a ``while`` loop (with microbatches it belongs after the loop). In ``"implicit"``
-    mode with a ``"zero1"`` or ``"fsdp"`` layout, a program that differs only in which
-    buffers it moves still matches if it communicates no more bytes in all than expected
-    (the partitioner may move activations instead of gradients: measured on 8 CPU devices
-    with large weights and a small batch); a note says what it chose.
-
-    Args:
-      report: a census (``census(compiled)``).
-      expected: ``expected_communication(...)`` for the step.
-      attribute_model: count the model's own collectives as above (``TrainStep.census``
-        does); ``False`` makes every unmatched buffer a difference.
-
-    Returns:
-      A ``Comparison``; ``str()`` of it shows the census, expected against compiled
-      bytes per source and kind, the model's buffers, and each difference.
-    """
-    return _Matcher(report, expected, attribute_model).result()
+def match(rows: Sequence[Collective], expected: Expected, *, attribute_model: bool = False) -> Match:
+    """Match the buffers of ``rows`` (a census's, in program order) to ``expected``'s."""
+    return _Matcher(rows, expected, attribute_model).result()
 
 
-def _key(kind: str, mode: str) -> str:
+def kind_key(kind: str, mode: str) -> str:
+    """The kind as compared: implicit mode takes all-reduce and reduce-scatter as one."""
     return _REDUCTION_KEY if mode == "implicit" and kind in REDUCTIONS else kind
 
 
-def _ordered(keys: set[str]) -> list[str]:
+def ordered_keys(keys: set[str]) -> list[str]:
+    """Kinds as ``kind_key`` gives them, in the order of ``KINDS`` (the joined reductions first)."""
     order = [_REDUCTION_KEY, *KINDS]
     return sorted(keys, key=lambda k: order.index(k) if k in order else len(order))
 
@@ -129,9 +66,9 @@ _PIECES = 4  # compiled buffers that may stand for expected ones combined or cut
 class _Matcher:
     """The matching of ``compare``, step by step."""
 
-    def __init__(self, report: CensusReport, expected: Expected, attribute_model: bool) -> None:
-        self.report, self.expected, self.mode = report, expected, expected.mode
-        self.parts = [p for row in report.rows for p in row.parts]
+    def __init__(self, rows: Sequence[Collective], expected: Expected, attribute_model: bool) -> None:
+        self.rows, self.expected, self.mode = list(rows), expected, expected.mode
+        self.parts = [p for row in rows for p in row.parts]
         self.items = [i for i in expected.items if i.bytes > 0]
         self.assigned: dict[int, list[int]] = {}  # item -> parts
         self.taken: set[int] = set()
@@ -144,7 +81,7 @@ class _Matcher:
         self.unexpected = [j for j in left if j not in self.model]
 
     def _fits(self, item: ExpectedCollective, part: Part) -> bool:
-        return _key(item.kind, self.mode) == _key(part.kind, self.mode) and (
+        return kind_key(item.kind, self.mode) == kind_key(part.kind, self.mode) and (
             not item.scopes or part.scope in item.scopes
         )
 
@@ -179,7 +116,7 @@ class _Matcher:
         for i in self._order():
             item = self.items[i]
             if i not in self.assigned and not item.optional:
-                groups.setdefault((_key(item.kind, self.mode), item.scopes), []).append(i)
+                groups.setdefault((kind_key(item.kind, self.mode), item.scopes), []).append(i)
         for left in groups.values():
             item = self.items[left[0]]
             free = [j for j, p in enumerate(self.parts) if j not in self.taken and self._fits(item, p)]
@@ -198,7 +135,7 @@ class _Matcher:
     def _model_like(part: Part) -> bool:
         return part.scope is None and part.phase is not None
 
-    def result(self) -> Comparison:
+    def result(self) -> Match:
         expected, parts = self.expected, self.parts
         differences = self._loop_differences()
         loops = bool(differences)
@@ -224,11 +161,10 @@ class _Matcher:
             (item, tuple(parts[j] for j in self.assigned.get(i, ()))) for i, item in enumerate(self.items)
         )
         matched += tuple((m, (parts[j],)) for m, j in zip(model_items, self.model, strict=True))
-        return Comparison(
+        return Match(
             matches=not differences,
             differences=tuple(differences),
             notes=tuple(notes),
-            report=self.report,
             expected=expected.with_items(model_items) if model_items else expected,
             matched=matched,
             model=tuple(parts[j] for j in self.model),
@@ -253,25 +189,27 @@ class _Matcher:
                 carried.setdefault(id(self.parts[j].row), []).append(self.items[i].what)
         return [
             _loop_difference(row, self.expected, carried.get(id(row), []))
-            for row in sorted(rows, key=self.report.rows.index)
+            for row in sorted(rows, key=self.rows.index)
         ]
 
     def _kind_differences(self) -> list[str]:
         mode = self.mode
-        keys = _ordered({_key(i.kind, mode) for i in self.items} | {_key(p.kind, mode) for p in self.parts})
+        keys = ordered_keys(
+            {kind_key(i.kind, mode) for i in self.items} | {kind_key(p.kind, mode) for p in self.parts}
+        )
         out = []
         for key in keys:
-            extra = [self.parts[j] for j in self.unexpected if _key(self.parts[j].kind, mode) == key]
+            extra = [self.parts[j] for j in self.unexpected if kind_key(self.parts[j].kind, mode) == key]
             missing = [
                 item
                 for i, item in enumerate(self.items)
-                if not item.optional and i not in self.assigned and _key(item.kind, mode) == key
+                if not item.optional and i not in self.assigned and kind_key(item.kind, mode) == key
             ]
-            items = [i for i in self.items if _key(i.kind, mode) == key]
+            items = [i for i in self.items if kind_key(i.kind, mode) == key]
             want = sum(i.bytes for i in items if not i.optional)
             model = {id(self.parts[j]) for j in self.model}
             got = sum(
-                p.bytes_per_step for p in self.parts if _key(p.kind, mode) == key and id(p) not in model
+                p.bytes_per_step for p in self.parts if kind_key(p.kind, mode) == key and id(p) not in model
             )
             if extra and not items:
                 out.append(
@@ -289,7 +227,7 @@ class _Matcher:
             if missing:
                 short = sum(i.bytes for i in missing)
                 named = _listed(missing)
-                if not any(_key(p.kind, mode) == key for p in self.parts):
+                if not any(kind_key(p.kind, mode) == key for p in self.parts):
                     out.append(
                         f"missing {key}: expected {want:,} B per step, compiled none; not compiled: {named}"
                     )
@@ -310,11 +248,11 @@ class _Matcher:
         mode = self.mode
         want: dict[str, int] = {}
         for i in self.items:
-            want[_key(i.kind, mode)] = want.get(_key(i.kind, mode), 0) + i.bytes
+            want[kind_key(i.kind, mode)] = want.get(kind_key(i.kind, mode), 0) + i.bytes
         got: dict[str, int] = {}
         for p in self.parts:
-            got[_key(p.kind, mode)] = got.get(_key(p.kind, mode), 0) + p.bytes_per_step
-        keys = [k for k in _ordered({*want, *got}) if want.get(k, 0) != got.get(k, 0)]
+            got[kind_key(p.kind, mode)] = got.get(kind_key(p.kind, mode), 0) + p.bytes_per_step
+        keys = [k for k in ordered_keys({*want, *got}) if want.get(k, 0) != got.get(k, 0)]
         changes = ", ".join(f"{k} {want.get(k, 0):,} -> {got.get(k, 0):,} B" for k in keys)
         return (
             f"implicit mode: XLA chose its own collectives ({changes}); accepted because the step communicates "
@@ -393,40 +331,3 @@ def _twice(surplus: int, items: list[ExpectedCollective]) -> str:
 def _describe(row: Collective) -> str:
     where = f" from {row.op_name}" if row.op_name else ""
     return f"{row.kind} {row.name} [{buffers_text(row)}, {row.bytes:,} B]{where}"
-
-
-# ---------------------------------------------------------------------------------------
-# str()
-# ---------------------------------------------------------------------------------------
-
-
-def _format_comparison(comparison: Comparison) -> str:
-    expected = comparison.expected
-    mode = expected.mode
-    verdict = "matches" if comparison.matches else "does NOT match"
-    head = (
-        f"{verdict} the expected communication of {expected.layout} ({mode}, "
-        f"{expected.microbatches} microbatch(es)), bytes per device per step:"
-    )
-    rows: dict[tuple[str, str], list[int]] = {}  # (source, kind) -> [expected, optional, compiled]
-    seen: set[int] = set()
-    for item, parts in comparison.matched:
-        cell = rows.setdefault((item.category, _key(item.kind, mode)), [0, 0, 0])
-        cell[1 if item.optional else 0] += item.bytes
-        for p in parts:
-            if id(p) not in seen:
-                seen.add(id(p))
-                cell[2] += p.bytes_per_step
-    for p in comparison.unexpected:
-        rows.setdefault(("not expected", _key(p.kind, mode)), [0, 0, 0])[2] += p.bytes_per_step
-    sources = [*sources_of([i for i, _ in comparison.matched]), "not expected"]
-    cells = [("source", "kind", "expected", "optional", "compiled")]
-    for source in sources:
-        for key in _ordered({k for s, k in rows if s == source}):
-            want, optional, got = rows[source, key]
-            cells.append((source, key, f"{want:,}", f"{optional:,}" if optional else "", f"{got:,}"))
-    lines = [str(comparison.report), head, *table(cells, right={2, 3, 4})]
-    lines += [f"  model: {p}" for p in comparison.model]
-    lines += [f"  difference: {d}" for d in comparison.differences]
-    lines += [f"  note: {n}" for n in comparison.notes]
-    return "\n".join(lines)
