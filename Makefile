@@ -62,6 +62,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/collectives.py --quick --json benchmarks/results/collectives_quick.json
 	$(PY) benchmarks/layouts.py --quick --json benchmarks/results/layouts_quick.json
 	$(PY) benchmarks/accumulation.py --quick --json benchmarks/results/accumulation_quick.json
+	$(PY) benchmarks/precision.py --quick --json benchmarks/results/precision_quick.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
