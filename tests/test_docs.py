@@ -8,10 +8,10 @@ the file ``docs/snippets/name``. A block that cannot run here (a cluster, severa
 processes, a shell's environment) is preceded by ``<!-- not run: REASON -->``, and the
 reason names where that code is tested instead.
 
-Docstrings: every ``>>>`` example in the docstrings of the public API (each name in the
-``__all__`` of ``substrax``, ``substrax.spmd``, ``substrax.explicit``, ``substrax.checkpoint``,
-``substrax.launch`` and ``substrax.mesh``, its methods, and the modules themselves) runs
-as a doctest. An example may use the names ``docs/snippets/setup.py`` defines (``model``,
+Docstrings: every ``>>>`` example in the docstrings of the public API (``substrax`` and each
+of its modules without a leading underscore: ``substrax.spmd``, ``substrax.explicit``,
+``substrax.checkpoint``, ``substrax.launch``, ``substrax.mesh``, ...; the modules
+themselves, each name in their ``__all__`` and its methods) runs as a doctest. An example may use the names ``docs/snippets/setup.py`` defines (``model``,
 ``optimizer``, ``loss_fn``, ``batch``, ``mesh``, ``jax``, ``jnp``, ``np``, ``optax``, ``nnx``,
 ``substrax``): a small MLP, its Adam optimizer, its loss and a batch of 64 rows.
 """
@@ -22,6 +22,7 @@ import doctest
 import importlib
 import inspect
 import linecache
+import pkgutil
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,14 +34,6 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 SNIPPETS = DOCS / "snippets"
 PAGES = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
-PUBLIC_MODULES = (
-    "substrax",
-    "substrax.spmd",
-    "substrax.explicit",
-    "substrax.checkpoint",
-    "substrax.launch",
-    "substrax.mesh",
-)
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<info>[^\n`]*)$")
 _SNIPPET = re.compile(r'^(?P<indent>[ \t]*)--8<--\s+"(?P<name>[^"]+)"\s*$')
@@ -86,7 +79,7 @@ def blocks(page: Path) -> list[Block]:
         if language == "python":
             previous = next((lines[j].strip() for j in range(i - 1, -1, -1) if lines[j].strip()), "")
             reason = _NOT_RUN.match(previous)
-            body = [line[len(indent) :] if line.startswith(indent) else line for line in lines[i + 1 : end]]
+            body = [line.removeprefix(indent) for line in lines[i + 1 : end]]
             found.append(Block(page, i + 2, _expand("\n".join(body)), reason["reason"] if reason else None))
         i = end + 1
     return found
@@ -99,7 +92,7 @@ def _run(block: Block, namespace: dict[str, Any]) -> None:
     filename = f"<{block.page.relative_to(ROOT)}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     try:
-        exec(compile(source, filename, "exec"), namespace)
+        exec(compile(source, filename, "exec"), namespace)  # noqa: S102  (running the docs is the point)
     except Exception as e:
         raise AssertionError(f"the Python block at {name} failed: {type(e).__name__}: {e}") from e
 
@@ -108,7 +101,9 @@ PAGES_WITH_CODE = [p for p in PAGES if blocks(p)]
 
 
 @pytest.mark.parametrize("page", PAGES_WITH_CODE, ids=lambda p: str(p.relative_to(ROOT)))
-def test_every_python_block_of_the_page_runs(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_python_block_of_the_page_runs(
+    page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     namespace: dict[str, Any] = {"__name__": "__docs__"}
     ran = 0
@@ -136,18 +131,28 @@ def test_every_snippet_a_page_names_exists() -> None:
         for n, line in enumerate(page.read_text().splitlines(), 1):
             m = _SNIPPET.match(line)
             if m is not None:
-                assert (SNIPPETS / m["name"]).is_file(), f"{page.relative_to(ROOT)}:{n}: no docs/snippets/{m['name']}"
+                assert (SNIPPETS / m["name"]).is_file(), (
+                    f"{page.relative_to(ROOT)}:{n}: no docs/snippets/{m['name']}"
+                )
+
+
+def public_modules() -> list[str]:
+    """``substrax`` and each of its modules and packages whose name has no leading underscore."""
+    import substrax
+
+    names = [m.name for m in pkgutil.iter_modules(substrax.__path__) if not m.name.startswith("_")]
+    return ["substrax", *(f"substrax.{n}" for n in sorted(names))]
 
 
 def _docstring_tests() -> list[doctest.DocTest]:
     finder = doctest.DocTestFinder()
     found: dict[tuple[str | None, int | None, str], doctest.DocTest] = {}
-    for module_name in PUBLIC_MODULES:
+    for module_name in public_modules():
         module = importlib.import_module(module_name)
         objects: list[tuple[str, Any]] = [(module_name, module)]
         objects += [
             (f"{module_name}.{name}", getattr(module, name))
-            for name in module.__all__
+            for name in getattr(module, "__all__", ())
             if not inspect.ismodule(getattr(module, name))
         ]
         for name, obj in objects:
@@ -162,13 +167,16 @@ DOCSTRING_TESTS = _docstring_tests()
 
 
 def test_the_docstring_examples_are_found() -> None:
+    assert {"substrax.spmd", "substrax.explicit", "substrax.checkpoint", "substrax.launch"} <= set(
+        public_modules()
+    )
     assert "substrax.spmd.spmd_train_step" in {t.name for t in DOCSTRING_TESTS}
 
 
 @pytest.mark.parametrize("test", DOCSTRING_TESTS, ids=lambda t: t.name)
 def test_every_docstring_example_runs(test: doctest.DocTest) -> None:
     namespace: dict[str, Any] = {"__name__": "__docs__"}
-    exec(compile(_expand('--8<-- "setup.py"'), "<docs/snippets/setup.py>", "exec"), namespace)
+    exec(compile(_expand('--8<-- "setup.py"'), "<docs/snippets/setup.py>", "exec"), namespace)  # noqa: S102
     test.globs = {**test.globs, **namespace}
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     report: list[str] = []
