@@ -8,9 +8,9 @@ steps with ``substrax.make_train_step`` and, separately, with a plain one-device
 - the losses, the metrics (every reduction) and the model's state (parameters and BatchNorm
   statistics) against the reference;
 - that the layout is kept (``substrax.layout_of`` and every array's sharding, before == after);
-- that the step's census matches its layout's rule (``step.census(...).matches``), on the
-  draws that use the plain call (the bound step compiles the same program with donated
-  buffers; its census would compile it once more);
+- that the step's census matches its layout's rule (``step.check_communication(...).matches``,
+  first named ``step.census``), on the draws that use the plain call (the bound step compiles
+  the same program with donated buffers; its census would compile it once more);
 - ``compare_gradients`` on the trained model, on the draws that ask for it (three more
   compiles) and where it applies (no BatchNorm: below).
 
@@ -39,15 +39,20 @@ What the reference computes, and why (the documented semantics, not bugs):
 Tolerances come from a noise floor measured in every draw: the reference is run again on
 ``FLOOR_RUNS`` row-permuted batches (rows permuted only within the groups a BatchNorm
 normalizes together, so each permuted run is just as valid; the loss is a row mean, invariant
-to the order), which sums every batch reduction in another order. The floor of a quantity is
-the largest deviation between any two of those runs (the reference included), per state leaf,
-per metric and over the losses. Under the SGD family a value must be within
-``atol 1e-6 + rtol 1e-5``; under the Adam family (adaptive steps turn a near-zero gradient
-element's round-off into a visible difference: an attention key bias, a bias before BatchNorm)
-within ``max(1e-6, 4 x floor + 1e-7) + rtol 1e-5``. The SGD family is held to the floor rule
-too where the floor itself is above 1e-6: BatchNorm over 2-4 rows divides by the square root
-of a variance that can be tiny, which amplifies round-off in any implementation (a failing
-line shows the floor next to the deviation).
+to the order), which sums every batch reduction in another order, and twice more "split": the
+same loss computed slice by slice, one slice per device and microbatch as the step cuts the
+batch (partial sums added one after the other; with BatchNorm, the slices vmapped over an axis
+the statistics are reduced over), which rounds like the step's own partial sums and smaller
+matrix products. The floor of a quantity is the largest deviation between any two of those
+runs (the reference included), per state leaf, per metric and over the losses.
+
+Under the SGD family a value must be within ``atol 1e-6 + rtol 1e-5``; under the Adam family
+(adaptive steps turn a near-zero gradient element's round-off into a visible difference: an
+attention key bias, a bias before BatchNorm) within ``max(1e-6, 4 x floor + 1e-7) + rtol
+1e-5``. The SGD family is held to the floor rule too where the floor itself is above 1e-6:
+BatchNorm over 2-4 rows divides by the square root of a variance that can be tiny, which
+amplifies round-off in any implementation (a failing line shows the floor next to the
+deviation).
 
 ``make test`` runs a fixed-seed sample (``SUBSTRAX_FUZZ`` unset: profile ``fuzz-ci``);
 ``make fuzz`` (``SUBSTRAX_FUZZ=full``) a few hundred random draws (``SUBSTRAX_FUZZ_EXAMPLES``),
@@ -216,8 +221,8 @@ def reference_runs(
     # The parts of a group are vmapped over an axis "data": a BatchNorm that normalizes the
     # whole group reduces over it; one that normalizes each device's shard (explicit mode,
     # no axis_name) does not.
-    sync_axis = "data" if split or per_shard_statistics(config) else None
-    local_axis = "data" if split and not per_shard_statistics(config) else None
+    sync_axis = "data" if not plain and (split or per_shard_statistics(config)) else None
+    local_axis = "data" if not plain and split and not per_shard_statistics(config) else None
 
     def plain_loss(model: nnx.Module, tree: Any) -> tuple[jax.Array, jax.Array]:
         parts = unpack(config, tree)
@@ -365,7 +370,7 @@ def device_run(config: Config, batches: list[dict]) -> DeviceRun:
     # buffers, and its census would compile it once more.
     if config.spelling == "call":
         try:
-            found = step.census(model, optimizer, feed[0])
+            found = step.check_communication(model, optimizer, feed[0])
             out.census = "ok" if found.matches else "MISMATCH"
             if not found.matches:
                 out.problems.append("census mismatch: " + " | ".join(found.differences)[:600])
