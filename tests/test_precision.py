@@ -108,3 +108,14 @@ def test_policy_errors() -> None:
         TypeError, match=r"precision must be a substrax.MixedPrecision policy or None; got 'bf16'"
     ):
         substrax.make_train_step(mse, precision="bf16")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("param_dtype", [jnp.bfloat16, jnp.float32])
+def test_compare_gradients_under_a_policy(mesh8: jax.sharding.Mesh, param_dtype) -> None:
+    model = MLP(width=64)
+    batch = regression_batches(1, rows=64)[0]
+    policy = substrax.MixedPrecision(param_dtype=param_dtype)
+    report = substrax.explicit.compare_gradients(model, mse, batch, mesh8, precision=policy)
+    assert report.ok, str(report)
+    if param_dtype == jnp.bfloat16:  # the paths did compute in bfloat16: not float32-exact
+        assert report.max_abs_diff > 1e-6, str(report)

@@ -13,6 +13,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from substrax._placement import place_batch_on_shards
+from substrax._precision import MixedPrecision
 from substrax._tree import PyTree, broadcast_prefix, map_arrays
 from substrax.explicit._step import BatchSpec, explicit_value_and_grad
 
@@ -198,13 +199,21 @@ def _bound_axes(fn: Callable[..., Any], axes: Sequence[str]) -> Callable[..., An
 
 
 def _grad_and_state(
-    graphdef: nnx.GraphDef, loss_fn: Callable[[Any, PyTree], jax.Array], axes: Sequence[str]
+    graphdef: nnx.GraphDef,
+    loss_fn: Callable[[Any, PyTree], jax.Array],
+    axes: Sequence[str],
+    precision: MixedPrecision | None = None,
 ) -> Callable[[nnx.State, PyTree], tuple[nnx.State, nnx.State]]:
-    """``(state, batch) -> (grads, state after the loss)``, with ``axes`` bound (``_bound_axes``)."""
+    """``(state, batch) -> (grads, state after the loss)``, with ``axes`` bound (``_bound_axes``);
+    under ``precision`` as the implicit step runs it."""
 
     def grad_and_state(state: nnx.State, batch: PyTree) -> tuple[nnx.State, nnx.State]:
         model = nnx.merge(graphdef, state)
-        grads = nnx.grad(loss_fn)(model, batch)
+        if precision is None:
+            grads = nnx.grad(loss_fn)(model, batch)
+        else:
+            run_loss = precision.loss_fn(loss_fn, False)
+            _, grads = precision.value_and_grad(lambda m, b: (run_loss(m, b), None))(model, batch)
         return grads, nnx.state(model)
 
     return _bound_axes(grad_and_state, axes)
@@ -338,6 +347,7 @@ def _data_parallel_gradients(
     batch_spec: BatchSpec | None,
     candidate: Callable[[Any, PyTree], nnx.State] | None,
     axes: Sequence[str],
+    precision: MixedPrecision | None = None,
 ) -> dict[str, Any]:
     """The gradient by the implicit path, the explicit path and ``candidate``, by method.
 
@@ -349,10 +359,12 @@ def _data_parallel_gradients(
         model = nnx.merge(graphdef, jax.device_put(state, NamedSharding(mesh, PartitionSpec())))
         placed = place_batch_on_shards(host_batch, shardings)
         grads = {
-            "implicit": jax.jit(_grad_and_state(graphdef, loss_fn, axes))(nnx.state(model), placed)[0],
+            "implicit": jax.jit(_grad_and_state(graphdef, loss_fn, axes, precision))(
+                nnx.state(model), placed
+            )[0],
             "explicit": nnx.jit(
                 lambda m, b: explicit_value_and_grad(
-                    m, loss_fn, b, mesh=mesh, data_axis=data_axis, batch_spec=batch_spec
+                    m, loss_fn, b, mesh=mesh, data_axis=data_axis, batch_spec=batch_spec, precision=precision
                 )[1]
             )(model, placed),
         }
@@ -361,13 +373,22 @@ def _data_parallel_gradients(
     return grads
 
 
-def _flatten_reference(reference: nnx.State) -> _Reference:
-    """Flatten the reference and give each leaf its tolerance, atol scaled to the whole gradient."""
+def _flatten_reference(reference: nnx.State, compute_dtype: Any = None) -> _Reference:
+    """Flatten the reference and give each leaf its tolerance, atol scaled to the whole gradient.
+
+    ``compute_dtype``: the dtype the compared paths compute in (a mixed-precision
+    policy's), whose tolerance then applies.
+    """
     leaves = jax.tree_util.tree_flatten_with_path(reference)[0]
     values = [np.asarray(leaf, dtype=np.float64) for _, leaf in leaves]
     dtypes = [np.dtype(leaf.dtype) for _, leaf in leaves]
     largest = max((float(np.max(np.abs(v), initial=0.0)) for v in values), default=0.0)
-    tolerances = [_TOLERANCES.get(d, _TOLERANCES[np.dtype(np.float32)]) for d in dtypes]
+    tolerances = [
+        _TOLERANCES.get(
+            np.dtype(compute_dtype) if compute_dtype is not None else d, _TOLERANCES[np.dtype(np.float32)]
+        )
+        for d in dtypes
+    ]
     return _Reference(
         names=[_param_name(path) for path, _ in leaves],
         values=values,
@@ -471,6 +492,7 @@ def compare_gradients(
     candidate: Callable[[Any, PyTree], nnx.State] | None = None,
     batch_spec: BatchSpec | None = None,
     has_aux: bool = False,
+    precision: MixedPrecision | None = None,
 ) -> GradientReport:
     """Compare the data-parallel gradients of ``loss_fn`` with a one-device reference.
 
@@ -506,6 +528,11 @@ def compare_gradients(
       batch_spec: How the batch is split: one ``PartitionSpec`` or ``NamedSharding``, or
         a prefix tree of them; default every leaf on ``data_axis``.
       has_aux: Whether ``loss_fn`` returns ``(loss, metrics)``; the metrics are ignored.
+      precision: A ``substrax.MixedPrecision`` policy: the implicit and explicit paths
+        run under it (as the steps do) against the reference in the parameters' own
+        dtype, to the tolerance of the policy's ``param_dtype`` (bfloat16: ``rtol``
+        3e-2, ``atol`` 1e-2 of the largest reference magnitude: about four roundings
+        to bfloat16's 8-bit mantissa).
 
     Returns:
       A ``GradientReport``; ``str(report)`` is a table with a row per parameter and,
@@ -527,7 +554,7 @@ def compare_gradients(
     # A layer that reduces over a named axis needs it bound off shard_map too (size 1 there).
     axes = tuple(dict.fromkeys((data_axis, *_layer_axis_names(model))))
     reference, after = _reference_gradient(graphdef, state, loss_fn, host_batch, axes)
-    ref = _flatten_reference(reference)
+    ref = _flatten_reference(reference, None if precision is None else precision.param_dtype)
     per_shard = _per_shard_statistics(model, state, after, data_axis)
     shard_statistics = _per_shard_statistics_text(per_shard, data_axis)
     grads = _data_parallel_gradients(
@@ -540,6 +567,7 @@ def compare_gradients(
         batch_spec=batch_spec,
         candidate=candidate,
         axes=axes,
+        precision=precision,
     )
     by_method = {method: _flatten_method(method, g, ref) for method, g in grads.items()}
     rows, worst = _rows(ref, by_method)

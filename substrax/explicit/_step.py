@@ -304,6 +304,7 @@ def explicit_value_and_grad(
     mesh: Any = None,
     data_axis: str = "data",
     batch_spec: BatchSpec | None = None,
+    precision: MixedPrecision | None = None,
 ) -> tuple[jax.Array, nnx.State]:
     """The global loss and the gradient of ``model``'s parameters, computed under shard_map.
 
@@ -318,10 +319,11 @@ def explicit_value_and_grad(
       mesh: The mesh; ``None`` takes the one set by ``jax.set_mesh``.
       data_axis: The mesh axis the batch is split over.
       batch_spec: How to split the batch (see ``batch_partition_specs``).
+      precision: A ``substrax.MixedPrecision`` policy, as ``explicit_train_step`` runs it.
 
     Returns:
       ``(loss, grads)``: the loss on the global batch and an ``nnx.State`` of gradients
-      with respect to ``nnx.Param``, whole and replicated.
+      with respect to ``nnx.Param``, whole and replicated, in the parameters' dtype.
     """
     mesh = current_mesh(mesh, required_axes=(data_axis,))
     specs = batch_partition_specs(batch, batch_spec, mesh, data_axis)
@@ -331,11 +333,19 @@ def explicit_value_and_grad(
 
     def per_device(state: nnx.State, shard: PyTree) -> tuple[jax.Array, nnx.State]:
         model = nnx.merge(graphdef, state)
-        _set_whole_varying(model, plans, data_axis)
-        loss, _, grads = _value_and_local_grad(
-            model, _split_loss(loss_fn, False), shard, specs, data_axis=data_axis, microbatches=1
+        held = _set_whole_varying(
+            model, plans, data_axis, None if precision is None else precision.param_dtype
         )
-        return loss, _reduce_gradients(grads, plans, data_axis)
+        run_loss = loss_fn if precision is None else precision.loss_fn(loss_fn, False)
+        loss, _, grads = _value_and_local_grad(
+            model, _split_loss(run_loss, False), shard, specs, data_axis=data_axis, microbatches=1
+        )
+        if precision is not None:
+            grads = jax.tree.map(lambda g: g.astype(precision.reduce_dtype), grads)
+        grads = _reduce_gradients(grads, plans, data_axis)
+        return loss, nnx.from_flat_state(
+            [(p, v.replace(v.get_value().astype(held[tuple(p)].dtype))) for p, v in nnx.to_flat_state(grads)]
+        )
 
     run = jax.shard_map(
         per_device,
