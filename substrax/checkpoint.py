@@ -23,7 +23,8 @@ saved is lost to a fault:
   until ``close``; another run's manager is refused (``DirectoryInUseError``).
 - A step that ``max_to_keep`` rotates out is renamed out of the listing before it is
   deleted, so a kill during the deletion never leaves a half-deleted step listed.
-- After a SIGTERM, the next ``save`` saves its step and ends the process with code 143.
+- After a SIGTERM (to any process of a run), the next ``save`` saves its step and ends
+  the processes with code 143.
 """
 
 from __future__ import annotations
@@ -345,6 +346,11 @@ def _hex(checksum: np.ndarray) -> str:
     return "".join(f"{int(word):08x}" for word in checksum)
 
 
+def _jax_preemption_service() -> bool:
+    """Whether JAX's preemption service is on (it catches SIGTERM on a multi-process run)."""
+    return bool(getattr(jax.config, "jax_enable_preemption_service", False))
+
+
 def _everywhere(ok: bool) -> bool:
     """Whether ``ok`` holds on every process (a collective on a multi-process run)."""
     if jax.process_count() == 1:
@@ -659,10 +665,13 @@ class CheckpointManager:
             saves its step whatever the interval, waits until it is written, and raises
             ``SystemExit(143)``; ``close`` raises it too when no save came first. A
             second SIGTERM acts at once, as it would without the manager. Taken only in
-            a single process's main thread. On a multi-process run the notice is JAX's
-            preemption sync point instead (its preemption service catches SIGTERM and
-            picks a step every process reaches); ``substrax.launch`` turns that service
-            off, so a SIGTERM there ends the processes unsaved.
+            the main thread. On a multi-process run with JAX's preemption service on
+            (JAX's default) the notice is JAX's preemption sync point instead (the
+            service catches SIGTERM and picks a step every process reaches). With it
+            off (``substrax.launch`` turns it off) each process catches SIGTERM itself,
+            and every ``save`` asks all processes (a one-value all-gather, so every
+            process must call ``save`` at the same steps) whether one got it: a SIGTERM
+            to any process saves the same step on all of them and ends them all.
           read_only: Open only to read: no claim, no SIGTERM handler; ``save`` refuses.
 
         Raises:
@@ -677,9 +686,17 @@ class CheckpointManager:
         self._sweeper: threading.Thread | None = None
         lock = os.path.join(self.directory, _LOCK_FILE) if self._local and not read_only else None
         claim = self._claim() if lock is not None else None
+        # Several processes agree on SIGTERM themselves when JAX's preemption service is off
+        # (as substrax.launch turns it off): each save asks whether any process got one.
+        self._agree_on_sigterm = (
+            save_on_sigterm and not read_only and jax.process_count() > 1 and not _jax_preemption_service()
+        )
         try:
             self._listening = (
-                save_on_sigterm and not read_only and jax.process_count() == 1 and _Sigterm.listen()
+                save_on_sigterm
+                and not read_only
+                and (jax.process_count() == 1 or self._agree_on_sigterm)
+                and _Sigterm.listen()
             )
         except BaseException:
             _release(lock, claim["token"] if claim else None)
@@ -795,7 +812,7 @@ class CheckpointManager:
             )
         if notice:
             if self._primary:
-                why = "SIGTERM" if self._listening else "JAX's preemption notice"
+                why = "SIGTERM" if self._listening or self._agree_on_sigterm else "JAX's preemption notice"
                 print(
                     f"substrax.checkpoint: {why}: step {step} saved in {self.directory}; exiting (143).",
                     file=sys.stderr,
@@ -807,6 +824,8 @@ class CheckpointManager:
 
     def _termination_notice(self, step: int) -> bool:
         """Whether this run was told to stop: a SIGTERM noted, or JAX's preemption sync point."""
+        if self._agree_on_sigterm:  # a SIGTERM to any process stops them all at this step
+            return not _everywhere(not (self._listening and _Sigterm.pending))
         if self._listening:
             return _Sigterm.pending
         if jax.process_count() > 1:

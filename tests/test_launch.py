@@ -74,7 +74,10 @@ def test_a_failed_process_ends_the_run_and_everything_it_started(how: str, code:
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_an_interrupted_launcher_leaves_nothing_running(tmp_path, sig: int) -> None:
-    run = launch_and_signal(tmp_path, 2, 1, "plain_worker.py", "wait", sig=sig, ready=2, timeout=60)
+    # The workers ignore the SIGTERM passed on to them: SIGKILL ends them after --grace.
+    run = launch_and_signal(
+        tmp_path, 2, 1, "plain_worker.py", "wait", sig=sig, ready=2, timeout=60, options=["--grace", "1"]
+    )
     pids = run.pids()
     try:
         assert run.returncode == 128 + sig, run.output

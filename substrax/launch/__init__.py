@@ -35,10 +35,15 @@ def initialize(*, distributed: bool | None = None) -> None:
        ``jax.distributed.initialize`` with the launcher's coordinator on 127.0.0.1, its
        process count and this process's id. It also shortens JAX's heartbeat (30 s)
        and shutdown-barrier (``--shutdown-timeout``) waits, turns off JAX's preemption
-       service (which would swallow the launcher's SIGTERM), makes an uncaught
+       service (which would swallow the launcher's SIGTERM even where nothing saves; an
+       open ``substrax.checkpoint.CheckpointManager`` catches SIGTERM itself, and its
+       ``save`` has every process save the same step and exit 143), makes an uncaught
        exception (code 1) or a ``sys.exit`` with a non-zero code (that code) end the
        process at once instead of waiting for its peers at the shutdown barrier, and
-       ends the process if the launcher dies.
+       ends the process if the launcher dies. It tells the launcher (a file in the
+       launcher's status directory) that it joined, and at exit that the script ended,
+       so the launcher can warn of a script that never calls ``initialize()`` and name
+       a process that left its peers early.
     2. ``distributed=True``, or ``distributed=None`` and one of these holds:
        ``JAX_COORDINATOR_ADDRESS`` is set; SLURM runs more than one task
        (``SLURM_NTASKS`` > 1 inside an ``srun`` step, with ``SLURM_JOB_ID``,

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from substrax.launch._env import DEFAULT_SHUTDOWN_TIMEOUT_S
-from substrax.launch._launcher import GRACE_S, launch
+from substrax.launch._launcher import GRACE_S, IDLE_TIMEOUT_S, STOP_GRACE_S, launch
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,7 +16,10 @@ def main(argv: list[str] | None = None) -> int:
             "Start N processes of `python SCRIPT ARGS...` on this machine, each with K emulated "
             "CPU devices, joined into one JAX system (the script calls "
             "substrax.launch.initialize() first). Output lines carry a [p<i>] prefix. When one "
-            "process fails, the others are stopped and its exit code is returned."
+            "process fails, the others are stopped and its exit code is returned. SIGINT, SIGTERM "
+            "or SIGHUP to the launcher is passed on to every process as SIGTERM, and they have "
+            "--grace seconds to save a checkpoint (substrax.checkpoint.CheckpointManager) and "
+            "exit 143; a second signal kills them at once."
         ),
     )
     parser.add_argument(
@@ -35,7 +38,13 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=GRACE_S,
         metavar="SECONDS",
-        help=f"how long the processes have after SIGTERM before they are killed (default {GRACE_S:g})",
+        help=(
+            "how long the processes have to save and end after a SIGTERM passed on to them (the "
+            "launcher got SIGINT, SIGTERM or SIGHUP), or after one of them exits 143 (a SIGTERM sent "
+            f"to it alone), before they are killed (default {GRACE_S:g}). After a failure or an "
+            f"idle timeout they get at most {STOP_GRACE_S:g} s: a run that lost a process can "
+            "save nothing"
+        ),
     )
     parser.add_argument(
         "--shutdown-timeout",
@@ -51,11 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--idle-timeout",
         type=float,
-        default=None,
+        default=IDLE_TIMEOUT_S,
         metavar="SECONDS",
         help=(
             "end the run (exit code 124) when no process has printed a line for this long: a hung "
-            "process, and peers waiting for it in a collective, print nothing (default: no bound)"
+            "process, and peers waiting for it in a collective, print nothing. The default, "
+            f"{IDLE_TIMEOUT_S:g} (30 minutes), bounds a hang nobody watches; raise it for a script "
+            "that is silent for longer, or give 0 for no bound"
         ),
     )
     parser.add_argument("script", help="the Python script to run")
@@ -69,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             devices_per_process=ns.devices_per_process,
             grace_s=ns.grace,
             shutdown_timeout_s=ns.shutdown_timeout,
-            idle_timeout_s=ns.idle_timeout,
+            idle_timeout_s=None if ns.idle_timeout == 0 else ns.idle_timeout,
         )
     except ValueError as e:
         parser.error(str(e))

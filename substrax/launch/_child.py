@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 
+from substrax.launch import _env
 from substrax.launch._env import LaunchEnv
 from substrax.mesh import use_cpu_devices
 
@@ -58,9 +59,35 @@ def initialize_launched(env: LaunchEnv) -> None:
             shutdown_timeout_seconds=env.shutdown_timeout_s,
         ),
     )
+    _tell_launcher(env, _env.INITIALIZED)
+    # Registered after JAX's own exit handlers, so these run before them (atexit is LIFO):
+    # before the shutdown barrier, where a process that ended early waits for its peers.
+    atexit.register(_tell_launcher_finished, env, exit_code)
     if exit_code is not None:
-        # Registered after JAX's own exit handlers, so it runs before them (atexit is LIFO).
         atexit.register(_exit_at_once_on_failed_exit, exit_code, end_if_orphaned)
+
+
+def _tell_launcher(env: LaunchEnv, event: str) -> None:
+    """Leave ``event`` where the launcher looks (an empty file), if a launcher asked for it.
+
+    The launcher warns of a process that ended without joining the others (no
+    ``initialized``), and names a process whose script ended while its peers ran on
+    (``finished``) when they then fail.
+    """
+    if env.status_dir is None:
+        return
+    try:
+        with open(_env.status_file(env.status_dir, env.process_id, event), "w"):
+            pass
+    except OSError:
+        pass  # the launcher is gone, or the variables were copied from another run
+
+
+def _tell_launcher_finished(env: LaunchEnv, exit_code: Callable[[], int | str | None] | None) -> None:
+    """At exit, tell the launcher the script ended cleanly (not with a failing ``sys.exit``)."""
+    code = exit_code() if exit_code is not None else None
+    if code is None or code == 0:
+        _tell_launcher(env, _env.FINISHED)
 
 
 def _accepted_by(fn: Any, **kwargs: Any) -> dict[str, Any]:

@@ -16,9 +16,14 @@ PROCESS_ID = "SUBSTRAX_PROCESS_ID"
 DEVICES_PER_PROCESS = "SUBSTRAX_DEVICES_PER_PROCESS"
 SHUTDOWN_TIMEOUT = "SUBSTRAX_SHUTDOWN_TIMEOUT"
 LAUNCHER_PID = "SUBSTRAX_LAUNCHER_PID"
+STATUS_DIR = "SUBSTRAX_STATUS_DIR"  # where a process notes for the launcher what it did (see _child)
 
 # JAX waits 300 s by default; a local run has no reason to wait more than this.
 DEFAULT_SHUTDOWN_TIMEOUT_S = 20
+
+# What a process notes in the status directory: an empty file p<i>.<event>.
+INITIALIZED = "initialized"  # initialize() joined JAX's distributed runtime
+FINISHED = "finished"  # the script ended cleanly; the process waits at JAX's shutdown barrier
 
 REQUIRED = (COORDINATOR, NUM_PROCESSES, PROCESS_ID, DEVICES_PER_PROCESS)
 
@@ -33,6 +38,12 @@ class LaunchEnv:
     devices_per_process: int
     shutdown_timeout_s: int
     launcher_pid: int | None
+    status_dir: str | None = None
+
+
+def status_file(status_dir: str, process_id: int, event: str) -> str:
+    """The file by which process ``process_id`` tells the launcher of ``event``."""
+    return os.path.join(status_dir, f"p{process_id}.{event}")
 
 
 def launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv | None:
@@ -61,6 +72,7 @@ def launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv | None:
             devices_per_process=int(env[DEVICES_PER_PROCESS]),
             shutdown_timeout_s=int(env.get(SHUTDOWN_TIMEOUT, DEFAULT_SHUTDOWN_TIMEOUT_S)),
             launcher_pid=int(env[LAUNCHER_PID]) if LAUNCHER_PID in env else None,
+            status_dir=env.get(STATUS_DIR) or None,
         )
     except ValueError as e:
         raise RuntimeError(f"A SUBSTRAX_* launch variable is not an integer: {e}.") from None

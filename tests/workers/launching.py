@@ -60,12 +60,27 @@ def launch(
 
 
 def launch_and_signal(
-    tmp_path: Path, num: int, devices: int, worker: str, *args: str, sig: int, ready: int, timeout: float = 120
+    tmp_path: Path,
+    num: int,
+    devices: int,
+    worker: str,
+    *args: str,
+    sig: int,
+    ready: int,
+    timeout: float = 120,
+    options: Sequence[str] = (),
+    to_process: int | None = None,
 ) -> Run:
-    """Start the launcher, wait until ``ready`` workers print READY, send it ``sig``."""
+    """Start the launcher, wait until ``ready`` workers print READY, send it ``sig``.
+
+    ``options`` go to the launcher, before the worker; with ``to_process`` the signal
+    goes to that process of the run instead of the launcher.
+    """
     out, err = tmp_path / "stdout", tmp_path / "stderr"
     with out.open("w") as o, err.open("w") as e:
-        proc = subprocess.Popen(launcher_command(num, devices, worker, *args), cwd=REPO, stdout=o, stderr=e)
+        proc = subprocess.Popen(
+            launcher_command(num, devices, worker, *args, options=options), cwd=REPO, stdout=o, stderr=e
+        )
     try:
         deadline = time.monotonic() + timeout
         while out.read_text().count("READY") < ready:
@@ -73,7 +88,10 @@ def launch_and_signal(
             assert time.monotonic() < deadline, "the workers never got ready"
             time.sleep(0.1)
         start = time.monotonic()
-        proc.send_signal(sig)
+        if to_process is None:
+            proc.send_signal(sig)
+        else:
+            os.kill(Run(0, "", err.read_text(), 0.0).pids()[to_process], sig)
         code = proc.wait(timeout=timeout)
         return Run(code, out.read_text(), err.read_text(), time.monotonic() - start)
     finally:
