@@ -129,7 +129,8 @@ def configs() -> st.SearchStrategy[Config]:
         mask=st.booleans(),
         scale=st.booleans(),
         placement=st.sampled_from(PLACEMENTS),
-        metrics=st.none() | st.lists(st.sampled_from(METRICS), min_size=1, max_size=4, unique=True).map(tuple),
+        metrics=st.none()
+        | st.lists(st.sampled_from(METRICS), min_size=1, max_size=4, unique=True).map(tuple),
         spelling=st.sampled_from(SPELLINGS),
         compare_gradients=st.booleans(),
         seed=st.integers(0, 2**16 - 1),
@@ -146,6 +147,7 @@ class Model(nnx.Module):
         rngs = nnx.Rngs(params=config.seed, dropout=config.seed + 1)
         w = config.width
         self.stem_kind = config.stem
+        self.stem: nnx.Module
         if config.stem == "dense":
             self.stem = nnx.Linear(FEATURES, w, rngs=rngs)
         elif config.stem == "conv":
@@ -172,7 +174,7 @@ class Model(nnx.Module):
         self.blocks = nnx.List(layers)
         self.head = nnx.Linear(w, CLASSES if config.task == "classify" else TARGETS, rngs=rngs)
         # model.eval() for the rate-0.5 dropout layers only (BatchNorm keeps training)
-        active = lambda _, node: isinstance(node, nnx.Dropout) and node.rate > 0  # noqa: E731
+        active = lambda _, node: isinstance(node, nnx.Dropout) and node.rate > 0
         self.set_attributes(active, deterministic=True, raise_if_not_found=False)
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -251,7 +253,7 @@ def batch_parts(config: Config, step: int) -> dict[str, np.ndarray]:
         y = rng.integers(0, CLASSES, size=(b,)).astype(np.int32)
     else:
         y = rng.normal(size=(b, TARGETS)).astype(np.float32)
-    parts = {"x": x, "y": y}
+    parts: dict[str, Any] = {"x": x, "y": y}
     if config.mask:
         mask = rng.random(b) < 0.7
         mask[0] = True
@@ -270,7 +272,10 @@ def pack(config: Config, parts: dict[str, Any]) -> Any:
     if config.batch_tree == "flat":
         return dict(parts)
     if config.batch_tree == "nested":
-        tree: dict[str, Any] = {"inputs": {"x": parts["x"]}, "targets": (parts["y"],) + ((mask,) if config.mask else ())}
+        tree: dict[str, Any] = {
+            "inputs": {"x": parts["x"]},
+            "targets": (parts["y"],) + ((mask,) if config.mask else ()),
+        }
         if config.scale:
             tree["meta"] = {"scale": scale}
         return tree

@@ -65,6 +65,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -100,12 +101,20 @@ SAFETY, FLOOR_EPS = 4.0, 1e-7
 FLOOR_RUNS = 3  # permuted reference runs per draw, besides the reference itself
 
 settings.register_profile(
-    "fuzz-ci", max_examples=6, derandomize=True, deadline=None, database=None,
+    "fuzz-ci",
+    max_examples=6,
+    derandomize=True,
+    deadline=None,
+    database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.register_profile(
-    "fuzz-full", max_examples=int(os.environ.get("SUBSTRAX_FUZZ_EXAMPLES", "300")), derandomize=False,
-    deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    "fuzz-full",
+    max_examples=int(os.environ.get("SUBSTRAX_FUZZ_EXAMPLES", "300")),
+    derandomize=False,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 PROFILE = "fuzz-full" if os.environ.get("SUBSTRAX_FUZZ") == "full" else "fuzz-ci"
 
@@ -171,7 +180,9 @@ def _average(x: jax.Array) -> jax.Array:
     return jnp.mean(x, axis=0) if jnp.issubdtype(x.dtype, jnp.inexact) else x[0]
 
 
-def _grouped_loss(config: Config, groups: np.ndarray):  # noqa: ANN202
+def _grouped_loss(
+    config: Config, groups: np.ndarray
+) -> Callable[[nnx.Module, Any], tuple[jax.Array, jax.Array]]:
     """The loss of ``row_groups``: the mean of the groups' losses, the groups one after the other
     (a ``lax.scan``, carrying the BatchNorm statistics). A BatchNorm model's parts are vmapped
     over the axis "data" and their statistics averaged; a model without one adds its parts'
@@ -180,7 +191,7 @@ def _grouped_loss(config: Config, groups: np.ndarray):  # noqa: ANN202
 
     def loss(model: nnx.Module, tree: Any) -> tuple[jax.Array, jax.Array]:
         parts = unpack(config, tree)
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
         rows = {name: v[groups] for name, v in parts.items() if name in ROW_PARTS}  # (groups, parts, m, ...)
         whole = {name: v for name, v in parts.items() if name not in ROW_PARTS}
 
@@ -263,6 +274,7 @@ def expected_metrics(config: Config, pe: np.ndarray) -> dict[str, np.ndarray]:
         return {}
     n, k, m = config.devices, config.microbatches, config.rows
     out = {}
+    value: Any
     for op in config.metrics:
         if op in ("mean", "default"):
             value = pe.mean()
@@ -304,7 +316,9 @@ def _layout_changes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
     for path, (old, ndim) in before.items():
         new, _ = after[path]
         if isinstance(old, NamedSharding):
-            same = isinstance(new, NamedSharding) and new.is_equivalent_to(NamedSharding(new.mesh, old.spec), ndim)
+            same = isinstance(new, NamedSharding) and new.is_equivalent_to(
+                NamedSharding(new.mesh, old.spec), ndim
+            )
         else:
             same = new.is_fully_replicated
         if not same:
@@ -324,7 +338,7 @@ def device_run(config: Config, batches: list[dict]) -> DeviceRun:
     model, optimizer = build(config, sync_axis="data" if config.mode == "explicit" else None)
     try:
         if config.layout != "replicated":
-            size = {} if config.min_size is None else {"min_size": config.min_size}
+            size: dict[str, Any] = {} if config.min_size is None else {"min_size": config.min_size}
             substrax.shard_state(model, optimizer, mesh=mesh, params=config.layout == "fsdp", **size)
     except Exception as e:  # noqa: BLE001
         out.problems.append(f"shard_state raised {_first_line(e)}")
@@ -335,7 +349,7 @@ def device_run(config: Config, batches: list[dict]) -> DeviceRun:
     loss_fn = make_loss_fn(config)
     step = substrax.make_train_step(
         loss_fn,
-        config.mode,
+        config.mode,  # type: ignore[arg-type]
         mesh=mesh,
         batch_spec=specs if config.placement == "batch_spec" else None,
         has_aux=config.has_aux,
@@ -357,7 +371,9 @@ def device_run(config: Config, batches: list[dict]) -> DeviceRun:
         out.problems.append(f"step raised {_first_line(e)}")
         return out
     losses = [float(o[0] if config.has_aux else o) for o in outs]
-    metrics = [{k: np.asarray(v) for k, v in o[1].items()} for o in outs] if config.has_aux else [{}] * len(outs)
+    metrics = (
+        [{k: np.asarray(v) for k, v in o[1].items()} for o in outs] if config.has_aux else [{}] * len(outs)
+    )
     out.run = Run(losses, metrics, state_of(model))
 
     layout_after = substrax.layout_of(model, optimizer, mesh=mesh)
@@ -382,7 +398,9 @@ def device_run(config: Config, batches: list[dict]) -> DeviceRun:
             report = compare_gradients(
                 model, loss_fn, pack(config, batches[0]), mesh, batch_spec=specs, has_aux=config.has_aux
             )
-            out.gradients = f"ok {report.max_abs_diff:.1e}" if report.ok else f"MISMATCH {report.max_abs_diff:.1e}"
+            out.gradients = (
+                f"ok {report.max_abs_diff:.1e}" if report.ok else f"MISMATCH {report.max_abs_diff:.1e}"
+            )
             if not report.ok:
                 out.problems.append(f"compare_gradients: {' | '.join(report.diagnosis.values())[:400]}")
         except Exception as e:  # noqa: BLE001
@@ -404,12 +422,14 @@ class Deviation:
     where: str = ""
     floor: float = 0.0
     tol: float = 0.0
+    shapes: list[str] = dataclasses.field(default_factory=list)  # values whose shapes differ
 
-    def add(self, config: Config, got: Any, want: Any, floor: float, where: str) -> str | None:
-        """Fold in one comparison; returns a problem when the shapes differ."""
+    def add(self, config: Config, got: Any, want: Any, floor: float, where: str) -> None:
+        """Fold in one comparison."""
         got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
         if got.shape != want.shape:
-            return f"{where}: shape {got.shape}, reference {want.shape}"
+            self.shapes.append(f"{where}: shape {got.shape}, reference {want.shape}")
+            return
         diff = np.abs(got - want)
         tol = atol_for(config, floor) + STRICT_RTOL * np.abs(want)
         ratios = diff / tol
@@ -421,16 +441,16 @@ class Deviation:
             self.ratio, self.where, self.floor = ratio, where, floor
             self.tol = float(tol.flat[worst]) if tol.size else 0.0
         self.abs = max(self.abs, float(np.max(diff, initial=0.0)))
-        return None
 
     @property
-    def problem(self) -> str | None:
+    def problems(self) -> list[str]:
         if self.ratio <= 1.0:
-            return None
-        return (
+            return self.shapes
+        off = (
             f"off the reference: worst {self.where}, |diff| up to {self.abs:.2e}, {self.ratio:.1f}x its "
             f"tolerance {self.tol:.1e} (measured floor there {self.floor:.1e})"
         )
+        return [*self.shapes, off]
 
     def __str__(self) -> str:
         return f"{self.abs:.1e}({self.ratio:.2f})"
@@ -470,7 +490,9 @@ class Result:
 
     def report(self) -> str:
         lines = [f"check({self.config!r}).assert_ok()", *(f"  - {p}" for p in self.problems)]
-        lines.append(f"  deviations (max abs, worst in tolerances): {self.deviations}; floors {self.floors}")
+        devs = ", ".join(f"{name} {d} worst at {d.where or '-'}" for name, d in self.deviations.items())
+        floors = ", ".join(f"{name} {v:.1e}" for name, v in self.floors.items())
+        lines.append(f"  max |diff| (worst in tolerances): {devs}; largest floors: {floors}")
         return "\n".join(lines)
 
     def assert_ok(self) -> None:
@@ -482,7 +504,9 @@ def _floors(config: Config, runs: list[Run]) -> tuple[float, dict[str, float], d
     pairs = [(a, b) for i, a in enumerate(runs) for b in runs[i + 1 :]]
     loss = max((abs(x - y) for a, b in pairs for x, y in zip(a.losses, b.losses, strict=True)), default=0.0)
     metrics = {
-        name: max(_maxdiff(a.metrics[t][name], b.metrics[t][name]) for a, b in pairs for t in range(config.steps))
+        name: max(
+            _maxdiff(a.metrics[t][name], b.metrics[t][name]) for a, b in pairs for t in range(config.steps)
+        )
         for name in runs[0].metrics[0]
     }
     state = {name: max(_maxdiff(a.state[name], b.state[name]) for a, b in pairs) for name in runs[0].state}
@@ -499,7 +523,9 @@ def check(config: Config) -> Result:
     batches = [batch_parts(config, s) for s in range(config.steps)]
     permutations = [within_group_permutation(config, s) for s in range(1, FLOOR_RUNS + 1)]
     runs = reference_runs(config, batches, [None, *permutations])
-    runs += reference_runs(config, batches, [None, within_group_permutation(config, 0, split=True)], split=True)
+    runs += reference_runs(
+        config, batches, [None, within_group_permutation(config, 0, split=True)], split=True
+    )
     ref = runs[0]
     loss_floor, metric_floors, state_floors = _floors(config, runs)
     floors = {
@@ -517,18 +543,23 @@ def check(config: Config) -> Result:
         if run.state.keys() != ref.state.keys():
             problems.append(f"state paths differ: {sorted(run.state.keys() ^ ref.state.keys())}")
         for name in sorted(run.state.keys() & ref.state.keys()):
-            problems.append(deviations["state"].add(config, run.state[name], ref.state[name], state_floors[name], name))
+            deviations["state"].add(config, run.state[name], ref.state[name], state_floors[name], name)
         for t, (mine, want) in enumerate(zip(run.metrics, ref.metrics, strict=True)):
             if mine.keys() != want.keys():
                 problems.append(f"metric names {sorted(mine)}, expected {sorted(want)}")
                 continue
             for name in want:
-                problems.append(deviations["metrics"].add(config, mine[name], want[name], metric_floors[name], f"{name}[{t}]"))
-        problems += [f"{name} {d.problem}" for name, d in deviations.items() if d.problem]
-    problems = [p for p in problems if p]
+                deviations["metrics"].add(config, mine[name], want[name], metric_floors[name], f"{name}[{t}]")
+        problems += [f"{name} {p}" for name, d in deviations.items() for p in d.problems]
     return Result(
-        config, problems, deviations, floors, got.census, got.gradients,
-        time.perf_counter() - start, time.process_time() - cpu,
+        config,
+        problems,
+        deviations,
+        floors,
+        got.census,
+        got.gradients,
+        time.perf_counter() - start,
+        time.process_time() - cpu,
     )
 
 
@@ -539,21 +570,62 @@ def check(config: Config) -> Result:
 # the bugs found so far, so that the fixed sample of `make test` always covers them.
 CURATED = (
     # explicit FSDP, 8 devices, Adam, microbatches, every metric reduction
-    Config(mode="explicit", layout="fsdp", min_size=1, devices=8, microbatches=2, blocks=("linear", "layernorm"),
-           width=16, optimizer="adam", batch_tree="nested", mask=True, scale=True,
-           metrics=("mean", "sum", "max", "min", "gather", None, "default"), seed=1),
+    Config(
+        mode="explicit",
+        layout="fsdp",
+        min_size=1,
+        devices=8,
+        microbatches=2,
+        blocks=("linear", "layernorm"),
+        width=16,
+        optimizer="adam",
+        batch_tree="nested",
+        mask=True,
+        scale=True,
+        metrics=("mean", "sum", "max", "min", "gather", None, "default"),
+        seed=1,
+    ),
     # implicit ZeRO-1, attention and BatchNorm, masked classification, a placed batch
-    Config(mode="implicit", layout="zero1", min_size=1, devices=4, stem="attention", blocks=("batchnorm",),
-           task="classify", optimizer="adamw_masked", batch_tree="tuple", mask=True, scale=True,
-           placement="placed", metrics=("gather", "max"), seed=2),
+    Config(
+        mode="implicit",
+        layout="zero1",
+        min_size=1,
+        devices=4,
+        stem="attention",
+        blocks=("batchnorm",),
+        task="classify",
+        optimizer="adamw_masked",
+        batch_tree="tuple",
+        mask=True,
+        scale=True,
+        placement="placed",
+        metrics=("gather", "max"),
+        seed=2,
+    ),
     # explicit, synchronized and per-shard BatchNorm on a conv stem, the bound spelling
-    Config(mode="explicit", layout="replicated", devices=4, stem="conv", blocks=("batchnorm_sync", "batchnorm"),
-           optimizer="momentum", spelling="bind", seed=3),
+    Config(
+        mode="explicit",
+        layout="replicated",
+        devices=4,
+        stem="conv",
+        blocks=("batchnorm_sync", "batchnorm"),
+        optimizer="momentum",
+        spelling="bind",
+        seed=3,
+    ),
     # a whole-gradient optimizer on split state
     Config(mode="explicit", layout="zero1", min_size=1, devices=8, optimizer="clip_sgd", width=16, seed=4),
     # explicit microbatches with per-shard BatchNorm
-    Config(mode="explicit", layout="fsdp", min_size=1, devices=2, microbatches=2, blocks=("batchnorm",),
-           optimizer="sgd", seed=5),
+    Config(
+        mode="explicit",
+        layout="fsdp",
+        min_size=1,
+        devices=2,
+        microbatches=2,
+        blocks=("batchnorm",),
+        optimizer="sgd",
+        seed=5,
+    ),
     # factored optimizer state
     Config(mode="implicit", layout="fsdp", min_size=1, devices=2, optimizer="adafactor", width=16, seed=6),
 )
@@ -575,11 +647,16 @@ def test_parity_fuzz() -> None:
     settings(settings.get_profile(PROFILE))(run)()
 
     failed = [r for r in results if not r.ok]
-    floors = {}
+    floors: dict[tuple[str, str], float] = {}
     for r in results:
         family = "adam" if r.config.adaptive else "sgd"
         for k, v in r.floors.items():
             floors[(family, k)] = max(floors.get((family, k), 0.0), v)
-    print(f"\n{len(results)} draws ({sum(r.cpu_seconds for r in results):.0f} cpu-s), {len(failed)} failed; largest floors: "
-          + ", ".join(f"{f}/{k} {v:.1e}" for (f, k), v in sorted(floors.items())), flush=True)
-    assert not failed, f"{len(failed)} of {len(results)} draws failed:\n\n" + "\n\n".join(r.report() for r in failed)
+    print(
+        f"\n{len(results)} draws ({sum(r.cpu_seconds for r in results):.0f} cpu-s), {len(failed)} failed; largest floors: "
+        + ", ".join(f"{f}/{k} {v:.1e}" for (f, k), v in sorted(floors.items())),
+        flush=True,
+    )
+    assert not failed, f"{len(failed)} of {len(results)} draws failed:\n\n" + "\n\n".join(
+        r.report() for r in failed
+    )
