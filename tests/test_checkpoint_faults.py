@@ -36,9 +36,8 @@ from substrax.checkpoint import (
     DamagedCheckpointError,
     DirectoryInUseError,
     NonFiniteStateError,
-    _inspect_on_device,
-    _inspect_on_host,
 )
+from substrax.checkpoint._checksums import _inspect_on_device, _inspect_on_host
 
 WIDTH = 256  # kernels over orbax's 1 KiB inline limit: the largest data file holds their values
 

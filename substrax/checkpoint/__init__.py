@@ -1,0 +1,40 @@
+"""Checkpoints of a model and its optimizer in any layout, written and read by orbax.
+
+A checkpoint holds every array of ``nnx.state(model)`` and ``nnx.state(optimizer)``
+(parameters, optimizer state, batch statistics, random-stream keys), each written by the
+processes that hold its shards. ``restore`` reads it back into the model and optimizer
+**in the layout they have now** (replicated, ZeRO-1 or FSDP, on this mesh or on one
+device), whatever layout the checkpoint was saved from: each array is read straight into
+the sharding of the array it replaces.
+
+Orbax writes a step into a temporary directory and renames it when every process has
+finished, so a save cut short (a killed process, a lost machine) leaves the earlier
+checkpoints as they were, and the half-written one is never read. Beyond that, nothing
+saved is lost to a fault:
+
+- ``save`` refuses a state with a NaN or an infinity in a floating array
+  (``NonFiniteStateError``), so a diverged state never rotates the finite steps out.
+- Each step records a checksum of every array's values (in its ``_CHECKPOINT_METADATA``),
+  and ``restore`` checks them: a step with a file altered, cut short or missing is
+  refused with one line naming the step and the damage (``DamagedCheckpointError``);
+  asked for the latest step, ``restore`` falls back to the newest step that is whole,
+  with a warning.
+- A ``CheckpointManager`` claims its directory for its run (the file ``substrax.lock``)
+  until ``close``; another run's manager is refused (``DirectoryInUseError``).
+- A step that ``max_to_keep`` rotates out is renamed out of the listing before it is
+  deleted, so a kill during the deletion never leaves a half-deleted step listed.
+- After a SIGTERM (to any process of a run), the next ``save`` saves its step and ends
+  the processes with code 143.
+"""
+
+from substrax.checkpoint._errors import DamagedCheckpointError, DirectoryInUseError, NonFiniteStateError
+from substrax.checkpoint._manager import CheckpointManager, restore, save
+
+__all__ = [
+    "CheckpointManager",
+    "DamagedCheckpointError",
+    "DirectoryInUseError",
+    "NonFiniteStateError",
+    "restore",
+    "save",
+]

@@ -1,0 +1,480 @@
+"""The ``CheckpointManager`` of a training run, and ``save`` and ``restore`` of one step."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shutil
+import sys
+import threading
+import uuid
+import warnings
+import weakref
+from types import TracebackType
+from typing import Any, Self
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+from jax.experimental import multihost_utils
+
+from substrax.checkpoint._checksums import everywhere, inspect_arrays
+from substrax.checkpoint._claim import LOCK_FILE, claim_directory, release_claim
+from substrax.checkpoint._errors import DamagedCheckpointError, DirectoryInUseError, NonFiniteStateError
+from substrax.checkpoint._integrity import RECORD, checksum_record, read_step
+from substrax.checkpoint._preemption import SIGTERM_EXIT, Sigterm, jax_preemption_service
+from substrax.checkpoint._state import BoundState, check_args, nest, slots_of, unpack
+
+__all__ = ["CheckpointManager", "restore", "save"]
+
+_TRASH = ".substrax-trash"  # where orbax moves a step rotated out; the manager deletes it from there
+_DAMAGED = ".substrax-damaged"  # where a writing manager moves the damaged steps a restore skipped
+
+
+def _directory(directory: str | os.PathLike[str]) -> str:
+    """``directory`` as orbax wants it: an absolute local path, or a URL as given."""
+    text = os.fspath(directory)
+    return text if "://" in text else os.path.abspath(text)
+
+
+def _let_go(lock: str | None, token: str | None, listening: bool) -> None:
+    """Release a manager's claim and stop it listening for SIGTERM (at close, or when collected)."""
+    try:
+        release_claim(lock, token)
+    finally:
+        if listening:
+            Sigterm.stop()
+
+
+def _remove_trash(directory: str) -> None:
+    for name in os.listdir(directory):
+        if name.startswith(f"{_TRASH}-"):
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+
+
+class CheckpointManager:
+    """The checkpoints of one training run in ``directory``: keep the last few, save every n steps.
+
+    A layer over ``orbax.checkpoint.CheckpointManager`` (``self.orbax``), which does the
+    writing: sharded writes (each process writes only the shards it holds),
+    asynchronous saves, atomic commits, and rotating old steps out. Every process calls
+    every method, in the same order. On top of orbax, the manager
+
+    - claims ``directory`` for this run (the file ``substrax.lock``, held by process 0:
+      host, pid, run, since when) until ``close``; a claim whose process is gone from
+      this host is taken over with a warning, so a killed run does not block its resume;
+    - refuses to save a state that is not finite, so ``max_to_keep`` never rotates the
+      finite steps out for a diverged one;
+    - records a checksum of every array it saves, and checks them on ``restore``;
+    - moves a step rotated out to a hidden trash directory before deleting it, so
+      ``all_steps`` never lists a half-deleted step;
+    - saves the step at hand after a SIGTERM, and ends the process (exit code 143).
+
+    Example::
+
+        with CheckpointManager(directory, max_to_keep=3, save_interval_steps=100) as ckpt:
+            start = ckpt.restore(model, optimizer) if ckpt.latest_step() is not None else 0
+            with train_step.bind(model, optimizer) as fast:
+                for step in range(start + 1, steps + 1):
+                    loss = fast(next(batches))
+                    ckpt.save(step, fast)   # syncs fast, then saves when step % 100 == 0
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        max_to_keep: int | None = 3,
+        save_interval_steps: int = 1,
+        async_save: bool = True,
+        save_on_sigterm: bool = True,
+        read_only: bool = False,
+    ) -> None:
+        """Open (or create) ``directory``, and claim it for this run unless ``read_only``.
+
+        Args:
+          directory: Where the steps are kept, one subdirectory each; a local path, or a
+            URL orbax understands (``gs://...``; no claim is taken there).
+          max_to_keep: How many of the latest steps to keep; ``None`` keeps all.
+          save_interval_steps: ``save`` writes a step that is a multiple of this, the
+            first step it is given when ``directory`` holds none, and the step after a
+            SIGTERM (``save_on_sigterm``); it skips the others unless forced.
+          async_save: Whether ``save`` returns once the arrays are copied off the
+            devices, writing them in the background (``wait`` blocks until written).
+            The state may be stepped (its arrays donated) as soon as ``save`` returns.
+          save_on_sigterm: Catch SIGTERM while the manager is open: the next ``save``
+            saves its step whatever the interval, waits until it is written, and raises
+            ``SystemExit(143)``; ``close`` raises it too when no save came first. A
+            second SIGTERM acts at once, as it would without the manager. Taken only in
+            the main thread. On a multi-process run with JAX's preemption service on
+            (JAX's default) the notice is JAX's preemption sync point instead (the
+            service catches SIGTERM and picks a step every process reaches). With it
+            off (``substrax.launch`` turns it off) each process catches SIGTERM itself,
+            and every ``save`` asks all processes (a one-value all-gather, so every
+            process must call ``save`` at the same steps) whether one got it: a SIGTERM
+            to any process saves the same step on all of them and ends them all.
+          read_only: Open only to read: no claim, no SIGTERM handler; ``save`` refuses.
+
+        Raises:
+          DirectoryInUseError: If another run (or another manager of this process)
+            holds ``directory``; the message names it (host, pid, since when).
+        """
+        self.directory = _directory(directory)
+        self.read_only = read_only
+        self._local = "://" not in self.directory
+        self._primary = jax.process_index() == 0
+        self._closed = False
+        self._sweeper: threading.Thread | None = None
+        lock = os.path.join(self.directory, LOCK_FILE) if self._local and not read_only else None
+        claim = self._claim() if lock is not None else None
+        # Several processes agree on SIGTERM themselves when JAX's preemption service is off
+        # (as substrax.launch turns it off): each save asks whether any process got one.
+        self._agree_on_sigterm = (
+            save_on_sigterm and not read_only and jax.process_count() > 1 and not jax_preemption_service()
+        )
+        try:
+            self._listening = (
+                save_on_sigterm
+                and not read_only
+                and (jax.process_count() == 1 or self._agree_on_sigterm)
+                and Sigterm.listen()
+            )
+        except BaseException:
+            release_claim(lock, claim["token"] if claim else None)
+            raise
+        self._release = weakref.finalize(
+            self, _let_go, lock if claim else None, claim["token"] if claim else None, self._listening
+        )
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep,
+            save_interval_steps=save_interval_steps,
+            enable_async_checkpointing=async_save,
+            create=not read_only,
+            todelete_subdir=_TRASH if self._local and not read_only else None,
+        )
+        try:
+            self.orbax = ocp.CheckpointManager(
+                self.directory, options=options, item_handlers=ocp.StandardCheckpointHandler()
+            )
+        except BaseException:
+            self._release()
+            raise
+        self._sweep()  # a trash a killed run left
+
+    def _claim(self) -> dict[str, Any] | None:
+        """Process 0 claims the directory; every process learns whether it could."""
+        claim: dict[str, Any] | None = None
+        error: Exception | None = None
+        if self._primary:
+            try:
+                claim = claim_directory(self.directory)
+            except Exception as e:  # noqa: BLE001  (raised below, once every process knows)
+                error = e
+        if jax.process_count() > 1:
+            refused = bool(multihost_utils.broadcast_one_to_all(np.int32(error is not None)))
+            if refused and error is None:
+                error = DirectoryInUseError(
+                    f"{self.directory} is in use by another run: process 0 could not claim it (see its error)."
+                )
+        if error is not None:
+            raise error
+        return claim
+
+    def all_steps(self) -> list[int]:
+        """The steps saved and committed, oldest first."""
+        return sorted(self.orbax.all_steps())
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or ``None`` when there is none."""
+        return self.orbax.latest_step()
+
+    def save(
+        self,
+        step: int,
+        model: nnx.Module | BoundState,
+        optimizer: nnx.Optimizer | None = None,
+        *,
+        force: bool = False,
+    ) -> bool:
+        """Save the state of ``model`` and ``optimizer`` as ``step``, if the interval says so.
+
+        The state is checked first, each array read where its shards live (a small one
+        of this process on the host): a NaN or an infinity in any floating array refuses
+        the save, so the steps kept stay finite. A checksum of each array is recorded
+        with the step, for ``restore`` to check.
+
+        Args:
+          step: The training step the state is at (usually the number of steps taken).
+          model: The model, or a ``BoundTrainStep`` in place of both (it is synced first).
+          optimizer: Its optimizer; omitted with a bound step.
+          force: Save even a step the interval would skip.
+
+        Returns:
+          Whether a save was started (a bound step is synced only then).
+
+        Raises:
+          TypeError: If a bound step comes with an optimizer, or a model without one.
+          ValueError: If a variable's array has been deleted (the model of a bound step
+            that was not synced), naming it; or the manager is read-only.
+          NonFiniteStateError: If an array holds a NaN or an infinity, naming the step
+            and the first such arrays; nothing is saved, no step is deleted.
+          SystemExit: With code 143 after a SIGTERM (``save_on_sigterm``), once this
+            step is written.
+        """
+        check_args(model, optimizer)
+        if self.read_only:
+            raise ValueError(f"this manager of {self.directory} is read-only: it does not save.")
+        notice = self._termination_notice(step)
+        if not (force or notice) and not self.orbax.should_save(step):
+            return False
+        model, optimizer = unpack(model, optimizer)
+        slots = slots_of(model, optimizer)
+        arrays = [slot.saved() for slot in slots]
+        finite, sums = inspect_arrays(arrays)
+        if not finite.all():
+            raise NonFiniteStateError(
+                self._non_finite(step, [s.name for s, ok in zip(slots, finite) if not ok])
+            )
+        started = False
+        if not (notice and step in self.all_steps()):
+            self.orbax.wait_until_finished()  # as orbax's save would; then no deletion is under way
+            self._sweep()
+            started = bool(
+                self.orbax.save(
+                    step,
+                    args=ocp.args.StandardSave(nest({slot.key: x for slot, x in zip(slots, arrays)})),
+                    force=force or notice,
+                    custom_metadata={RECORD: checksum_record(slots, arrays, sums)},
+                )
+            )
+        if notice:
+            if self._primary:
+                why = "SIGTERM" if self._listening or self._agree_on_sigterm else "JAX's preemption notice"
+                print(
+                    f"substrax.checkpoint: {why}: step {step} saved in {self.directory}; exiting (143).",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            self.close()
+            raise SystemExit(SIGTERM_EXIT)
+        return started
+
+    def _termination_notice(self, step: int) -> bool:
+        """Whether this run was told to stop: a SIGTERM noted, or JAX's preemption sync point."""
+        if self._agree_on_sigterm:  # a SIGTERM to any process stops them all at this step
+            return not everywhere(not (self._listening and Sigterm.pending))
+        if self._listening:
+            return Sigterm.pending
+        if jax.process_count() > 1:
+            return bool(self.orbax.reached_preemption(step))
+        return False
+
+    def _non_finite(self, step: int, names: list[str]) -> str:
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        latest = self.latest_step()
+        kept = f"the newest step kept there is {latest}" if latest is not None else "it holds no step yet"
+        return (
+            f"step {step} not saved in {self.directory}: its state is not finite ({shown} "
+            f"hold a NaN or an infinity); {kept}."
+        )
+
+    def restore(self, model: nnx.Module, optimizer: nnx.Optimizer, step: int | None = None) -> int:
+        """Fill ``model`` and ``optimizer`` from a saved step, in the layout they have now.
+
+        Each array is read into the sharding (and dtype) of the array it replaces, so a
+        checkpoint saved from one layout (replicated, ZeRO-1, FSDP; any number of
+        processes) is restored into another; each process reads only the slices its
+        devices hold. A model never placed (its arrays not committed to a device) gets
+        uncommitted arrays back, which a step moves to its mesh. Restore before
+        ``make_train_step(...).bind``: a bound step keeps its own arrays. Waits for a save
+        in progress first.
+
+        Every array read is checked against the checksum recorded when it was saved (a
+        step saved before checksums were recorded is restored unchecked, with a
+        warning). The model and optimizer are filled only from a step that checks out.
+        With ``step=None``, a damaged latest step is skipped for the newest one that
+        checks out, with a warning naming the damage; a manager that is not read-only
+        also moves the damaged steps out of the listing, to ``.substrax-damaged/``, so
+        the run saves those step numbers again.
+
+        Args:
+          model: The model to fill, built as the saved one was (the values are replaced).
+          optimizer: Its optimizer, of the same kind as the saved one.
+          step: Which step; ``None`` for the latest that is whole.
+
+        Returns:
+          The step restored.
+
+        Raises:
+          ValueError: If there is no checkpoint (or no such step), or the checkpoint's
+            arrays do not match the state's: a variable missing from either, or of
+            another shape; each message names the variable.
+          DamagedCheckpointError: If ``step`` (or, with ``step=None``, every step) is
+            damaged: in one line, the step and the damage (a file missing or cut short,
+            an array whose values differ from those saved).
+        """
+        self.wait()
+        slots = slots_of(model, optimizer)
+        steps = self.all_steps()
+        if not steps:
+            raise ValueError(f"no checkpoint in {self.directory}: it holds no committed step.")
+        if step is not None:
+            if step not in steps:
+                raise ValueError(f"no checkpoint of step {step} in {self.directory}; it holds steps {steps}.")
+            for slot, array in zip(slots, read_step(self.orbax, self.directory, step, slots), strict=True):
+                slot.fill(array)
+            return step
+        damaged: list[DamagedCheckpointError] = []
+        for candidate in reversed(steps):
+            try:
+                arrays = read_step(self.orbax, self.directory, candidate, slots)
+            except DamagedCheckpointError as e:
+                damaged.append(e)
+                continue
+            if damaged:
+                self._skipped(candidate, damaged)
+            for slot, array in zip(slots, arrays, strict=True):
+                slot.fill(array)
+            return candidate
+        if len(damaged) == 1:
+            raise damaged[0]
+        older = [e.step for e in damaged[1:]]
+        raise DamagedCheckpointError(
+            damaged[0].step, f"{damaged[0]} The older steps {older} are damaged too."
+        ) from damaged[0]
+
+    def _skipped(self, restored: int, damaged: list[DamagedCheckpointError]) -> None:
+        """Warn of the damaged steps ``restore`` skipped; a writing manager moves them out of the listing."""
+        steps = [e.step for e in damaged]
+        moved = ""
+        if not self.read_only and self._local:
+            aside = os.path.join(self.directory, _DAMAGED)
+            if self._primary:
+                os.makedirs(aside, exist_ok=True)
+                stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+                for s in steps:
+                    os.rename(os.path.join(self.directory, str(s)), os.path.join(aside, f"{s}-{stamp}"))
+            if jax.process_count() > 1:
+                multihost_utils.sync_global_devices("substrax.checkpoint: damaged steps moved aside")
+            self.orbax.reload()
+            moved = f"; moved to {aside}"
+        more = f" (older damaged steps skipped too: {steps[1:]})" if len(steps) > 1 else ""
+        warnings.warn(
+            f"restored step {restored}, the newest whole step: {str(damaged[0]).rstrip('.')}{more}{moved}.",
+            stacklevel=3,
+        )
+
+    def _sweep(self, *, block: bool = False) -> None:
+        """Delete the steps orbax moved to the trash, in the background (``block``: before returning).
+
+        Call only when no save is finishing: orbax moves steps to the trash as a save commits.
+        """
+        if self.read_only or not self._local or not self._primary:
+            return
+        trash = os.path.join(self.directory, _TRASH)
+        if os.path.isdir(trash):
+            os.rename(trash, f"{trash}-{uuid.uuid4().hex}")  # orbax makes a new one when it needs it
+        elif not block and not any(name.startswith(f"{_TRASH}-") for name in os.listdir(self.directory)):
+            return
+        if self._sweeper is not None and self._sweeper.is_alive():
+            if not block:
+                return  # the next sweep takes what this one left
+            self._sweeper.join()
+        self._sweeper = threading.Thread(
+            target=_remove_trash, args=(self.directory,), name="substrax-checkpoint-sweep", daemon=True
+        )
+        self._sweeper.start()
+        if block:
+            self._sweeper.join()
+
+    def wait(self) -> None:
+        """Block until every save started has been written and committed."""
+        self.orbax.wait_until_finished()
+        self._sweep()
+
+    def close(self) -> None:
+        """Wait for saves in progress, delete the steps rotated out, release the claim and orbax's threads.
+
+        Raises:
+          SystemExit: With code 143 if a SIGTERM came while the manager was open (and no
+            ``save`` ended the process first), once every save is written.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.orbax.close()
+            self._sweep(block=True)
+        finally:
+            self._release()
+        if self._listening and Sigterm.pending:
+            raise SystemExit(SIGTERM_EXIT)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def save(
+    directory: str | os.PathLike[str],
+    step: int,
+    model: nnx.Module | BoundState,
+    optimizer: nnx.Optimizer | None = None,
+) -> None:
+    """Save ``model`` and ``optimizer`` as ``step`` in ``directory``, and wait until it is committed.
+
+    Every process calls it; each writes the shards it holds. Earlier steps in
+    ``directory`` are kept. For a training loop, ``CheckpointManager`` saves in the
+    background and deletes old steps.
+
+    Args:
+      directory: Where the steps are kept, one subdirectory each.
+      step: The step to save as; must not be in ``directory`` yet.
+      model: The model, or a ``BoundTrainStep`` in place of both (it is synced first).
+      optimizer: Its optimizer; omitted with a bound step.
+
+    Raises:
+      TypeError: If a bound step comes with an optimizer, or a model without one.
+      ValueError: If ``step`` is already saved in ``directory``, or a variable's array
+        has been deleted (a bound step's model, not synced), naming it.
+      NonFiniteStateError: If an array holds a NaN or an infinity, naming it.
+      DirectoryInUseError: If a run's ``CheckpointManager`` holds ``directory``.
+    """
+    with CheckpointManager(directory, max_to_keep=None, async_save=False, save_on_sigterm=False) as manager:
+        if step in manager.all_steps():
+            raise ValueError(f"step {step} is already saved in {manager.directory}.")
+        manager.save(step, model, optimizer, force=True)
+
+
+def restore(
+    directory: str | os.PathLike[str], model: nnx.Module, optimizer: nnx.Optimizer, step: int | None = None
+) -> int:
+    """Fill ``model`` and ``optimizer`` from ``directory``, in the layout they have now.
+
+    See ``CheckpointManager.restore``: any saved layout restores into any current one,
+    and every array is checked against its checksum. It only reads: it takes no claim,
+    so it reads a directory a run is writing, and leaves damaged steps where they are.
+
+    Args:
+      directory: Where the steps are kept.
+      model: The model to fill, built as the saved one was.
+      optimizer: Its optimizer, of the same kind as the saved one.
+      step: Which step; ``None`` for the latest that is whole.
+
+    Returns:
+      The step restored.
+
+    Raises:
+      ValueError: If ``directory`` holds no checkpoint (or not ``step``), or the
+        checkpoint's arrays do not match the state's, naming the variable.
+      DamagedCheckpointError: If ``step`` (with ``step=None``: every step) is damaged.
+    """
+    if "://" not in os.fspath(directory) and not os.path.isdir(directory):
+        raise ValueError(f"no checkpoint in {_directory(directory)}: no such directory.")
+    with CheckpointManager(directory, max_to_keep=None, async_save=False, read_only=True) as manager:
+        return manager.restore(model, optimizer, step)
