@@ -111,9 +111,10 @@ class CheckpointManager:
             (JAX's default) the notice is JAX's preemption sync point instead (the
             service catches SIGTERM and picks a step every process reaches). With it
             off (``substrax.launch`` turns it off) each process catches SIGTERM itself,
-            and every ``save`` asks all processes (a one-value all-gather, so every
-            process must call ``save`` at the same steps) whether one got it: a SIGTERM
-            to any process saves the same step on all of them and ends them all.
+            and every ``save`` asks all processes whether one got it (a one-value
+            all-gather, so every process must call ``save`` at the same steps, and each
+            call waits for the step before it to finish): a SIGTERM to any process saves
+            the same step on all of them and ends them all.
           read_only: Open only to read: no claim, no SIGTERM handler; ``save`` refuses.
 
         Raises:
