@@ -103,9 +103,9 @@ def test_a_failure_after_a_process_stalled_or_left_names_that_process(mode: str,
 
 def test_a_jax_process_whose_script_ended_early_is_named_when_its_peer_fails() -> None:
     # Process 1's script ends while process 0 waits for it in a collective: process 1
-    # waits at JAX's shutdown barrier (3 s here), which then fails both. Whichever exits
+    # waits at JAX's shutdown barrier (1 s here), which then fails both. Whichever exits
     # first, the launcher names process 1 as the one that left.
-    run = launch(2, 1, "launch_jax.py", "leave", timeout=120, options=["--shutdown-timeout", "3"])
+    run = launch(2, 1, "launch_jax.py", "leave", timeout=120, options=["--shutdown-timeout", "1"])
     pids = run.pids()
     try:
         assert run.returncode != 0, run.output
