@@ -12,12 +12,14 @@ from __future__ import annotations
 import inspect
 import re
 import signal
+import subprocess
+import time
 
 import optax
 import pytest
 from flax import nnx
 from models import MLP
-from workers.launching import kill_all, launch, launch_and_signal, running
+from workers.launching import REPO, Run, kill_all, launch, launch_and_signal, launcher_command, running
 
 import substrax.launch
 from substrax import checkpoint
@@ -70,6 +72,42 @@ def test_a_sigterm_saves_the_step_at_hand_on_every_process_and_ends_the_run_with
     optimizer = nnx.Optimizer(model, optax.sgd(1e-2), wrt=nnx.Param)
     with checkpoint.CheckpointManager(directory, read_only=True) as manager:
         assert manager.restore(model, optimizer) == step  # whole: every checksum holds
+
+
+def test_a_second_signal_kills_at_once(tmp_path) -> None:
+    # The workers ignore SIGTERM; the grace (30 s by default) would keep them that long.
+    out = tmp_path / "stdout"
+    with out.open("w") as o:
+        proc = subprocess.Popen(
+            launcher_command(2, 1, "plain_worker.py", "wait"),
+            cwd=REPO,
+            stdout=o,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while out.read_text().count("READY") < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "the workers never got ready"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        start = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        seconds = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    pids = Run(proc.returncode, out.read_text(), err, seconds).pids()
+    try:
+        assert proc.returncode == 130, err
+        assert "[launch] got SIGINT again; killing every process now." in err
+        assert seconds < 2.5, seconds
+        assert running(pids) == []
+    finally:
+        kill_all(pids)
 
 
 @pytest.mark.parametrize(

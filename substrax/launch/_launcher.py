@@ -463,9 +463,13 @@ def _wind_down(
     grace_s: float,
     forward: bool,
     status_dir: str | None,
-) -> None:
+) -> bool:
     """Give the children up to ``grace_s`` to end by themselves (passing SIGTERM on first if
-    ``forward``); a signal then passes SIGTERM on if it was not, or else ends the wait."""
+    ``forward``); a signal then passes SIGTERM on if it was not, or else ends the wait.
+
+    Returns:
+      Whether they all ended; if not, they have had their grace and are to be killed.
+    """
     group = children[0].proc.pid
     if forward:
         _signal_group(group, signal.SIGTERM)
@@ -476,12 +480,12 @@ def _wind_down(
         codes = _observe(children, status_dir, printer)
         running = [c for c, code in zip(children, codes, strict=True) if code is None]
         if not running:
-            return
+            return True
         if signals.count > seen:
             name = signal.Signals(signals.last).name if signals.last else "a signal"
             if forward:
                 printer.say(f"got {name} again; killing every process now.")
-                return
+                return False
             printer.say(f"got {name}; passing SIGTERM on to every process.")
             forward, seen = True, signals.count
             _signal_group(group, signal.SIGTERM)
@@ -491,7 +495,7 @@ def _wind_down(
                 f"{_names(running)} had not ended {grace_s:g} s later (--grace); killing "
                 f"{'it' if len(running) == 1 else 'them'}."
             )
-            return
+            return False
         time.sleep(POLL_S)
 
 
@@ -600,6 +604,7 @@ def launch(
 
     printer = _Printer()
     children: list[_Child] = []
+    stop_grace_s = min(grace_s, STOP_GRACE_S)
     with _reserved_port() as port, _status_dir() as status_dir, _Signals().noted() as signals:
         coordinator = f"127.0.0.1:{port}"
         env = {
@@ -624,9 +629,10 @@ def launch(
                 return 128 + (signals.received or signal.SIGTERM)
             ending = _watch(children, printer, signals, idle_timeout_s, grace_s, status_dir)
             if ending.wind_down:
-                _wind_down(children, printer, signals, grace_s, ending.forward, status_dir)
+                if not _wind_down(children, printer, signals, grace_s, ending.forward, status_dir):
+                    stop_grace_s = 0.0  # they have had their grace
             elif ending.code == 0:
                 _warn_never_initialized(children, printer)
             return ending.code
         finally:
-            _stop(children, min(grace_s, STOP_GRACE_S))
+            _stop(children, stop_grace_s)
