@@ -25,6 +25,14 @@ saved is lost to a fault:
   deleted, so a kill during the deletion never leaves a half-deleted step listed.
 - After a SIGTERM (to any process of a run), the next ``save`` saves its step and ends
   the processes with code 143.
+
+The package, one concept a module: ``_manager`` (``CheckpointManager``, ``save``,
+``restore``); ``_state`` (the state's variables as orbax writes and reads them, and a
+bound step taken for its model and optimizer); ``_checksums`` (finiteness and checksums);
+``_integrity`` (a step's record of checksums, and the read that checks it); ``_claim``
+(the directory's lock file); ``_preemption`` (SIGTERM, JAX's preemption notice);
+``_errors``. It imports nothing of the training step: a bound step is anything with
+``model``, ``optimizer`` and ``sync()``.
 """
 
 from substrax.checkpoint._errors import DamagedCheckpointError, DirectoryInUseError, NonFiniteStateError
