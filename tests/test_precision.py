@@ -119,3 +119,37 @@ def test_compare_gradients_under_a_policy(mesh8: jax.sharding.Mesh, param_dtype)
     assert report.ok, str(report)
     if param_dtype == jnp.bfloat16:  # the paths did compute in bfloat16: not float32-exact
         assert report.max_abs_diff > 1e-6, str(report)
+
+
+@pytest.mark.parametrize(("reduce_dtype", "reduced_bytes"), [(jnp.float32, 4), (jnp.bfloat16, 2)])
+def test_the_expected_communication_knows_the_policy(reduce_dtype, reduced_bytes: int) -> None:
+    from substrax.census import expected_communication
+
+    leaves = [
+        ("model['w']", (64, 64), np.dtype(np.float32), True),
+        ("model['b']", (64,), np.dtype(np.float32), False),
+    ]
+    policy = substrax.MixedPrecision(jnp.bfloat16, reduce_dtype=reduce_dtype)
+    plain = expected_communication(leaves, layout="fsdp", mode="explicit")
+    mixed = expected_communication(leaves, layout="fsdp", mode="explicit", precision=policy)
+    assert plain.bytes("all-gather") == 64 * 64 * 4 and mixed.bytes("all-gather") == 64 * 64 * 2
+    assert mixed.bytes("reduce-scatter") == 64 * 64 * reduced_bytes
+    assert (
+        mixed.bytes("all-reduce") == 64 * reduced_bytes + 4
+    )  # the unsplit bias's gradient, and the float32 loss
+
+
+@pytest.mark.parametrize("layout", ["zero1", "fsdp"])
+def test_the_census_of_a_bfloat16_step_matches_and_says_what_the_cpu_widens(
+    mesh8: jax.sharding.Mesh, layout: str
+) -> None:
+    with jax.set_mesh(mesh8):
+        model = MLP(width=64)
+        optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    substrax.shard_state(model, optimizer, mesh=mesh8, layout=layout, min_size=16)
+    policy = substrax.MixedPrecision(jnp.bfloat16)
+    step = substrax.make_train_step(mse, "explicit", mesh=mesh8, precision=policy)
+    batch = place_batch_on_shards(regression_batches(1, rows=64)[0], create_data_parallel_sharding(mesh8))
+    found = step.check_communication(model, optimizer, batch)
+    assert found.matches, str(found)
+    assert any("widens such collectives to float32" in note for note in found.notes), found.notes

@@ -150,6 +150,7 @@ def expected_communication(
     loss_bytes: int = 4,
     communicated_dtype: Any = None,
     update: Sequence[ExpectedCollective] | None = None,
+    precision: Any = None,
 ) -> Expected:
     """The collectives a data-parallel step of ``layout`` should compile to.
 
@@ -180,6 +181,12 @@ def expected_communication(
       update: optional; what the optimizer update communicates, found by compiling it
         (``substrax.census._step.update_items``). Given, it replaces the rule's own
         guess for the update: ZeRO-1's all-gather of each updated parameter.
+      precision: optional; a ``substrax.MixedPrecision`` policy the step runs under. Its
+        ``param_dtype`` is what a floating parameter is gathered in (FSDP), its
+        ``reduce_dtype`` what a floating gradient is reduced in; the update (ZeRO-1's
+        gather of updated parameters) stays in the parameter's own dtype. The explicit
+        step writes exactly this; the implicit one leaves the choice to XLA, so pass it
+        for explicit steps.
 
     Returns:
       An ``Expected``.
@@ -192,13 +199,19 @@ def expected_communication(
         raise ValueError(f"expected_communication: microbatches must be at least 1, not {microbatches}")
     items: list[ExpectedCollective] = []
     for path, shape, dtype, split in leaves:
-        itemsize = _itemsize(dtype, communicated_dtype)
-        size = math.prod(shape) * itemsize
-        buffer = f"{_hlo_type(dtype, itemsize)}[{','.join(str(d) for d in shape)}]"
         for kind in _leaf_kinds(layout, split):
             source = "gradients" if kind in REDUCTIONS else "parameters" if layout == "fsdp" else "update"
             if source == "update" and update is not None:
                 continue
+            moved = dtype
+            if precision is not None and jnp.issubdtype(np.dtype(dtype), jnp.floating):
+                if source == "gradients":
+                    moved = precision.reduce_dtype
+                elif source == "parameters":
+                    moved = precision.param_dtype
+            itemsize = _itemsize(moved, communicated_dtype)
+            size = math.prod(shape) * itemsize
+            buffer = f"{_hlo_type(moved, itemsize)}[{','.join(str(d) for d in shape)}]"
             items.append(ExpectedCollective(kind, str(path), size, source, buffer=buffer))
     if loss_bytes:
         items.append(ExpectedCollective("all-reduce", "loss", loss_bytes, "loss"))
