@@ -522,10 +522,14 @@ def check(config: Config) -> Result:
     start, cpu = time.perf_counter(), time.process_time()
     batches = [batch_parts(config, s) for s in range(config.steps)]
     permutations = [within_group_permutation(config, s) for s in range(1, FLOOR_RUNS + 1)]
-    runs = reference_runs(config, batches, [None, *permutations])
-    runs += reference_runs(
-        config, batches, [None, within_group_permutation(config, 0, split=True)], split=True
-    )
+    try:
+        runs = reference_runs(config, batches, [None, *permutations])
+        runs += reference_runs(
+            config, batches, [None, within_group_permutation(config, 0, split=True)], split=True
+        )
+    except Exception as e:  # noqa: BLE001  (the fuzzer's own bug: reported with the draw, not fatal)
+        problem = f"the reference raised {_first_line(e)}"
+        return Result(config, [problem], {}, {}, seconds=time.perf_counter() - start)
     ref = runs[0]
     loss_floor, metric_floors, state_floors = _floors(config, runs)
     floors = {
