@@ -666,7 +666,8 @@ def test_parity_fuzz() -> None:
         for k, v in r.floors.items():
             floors[(family, k)] = max(floors.get((family, k), 0.0), v)
     print(
-        f"\n{len(results)} draws ({sum(r.cpu_seconds for r in results):.0f} cpu-s), {len(failed)} failed; largest floors: "
+        f"\n{len(results)} draws ({sum(r.cpu_seconds for r in results):.0f} cpu-s), {len(failed)} failed, "
+        f"{sum(r.census == 'xla-chose' for r in results)} implicit census mismatches shown; largest floors: "
         + ", ".join(f"{f}/{k} {v:.1e}" for (f, k), v in sorted(floors.items())),
         flush=True,
     )
