@@ -75,6 +75,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 from fuzz_space import (
     ROW_PARTS,
@@ -692,3 +693,18 @@ def test_regression_implicit_xla_gathers_a_tiny_batch() -> None:
     result = check(config)
     result.assert_ok()  # losses, state and metrics to the floor; the layout kept
     assert result.census == "xla-chose"
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_regression_one_device_census_attributes_batchnorms_own_psum(microbatches: int) -> None:
+    """Found by the fuzzer: explicit mode on 1 device, BatchNorm with ``axis_name``. The
+    layer's own psum over the size-1 axis was reported as an unexpected all-reduce (or one
+    inside the microbatch loop); it is the model's, and is attributed to it."""
+    config = Config(
+        mode="explicit", layout="fsdp", min_size=1, devices=1, microbatches=microbatches, rows=3,
+        stem="attention", blocks=("batchnorm_sync", "dropout_zero", "dropout_eval"), width=8,
+        optimizer="adafactor", batch_tree="nested", scale=True, placement="placed", seed=2005,
+    )  # fmt: skip
+    result = check(config)
+    result.assert_ok()
+    assert result.census == "ok"
