@@ -16,15 +16,28 @@ from typing import Any
 import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
+from substrax._rules import (
+    MeshRules,
+    create_named_sharding,
+    data_parallel_rules,
+    fsdp_rules,
+    partition_spec_for_names,
+)
+
 __all__ = [
     "DeviceMeshManager",
+    "MeshRules",
     "create_data_parallel_mesh",
     "create_device_mesh",
     "create_hybrid_mesh",
     "create_model_parallel_mesh",
+    "create_named_sharding",
     "current_mesh",
+    "data_parallel_rules",
+    "fsdp_rules",
     "get_mesh_info",
     "mesh_info",
+    "partition_spec_for_names",
     "use_cpu_devices",
 ]
 
