@@ -22,7 +22,7 @@ from workers.launching import REPO, kill_all, launch, launch_and_signal, running
 import substrax.launch
 from substrax.launch import _env
 from substrax.launch._env import detect_cluster, launch_env
-from substrax.launch._launcher import drop_gloo_chatter
+from substrax.launch._output import drop_gloo_chatter
 
 BOUND_S = 30  # the bound on ending a failed run; everything here is far below it
 

@@ -18,7 +18,8 @@ import jax
 
 from substrax.launch._child import initialize_launched
 from substrax.launch._env import detect_cluster, launch_env
-from substrax.launch._launcher import free_port, launch
+from substrax.launch._launcher import launch
+from substrax.launch._port import free_port
 
 __all__ = ["free_port", "initialize", "launch", "process_slice"]
 
