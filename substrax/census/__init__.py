@@ -9,8 +9,8 @@ giving a ``Comparison``. ``TrainStep.check_communication`` does all three for a 
 The package, one concept a module, each importing only those listed above it (and
 ``_text``, the tables of ``str()``):
 
-- ``_hlo``: the HLO reader (the module text, async pairs, loop trip counts, replica
-  groups, operation names); it imports nothing of substrax;
+- ``_hlo``: the HLO reader, a package of its own (the module text, async pairs, loop trip
+  counts, replica groups, operation names); it imports nothing of substrax;
 - ``_rows``: a ``Collective`` row per collective instruction, and its parts (``Part``:
   one per buffer, with its operation, library scope and phase);
 - ``_expected``: ``expected_communication``, the layout's rule, as ``Expected``;
