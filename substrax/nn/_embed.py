@@ -1,0 +1,120 @@
+"""``ParallelEmbedding``: ``nnx.Embed`` with its table split over the model axis (``substrax.nn``)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx.nn import dtypes
+
+from substrax._collectives import gather_invariant
+from substrax.nn._linear import SCOPE, Initializer, sharded_param, split_over
+
+__all__ = ["ParallelEmbedding"]
+
+Split = Literal["vocab", "features"]
+SPLITS: tuple[Split, ...] = ("vocab", "features")
+EMBED_INIT: Initializer = nnx.initializers.variance_scaling(
+    1.0, "fan_in", "normal", out_axis=0
+)  # nnx.Embed's
+
+
+class ParallelEmbedding(nnx.Module):
+    """``nnx.Embed`` whose table ``(num_embeddings, features)`` is split over ``model_axis``.
+
+    ``split="vocab"``: the table is declared ``(model_axis, None)``; inside
+    ``jax.shard_map(check_vma=True)`` with that spec each device looks up the ids in its
+    own block of rows, writes zeros for the others, and the lookups are ``psum``-ed
+    over ``model_axis``. ``split="features"``: declared ``(None, model_axis)``; each
+    device looks up its block of features and they are all-gathered (tiled) on the
+    last dimension. Either way the output is whole and equal on every device of
+    ``model_axis``, ready for a ``ColumnParallelLinear``. Anywhere else (one device, no
+    mesh, ``jax.jit``) it is ``nnx.Embed``.
+
+    Args:
+      num_embeddings, features, dtype, param_dtype, embedding_init, rngs: as
+        ``nnx.Embed``'s; the same ``rngs`` give the same table.
+      split: ``"vocab"`` or ``"features"``: the table's dimension split over ``model_axis``.
+      model_axis: The mesh axis the table is split over.
+
+    Raises:
+      ValueError: If ``split`` is neither.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        features: int,
+        *,
+        split: Split = "vocab",
+        model_axis: str = "model",
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+        embedding_init: Initializer = EMBED_INIT,
+        rngs: nnx.Rngs,
+    ) -> None:
+        if split not in SPLITS:
+            raise ValueError(f"ParallelEmbedding: split must be one of {SPLITS}; got {split!r}.")
+        spec = (model_axis, None) if split == "vocab" else (None, model_axis)
+        table = embedding_init(rngs.params(), (num_embeddings, features), param_dtype)
+        self.embedding = sharded_param(table, spec, model_axis)
+        self.num_embeddings = num_embeddings
+        self.features = features
+        self.split = split
+        self.model_axis = model_axis
+        self.dtype = dtype or self.embedding.dtype
+        self.param_dtype = param_dtype
+
+    def _split_dim(self) -> int:
+        return 0 if self.split == "vocab" else 1
+
+    def _table(self, *arrays: jax.Array, inexact: bool = True) -> tuple[tuple[jax.Array, ...], bool]:
+        """The promoted ``(*arrays, table)``, and whether the table is this device's shard."""
+        promoted = dtypes.promote_dtype((*arrays, self.embedding[...]), dtype=self.dtype, inexact=inexact)
+        whole = (self.num_embeddings, self.features)[self._split_dim()]
+        split = split_over(promoted[-1], self.model_axis, self._split_dim(), whole, "ParallelEmbedding")
+        return promoted, split
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        """The embeddings of ``ids``: shape ``ids.shape + (features,)``, whole on every device.
+
+        Raises:
+          ValueError: If ``ids`` are not integers.
+        """
+        if not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise ValueError(f"ParallelEmbedding takes integer ids; got {ids.dtype}.")
+        (table,), split = self._table(inexact=False)
+        if not split:
+            if self.num_embeddings == 1:
+                return jnp.broadcast_to(table, ids.shape + (self.features,))
+            return jnp.take(table, ids, axis=0)
+        axis = self.model_axis
+        if self.split == "features":
+            with jax.named_scope(SCOPE):
+                return gather_invariant(jnp.take(table, ids, axis=0), axis, axis=ids.ndim, tiled=True)
+        rows = table.shape[0]
+        local = ids - jax.lax.axis_index(axis) * rows
+        mine = (local >= 0) & (local < rows)
+        found = jnp.take(table, jnp.where(mine, local, 0), axis=0)
+        with jax.named_scope(SCOPE):
+            return jax.lax.psum(jnp.where(mine[..., None], found, 0), axis)
+
+    def attend(self, query: jax.Array) -> jax.Array:
+        """``query @ table.T``: logits over the vocabulary (tied output embedding).
+
+        Inside ``shard_map``, with ``split="vocab"`` each device returns the logits of
+        its own block of the vocabulary (``num_embeddings / size`` of the last
+        dimension, varying over ``model_axis``, as a ``ColumnParallelLinear``'s output);
+        with ``split="features"`` each multiplies its block of ``query``'s features and
+        the partial logits are ``psum``-ed: all of them, on every device.
+        """
+        (query, table), split = self._table(query)
+        if split and self.split == "features":
+            cols = table.shape[1]
+            start = jax.lax.axis_index(self.model_axis) * cols
+            query = jax.lax.dynamic_slice_in_dim(query, start, cols, axis=query.ndim - 1)
+            with jax.named_scope(SCOPE):
+                return jax.lax.psum(jnp.dot(query, table.T), self.model_axis)
+        return jnp.dot(query, table.T)

@@ -1,0 +1,330 @@
+"""``ColumnParallelLinear`` and ``RowParallelLinear``: the Megatron pair (``substrax.nn``).
+
+Also the helpers the other layers share: ``sharded_param`` (a parameter with its
+split declared as flax metadata) and ``split_over`` (whether a value inside
+``jax.shard_map`` is this device's shard of a split parameter).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx.nn import dtypes
+
+from substrax.explicit._grad import varying_axes
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
+
+SCOPE = "substrax.tensor_parallel"  # the named scope of every collective of this package
+
+Initializer = Any  # flax's ``(key, shape, dtype) -> array``
+KERNEL_INIT: Initializer = nnx.initializers.lecun_normal()  # nnx.Linear's defaults
+BIAS_INIT: Initializer = nnx.initializers.zeros_init()
+
+
+def sharded_param(value: jax.Array, spec: tuple[str | None, ...], axis: str) -> nnx.Param[jax.Array]:
+    """``nnx.Param(value)`` declared split as ``spec`` (flax's ``out_sharding`` metadata).
+
+    flax places a variable with ``out_sharding`` on the mesh at creation ("eager
+    sharding", on by default) and refuses to create one when no mesh is set. Here it
+    is placed only when the mesh set by ``jax.set_mesh`` has ``axis``; otherwise the
+    value stays where it was made and only the metadata records the split.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    place = nnx.using_eager_sharding() and axis in mesh.axis_names
+    return nnx.Param(value, out_sharding=spec, eager_sharding=place)
+
+
+def split_over(value: jax.Array, axis: str, dim: int, whole: int, where: str) -> bool:
+    """Whether ``value`` is this device's shard, split on ``dim`` over ``axis``.
+
+    True when its type varies over ``axis`` (inside ``jax.shard_map(check_vma=True)``
+    with the parameter's ``in_specs`` from ``nnx.get_partition_spec``); False when it
+    holds all ``whole`` entries of ``dim`` and is typed equal over ``axis`` or there is
+    no such axis (one device, no mesh, ``jax.jit``).
+
+    Raises:
+      ValueError: If it holds part of ``dim`` but is not typed varying over ``axis``
+        (``check_vma=False``, where the collectives' gradients would be wrong), or is
+        typed varying but its part is not ``whole / axis size``.
+    """
+    have = value.shape[dim]
+    if axis not in (varying_axes(value) or ()):
+        if have != whole:
+            raise ValueError(
+                f"{where}: its parameter holds {have} of {whole} entries on dim {dim}, a shard, "
+                f"but is not typed as varying over {axis!r}. Run it under "
+                f"jax.shard_map(..., check_vma=True) with in_specs from nnx.get_partition_spec."
+            )
+        return False
+    size = jax.lax.axis_size(axis)
+    if have * size != whole:
+        raise ValueError(
+            f"{where}: its parameter varies over {axis!r} ({size} devices) but holds {have} of "
+            f"{whole} entries on dim {dim}, not {whole} / {size}. Give it the in_specs "
+            f"nnx.get_partition_spec reads from its metadata."
+        )
+    return True
+
+
+def _sequence_dim(x: jax.Array, sequence_axis: int, where: str) -> int:
+    """``sequence_axis`` as a non-negative dimension of ``x``; never its last (features)."""
+    dim = sequence_axis + x.ndim if sequence_axis < 0 else sequence_axis
+    if not 0 <= dim < x.ndim - 1:
+        raise ValueError(
+            f"{where}: sequence_axis={sequence_axis} is not a dimension of the input (shape "
+            f"{x.shape}) other than its last, the features."
+        )
+    return dim
+
+
+def matmul(x: jax.Array, kernel: jax.Array, precision: Any) -> jax.Array:
+    """``x @ kernel`` over ``x``'s last dimension, as ``nnx.Linear`` computes it."""
+    return jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=precision)
+
+
+def add_bias(y: jax.Array, bias: jax.Array | None) -> jax.Array:
+    return y if bias is None else y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+
+
+def ring_matmul(x: jax.Array, kernel: jax.Array, axis: str, dim: int, precision: Any) -> jax.Array:
+    """``all_gather(x, axis, axis=dim, tiled=True) @ kernel`` as a ring of ``ppermute``s.
+
+    The collective matmul of the ``shard_map`` guide: each device multiplies the block
+    of rows it holds, passes it to the next device, and writes the product into its
+    place in the output, so each transfer can overlap a matmul. ``axis size - 1``
+    transfers, no all-gather.
+    """
+    size = jax.lax.axis_size(axis)
+    index = jax.lax.axis_index(axis)
+    rows = x.shape[dim]
+    shift = [(j, (j + 1) % size) for j in range(size)]
+    out_shape = list(x.shape[:-1]) + [kernel.shape[1]]
+    out_shape[dim] = rows * size
+    y = jnp.zeros(out_shape, jnp.result_type(x, kernel))
+    for step in range(size):
+        if step:
+            x = jax.lax.ppermute(x, axis, shift)
+        start: list[Any] = [0] * y.ndim
+        start[dim] = ((index - step) % size) * rows  # the block came from device index - step
+        y = jax.lax.dynamic_update_slice(y, matmul(x, kernel, precision), start)
+    return y
+
+
+class _Linear(nnx.Module):
+    """``nnx.Linear``'s parameters, made by the same calls in the same order, declared split."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        use_bias: bool,
+        dtype: Any,
+        param_dtype: Any,
+        precision: Any,
+        kernel_init: Initializer,
+        bias_init: Initializer,
+        model_axis: str,
+        kernel_spec: tuple[str | None, ...],
+        bias_spec: tuple[str | None, ...],
+        sequence_parallel: bool,
+        sequence_axis: int,
+        rngs: nnx.Rngs,
+    ) -> None:
+        kernel_key = rngs.params()
+        self.kernel = sharded_param(
+            kernel_init(kernel_key, (in_features, out_features), param_dtype), kernel_spec, model_axis
+        )
+        self.bias: nnx.Param[jax.Array] | None
+        if use_bias:
+            bias_key = rngs.params()
+            self.bias = sharded_param(
+                bias_init(bias_key, (out_features,), param_dtype), bias_spec, model_axis
+            )
+        else:
+            self.bias = nnx.data(None)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.use_bias = use_bias
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.precision = precision
+        self.model_axis = model_axis
+        self.sequence_parallel = sequence_parallel
+        self.sequence_axis = sequence_axis
+
+    def _promoted(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        bias = self.bias[...] if self.bias is not None else None
+        return dtypes.promote_dtype((x, self.kernel[...], bias), dtype=self.dtype)  # type: ignore[no-any-return]
+
+
+class ColumnParallelLinear(_Linear):
+    """``nnx.Linear`` with its output features split over ``model_axis`` (``substrax.nn``).
+
+    Kernel ``(in, out)`` declared ``(None, model_axis)``, bias ``(out,)``
+    ``(model_axis,)``. Inside ``jax.shard_map(check_vma=True)`` with those specs each
+    device computes its own ``out / size`` output columns (varying over
+    ``model_axis``): feed them to a ``RowParallelLinear``. Anywhere else it is
+    ``nnx.Linear``.
+
+    Args:
+      in_features, out_features, use_bias, dtype, param_dtype, precision, kernel_init,
+        bias_init, rngs: as ``nnx.Linear``'s; the same ``rngs`` give the same parameters.
+      model_axis: The mesh axis the output features are split over.
+      sequence_parallel: The input arrives split over ``model_axis`` on dimension
+        ``sequence_axis`` and is all-gathered (tiled) there before the matmul; pair it
+        with a ``RowParallelLinear(sequence_parallel=True)``.
+      sequence_axis: That dimension, counted as numpy does (``-2``: the sequence of
+        ``(batch, seq, features)``, the rows of ``(tokens, features)``); never the last.
+      collective_matmul: With ``sequence_parallel``: the all-gather and matmul become a
+        ring of ``ppermute``s, each overlapping one block's matmul (the ``shard_map``
+        guide's collective matmul); the same numbers.
+
+    Raises:
+      ValueError: If ``collective_matmul`` is set without ``sequence_parallel``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        use_bias: bool = True,
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+        precision: Any = None,
+        kernel_init: Initializer = KERNEL_INIT,
+        bias_init: Initializer = BIAS_INIT,
+        model_axis: str = "model",
+        sequence_parallel: bool = False,
+        sequence_axis: int = -2,
+        collective_matmul: bool = False,
+        rngs: nnx.Rngs,
+    ) -> None:
+        if collective_matmul and not sequence_parallel:
+            raise ValueError(
+                "ColumnParallelLinear: collective_matmul=True replaces the all-gather of a "
+                "sequence-parallel input; pass sequence_parallel=True with it."
+            )
+        super().__init__(
+            in_features,
+            out_features,
+            use_bias=use_bias,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            precision=precision,
+            kernel_init=kernel_init,
+            bias_init=bias_init,
+            model_axis=model_axis,
+            kernel_spec=(None, model_axis),
+            bias_spec=(model_axis,),
+            sequence_parallel=sequence_parallel,
+            sequence_axis=sequence_axis,
+            rngs=rngs,
+        )
+        self.collective_matmul = collective_matmul
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """``x @ kernel + bias``: this device's output columns inside ``shard_map``."""
+        x, kernel, bias = self._promoted(x)
+        axis = self.model_axis
+        split = split_over(kernel, axis, 1, self.out_features, "ColumnParallelLinear")
+        if not (split and self.sequence_parallel):  # split: AD psums x's gradient over axis
+            return add_bias(matmul(x, kernel, self.precision), bias)
+        dim = _sequence_dim(x, self.sequence_axis, "ColumnParallelLinear")
+        with jax.named_scope(SCOPE):
+            if self.collective_matmul:
+                y = ring_matmul(x, kernel, axis, dim, self.precision)
+            else:
+                y = matmul(jax.lax.all_gather(x, axis, axis=dim, tiled=True), kernel, self.precision)
+        return add_bias(y, bias)
+
+
+class RowParallelLinear(_Linear):
+    """``nnx.Linear`` with its input features split over ``model_axis`` (``substrax.nn``).
+
+    Kernel ``(in, out)`` declared ``(model_axis, None)``, bias ``(out,)`` replicated
+    ``(None,)``. Inside ``jax.shard_map(check_vma=True)`` with those specs it takes
+    this device's ``in / size`` input features (a ``ColumnParallelLinear``'s output),
+    computes the partial product and ``psum``s it over ``model_axis`` (or, with
+    ``sequence_parallel``, ``psum_scatter``s it on ``sequence_axis``), then adds the
+    bias. Anywhere else it is ``nnx.Linear``.
+
+    Args:
+      in_features, out_features, use_bias, dtype, param_dtype, precision, kernel_init,
+        bias_init, rngs: as ``nnx.Linear``'s; the same ``rngs`` give the same parameters.
+      model_axis: The mesh axis the input features are split over.
+      sequence_parallel: Reduce-scatter the output over ``model_axis`` on
+        ``sequence_axis`` instead of all-reducing it: the output leaves split there, as
+        a ``ColumnParallelLinear(sequence_parallel=True)`` takes it.
+      sequence_axis: That dimension, as ``ColumnParallelLinear``'s.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        use_bias: bool = True,
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+        precision: Any = None,
+        kernel_init: Initializer = KERNEL_INIT,
+        bias_init: Initializer = BIAS_INIT,
+        model_axis: str = "model",
+        sequence_parallel: bool = False,
+        sequence_axis: int = -2,
+        rngs: nnx.Rngs,
+    ) -> None:
+        super().__init__(
+            in_features,
+            out_features,
+            use_bias=use_bias,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            precision=precision,
+            kernel_init=kernel_init,
+            bias_init=bias_init,
+            model_axis=model_axis,
+            kernel_spec=(model_axis, None),
+            bias_spec=(None,),
+            sequence_parallel=sequence_parallel,
+            sequence_axis=sequence_axis,
+            rngs=rngs,
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """``x @ kernel + bias``, the partial products summed over ``model_axis`` inside ``shard_map``.
+
+        Raises:
+          ValueError: If ``x``'s last dimension is not the kernel's (local) rows.
+        """
+        axis = self.model_axis
+        split = split_over(self.kernel[...], axis, 0, self.in_features, "RowParallelLinear")
+        rows = self.kernel[...].shape[0]
+        if x.shape[-1] != rows:
+            rows_are = (
+                f"its kernel's rows on this device: in_features={self.in_features} split over "
+                f"{axis!r} of size {jax.lax.axis_size(axis)}"
+                if split
+                else "in_features"
+            )
+            raise ValueError(
+                f"RowParallelLinear takes inputs whose last dimension is {rows} ({rows_are}); got "
+                f"shape {x.shape}. Feed it a ColumnParallelLinear's output, whose features are "
+                f"split over {axis!r} as this layer's kernel rows are."
+            )
+        x, kernel, bias = self._promoted(x)
+        y = matmul(x, kernel, self.precision)
+        if split:
+            with jax.named_scope(SCOPE):
+                if self.sequence_parallel:
+                    dim = _sequence_dim(y, self.sequence_axis, "RowParallelLinear")
+                    y = jax.lax.psum_scatter(y, axis, scatter_dimension=dim, tiled=True)
+                else:
+                    y = jax.lax.psum(y, axis)
+        return add_bias(y, bias)

@@ -1,0 +1,343 @@
+"""substrax.nn: tensor-parallel layers equal their one-device selves, explicit and implicit."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from substrax import census
+from substrax.mesh import create_device_mesh
+from substrax.nn import ColumnParallelLinear, ParallelEmbedding, ParallelSelfAttention, RowParallelLinear
+
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+class Block(nnx.Module):
+    """Column -> relu -> Row: a transformer's MLP."""
+
+    def __init__(self, *, sequence_parallel: bool = False, collective_matmul: bool = False) -> None:
+        rngs = nnx.Rngs(0)
+        self.up = ColumnParallelLinear(
+            8, 16, sequence_parallel=sequence_parallel, collective_matmul=collective_matmul, rngs=rngs
+        )
+        self.down = RowParallelLinear(16, 8, sequence_parallel=sequence_parallel, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down(jax.nn.relu(self.up(x)))
+
+
+def batch(shape: tuple[int, ...] = (4, 8, 8), seed: int = 1) -> jax.Array:
+    return jax.random.normal(jax.random.key(seed), shape)
+
+
+def one_device(model: nnx.Module, x: jax.Array) -> tuple[jax.Array, jax.Array, tuple]:
+    """Output, loss and gradients (state, input) of ``mean(model(x)**2)``, unsplit."""
+    graphdef, state = nnx.split(model)
+
+    def loss(state, x):
+        y = nnx.merge(graphdef, state)(x)
+        return jnp.mean(y**2), y
+
+    (value, y), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(state, x)
+    return y, value, grads
+
+
+def explicit(model: nnx.Module, mesh, x_spec: P, loss_axes):
+    """The same under ``shard_map(check_vma=True)``, parameters split by their metadata."""
+    graphdef, state = nnx.split(model)
+    specs = nnx.get_partition_spec(state)
+
+    def per_device(state, x):
+        def loss(state, x):
+            y = nnx.merge(graphdef, state)(x)
+            return jax.lax.pmean(jnp.mean(y**2), loss_axes), y
+
+        (value, y), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(state, x)
+        return y, value, grads
+
+    run = jax.shard_map(
+        per_device,
+        mesh=mesh,
+        in_specs=(specs, x_spec),
+        out_specs=(x_spec, P(), (specs, x_spec)),
+        check_vma=True,
+    )
+    forward = jax.shard_map(
+        lambda state, x: nnx.merge(graphdef, state)(x),
+        mesh=mesh,
+        in_specs=(specs, x_spec),
+        out_specs=x_spec,
+        check_vma=True,
+    )
+    return jax.jit(run), jax.jit(forward), state
+
+
+def assert_trees_close(got, want) -> None:
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), **TOL)
+
+
+def model_collectives(fn, *args, mesh) -> dict[str, int]:
+    """The compiled program's collectives over the model axis alone, by kind."""
+    counts: dict[str, int] = {}
+    for row in census(fn.lower(*args).compile(), mesh=mesh).rows:
+        if row.axes == ("model",):
+            counts[row.kind] = counts.get(row.kind, 0) + 1
+    return counts
+
+
+# --- one device, no mesh -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("layer", [ColumnParallelLinear, RowParallelLinear])
+def test_linear_is_nnx_linear_without_mesh(layer) -> None:
+    want = nnx.Linear(8, 12, rngs=nnx.Rngs(0))
+    got = layer(8, 12, rngs=nnx.Rngs(0))
+    np.testing.assert_array_equal(got.kernel[...], want.kernel[...])
+    np.testing.assert_array_equal(got.bias[...], want.bias[...])
+    x = batch((3, 5, 8))
+    np.testing.assert_array_equal(got(x), want(x))
+    plain = layer(8, 12, use_bias=False, rngs=nnx.Rngs(0))
+    assert plain.bias is None
+    np.testing.assert_array_equal(plain(x), x @ want.kernel[...])
+
+
+def test_partition_specs_from_metadata() -> None:
+    col = nnx.get_partition_spec(nnx.state(ColumnParallelLinear(8, 12, model_axis="tp", rngs=nnx.Rngs(0))))
+    row = nnx.get_partition_spec(nnx.state(RowParallelLinear(8, 12, model_axis="tp", rngs=nnx.Rngs(0))))
+    assert (col["kernel"].get_value(), col["bias"].get_value()) == (P(None, "tp"), P("tp"))
+    assert (row["kernel"].get_value(), row["bias"].get_value()) == (P("tp", None), P(None))
+    vocab = nnx.get_partition_spec(nnx.state(ParallelEmbedding(16, 8, rngs=nnx.Rngs(0))))
+    feats = nnx.get_partition_spec(nnx.state(ParallelEmbedding(16, 8, split="features", rngs=nnx.Rngs(0))))
+    assert vocab["embedding"].get_value() == P("model", None)
+    assert feats["embedding"].get_value() == P(None, "model")
+
+
+def test_set_mesh_places_parameters_split() -> None:
+    """flax's eager sharding: under jax.set_mesh the parameters are created split."""
+    mesh = create_device_mesh({"data": 2, "model": 4})
+    with jax.set_mesh(mesh):
+        col = ColumnParallelLinear(8, 12, rngs=nnx.Rngs(0))
+        emb = ParallelEmbedding(16, 8, rngs=nnx.Rngs(0))
+    assert col.kernel[...].sharding == NamedSharding(mesh, P(None, "model"))
+    assert col.bias[...].sharding == NamedSharding(mesh, P("model"))
+    assert emb.embedding[...].sharding == NamedSharding(mesh, P("model", None))
+    np.testing.assert_array_equal(col.kernel[...], nnx.Linear(8, 12, rngs=nnx.Rngs(0)).kernel[...])
+
+
+@pytest.mark.parametrize("split", ["vocab", "features"])
+def test_embedding_is_nnx_embed_without_mesh(split) -> None:
+    want = nnx.Embed(16, 8, rngs=nnx.Rngs(0))
+    got = ParallelEmbedding(16, 8, split=split, rngs=nnx.Rngs(0))
+    np.testing.assert_array_equal(got.embedding[...], want.embedding[...])
+    ids = jnp.array([[0, 3, 15], [7, 7, 1]])
+    np.testing.assert_array_equal(got(ids), want(ids))
+    q = batch((2, 8))
+    np.testing.assert_array_equal(got.attend(q), want.attend(q))
+
+
+def attention_reference(model: ParallelSelfAttention, x: np.ndarray, causal: bool) -> np.ndarray:
+    """Multi-head softmax attention in NumPy, from the model's parameters."""
+
+    def proj(layer, h):
+        return h @ np.asarray(layer.kernel[...]) + np.asarray(layer.bias[...])
+
+    heads, d = model.num_heads, model.head_dim
+    b, s, _ = x.shape
+    q, k, v = (proj(p, x).reshape(b, s, heads, d) for p in (model.query, model.key, model.value))
+    out = np.zeros((b, s, heads, d))
+    for i in range(b):
+        for h in range(heads):
+            scores = q[i, :, h] @ k[i, :, h].T / np.sqrt(d)
+            if causal:
+                scores = np.where(np.tril(np.ones((s, s), bool)), scores, -np.inf)
+            w = np.exp(scores - scores.max(-1, keepdims=True))
+            out[i, :, h] = (w / w.sum(-1, keepdims=True)) @ v[i, :, h]
+    return proj(model.out, out.reshape(b, s, heads * d))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_matches_numpy_reference(causal) -> None:
+    model = ParallelSelfAttention(4, 8, qkv_features=16, out_features=6, causal=causal, rngs=nnx.Rngs(0))
+    x = batch((2, 5, 8))
+    np.testing.assert_allclose(model(x), attention_reference(model, np.asarray(x, np.float64), causal), **TOL)
+
+
+# --- explicit: inside shard_map ----------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (1, 8), (4, 2)])
+def test_explicit_block_matches_one_device(shape) -> None:
+    mesh = create_device_mesh({"data": shape[0], "model": shape[1]})
+    model, x = Block(), batch()
+    run, forward, state = explicit(model, mesh, P("data"), "data")
+    y, value, grads = run(state, x)
+    want_y, want_value, want_grads = one_device(model, x)
+    np.testing.assert_allclose(y, want_y, **TOL)
+    np.testing.assert_allclose(value, want_value, **TOL)
+    assert_trees_close(grads, want_grads)  # the input's gradient: psum-ed over model by AD
+    if shape == (2, 4):
+        assert model_collectives(forward, state, x, mesh=mesh) == {"all-reduce": 1}  # the row layer's psum
+        rows = [r for r in census(run.lower(state, x).compile(), mesh=mesh).rows if r.axes == ("model",)]
+        assert sorted(r.kind for r in rows) == ["all-reduce", "all-reduce"]  # + the input gradient's
+        assert sum("substrax.tensor_parallel" in r.op_name for r in rows) == 1
+
+
+@pytest.mark.parametrize("collective_matmul", [False, True])
+def test_explicit_sequence_parallel(collective_matmul) -> None:
+    mesh = create_device_mesh({"data": 2, "model": 4})
+    model, x = Block(sequence_parallel=True, collective_matmul=collective_matmul), batch()
+    spec = P("data", "model")  # the batch over data, the sequence (dim -2) over model
+    run, forward, state = explicit(model, mesh, spec, ("data", "model"))
+    y, value, grads = run(state, x)
+    want_y, want_value, want_grads = one_device(model, x)
+    np.testing.assert_allclose(y, want_y, **TOL)
+    np.testing.assert_allclose(value, want_value, **TOL)
+    assert_trees_close(grads, want_grads)
+    counts = model_collectives(forward, state, x, mesh=mesh)
+    if collective_matmul:
+        assert counts == {"collective-permute": 3, "reduce-scatter": 1}
+    else:
+        assert counts == {"all-gather": 1, "reduce-scatter": 1}
+
+
+def test_explicit_attention_matches_one_device() -> None:
+    mesh = create_device_mesh({"data": 2, "model": 4})
+    model = ParallelSelfAttention(4, 8, qkv_features=16, causal=True, rngs=nnx.Rngs(0))
+    x = batch((4, 5, 8))
+    run, forward, state = explicit(model, mesh, P("data"), "data")
+    y, value, grads = run(state, x)
+    want_y, want_value, want_grads = one_device(model, x)
+    np.testing.assert_allclose(y, want_y, **TOL)
+    np.testing.assert_allclose(value, want_value, **TOL)
+    assert_trees_close(grads, want_grads)
+    assert model_collectives(forward, state, x, mesh=mesh) == {"all-reduce": 1}  # the output projection's
+
+
+@pytest.mark.parametrize("split", ["vocab", "features"])
+def test_explicit_embedding_matches_one_device(split) -> None:
+    mesh = create_device_mesh({"data": 2, "model": 4})
+    model = ParallelEmbedding(16, 8, split=split, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    specs = nnx.get_partition_spec(state)
+    ids = jax.random.randint(jax.random.key(2), (4, 6), 0, 16)
+    q = batch((4, 8))
+    logits_spec = P("data", "model") if split == "vocab" else P("data")  # vocab: each device its block
+
+    def per_device(state, ids, q):
+        def loss(state):
+            emb = nnx.merge(graphdef, state)
+            return jax.lax.pmean(jnp.mean(emb(ids) ** 2), "data")
+
+        emb = nnx.merge(graphdef, state)
+        return emb(ids), emb.attend(q), jax.grad(loss)(state)
+
+    run = jax.jit(
+        jax.shard_map(
+            per_device,
+            mesh=mesh,
+            in_specs=(specs, P("data"), P("data")),
+            out_specs=(P("data"), logits_spec, specs),
+            check_vma=True,
+        )
+    )
+    y, logits, grads = run(state, ids, q)
+    np.testing.assert_allclose(y, model(ids), **TOL)
+    np.testing.assert_allclose(logits, model.attend(q), **TOL)
+    want = jax.grad(lambda s: jnp.mean(nnx.merge(graphdef, s)(ids) ** 2))(state)
+    assert_trees_close(grads, want)
+
+
+# --- implicit: jax.jit over placed arrays ------------------------------------------
+
+
+def test_implicit_matches_one_device() -> None:
+    mesh = create_device_mesh({"data": 2, "model": 4})
+    x = batch((4, 5, 8))
+    for model in (Block(), ParallelSelfAttention(4, 8, qkv_features=16, rngs=nnx.Rngs(0))):
+        graphdef, state = nnx.split(model)
+        placed = jax.device_put(state, nnx.get_named_sharding(state, mesh))
+        xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+
+        def loss(state, x, graphdef=graphdef):
+            y = nnx.merge(graphdef, state)(x)
+            return jnp.mean(y**2), y
+
+        (value, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(placed, xs)
+        want_y, want_value, want_grads = one_device(model, x)
+        np.testing.assert_allclose(y, want_y, **TOL)
+        np.testing.assert_allclose(value, want_value, **TOL)
+        assert_trees_close(grads, want_grads)
+
+
+# --- errors ------------------------------------------------------------------------
+
+
+def test_row_layer_names_the_input_it_wants() -> None:
+    row = RowParallelLinear(16, 8, rngs=nnx.Rngs(0))
+    with pytest.raises(
+        ValueError, match=r"last dimension is 16 \(in_features\); got shape \(4, 8\).*ColumnParallelLinear"
+    ):
+        row(jnp.ones((4, 8)))
+    mesh = create_device_mesh({"data": 2, "model": 4})
+    graphdef, state = nnx.split(row)
+    whole = jax.shard_map(  # the whole input, not a column layer's block
+        lambda state, x: nnx.merge(graphdef, state)(x),
+        mesh=mesh,
+        in_specs=(nnx.get_partition_spec(state), P("data")),
+        out_specs=P("data"),
+        check_vma=True,
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"last dimension is 4 .*in_features=16 split over 'model' of size 4.*got shape \(2, 16\)",
+    ):
+        whole(state, jnp.ones((4, 16)))
+
+
+def test_heads_must_divide_over_model_axis() -> None:
+    mesh = create_device_mesh({"data": 2, "model": 4})
+    message = r"num_heads=2 cannot be split over axis 'model' of size 4"
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=message):
+        ParallelSelfAttention(2, 8, rngs=nnx.Rngs(0))
+    model = ParallelSelfAttention(2, 8, rngs=nnx.Rngs(0))  # no mesh: built whole
+    graphdef, state = nnx.split(model)
+    run = jax.shard_map(
+        lambda state, x: nnx.merge(graphdef, state)(x),
+        mesh=mesh,
+        in_specs=(nnx.get_partition_spec(state), P("data")),
+        out_specs=P("data"),
+        check_vma=True,
+    )
+    with pytest.raises(ValueError, match=message):
+        run(state, batch((4, 5, 8)))
+    with pytest.raises(ValueError, match="qkv_features=10 is not a multiple of num_heads=4"):
+        ParallelSelfAttention(4, 8, qkv_features=10, rngs=nnx.Rngs(0))
+
+
+def test_shard_without_check_vma_is_refused() -> None:
+    mesh = create_device_mesh({"data": 2, "model": 4})
+    graphdef, state = nnx.split(Block())
+    run = jax.shard_map(
+        lambda state, x: nnx.merge(graphdef, state)(x),
+        mesh=mesh,
+        in_specs=(nnx.get_partition_spec(state), P("data")),
+        out_specs=P("data"),
+        check_vma=False,
+    )
+    with pytest.raises(
+        ValueError, match=r"ColumnParallelLinear: .*not typed as varying over 'model'.*check_vma=True"
+    ):
+        run(state, batch())
+
+
+def test_option_errors() -> None:
+    with pytest.raises(ValueError, match="pass sequence_parallel=True"):
+        ColumnParallelLinear(8, 8, collective_matmul=True, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="split must be one of"):
+        ParallelEmbedding(8, 8, split="rows", rngs=nnx.Rngs(0))  # type: ignore[arg-type]
