@@ -68,6 +68,8 @@ class LeafPlacement:
       dtype: Its dtype's name.
       split_dim: The dimension split over the data axis, or ``None`` when replicated.
       axis_size: The data axis's size.
+      other_splits: ``(dim, axis, size)`` for each split over another mesh axis (a
+        tensor-parallel ``model`` axis), declared by the layer.
     """
 
     owner: str
@@ -76,6 +78,7 @@ class LeafPlacement:
     dtype: str
     split_dim: int | None
     axis_size: int
+    other_splits: tuple[tuple[int, str, int], ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -85,7 +88,15 @@ class LeafPlacement:
     @property
     def bytes_per_device(self) -> int:
         """What one device holds of it."""
-        return self.nbytes if self.split_dim is None else self.nbytes // self.axis_size
+        ways = math.prod(n for _, _, n in self.other_splits)
+        return self.nbytes // ways if self.split_dim is None else self.nbytes // ways // self.axis_size
+
+    def where(self) -> str:
+        """``replicated``, or each split as ``dim 0 over 'data'``."""
+        splits = sorted(
+            [(self.split_dim, "data")] * (self.split_dim is not None) + [(d, a) for d, a, _ in self.other_splits]
+        )
+        return "; ".join(f"dim {d} over {a!r}" for d, a in splits) or "replicated"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +137,7 @@ class Layout:
             f"{'leaf':<{width}}  {'shape':<14} {'dtype':<8} where",
         ]
         for r in self.rows:
-            where = "replicated" if r.split_dim is None else f"split on dim {r.split_dim}"
+            where = r.where() if r.other_splits else "replicated" if r.split_dim is None else f"split on dim {r.split_dim}"
             lines.append(f"{r.path:<{width}}  {str(r.shape):<14} {r.dtype:<8} {where}")
         return "\n".join(lines)
 
@@ -148,11 +159,48 @@ def split_dim_of(spec: tuple[Any, ...] | None, axis: str) -> int | None:
     return None
 
 
-def choose_split_dim(shape: tuple[int, ...], axis_size: int, min_size: int) -> int | None:
-    """The dimension a parameter of ``shape`` is split on (see the module docstring), or None."""
+def entry_axes(entry: Any) -> tuple[str, ...]:
+    """The mesh axes one ``PartitionSpec`` entry names: ``None``, a name or a tuple of names."""
+    return () if entry is None else tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def without_axis(spec: tuple[Any, ...] | None, ndim: int, axis: str) -> tuple[Any, ...]:
+    """``spec`` padded to ``ndim`` entries, with ``axis`` dropped: what the layer itself declared."""
+    entries = []
+    for entry in tuple(spec or ()) + (None,) * (ndim - len(spec or ())):
+        kept = tuple(a for a in entry_axes(entry) if a != axis)
+        entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return tuple(entries)
+
+
+def with_axis(base: tuple[Any, ...], dim: int | None, axis: str) -> tuple[Any, ...]:
+    """``base`` with ``axis`` put first on dimension ``dim`` (unchanged when ``dim`` is None)."""
+    if dim is None:
+        return base
+    kept = (axis, *entry_axes(base[dim]))
+    return (*base[:dim], kept[0] if len(kept) == 1 else kept, *base[dim + 1 :])
+
+
+def gradient_spec(variable: nnx.Variable[Any], update_dim: int | None, axis: str) -> PartitionSpec:
+    """Where a parameter's reduced gradient lives: its other axes as declared, ``axis`` on ``update_dim``."""
+    ndim = np.ndim(variable.get_value())
+    return PartitionSpec(*with_axis(without_axis(spec_tuple(variable), ndim, axis), update_dim, axis))
+
+
+def choose_split_dim(
+    shape: tuple[int, ...], axis_size: int, min_size: int, taken: tuple[Any, ...] = ()
+) -> int | None:
+    """The dimension a parameter of ``shape`` is split on (see the module docstring), or None.
+
+    ``taken``: the parameter's spec over other axes; a dimension split there is skipped.
+    """
     if not shape or math.prod(shape) < min_size:
         return None
-    fits = [d for d, n in enumerate(shape) if n % axis_size == 0 and n >= axis_size]
+    fits = [
+        d
+        for d, n in enumerate(shape)
+        if n % axis_size == 0 and n >= axis_size and (d >= len(taken) or taken[d] is None)
+    ]
     return max(fits, key=lambda d: (shape[d], -d)) if fits else None
 
 
@@ -442,31 +490,33 @@ def shard_state(
     followers = optimizer_followers(model, optimizer)
     model_vars = dict(_flat(model))
     opt_vars = dict(_flat(optimizer))
-    for path, variable in model_vars.items():
-        spec = spec_tuple(variable)
-        if spec is not None and any(e is not None and e != axis for e in spec):
-            raise ValueError(
-                f"{path_str(path, 'model')} is already declared sharded as {spec}, over an axis "
-                f"other than {axis!r}; shard_state splits over the data axis only. Drop its "
-                f"sharding annotation, or place it yourself and use mode='implicit'."
-            )
+    for owner, variables in (("model", model_vars), ("optimizer", opt_vars)):
+        for path, variable in variables.items():
+            missing = [a for e in spec_tuple(variable) or () for a in entry_axes(e) if a not in found.axis_names]
+            if missing:
+                raise ValueError(
+                    f"{path_str(path, owner)} is declared sharded as {spec_tuple(variable)}, over mesh "
+                    f"axis {missing[0]!r}, which the mesh {dict(found.shape)} lacks. Build the mesh "
+                    f"with that axis, or drop the annotation."
+                )
     for path, mirror_paths in mirrors.items():
         variable = model_vars[path]
         shape = tuple(np.shape(variable.get_value()))
-        dim = None if layout == "replicated" else choose_split_dim(shape, size, min_size)
-        split = tuple(axis if d == dim else None for d in range(len(shape)))
-        whole = (None,) * len(shape)
-        _place(variable, split if layout == "fsdp" else whole, found)
+        base = without_axis(spec_tuple(variable), len(shape), axis)  # the layer's own (model-axis) splits
+        dim = None if layout == "replicated" else choose_split_dim(shape, size, min_size, base)
+        split = with_axis(base, dim, axis)
+        _place(variable, split if layout == "fsdp" else base, found)
         for mirror in mirror_paths:
             _place(opt_vars[mirror], split, found)
         for follower in followers[path]:
             leaf_shape = tuple(np.shape(opt_vars[follower].get_value()))
-            on = follow_dim(shape, leaf_shape, dim)
-            if on is not None and leaf_shape[on] % size:
-                on = None
-            _place(
-                opt_vars[follower], tuple(axis if d == on else None for d in range(len(leaf_shape))), found
-            )
+            spec: list[Any] = [None] * len(leaf_shape)
+            for d, entry in enumerate(split):
+                on = follow_dim(shape, leaf_shape, d if entry is not None else None)
+                ways = math.prod(found.shape[a] for a in entry_axes(entry))
+                if on is not None and leaf_shape[on] % ways == 0:
+                    spec[on] = entry
+            _place(opt_vars[follower], tuple(spec), found)
     placed = (
         {("model", p) for p in mirrors}
         | {("optimizer", m) for ms in mirrors.values() for m in ms}
@@ -475,13 +525,19 @@ def shard_state(
     for owner, variables in (("model", model_vars), ("optimizer", opt_vars)):
         for path, variable in variables.items():  # everything else: replicated on the mesh
             if (owner, path) not in placed and hasattr(variable.get_value(), "shape"):
-                _place(variable, (None,) * np.ndim(variable.get_value()), found)
+                _place(variable, without_axis(spec_tuple(variable), np.ndim(variable.get_value()), axis), found)
     for obj in (model, optimizer):
         _EPOCHS[obj] = epoch(obj) + 1
     kind: LayoutKind = (
         layout
         if any(
-            choose_split_dim(tuple(np.shape(model_vars[p].get_value())), size, min_size) is not None
+            choose_split_dim(
+                shape := tuple(np.shape(model_vars[p].get_value())),
+                size,
+                min_size,
+                without_axis(spec_tuple(model_vars[p]), len(shape), axis),
+            )
+            is not None
             for p in mirrors
         )
         else "replicated"
@@ -528,6 +584,13 @@ def layout_of(
                 if mesh is not None:
                     raise
         axis_size = with_axis[0].shape[axis] if with_axis else 1
+        sizes = dict(with_axis[0].shape) if with_axis else {}
+    else:
+        sizes = {}
+        try:
+            sizes = dict(current_mesh(mesh).shape)
+        except ValueError:
+            pass
     rows = []
     for owner, tree in (("model", model), ("optimizer", optimizer)):
         for path, variable in _flat(tree):
@@ -539,6 +602,11 @@ def layout_of(
             if name == "key":
                 continue
             shape = tuple(value.shape)
+            others = tuple(
+                (d, a, sizes.get(a, 1))
+                for d, entry in enumerate(without_axis(spec_tuple(variable), len(shape), axis))
+                for a in entry_axes(entry)
+            )
             rows.append(
                 LeafPlacement(
                     owner,
@@ -547,6 +615,7 @@ def layout_of(
                     name,
                     split_dim_of(spec_tuple(variable), axis),
                     axis_size,
+                    others,
                 )
             )
     if kind is None:

@@ -180,34 +180,27 @@ def test_shard_state_errors(mesh8: jax.sharding.Mesh) -> None:
         substrax.shard_state(model, other, mesh=mesh8)
 
 
-def _model_parallel() -> tuple[jax.sharding.Mesh, nnx.Module, nnx.Optimizer]:
-    mesh = create_device_mesh({"data": 4, "model": 2})
+def test_a_parameter_split_over_an_axis_the_mesh_lacks_is_refused(batches: list) -> None:
+    """On a mesh without ``model``, a parameter declared split over it is refused, by path, by both."""
     init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(create_device_mesh({"data": 4, "model": 2})):
         model = MLP()
         model.hidden = nnx.Linear(4, 16, kernel_init=init, rngs=nnx.Rngs(0))
         optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
-    return mesh, model, optimizer
-
-
-def test_a_parameter_split_over_another_axis_is_refused_inside_nnx_jit_too(batches: list) -> None:
-    mesh, model, optimizer = _model_parallel()
+    mesh = create_device_mesh({"data": 8})
+    for _, variable in nnx.to_flat_state(nnx.state((model, optimizer))):  # bring every array to the 1-D mesh
+        value = variable.get_value()
+        if hasattr(value, "shape") and not jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+            variable.set_value(jax.device_put(np.asarray(value), jax.sharding.NamedSharding(mesh, P())))
 
     @nnx.jit
     def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: dict) -> jax.Array:
         return explicit_train_step(model, optimizer, mse, batch)
 
-    with (
-        jax.set_mesh(mesh),
-        pytest.raises(
-            ValueError,
-            match=r"model\['hidden'\]\['kernel'\] is sharded as P\(None, 'model'\), over mesh axis 'model'",
-        ),
-    ):
+    said = r"model\['hidden'\]\['kernel'\] is declared sharded as .*over mesh axis 'model', which the mesh"
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=said):
         train_step(model, optimizer, batches[0])
-    with pytest.raises(
-        ValueError, match=r"model\['hidden'\]\['kernel'\] is already declared sharded as \(None, 'model'\)"
-    ):
+    with pytest.raises(ValueError, match=said):
         substrax.shard_state(model, optimizer, mesh=mesh)
 
 

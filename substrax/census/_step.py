@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from substrax._layout import layout_of, parameter_splits, spec_tuple, split_dim_of
+from substrax._layout import entry_axes, gradient_spec, layout_of, parameter_splits, spec_tuple, split_dim_of, without_axis
 from substrax._options import StepOptions
 from substrax._tree import path_str
 from substrax._update import apply_update, state_values
@@ -68,19 +68,24 @@ def update_dims(model: nnx.Module, optimizer: nnx.Optimizer[Any], axis: str) -> 
 
 
 def parameter_leaves(
-    model: nnx.Module, optimizer: nnx.Optimizer[Any], axis: str
+    model: nnx.Module, optimizer: nnx.Optimizer[Any], axis: str, sizes: dict[str, int] | None = None
 ) -> list[tuple[str, tuple[int, ...], Any, bool]]:
     """``(path, shape, dtype, split)`` per parameter, as ``expected_communication`` takes them.
 
     ``split``: the parameter, or the optimizer state mirroring it, is split over ``axis``.
+    ``shape``: what one device of an ``axis`` group holds of it: the global shape with
+    every dimension the layer splits over another mesh axis (``model``) divided by that
+    axis's size, from ``sizes`` (the mesh's axis sizes).
     """
     dims = update_dims(model, optimizer, axis)
     leaves = []
     for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         value = variable.get_value()
-        leaves.append(
-            (path_str(tuple(path), "model"), tuple(value.shape), value.dtype, dims[tuple(path)] is not None)
+        shape = tuple(
+            n // math.prod((sizes or {}).get(a, 1) for a in entry_axes(entry))
+            for n, entry in zip(value.shape, without_axis(spec_tuple(variable), value.ndim, axis), strict=True)
         )
+        leaves.append((path_str(tuple(path), "model"), shape, value.dtype, dims[tuple(path)] is not None))
     return leaves
 
 
@@ -122,6 +127,11 @@ def _mesh_of(
     return found if isinstance(found, jax.sharding.Mesh) and options.data_axis in found.axis_names else None
 
 
+def _axis_sizes(options: StepOptions, model: nnx.Module, optimizer: nnx.Optimizer[Any]) -> dict[str, int]:
+    mesh = _mesh_of(options, model, optimizer)
+    return {} if mesh is None else dict(mesh.shape)
+
+
 def update_census(
     options: StepOptions, model: nnx.Module, optimizer: nnx.Optimizer[Any], loss_dtype: Any
 ) -> CensusReport | None:
@@ -143,7 +153,7 @@ def update_census(
 
     def placed(path: Path, variable: nnx.Variable[Any]) -> nnx.Variable[Any]:
         value = variable.get_value()
-        spec = PartitionSpec(*(axis if d == dims[path] else None for d in range(np.ndim(value))))
+        spec = gradient_spec(variable, dims[path], axis)
         return variable.replace(
             jax.ShapeDtypeStruct(np.shape(value), value.dtype, sharding=NamedSharding(mesh, spec))
         )
@@ -287,7 +297,7 @@ def check_communication(
                 f"(the lowered program asks for the policy's; an accelerator moves those)"
             )
     expected = expected_communication(
-        parameter_leaves(model, optimizer, options.data_axis),
+        parameter_leaves(model, optimizer, options.data_axis, _axis_sizes(options, model, optimizer)),
         layout=layout.kind,
         mode=options.mode,
         microbatches=options.microbatches,

@@ -41,7 +41,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from substrax._collectives import to_varying
-from substrax._layout import ParamSplit, parameter_splits, spec_tuple, split_dim_of
+from substrax._layout import ParamSplit, gradient_spec, parameter_splits, spec_tuple
 from substrax._microbatch import check_microbatches, fold_microbatch_metrics, microbatched, split_microbatches
 from substrax._options import StepOptions
 from substrax._placement import batch_partition_specs
@@ -66,17 +66,17 @@ def _split_loss(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., tup
     return lambda model, batch: (loss_fn(model, batch), {})
 
 
-def check_data_axis_only(tree: Any, data_axis: str, owner: str) -> None:
-    """Refuse a variable declared sharded over any mesh axis but ``data_axis``, naming it."""
+def check_mesh_axes(tree: Any, mesh: Any, owner: str) -> None:
+    """Refuse a variable declared sharded over an axis ``mesh`` lacks, naming it and the axis."""
     for path, variable in nnx.to_flat_state(nnx.state(tree)):
-        spec = spec_tuple(variable)
-        others = [e for e in spec or () if e is not None and split_dim_of((e,), data_axis) is None]
-        if others:
+        spec = spec_tuple(variable) or ()
+        names = [a for e in spec if e is not None for a in (e if isinstance(e, tuple) else (e,))]
+        missing = [a for a in names if a not in mesh.axis_names]
+        if missing:
             raise ValueError(
-                f"{path_str(tuple(path), owner)} is sharded as {PartitionSpec(*(spec or ()))}, "
-                f"over mesh axis {others[0]!r}; the explicit step splits state only over the data axis "
-                f"{data_axis!r} (substrax.shard_state). Replicate it over {others[0]!r}, or use "
-                f"mode='implicit', where XLA follows any sharding."
+                f"{path_str(tuple(path), owner)} is declared sharded as {PartitionSpec(*spec)}, over "
+                f"mesh axis {missing[0]!r}, which the mesh {dict(mesh.shape)} lacks. Build the mesh "
+                f"with that axis (substrax.mesh.create_device_mesh), or drop the annotation."
             )
 
 
@@ -103,15 +103,38 @@ def check_placement(model: nnx.Module) -> None:
             )
 
 
-def _plans(model: nnx.Module, optimizer: nnx.Optimizer[Any] | None, data_axis: str) -> dict[Path, ParamSplit]:
-    """Each parameter's ``ParamSplit`` (``substrax._layout.parameter_splits``), after refusing other axes.
+def _plans(
+    model: nnx.Module, optimizer: nnx.Optimizer[Any] | None, mesh: Any, data_axis: str
+) -> dict[Path, ParamSplit]:
+    """Each parameter's ``ParamSplit`` over ``data_axis`` (``substrax._layout.parameter_splits``).
 
     The gradient is reduce-scattered on ``update_dim`` and all-reduced where it is
     ``None``. The update runs on the global arrays after the ``shard_map``, so this
     choice moves bytes, never values.
     """
-    check_data_axis_only(model, data_axis, "model")
+    check_mesh_axes(model, mesh, "model")
+    if optimizer is not None:
+        check_mesh_axes(optimizer, mesh, "optimizer")
     return parameter_splits(model, optimizer, data_axis)
+
+
+def _check_reduced_over_other_axes(loss: Any, metrics: Mapping[str, Any], data_axis: str) -> None:
+    """Refuse a loss or metric that still varies over a mesh axis other than ``data_axis``.
+
+    On a ``(data, model)`` mesh every device of a ``model`` group sees the same rows, so
+    the loss must come out the same on each: a value still varying over ``model`` is a
+    partial result some layer left unreduced (``check_vma`` types it, so this cannot miss).
+    """
+    for name, value in (("the loss", loss), *((f"metric {k!r}", v) for k, v in metrics.items())):
+        others = sorted(a for a in varying_axes(value) or () if a != data_axis)
+        if others:
+            raise ValueError(
+                f"{name} still varies over mesh axis {others[0]!r}: a layer split over "
+                f"{others[0]!r} left its partial results unreduced, so each device of a "
+                f"{others[0]!r} group would report a different value. End a column-parallel layer "
+                f"with a row-parallel one (substrax.nn.RowParallelLinear), or reduce the value with "
+                f"jax.lax.psum/all_gather over {others[0]!r}."
+            )
 
 
 def _param_vars(model: nnx.Module) -> dict[Path, nnx.Variable[Any]]:
@@ -327,7 +350,7 @@ def explicit_value_and_grad(
     """
     mesh = current_mesh(mesh, required_axes=(data_axis,))
     specs = batch_partition_specs(batch, batch_spec, mesh, data_axis)
-    plans = {p: ParamSplit(plan.gather_dim, None) for p, plan in _plans(model, None, data_axis).items()}
+    plans = {p: ParamSplit(plan.gather_dim, None) for p, plan in _plans(model, None, mesh, data_axis).items()}
     graphdef, state = nnx.split(model)
     state_specs = nnx.get_partition_spec(state)
 
@@ -467,7 +490,7 @@ def run_step(
     mesh = current_mesh(o.mesh, required_axes=(data_axis,))
     specs = batch_partition_specs(batch, o.batch_spec, mesh, data_axis)
     check_microbatches(microbatches, batch, specs, mesh, data_axis)
-    plans = _plans(model, optimizer, data_axis)
+    plans = _plans(model, optimizer, mesh, data_axis)
     before = state_values((model, optimizer)) if o.skip_nonfinite else None
     graphdef, state = nnx.split(model)
     state_specs = nnx.get_partition_spec(state)
@@ -487,14 +510,8 @@ def run_step(
     shard_specs = _without_axis(specs, data_axis) if one_device else specs
     grad_specs = nnx.from_flat_state(
         [
-            (
-                p,
-                PartitionSpec(
-                    *(data_axis if d == plan.update_dim else None for d in range(v.get_value().ndim))
-                ),
-            )
+            (p, gradient_spec(v, plans[tuple(p)].update_dim, data_axis))
             for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
-            for plan in (plans[tuple(p)],)
         ]
     )
 
@@ -539,6 +556,7 @@ def run_step(
                     for p, v in nnx.to_flat_state(grads)
                 ]
             )
+        _check_reduced_over_other_axes(loss, metrics, data_axis)
         if microbatches > 1:
             metrics = fold_microbatch_metrics(metrics, reduce)
         if one_device:
