@@ -21,8 +21,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from substrax import _layout
+from substrax._batch_specs import check_batch_leaves
 from substrax._options import MODES, Mode, StepOptions
-from substrax._placement import check_batch_leaves
 from substrax._precision import MixedPrecision
 from substrax._tree import PyTree
 from substrax.census import Comparison

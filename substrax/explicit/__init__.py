@@ -6,7 +6,7 @@ for writing your own shard_map steps; ``compare_gradients`` checks a gradient ag
 a one-device reference, the implicit path and the explicit one.
 """
 
-from substrax._placement import batch_partition_specs
+from substrax._batch_specs import batch_partition_specs
 from substrax.explicit._check import GradientReport, compare_gradients
 from substrax.explicit._grad import data_parallel_value_and_grad, varying_axes
 from substrax.explicit._metrics import reduce_metrics_collective
