@@ -10,12 +10,13 @@ Two paths to the same step:
 
 ``make_train_step(loss_fn, mode)`` picks one with a word. ``shard_state`` splits the
 model's and optimizer's state over the data axis (ZeRO-1, FSDP); both modes train it.
-``substrax.mesh`` builds the meshes both use. ``census(compiled)`` counts the collectives
+``substrax.mesh`` builds the meshes both use; ``substrax.nn`` holds tensor-parallel
+layers for a second (``model``) mesh axis, which both modes and ``shard_state`` follow. ``census(compiled)`` counts the collectives
 of a compiled program; it comes from the package ``substrax/census/``, and importing it
 here rebinds the attribute ``substrax.census`` from that package to the function.
 """
 
-from substrax import explicit, mesh, spmd
+from substrax import explicit, mesh, nn, spmd
 from substrax._layout import LAYOUTS, Layout, LeafPlacement, layout_of, shard_state
 from substrax._precision import MixedPrecision
 from substrax._train_step import MODES, BoundTrainStep, TrainStep, make_train_step
@@ -42,6 +43,7 @@ __all__ = [
     "layout_of",
     "make_train_step",
     "mesh",
+    "nn",
     "shard_state",
     "spmd",
 ]
