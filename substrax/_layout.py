@@ -542,7 +542,7 @@ def shard_state(
         )
         else "replicated"
     )
-    return layout_of(model, optimizer, axis=axis, axis_size=size, kind=kind)
+    return layout_of(model, optimizer, mesh=found, axis=axis, axis_size=size, kind=kind)
 
 
 def layout_of(
@@ -590,7 +590,8 @@ def layout_of(
         try:
             sizes = dict(current_mesh(mesh).shape)
         except ValueError:
-            pass
+            if mesh is not None:
+                raise
     rows = []
     for owner, tree in (("model", model), ("optimizer", optimizer)):
         for path, variable in _flat(tree):

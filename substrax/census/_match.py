@@ -17,6 +17,7 @@ from substrax.census._expected import REDUCTIONS, Expected, ExpectedCollective
 from substrax.census._hlo import KINDS, Operand
 from substrax.census._rows import Collective, Part, buffers_text
 from substrax.census._text import shorten
+from substrax.nn._linear import SCOPE as MODEL_SCOPE  # substrax.nn's layers: the model's own collectives
 
 __all__ = ["Match", "kind_key", "match", "ordered_keys"]
 
@@ -133,7 +134,8 @@ class _Matcher:
 
     @staticmethod
     def _model_like(part: Part) -> bool:
-        return part.scope is None and part.phase is not None
+        """Issued by the model: under no library scope, or by a ``substrax.nn`` layer."""
+        return (part.scope is None or part.scope == MODEL_SCOPE) and part.phase is not None
 
     def result(self) -> Match:
         expected, parts = self.expected, self.parts

@@ -346,7 +346,8 @@ def explicit_value_and_grad(
 
     Returns:
       ``(loss, grads)``: the loss on the global batch and an ``nnx.State`` of gradients
-      with respect to ``nnx.Param``, whole and replicated, in the parameters' dtype.
+      with respect to ``nnx.Param``, in the parameters' dtype: whole over ``data_axis``,
+      split over another axis (``model``) where the parameter is.
     """
     mesh = current_mesh(mesh, required_axes=(data_axis,))
     specs = batch_partition_specs(batch, batch_spec, mesh, data_axis)
@@ -370,11 +371,14 @@ def explicit_value_and_grad(
             [(p, v.replace(v.get_value().astype(held[tuple(p)].dtype))) for p, v in nnx.to_flat_state(grads)]
         )
 
+    grad_specs = nnx.from_flat_state(
+        [(p, gradient_spec(v, None, data_axis)) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))]
+    )
     run = jax.shard_map(
         per_device,
         mesh=mesh,
         in_specs=(state_specs, specs),
-        out_specs=(PartitionSpec(), PartitionSpec()),
+        out_specs=(PartitionSpec(), grad_specs),
         check_vma=True,
     )
     return run(state, batch)
