@@ -1,0 +1,193 @@
+"""What a layout is: which leaf of the state lies where, read back from the variables' metadata."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Literal
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from substrax._layout._owners import flat_state
+from substrax._layout._specs import entry_axes, spec_tuple, split_dim_of, without_axis
+from substrax._tree import path_str
+from substrax.mesh import current_mesh
+
+__all__ = ["LAYOUTS", "Layout", "LayoutKind", "LeafPlacement", "layout_of"]
+
+LayoutKind = Literal["replicated", "zero1", "fsdp"]
+LAYOUTS: tuple[LayoutKind, ...] = ("replicated", "zero1", "fsdp")
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafPlacement:
+    """Where one array of the state lives.
+
+    Attributes:
+      owner: ``"model"`` or ``"optimizer"``.
+      path: The leaf's path, as ``model['hidden']['kernel']``.
+      shape: Its global shape.
+      dtype: Its dtype's name.
+      split_dim: The dimension split over the data axis, or ``None`` when replicated.
+      axis_size: The data axis's size.
+      other_splits: ``(dim, axis, size)`` for each split over another mesh axis (a
+        tensor-parallel ``model`` axis), declared by the layer.
+      data_axis: The data axis's name.
+    """
+
+    owner: str
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    split_dim: int | None
+    axis_size: int
+    other_splits: tuple[tuple[int, str, int], ...] = ()
+    data_axis: str = "data"
+
+    @property
+    def nbytes(self) -> int:
+        """The whole array's bytes."""
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+    @property
+    def bytes_per_device(self) -> int:
+        """What one device holds of it."""
+        ways = math.prod(n for _, _, n in self.other_splits)
+        return self.nbytes // ways if self.split_dim is None else self.nbytes // ways // self.axis_size
+
+    def where(self) -> str:
+        """``replicated``, ``split on dim 0`` (over the data axis), or each split as ``dim 0 over 'data'``."""
+        if not self.other_splits:
+            return "replicated" if self.split_dim is None else f"split on dim {self.split_dim}"
+        splits = sorted(
+            [(self.split_dim, self.data_axis)] * (self.split_dim is not None)
+            + [(d, a) for d, a, _ in self.other_splits]
+        )
+        return "; ".join(f"dim {d} over {a!r}" for d, a in splits)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Which leaf of a model's and optimizer's state went where; ``str()`` prints a table.
+
+    Attributes:
+      kind: ``"replicated"``, ``"zero1"`` or ``"fsdp"``.
+      axis: The data axis.
+      axis_size: Its size.
+      rows: One ``LeafPlacement`` per array of the state.
+    """
+
+    kind: LayoutKind
+    axis: str
+    axis_size: int
+    rows: tuple[LeafPlacement, ...]
+
+    @property
+    def bytes_per_device(self) -> int:
+        """The state's bytes on one device."""
+        return sum(r.bytes_per_device for r in self.rows)
+
+    @property
+    def total_bytes(self) -> int:
+        """The state's bytes, counted once (what one device holds when replicated)."""
+        return sum(r.nbytes for r in self.rows)
+
+    def split(self) -> tuple[LeafPlacement, ...]:
+        """The rows split over the axis."""
+        return tuple(r for r in self.rows if r.split_dim is not None)
+
+    def __str__(self) -> str:
+        width = max([len(r.path) for r in self.rows] + [4])
+        lines = [
+            f"layout {self.kind} over {self.axis!r} ({self.axis_size} devices): "
+            f"{self.bytes_per_device:,} state bytes per device of {self.total_bytes:,}",
+            f"{'leaf':<{width}}  {'shape':<14} {'dtype':<8} where",
+        ]
+        for r in self.rows:
+            lines.append(f"{r.path:<{width}}  {str(r.shape):<14} {r.dtype:<8} {r.where()}")
+        return "\n".join(lines)
+
+
+def layout_of(
+    model: nnx.Module,
+    optimizer: nnx.Optimizer[Any],
+    *,
+    mesh: Mesh | None = None,
+    data_axis: str = "data",
+    axis_size: int | None = None,
+    kind: LayoutKind | None = None,
+    axis: str | None = None,
+) -> Layout:
+    """The layout ``model`` and ``optimizer`` have now, read from their variables' metadata.
+
+    Args:
+      model: The model.
+      optimizer: Its optimizer.
+      mesh: The mesh, for the axis's size when no array is placed on one.
+      data_axis: The data axis.
+      axis_size: The axis's size; default: from the mesh the arrays are placed on, else
+        ``mesh`` or the one set by ``jax.set_mesh``, else 1 (nothing placed: every
+        device that runs it holds it whole).
+      kind: The layout's name; default: ``"fsdp"`` when a parameter is split,
+        ``"zero1"`` when only optimizer state is, else ``"replicated"``.
+      axis: The older spelling of ``data_axis``.
+    """
+    axis = data_axis if axis is None else axis
+    if axis_size is None:
+        meshes = [
+            v.get_value().sharding.mesh
+            for _, v in flat_state((model, optimizer))
+            if isinstance(getattr(v.get_value(), "sharding", None), NamedSharding)
+        ]
+        with_axis = [m for m in meshes if axis in m.axis_names]
+        if not with_axis:
+            try:
+                with_axis = [current_mesh(mesh, required_axes=(axis,))]
+            except ValueError:
+                if mesh is not None:
+                    raise
+        axis_size = with_axis[0].shape[axis] if with_axis else 1
+        sizes = dict(with_axis[0].shape) if with_axis else {}
+    else:
+        sizes = {}
+        try:
+            sizes = dict(current_mesh(mesh).shape)
+        except ValueError:
+            if mesh is not None:
+                raise
+    rows = []
+    for owner, tree in (("model", model), ("optimizer", optimizer)):
+        for path, variable in flat_state(tree):
+            value = variable.get_value()
+            if not hasattr(value, "shape"):
+                continue
+            dtype = value.dtype
+            name = "key" if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) else np.dtype(dtype).name
+            if name == "key":
+                continue
+            shape = tuple(value.shape)
+            others = tuple(
+                (d, a, sizes.get(a, 1))
+                for d, entry in enumerate(without_axis(spec_tuple(variable), len(shape), axis))
+                for a in entry_axes(entry)
+            )
+            rows.append(
+                LeafPlacement(
+                    owner,
+                    path_str(path, owner),
+                    shape,
+                    name,
+                    split_dim_of(spec_tuple(variable), axis),
+                    axis_size,
+                    others,
+                    axis,
+                )
+            )
+    if kind is None:
+        split_model = any(r.split_dim is not None and r.owner == "model" for r in rows)
+        split_opt = any(r.split_dim is not None and r.owner == "optimizer" for r in rows)
+        kind = "fsdp" if split_model else "zero1" if split_opt else "replicated"
+    return Layout(kind, axis, axis_size, tuple(rows))

@@ -1,0 +1,183 @@
+"""``shard_state``: place a model's and optimizer's state over the data axis (see ``substrax._layout``)."""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from substrax._layout._owners import flat_state, follow_dim, optimizer_followers, optimizer_mirrors
+from substrax._layout._report import LAYOUTS, Layout, LayoutKind, layout_of
+from substrax._layout._specs import choose_split_dim, entry_axes, spec_tuple, with_axis, without_axis
+from substrax._tree import path_str
+from substrax.mesh import current_mesh
+
+__all__ = ["epoch", "shard_state"]
+
+# shard_state calls per object: a step that split a model before one must split it again.
+_EPOCHS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+def epoch(obj: Any) -> int:
+    """How many times ``shard_state`` has placed ``obj`` (a model or an optimizer)."""
+    return _EPOCHS.get(obj, 0)
+
+
+def _global(value: Any, sharding: NamedSharding) -> jax.Array:
+    """``value`` on ``sharding``; on several processes, each fills its devices from its own copy."""
+    if jax.process_count() > 1 and getattr(value, "is_fully_addressable", True):
+        host = np.asarray(jax.device_get(value))
+        return jax.make_array_from_callback(np.shape(value), sharding, lambda idx: host[idx])
+    return jax.device_put(value, sharding)
+
+
+def _place(variable: nnx.Variable[Any], spec: tuple[Any, ...], mesh: Mesh) -> None:
+    value = variable.get_value()
+    if isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+        # A typed key array has no host form: place its raw data, then wrap it again.
+        data = _global(jax.random.key_data(value), NamedSharding(mesh, PartitionSpec()))
+        variable.set_value(jax.random.wrap_key_data(data, impl=jax.random.key_impl(value)))
+        return
+    variable.set_value(_global(value, NamedSharding(mesh, PartitionSpec(*spec))))
+    variable.set_metadata(out_sharding=spec)
+
+
+def _layout_kind(layout: Any, params: bool | None) -> LayoutKind:
+    """``layout`` checked, with ``params`` (its older spelling) folded in."""
+    if params is not None:
+        if not isinstance(params, bool):
+            raise TypeError(f"params must be True (FSDP) or False (ZeRO-1); got {params!r}. Prefer layout=.")
+        implied: LayoutKind = "fsdp" if params else "zero1"
+        if layout is not None and layout != implied:
+            raise ValueError(f"layout={layout!r} and params={params} disagree; pass layout= only.")
+        return implied
+    if layout is None:
+        return "fsdp"
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}.")
+    return layout  # type: ignore[no-any-return]
+
+
+def shard_state(
+    model: nnx.Module,
+    optimizer: nnx.Optimizer[Any],
+    *,
+    mesh: Mesh | None = None,
+    layout: LayoutKind | None = None,
+    data_axis: str = "data",
+    min_size: int = 1024,
+    params: bool | None = None,
+    axis: str | None = None,
+) -> Layout:
+    """Place ``model``'s and ``optimizer``'s state over ``data_axis``, in place: FSDP, ZeRO-1 or replicated.
+
+    See the module docstring of ``substrax._layout`` for what each device then holds
+    and which parameter is split on which dimension. Both modes of
+    ``make_train_step`` train on the result as placed and keep it so.
+
+    Args:
+      model: The model; its ``nnx.Param`` variables are placed.
+      optimizer: The model's ``nnx.Optimizer``; the state of each parameter is placed
+        with it (see the module docstring), everything else replicated.
+      mesh: The mesh; ``None`` takes the one set by ``jax.set_mesh``.
+      layout: ``"fsdp"`` (the default) splits parameters and their optimizer state;
+        ``"zero1"`` only the optimizer state; ``"replicated"`` splits nothing (every
+        array placed whole on every device of the mesh).
+      data_axis: The data axis to split over.
+      min_size: Parameters with fewer elements stay replicated.
+      params: The older spelling of ``layout``: ``True`` is ``"fsdp"``, ``False``
+        ``"zero1"``.
+      axis: The older spelling of ``data_axis``.
+
+    Returns:
+      The ``Layout``: which leaf went where, and the bytes per device.
+
+    Raises:
+      TypeError: If ``optimizer`` is not an ``nnx.Optimizer`` or ``min_size`` not an int.
+      ValueError: If ``layout`` is unknown or contradicts ``params``, ``axis``
+        contradicts ``data_axis``, the mesh lacks the axis, ``min_size`` is negative, the optimizer is
+        not the model's (its state is not what its transformation gives this model:
+        ``check_optimizer_of``), or a parameter already carries a sharding over another
+        axis; each message names the axis or leaf. Optimizer state that mirrors no
+        parameter (adafactor's factored statistics, counters) is placed, never refused.
+    """
+    if not isinstance(optimizer, nnx.Optimizer):
+        raise TypeError(f"shard_state takes the model's nnx.Optimizer; got {type(optimizer).__name__}.")
+    if isinstance(min_size, bool) or not isinstance(min_size, int):
+        raise TypeError(f"min_size must be an int (a number of elements); got {min_size!r}.")
+    if min_size < 0:
+        raise ValueError(f"min_size must be >= 0 (a number of elements); got {min_size}.")
+    layout = _layout_kind(layout, params)
+    if axis is not None and axis != data_axis and data_axis != "data":
+        raise ValueError(f"axis={axis!r} and data_axis={data_axis!r} disagree; pass data_axis only.")
+    axis = data_axis if axis is None else axis
+    found = current_mesh(mesh, required_axes=(axis,))
+    if not isinstance(found, Mesh):
+        raise ValueError("shard_state places arrays: call it outside jax.jit, with a concrete mesh.")
+    size = found.shape[axis]
+    mirrors = optimizer_mirrors(model, optimizer)
+    followers = optimizer_followers(model, optimizer)
+    model_vars = dict(flat_state(model))
+    opt_vars = dict(flat_state(optimizer))
+    for owner, variables in (("model", model_vars), ("optimizer", opt_vars)):
+        for path, variable in variables.items():
+            missing = [
+                a for e in spec_tuple(variable) or () for a in entry_axes(e) if a not in found.axis_names
+            ]
+            if missing:
+                raise ValueError(
+                    f"{path_str(path, owner)} is declared sharded as {spec_tuple(variable)}, over mesh "
+                    f"axis {missing[0]!r}, which the mesh {dict(found.shape)} lacks. Build the mesh "
+                    f"with that axis, or drop the annotation."
+                )
+    for path, mirror_paths in mirrors.items():
+        variable = model_vars[path]
+        shape = tuple(np.shape(variable.get_value()))
+        base = without_axis(spec_tuple(variable), len(shape), axis)  # the layer's own (model-axis) splits
+        dim = None if layout == "replicated" else choose_split_dim(shape, size, min_size, base)
+        split = with_axis(base, dim, axis)
+        _place(variable, split if layout == "fsdp" else base, found)
+        for mirror in mirror_paths:
+            _place(opt_vars[mirror], split, found)
+        for follower in followers[path]:
+            leaf_shape = tuple(np.shape(opt_vars[follower].get_value()))
+            spec: list[Any] = [None] * len(leaf_shape)
+            for d, entry in enumerate(split):
+                on = follow_dim(shape, leaf_shape, d if entry is not None else None)
+                ways = math.prod(found.shape[a] for a in entry_axes(entry))
+                if on is not None and leaf_shape[on] % ways == 0:
+                    spec[on] = entry
+            _place(opt_vars[follower], tuple(spec), found)
+    placed = (
+        {("model", p) for p in mirrors}
+        | {("optimizer", m) for ms in mirrors.values() for m in ms}
+        | {("optimizer", f) for fs in followers.values() for f in fs}
+    )
+    for owner, variables in (("model", model_vars), ("optimizer", opt_vars)):
+        for path, variable in variables.items():  # everything else: replicated on the mesh
+            if (owner, path) not in placed and hasattr(variable.get_value(), "shape"):
+                _place(
+                    variable, without_axis(spec_tuple(variable), np.ndim(variable.get_value()), axis), found
+                )
+    for obj in (model, optimizer):
+        _EPOCHS[obj] = epoch(obj) + 1
+    kind: LayoutKind = (
+        layout
+        if any(
+            choose_split_dim(
+                shape := tuple(np.shape(model_vars[p].get_value())),
+                size,
+                min_size,
+                without_axis(spec_tuple(model_vars[p]), len(shape), axis),
+            )
+            is not None
+            for p in mirrors
+        )
+        else "replicated"
+    )
+    return layout_of(model, optimizer, mesh=found, axis=axis, axis_size=size, kind=kind)

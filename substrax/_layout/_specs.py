@@ -1,0 +1,82 @@
+"""Reading and writing a variable's placement: its ``out_sharding`` spec, axis by axis, and the split rule."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+__all__ = [
+    "choose_split_dim",
+    "entry_axes",
+    "gradient_spec",
+    "spec_tuple",
+    "split_dim_of",
+    "with_axis",
+    "without_axis",
+]
+
+
+def spec_tuple(variable: nnx.Variable[Any]) -> tuple[Any, ...] | None:
+    """A variable's ``out_sharding`` metadata, or None when it has none."""
+    meta = variable.get_metadata()
+    spec = meta.get("out_sharding", meta.get("sharding_names"))
+    return None if spec is None else tuple(spec)
+
+
+def split_dim_of(spec: tuple[Any, ...] | None, axis: str) -> int | None:
+    """The dimension ``spec`` splits over ``axis``, or None."""
+    if spec is None:
+        return None
+    for dim, entry in enumerate(spec):
+        if entry == axis or (isinstance(entry, tuple) and axis in entry):
+            return dim
+    return None
+
+
+def entry_axes(entry: Any) -> tuple[str, ...]:
+    """The mesh axes one ``PartitionSpec`` entry names: ``None``, a name or a tuple of names."""
+    return () if entry is None else tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def without_axis(spec: tuple[Any, ...] | None, ndim: int, axis: str) -> tuple[Any, ...]:
+    """``spec`` padded to ``ndim`` entries, with ``axis`` dropped: what the layer itself declared."""
+    entries = []
+    for entry in tuple(spec or ()) + (None,) * (ndim - len(spec or ())):
+        kept = tuple(a for a in entry_axes(entry) if a != axis)
+        entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return tuple(entries)
+
+
+def with_axis(base: tuple[Any, ...], dim: int | None, axis: str) -> tuple[Any, ...]:
+    """``base`` with ``axis`` put first on dimension ``dim`` (unchanged when ``dim`` is None)."""
+    if dim is None:
+        return base
+    kept = (axis, *entry_axes(base[dim]))
+    return (*base[:dim], kept[0] if len(kept) == 1 else kept, *base[dim + 1 :])
+
+
+def gradient_spec(variable: nnx.Variable[Any], update_dim: int | None, axis: str) -> PartitionSpec:
+    """Where a parameter's reduced gradient lives: its other axes as declared, ``axis`` on ``update_dim``."""
+    ndim = np.ndim(variable.get_value())
+    return PartitionSpec(*with_axis(without_axis(spec_tuple(variable), ndim, axis), update_dim, axis))
+
+
+def choose_split_dim(
+    shape: tuple[int, ...], axis_size: int, min_size: int, taken: tuple[Any, ...] = ()
+) -> int | None:
+    """The dimension a parameter of ``shape`` is split on (see the module docstring), or None.
+
+    ``taken``: the parameter's spec over other axes; a dimension split there is skipped.
+    """
+    if not shape or math.prod(shape) < min_size:
+        return None
+    fits = [
+        d
+        for d, n in enumerate(shape)
+        if n % axis_size == 0 and n >= axis_size and (d >= len(taken) or taken[d] is None)
+    ]
+    return max(fits, key=lambda d: (shape[d], -d)) if fits else None
