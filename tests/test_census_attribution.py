@@ -251,7 +251,7 @@ def test_gradients_the_step_reduces_twice_are_caught(
     own gradient-reduction scope. No attribution hides it."""
     from substrax.explicit import _step
 
-    original = _step._reduce_gradients
+    original = _step.reduce_gradients
 
     def twice(grads: nnx.State, plans: Any, data_axis: str) -> nnx.State:
         reduced = original(grads, plans, data_axis)
@@ -262,7 +262,7 @@ def test_gradients_the_step_reduces_twice_are_caught(
         leaves, treedef = jax.tree.flatten(reduced)
         return jax.tree.unflatten(treedef, [r + 0.0 * a for r, a in zip(leaves, again, strict=True)])
 
-    monkeypatch.setattr(_step, "_reduce_gradients", twice)
+    monkeypatch.setattr(_step, "reduce_gradients", twice)
     model = Normed("data")
     optimizer = _state(model, mesh8, "replicated")
     found = substrax.make_train_step(mse, "explicit", mesh=mesh8).census(model, optimizer, _batch(mesh8))

@@ -47,7 +47,7 @@ __all__ = ["check_communication", "parameter_leaves", "update_dims", "update_ite
 
 Path = tuple[Any, ...]
 
-# The scope each expected buffer of the explicit step is compiled under (substrax.explicit._step).
+# The scope each expected buffer of the explicit step is compiled under (substrax.explicit._step, substrax.explicit._shard).
 _EXPLICIT_SCOPES = {
     "gradients": "substrax.grad_reduce",
     "parameters": "substrax.gather_params",

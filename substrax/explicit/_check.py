@@ -93,7 +93,7 @@ def compare_gradients(
     """
     if has_aux:
         loss_with_aux = loss_fn
-        loss_fn = lambda m, b: loss_with_aux(m, b)[0]  # noqa: E731
+        loss_fn = lambda m, b: loss_with_aux(m, b)[0]
     graphdef, state = nnx.split(model)
     host_batch = map_arrays(np.asarray, batch)
     # A layer that reduces over a named axis needs it bound off shard_map too (size 1 there).

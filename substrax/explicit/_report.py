@@ -72,7 +72,7 @@ class GradientReport:
         ]
         for row in self.rows:
             cells = " ".join(f"{row.max_abs_diff[m]:>11.3g}{' ' if row.ok[m] else '!'}" for m in self.methods)
-            lines.append(f"{row.path:<32} {str(row.shape):<12} {row.reference_norm:>10.3g} {cells}")
+            lines.append(f"{row.path:<32} {row.shape!s:<12} {row.reference_norm:>10.3g} {cells}")
         for method, text in self.diagnosis.items():
             lines.append(f"{method}: {text}")
         return "\n".join(lines)

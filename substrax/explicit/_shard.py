@@ -1,0 +1,276 @@
+"""What each device holds inside the explicit step's ``shard_map``, and what it hands back.
+
+The parameters come in as placed and leave whole and varying over the data axis
+(gathered where FSDP split them); the gradients are reduced once (psum, or
+psum_scatter where the update is split); the model's other state is made one model's
+again (``nnx.BatchStat`` averaged, anything else refused); random streams get the
+device's index for the step. See ``substrax.explicit._step`` for the step these serve.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from substrax._collectives import to_varying
+from substrax._layout import ParamSplit, spec_tuple
+from substrax._tree import PyTree, path_str
+from substrax.explicit._grad import varying_axes
+
+__all__ = [
+    "cast_like",
+    "check_layers_take_blocks",
+    "check_mesh_axes",
+    "check_placement",
+    "check_reduced_over_other_axes",
+    "gather_whole_varying",
+    "param_vars",
+    "per_device_random_streams",
+    "reduce_gradients",
+    "settle_per_device_state",
+    "varying_carry",
+    "without_axis_specs",
+]
+
+Path = tuple[Any, ...]
+
+
+def check_mesh_axes(tree: Any, mesh: Any, owner: str) -> None:
+    """Refuse a variable declared sharded over an axis ``mesh`` lacks, naming it and the axis."""
+    for path, variable in nnx.to_flat_state(nnx.state(tree)):
+        spec = spec_tuple(variable) or ()
+        names = [a for e in spec if e is not None for a in (e if isinstance(e, tuple) else (e,))]
+        missing = [a for a in names if a not in mesh.axis_names]
+        if missing:
+            raise ValueError(
+                f"{path_str(tuple(path), owner)} is declared sharded as {PartitionSpec(*spec)}, over "
+                f"mesh axis {missing[0]!r}, which the mesh {dict(mesh.shape)} lacks. Build the mesh "
+                f"with that axis (substrax.mesh.create_device_mesh), or drop the annotation."
+            )
+
+
+def check_layers_take_blocks(model: nnx.Module, data_axis: str) -> None:
+    """Refuse a flax layer whose parameter is split over a mesh axis other than ``data_axis``.
+
+    Inside the step's ``shard_map`` each device holds only its block of such a
+    parameter; flax's own layers (``nnx.Linear``, ``nnx.Embed``, ...) compute with whole
+    arrays and never communicate, so they would fail on the shapes or, worse, return
+    one block's result. ``substrax.nn``'s layers, and a user's own, are written for
+    blocks (a result still split at the loss is refused by
+    ``check_reduced_over_other_axes``).
+    """
+    for path, node in nnx.iter_graph(model):
+        if not isinstance(node, nnx.Module) or not type(node).__module__.startswith("flax."):
+            continue
+        for name, variable in vars(node).items():
+            if not isinstance(variable, nnx.Param):
+                continue
+            spec = spec_tuple(variable) or ()
+            others = [
+                a
+                for e in spec
+                if e is not None
+                for a in (e if isinstance(e, tuple) else (e,))
+                if a != data_axis
+            ]
+            if others:
+                raise ValueError(
+                    f"{path_str((*path, name), 'model')} is sharded as {PartitionSpec(*spec)}, over mesh "
+                    f"axis {others[0]!r}, but it belongs to a {type(node).__module__.split('.')[0]} "
+                    f"{type(node).__name__}, which computes with whole arrays: inside the explicit "
+                    f"step's shard_map each device holds only its block of it. Build the layer from "
+                    f"substrax.nn (ColumnParallelLinear, RowParallelLinear, ParallelSelfAttention, "
+                    f"ParallelEmbedding), or use mode='implicit', where XLA follows any sharding."
+                )
+
+
+def check_placement(model: nnx.Module) -> None:
+    """Refuse a variable split on the devices in a way its metadata does not say (outside jit).
+
+    The step reads the layout from the variables' ``out_sharding`` metadata, which
+    ``substrax.shard_state`` writes; an array placed by hand without it would be read
+    as replicated.
+    """
+    for path, variable in nnx.to_flat_state(nnx.state(model)):
+        sharding = getattr(variable.get_value(), "sharding", None)
+        if not isinstance(sharding, NamedSharding) or sharding.is_fully_replicated:
+            continue
+        declared = spec_tuple(variable)
+        said = NamedSharding(sharding.mesh, PartitionSpec(*(declared or ())))
+        if declared is None or not said.is_equivalent_to(sharding, variable.get_value().ndim):
+            raise ValueError(
+                f"{path_str(tuple(path), 'model')} is sharded as {sharding.spec}, but its variable "
+                f"does not say so (out_sharding={declared}), and the explicit step reads the "
+                f"layout from it. Split the state with substrax.shard_state(model, "
+                f"optimizer), replicate the variable (NamedSharding(mesh, PartitionSpec())), "
+                f"or use mode='implicit', where XLA follows the parameters' shardings."
+            )
+
+
+def check_reduced_over_other_axes(loss: Any, metrics: Any, data_axis: str) -> None:
+    """Refuse a loss or metric that still varies over a mesh axis other than ``data_axis``.
+
+    On a ``(data, model)`` mesh every device of a ``model`` group sees the same rows, so
+    the loss must come out the same on each: a value still varying over ``model`` is a
+    partial result some layer left unreduced (``check_vma`` types it, so this cannot miss).
+    """
+    named = [("the loss", loss)] + [
+        (f"metric {jax.tree_util.keystr(path)}", v)
+        for path, v in jax.tree_util.tree_flatten_with_path(metrics)[0]
+    ]
+    for name, value in named:
+        others = sorted(a for a in varying_axes(value) or () if a != data_axis)
+        if others:
+            raise ValueError(
+                f"{name} still varies over mesh axis {others[0]!r}: a layer split over "
+                f"{others[0]!r} left its partial results unreduced, so each device of a "
+                f"{others[0]!r} group would report a different value. End a column-parallel layer "
+                f"with a row-parallel one (substrax.nn.RowParallelLinear), or reduce the value with "
+                f"jax.lax.psum/all_gather over {others[0]!r}."
+            )
+
+
+def param_vars(model: nnx.Module) -> dict[Path, nnx.Variable[Any]]:
+    return {tuple(p): v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def gather_whole_varying(
+    model: nnx.Module, plans: Mapping[Path, ParamSplit], data_axis: str, dtype: Any = None
+) -> dict[Path, Any]:
+    """Give every parameter its whole value, varying over ``data_axis``; return what it held.
+
+    ``dtype``: cast floating parameters to it first, so a split one is gathered in it.
+    """
+    held = {}
+    for path, variable in param_vars(model).items():
+        value = held[path] = variable.get_value()
+        if dtype is not None and jnp.issubdtype(value.dtype, jnp.floating):
+            value = value.astype(dtype)
+        dim = plans[path].gather_dim
+        if dim is not None:
+            with jax.named_scope("substrax.gather_params"):
+                whole = jax.lax.all_gather(value, data_axis, axis=dim, tiled=True)
+        elif data_axis in (varying_axes(value) or ()):
+            whole = value
+        else:
+            whole = to_varying(value, data_axis)
+        variable.set_value(whole)
+    return held
+
+
+def reduce_gradients(grads: nnx.State, plans: Mapping[Path, ParamSplit], data_axis: str) -> nnx.State:
+    """The once-per-step reduction: psum the whole-updated gradients, psum_scatter the split ones."""
+    flat = [(tuple(p), v) for p, v in nnx.to_flat_state(grads)]
+    whole = [i for i, (p, _) in enumerate(flat) if plans[p].update_dim is None]
+    with jax.named_scope("substrax.grad_reduce"):
+        summed = jax.lax.psum([flat[i][1].get_value() for i in whole], data_axis) if whole else []
+        out = dict(zip(whole, summed, strict=True))
+        for i, (path, variable) in enumerate(flat):
+            dim = plans[path].update_dim
+            if dim is not None:
+                out[i] = jax.lax.psum_scatter(
+                    variable.get_value(), data_axis, scatter_dimension=dim, tiled=True
+                )
+    return nnx.from_flat_state([(p, v.replace(out[i])) for i, (p, v) in enumerate(flat)])
+
+
+def without_axis_specs(specs: PyTree, axis: str) -> PyTree:
+    """``specs`` with ``axis`` dropped from every entry (on a size-1 axis: the same placement)."""
+
+    def drop(spec: PartitionSpec) -> PartitionSpec:
+        def entry(e: Any) -> Any:
+            if isinstance(e, tuple):
+                kept = tuple(a for a in e if a != axis)
+                return kept or None
+            return None if e == axis else e
+
+        return PartitionSpec(*(entry(e) for e in spec))
+
+    return jax.tree.map(drop, specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
+
+
+@contextlib.contextmanager
+def per_device_random_streams(model: nnx.Module, data_axis: str) -> Iterator[None]:
+    """Give each device its own random bits for one step: fold its index into every key.
+
+    The model's ``nnx.Rngs`` are replicated, so without this every device would draw
+    the same dropout mask for its shard. The keys are restored afterwards (only the
+    streams' counts advance, equally on every device), so the state stays replicated.
+    """
+    keys = [v for _, v in nnx.iter_graph(model) if isinstance(v, nnx.RngKey)]
+    saved = [key.get_value() for key in keys]
+    index = jax.lax.axis_index(data_axis)
+    for key, value in zip(keys, saved, strict=True):
+        key.set_value(jax.random.fold_in(value, index))
+    try:
+        yield
+    finally:
+        for key, value in zip(keys, saved, strict=True):
+            key.set_value(value)
+
+
+def settle_per_device_state(state: nnx.State, specs: Any, data_axis: str) -> nnx.State:
+    """The model's non-parameter state after the step, made one model's again.
+
+    A layer that updates state from the shard it sees (BatchNorm's running statistics,
+    ``nnx.BatchStat``) computes it per device: that, and only that, is averaged over
+    ``data_axis`` (one ``pmean``). Any other replicated state that came out varying over
+    the axis would be a different model per device, and is refused at trace time by
+    path: ``check_vma`` types every value, so the check cannot miss one.
+    """
+
+    def settle(path: tuple[Any, ...], variable: nnx.Variable[Any], spec: Any) -> nnx.Variable[Any]:
+        value = variable.get_value()
+        axes = varying_axes(value)
+        if (
+            axes is None
+            or data_axis not in axes
+            or any(e is not None for e in (spec.get_value() if isinstance(spec, nnx.Variable) else spec))
+        ):
+            return variable
+        if isinstance(variable, nnx.BatchStat) and jnp.issubdtype(value.dtype, jnp.inexact):
+            with jax.named_scope("substrax.batch_stats"):
+                return variable.replace(jax.lax.pmean(value, data_axis))
+        raise ValueError(
+            f"{path_str(path, 'model')} ({type(variable).__name__}, {value.dtype}) came out of the "
+            f"step different on each device, and it is replicated: substrax averages only "
+            f"nnx.BatchStat state (statistics a layer computes from its shard). Compute it from "
+            f"values reduced over {data_axis!r} (jax.lax.pmean), declare it an nnx.BatchStat if "
+            f"a per-device average is what it means, or keep it out of the model's state."
+        )
+
+    return jax.tree.map_with_path(settle, state, specs, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def varying_carry(body: Callable[..., Any], carry: Any, piece: PyTree, data_axis: str) -> Any:
+    """``carry`` with every leaf that ``body`` returns varying over ``data_axis`` cast to varying.
+
+    ``lax.scan`` needs a carry of one type in and out; a BatchNorm without
+    ``axis_name`` turns its replicated statistics into per-device ones in the body.
+    """
+    out = jax.eval_shape(body, carry, piece)[0]
+    cast = [
+        data_axis in getattr(getattr(o, "manual_axis_type", None), "varying", ())
+        for o in jax.tree.leaves(out)
+    ]
+    leaves, treedef = jax.tree.flatten(carry)
+    return jax.tree.unflatten(
+        treedef,
+        [
+            to_varying(x, data_axis) if c and data_axis not in (varying_axes(x) or ()) else x
+            for x, c in zip(leaves, cast, strict=True)
+        ],
+    )
+
+
+def cast_like(grads: nnx.State, held: Mapping[Path, Any]) -> nnx.State:
+    """``grads`` with each leaf cast to the dtype of the parameter ``held`` at its path."""
+    return nnx.from_flat_state(
+        [(p, v.replace(v.get_value().astype(held[tuple(p)].dtype))) for p, v in nnx.to_flat_state(grads)]
+    )
