@@ -180,8 +180,8 @@ def test_shard_state_errors(mesh8: jax.sharding.Mesh) -> None:
         substrax.shard_state(model, other, mesh=mesh8)
 
 
-def test_a_parameter_split_over_an_axis_the_mesh_lacks_is_refused(batches: list) -> None:
-    """On a mesh without ``model``, a parameter declared split over it is refused, by path, by both."""
+def _declared_over_model() -> tuple[nnx.Module, nnx.Optimizer]:
+    """The MLP with its hidden kernel declared split over ``model``, as a tensor-parallel layer would."""
     init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
     with jax.set_mesh(create_device_mesh({"data": 4, "model": 2})):
         model = MLP()
@@ -192,16 +192,37 @@ def test_a_parameter_split_over_an_axis_the_mesh_lacks_is_refused(batches: list)
         value = variable.get_value()
         if hasattr(value, "shape") and not jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
             variable.set_value(jax.device_put(np.asarray(value), jax.sharding.NamedSharding(mesh, P())))
+    return model, optimizer
+
+
+def test_a_split_over_an_axis_the_mesh_lacks_is_refused_by_the_step_by_path(batches: list) -> None:
+    model, optimizer = _declared_over_model()
 
     @nnx.jit
     def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: dict) -> jax.Array:
         return explicit_train_step(model, optimizer, mse, batch)
 
     said = r"model\['hidden'\]\['kernel'\] is declared sharded as .*over mesh axis 'model', which the mesh"
-    with jax.set_mesh(mesh), pytest.raises(ValueError, match=said):
+    with jax.set_mesh(create_device_mesh({"data": 8})), pytest.raises(ValueError, match=said):
         train_step(model, optimizer, batches[0])
-    with pytest.raises(ValueError, match=said):
-        substrax.shard_state(model, optimizer, mesh=mesh)
+
+
+@pytest.mark.parametrize("mode", substrax.MODES)
+def test_shard_state_places_a_split_over_an_axis_the_mesh_lacks_whole_and_keeps_it(
+    mode: str, batches: list
+) -> None:
+    """On a mesh without ``model`` the declared split is none; a later 2-D mesh splits it again."""
+    model, optimizer = _declared_over_model()
+    mesh = create_device_mesh({"data": 8})
+    layout = substrax.shard_state(model, optimizer, mesh=mesh, layout="zero1", min_size=8)
+    hidden = next(r for r in layout.rows if r.path == "model['hidden']['kernel']")
+    assert (hidden.split_dim, hidden.other_splits) == (None, ())
+    assert model.hidden.kernel.get_metadata()["declared_sharding"] == (None, "model")
+    step = substrax.make_train_step(mse, mode, mesh=mesh)
+    assert np.isfinite(float(step(model, optimizer, batches[0])))
+    layout = substrax.shard_state(model, optimizer, mesh=create_device_mesh({"data": 4, "model": 2}), min_size=8)
+    hidden = next(r for r in layout.rows if r.path == "model['hidden']['kernel']")
+    assert (hidden.split_dim, hidden.other_splits) == (0, ((1, "model", 2),))
 
 
 # ----------------------------------------------------------------------------------------- microbatches

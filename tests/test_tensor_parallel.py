@@ -106,6 +106,17 @@ def test_fsdp_on_every_mesh_shape_trains_like_one_device(mode: str, shape: tuple
     assert kernel.sharding.is_equivalent_to(want, 2), kernel.sharding  # split over both axes
 
 
+@pytest.mark.parametrize("mode", substrax.MODES)
+def test_the_same_model_on_a_mesh_without_model_axis_trains_like_one_device(mode: str, reference: tuple) -> None:
+    """One model definition: on a data-only mesh shard_state places the layers' splits whole."""
+    mesh = create_device_mesh({"data": 8})
+    model, optimizer = _build()
+    substrax.shard_state(model, optimizer, mesh=mesh, layout="fsdp", min_size=64)
+    step = substrax.make_train_step(loss_fn, mode, mesh=mesh)
+    losses = [float(step(model, optimizer, b)) for b in BATCHES]
+    _assert_like((losses, params_of(model)), reference)
+
+
 @pytest.mark.parametrize("layout", ["replicated", "zero1"])
 @pytest.mark.parametrize("mode", substrax.MODES)
 def test_other_layouts_on_a_2d_mesh_train_like_one_device(mode: str, layout: str, reference: tuple) -> None:

@@ -14,7 +14,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from substrax._layout._owners import flat_state, follow_dim, optimizer_followers, optimizer_mirrors
 from substrax._layout._report import LAYOUTS, Layout, LayoutKind, layout_of
 from substrax._layout._specs import choose_split_dim, entry_axes, spec_tuple, with_axis, without_axis
-from substrax._tree import path_str
 from substrax.mesh import current_mesh
 
 __all__ = ["epoch", "shard_state"]
@@ -80,6 +79,13 @@ def shard_state(
     and which parameter is split on which dimension. Both modes of
     ``make_train_step`` train on the result as placed and keep it so.
 
+    A variable a layer declares split over another mesh axis (``substrax.nn``'s
+    tensor-parallel layers, over ``model``) keeps that split, and the layout goes on
+    another dimension. On a mesh that lacks the axis it is placed whole there (the layer
+    then computes as a plain one); its declaration is kept (metadata
+    ``declared_sharding``), so a later ``shard_state`` on a mesh with the axis splits it
+    again.
+
     Args:
       model: The model; its ``nnx.Param`` variables are placed.
       optimizer: The model's ``nnx.Optimizer``; the state of each parameter is placed
@@ -102,8 +108,7 @@ def shard_state(
       ValueError: If ``layout`` is unknown or contradicts ``params``, ``axis``
         contradicts ``data_axis``, the mesh lacks the axis, ``min_size`` is negative, the optimizer is
         not the model's (its state is not what its transformation gives this model:
-        ``check_optimizer_of``), or a parameter already carries a sharding over another
-        axis; each message names the axis or leaf. Optimizer state that mirrors no
+        ``check_optimizer_of``); each message names the axis or leaf. Optimizer state that mirrors no
         parameter (adafactor's factored statistics, counters) is placed, never refused.
     """
     if not isinstance(optimizer, nnx.Optimizer):
@@ -124,21 +129,22 @@ def shard_state(
     followers = optimizer_followers(model, optimizer)
     model_vars = dict(flat_state(model))
     opt_vars = dict(flat_state(optimizer))
-    for owner, variables in (("model", model_vars), ("optimizer", opt_vars)):
-        for path, variable in variables.items():
-            missing = [
-                a for e in spec_tuple(variable) or () for a in entry_axes(e) if a not in found.axis_names
-            ]
-            if missing:
-                raise ValueError(
-                    f"{path_str(path, owner)} is declared sharded as {spec_tuple(variable)}, over mesh "
-                    f"axis {missing[0]!r}, which the mesh {dict(found.shape)} lacks. Build the mesh "
-                    f"with that axis, or drop the annotation."
-                )
+    declared = {  # each variable's own declaration, kept across meshes that lack an axis of it
+        id(v): v.get_metadata().get("declared_sharding") or spec_tuple(v)
+        for variables in (model_vars, opt_vars)
+        for v in variables.values()
+    }
+
+    def base_of(variable: nnx.Variable[Any]) -> tuple[Any, ...]:
+        """The variable's own splits over the mesh's other axes (one over an axis it lacks: none)."""
+        spec = without_axis(declared[id(variable)], np.ndim(variable.get_value()), axis)
+        kept = [tuple(a for a in entry_axes(e) if a in found.axis_names) for e in spec]
+        return tuple(None if not k else k[0] if len(k) == 1 else k for k in kept)
+
     for path, mirror_paths in mirrors.items():
         variable = model_vars[path]
         shape = tuple(np.shape(variable.get_value()))
-        base = without_axis(spec_tuple(variable), len(shape), axis)  # the layer's own (model-axis) splits
+        base = base_of(variable)  # the layer's own (model-axis) splits
         dim = None if layout == "replicated" else choose_split_dim(shape, size, min_size, base)
         split = with_axis(base, dim, axis)
         _place(variable, split if layout == "fsdp" else base, found)
@@ -161,9 +167,13 @@ def shard_state(
     for owner, variables in (("model", model_vars), ("optimizer", opt_vars)):
         for path, variable in variables.items():  # everything else: replicated on the mesh
             if (owner, path) not in placed and hasattr(variable.get_value(), "shape"):
-                _place(
-                    variable, without_axis(spec_tuple(variable), np.ndim(variable.get_value()), axis), found
-                )
+                _place(variable, base_of(variable), found)
+    for variables in (model_vars, opt_vars):
+        for variable in variables.values():
+            said = declared[id(variable)]
+            lacking = any(a not in found.axis_names for e in said or () for a in entry_axes(e))
+            if lacking or variable.get_metadata().get("declared_sharding") is not None:
+                variable.set_metadata(declared_sharding=said if lacking else None)
     for obj in (model, optimizer):
         _EPOCHS[obj] = epoch(obj) + 1
     kind: LayoutKind = (
@@ -173,7 +183,7 @@ def shard_state(
                 shape := tuple(np.shape(model_vars[p].get_value())),
                 size,
                 min_size,
-                without_axis(spec_tuple(model_vars[p]), len(shape), axis),
+                base_of(model_vars[p]),
             )
             is not None
             for p in mirrors
