@@ -195,16 +195,14 @@ def _declared_over_model() -> tuple[nnx.Module, nnx.Optimizer]:
     return model, optimizer
 
 
-def test_a_split_over_an_axis_the_mesh_lacks_is_refused_by_the_step_by_path(batches: list) -> None:
+@pytest.mark.parametrize("mode", substrax.MODES)
+def test_a_split_over_an_axis_the_mesh_lacks_is_refused_by_the_step_by_path(mode: str, batches: list) -> None:
     model, optimizer = _declared_over_model()
 
-    @nnx.jit
-    def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: dict) -> jax.Array:
-        return explicit_train_step(model, optimizer, mse, batch)
-
+    step = substrax.make_train_step(mse, mode, mesh=create_device_mesh({"data": 8}))
     said = r"model\['hidden'\]\['kernel'\] is declared sharded as .*over mesh axis 'model', which the mesh"
-    with jax.set_mesh(create_device_mesh({"data": 8})), pytest.raises(ValueError, match=said):
-        train_step(model, optimizer, batches[0])
+    with pytest.raises(ValueError, match=said + r".*substrax.shard_state"):
+        step(model, optimizer, batches[0])
 
 
 @pytest.mark.parametrize("mode", substrax.MODES)

@@ -39,6 +39,7 @@ from substrax._layout._owners import (
 from substrax._layout._report import LAYOUTS, Layout, LayoutKind, LeafPlacement, layout_of
 from substrax._layout._shard import epoch, shard_state
 from substrax._layout._specs import (
+    check_mesh_axes,
     choose_split_dim,
     entry_axes,
     gradient_spec,
@@ -54,6 +55,7 @@ __all__ = [
     "LayoutKind",
     "LeafPlacement",
     "ParamSplit",
+    "check_mesh_axes",
     "check_optimizer_of",
     "choose_split_dim",
     "entry_axes",

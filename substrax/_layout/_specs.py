@@ -9,7 +9,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from substrax._tree import path_str
+
 __all__ = [
+    "check_mesh_axes",
     "choose_split_dim",
     "entry_axes",
     "gradient_spec",
@@ -80,3 +83,17 @@ def choose_split_dim(
         if n % axis_size == 0 and n >= axis_size and (d >= len(taken) or taken[d] is None)
     ]
     return max(fits, key=lambda d: (shape[d], -d)) if fits else None
+
+
+def check_mesh_axes(tree: Any, mesh: Any, owner: str) -> None:
+    """Refuse a variable declared sharded over an axis ``mesh`` lacks, naming it and the axis."""
+    for path, variable in nnx.to_flat_state(nnx.state(tree)):
+        spec = spec_tuple(variable) or ()
+        names = [a for e in spec if e is not None for a in (e if isinstance(e, tuple) else (e,))]
+        missing = [a for a in names if a not in mesh.axis_names]
+        if missing:
+            raise ValueError(
+                f"{path_str(tuple(path), owner)} is declared sharded as {PartitionSpec(*spec)}, over "
+                f"mesh axis {missing[0]!r}, which the mesh {dict(mesh.shape)} lacks. Build the mesh "
+                f"with that axis (substrax.mesh.create_device_mesh), or place the state with substrax.shard_state on this mesh, which places such a split whole."
+            )

@@ -26,7 +26,6 @@ from substrax.explicit._grad import varying_axes
 __all__ = [
     "cast_like",
     "check_layers_take_blocks",
-    "check_mesh_axes",
     "check_placement",
     "check_reduced_over_other_axes",
     "gather_whole_varying",
@@ -39,20 +38,6 @@ __all__ = [
 ]
 
 Path = tuple[Any, ...]
-
-
-def check_mesh_axes(tree: Any, mesh: Any, owner: str) -> None:
-    """Refuse a variable declared sharded over an axis ``mesh`` lacks, naming it and the axis."""
-    for path, variable in nnx.to_flat_state(nnx.state(tree)):
-        spec = spec_tuple(variable) or ()
-        names = [a for e in spec if e is not None for a in (e if isinstance(e, tuple) else (e,))]
-        missing = [a for a in names if a not in mesh.axis_names]
-        if missing:
-            raise ValueError(
-                f"{path_str(tuple(path), owner)} is declared sharded as {PartitionSpec(*spec)}, over "
-                f"mesh axis {missing[0]!r}, which the mesh {dict(mesh.shape)} lacks. Build the mesh "
-                f"with that axis (substrax.mesh.create_device_mesh), or drop the annotation."
-            )
 
 
 def check_layers_take_blocks(model: nnx.Module, data_axis: str) -> None:

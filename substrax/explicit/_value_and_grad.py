@@ -10,7 +10,7 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from substrax._layout import ParamSplit, gradient_spec, parameter_splits
+from substrax._layout import ParamSplit, check_mesh_axes, gradient_spec, parameter_splits
 from substrax._microbatch import microbatched, split_microbatches
 from substrax._placement import batch_partition_specs
 from substrax._precision import MixedPrecision
@@ -20,7 +20,6 @@ from substrax.explicit._grad import data_parallel_value_and_grad
 from substrax.explicit._shard import (
     cast_like,
     check_layers_take_blocks,
-    check_mesh_axes,
     gather_whole_varying,
     reduce_gradients,
     varying_carry,

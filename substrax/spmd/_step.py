@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 import jax
 from flax import nnx
 
+from substrax._layout import check_mesh_axes
 from substrax._microbatch import (
     check_microbatches,
     microbatched,
@@ -139,6 +140,7 @@ def run_step(
         current_mesh(o.mesh, required_axes=(o.data_axis,))  # raises, naming what is missing
     specs = None
     if found is not None:
+        check_mesh_axes(model, found, "model")
         specs = batch_partition_specs(batch, o.batch_spec, found, o.data_axis)
         check_microbatches(o.microbatches, batch, specs, found, o.data_axis)
         batch = jax.lax.with_sharding_constraint(batch, specs)
