@@ -48,8 +48,12 @@ class ParallelSelfAttention(nnx.Module):
         default ``in_features``. ``num_heads`` must divide it.
       out_features: The output's last dimension; default ``in_features``.
       causal: Whether position ``i`` attends only to positions ``<= i``.
-      use_bias, dtype, param_dtype, precision, kernel_init, bias_init: for the four
-        projections, as ``nnx.Linear``'s.
+      use_bias: For the four projections, as ``nnx.Linear``'s.
+      dtype: For the four projections, as ``nnx.Linear``'s.
+      param_dtype: For the four projections, as ``nnx.Linear``'s.
+      precision: For the four projections, as ``nnx.Linear``'s.
+      kernel_init: For the four projections, as ``nnx.Linear``'s.
+      bias_init: For the four projections, as ``nnx.Linear``'s.
       model_axis: The mesh axis the heads are split over.
       rngs: The projections' parameters come from ``rngs.params()``: query, key,
         value, out, each its kernel then its bias.

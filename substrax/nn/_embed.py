@@ -34,8 +34,12 @@ class ParallelEmbedding(nnx.Module):
     mesh, ``jax.jit``) it is ``nnx.Embed``.
 
     Args:
-      num_embeddings, features, dtype, param_dtype, embedding_init, rngs: as
-        ``nnx.Embed``'s; the same ``rngs`` give the same table.
+      num_embeddings: As ``nnx.Embed``'s.
+      features: As ``nnx.Embed``'s.
+      dtype: As ``nnx.Embed``'s.
+      param_dtype: As ``nnx.Embed``'s.
+      embedding_init: As ``nnx.Embed``'s.
+      rngs: As ``nnx.Embed``'s: the same ``rngs`` give the same table.
       split: ``"vocab"`` or ``"features"``: the table's dimension split over ``model_axis``.
       model_axis: The mesh axis the table is split over.
 

@@ -172,8 +172,15 @@ class ColumnParallelLinear(_Linear):
     ``nnx.Linear``.
 
     Args:
-      in_features, out_features, use_bias, dtype, param_dtype, precision, kernel_init,
-        bias_init, rngs: as ``nnx.Linear``'s; the same ``rngs`` give the same parameters.
+      in_features: As ``nnx.Linear``'s.
+      out_features: As ``nnx.Linear``'s.
+      use_bias: As ``nnx.Linear``'s.
+      dtype: As ``nnx.Linear``'s.
+      param_dtype: As ``nnx.Linear``'s.
+      precision: As ``nnx.Linear``'s.
+      kernel_init: As ``nnx.Linear``'s.
+      bias_init: As ``nnx.Linear``'s.
+      rngs: As ``nnx.Linear``'s: the same ``rngs`` give the same parameters.
       model_axis: The mesh axis the output features are split over.
       sequence_parallel: The input arrives split over ``model_axis`` on dimension
         ``sequence_axis`` and is all-gathered (tiled) there before the matmul; pair it
@@ -255,8 +262,15 @@ class RowParallelLinear(_Linear):
     bias. Anywhere else it is ``nnx.Linear``.
 
     Args:
-      in_features, out_features, use_bias, dtype, param_dtype, precision, kernel_init,
-        bias_init, rngs: as ``nnx.Linear``'s; the same ``rngs`` give the same parameters.
+      in_features: As ``nnx.Linear``'s.
+      out_features: As ``nnx.Linear``'s.
+      use_bias: As ``nnx.Linear``'s.
+      dtype: As ``nnx.Linear``'s.
+      param_dtype: As ``nnx.Linear``'s.
+      precision: As ``nnx.Linear``'s.
+      kernel_init: As ``nnx.Linear``'s.
+      bias_init: As ``nnx.Linear``'s.
+      rngs: As ``nnx.Linear``'s: the same ``rngs`` give the same parameters.
       model_axis: The mesh axis the input features are split over.
       sequence_parallel: Reduce-scatter the output over ``model_axis`` on
         ``sequence_axis`` instead of all-reducing it: the output leaves split there, as
