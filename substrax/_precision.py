@@ -107,16 +107,18 @@ class MixedPrecision:
         through the cast; the model's other state (BatchNorm statistics) is updated.
         """
 
-        def value_and_grad(model: nnx.Module, batch: PyTree) -> tuple[tuple[Any, Any], nnx.State]:
-            graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
+        def cast_in_place(model: nnx.Module, batch: PyTree) -> tuple[Any, Any]:
+            # Inside nnx.value_and_grad: each parameter holds its float32 value (what the
+            # gradient is taken with respect to); it is seen cast for the loss, then restored.
+            params = [v for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param))]
+            held = [v.get_value() for v in params]
+            for variable, value in zip(params, held, strict=True):
+                variable.set_value(self.cast_params(value))
+            try:
+                return loss_fn(model, batch)
+            finally:
+                for variable, value in zip(params, held, strict=True):
+                    variable.set_value(value)
 
-            def pure(params: nnx.State) -> tuple[Any, tuple[Any, nnx.State]]:
-                m = nnx.merge(graphdef, self.cast_params(params), rest)
-                loss, aux = loss_fn(m, batch)
-                return loss, (aux, nnx.state(m, nnx.Not(nnx.Param)))
-
-            (loss, (aux, new_rest)), grads = jax.value_and_grad(pure, has_aux=True)(params)
-            nnx.update(model, new_rest)
-            return (loss, aux), grads
-
+        value_and_grad = nnx.value_and_grad(cast_in_place, has_aux=True)
         return value_and_grad
