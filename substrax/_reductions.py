@@ -1,4 +1,4 @@
-"""What a loss function returns, and the named reductions a metric can ask for; both modes."""
+"""The named reductions a metric can ask for, and the check of a step's metrics; both modes."""
 
 from __future__ import annotations
 
@@ -7,46 +7,11 @@ from typing import Any
 
 import numpy as np
 
-from substrax._tree import is_array
+from substrax._tree import describe, is_array
 
 REDUCTIONS = ("mean", "sum", "max", "min")
 # What a training step's metric may ask for: the four, or its per-example values whole.
 METRIC_REDUCTIONS = (*REDUCTIONS, "gather")
-
-
-def describe(x: Any) -> str:
-    """A value as an error message names it: its kind and shape, never its contents."""
-    if is_array(x):
-        return f"an array of shape {tuple(np.shape(x))} and dtype {x.dtype}"
-    if isinstance(x, (tuple, list)):
-        return f"a {type(x).__name__} of {len(x)}"
-    return f"a {type(x).__name__}"
-
-
-def split_loss_output(out: Any, has_aux: bool) -> tuple[Any, Any]:
-    """``(loss, metrics)`` from what a loss function returned; ``metrics`` is None without aux.
-
-    Raises:
-      ValueError: If the output does not match ``has_aux``, or the loss is not a scalar
-        array; the message says what came back and which flag fits it.
-    """
-    if has_aux:
-        if not (isinstance(out, tuple) and len(out) == 2):
-            raise ValueError(
-                f"With has_aux=True, loss_fn must return (loss, metrics); it returned "
-                f"{describe(out)}. If it returns the loss alone, pass has_aux=False."
-            )
-        loss, metrics = out
-    else:
-        loss, metrics = out, None
-    if isinstance(loss, (tuple, list)):
-        raise ValueError(
-            f"loss_fn returned {describe(loss)} where the loss goes; if it returns "
-            f"(loss, metrics), pass has_aux=True."
-        )
-    if not is_array(loss) or np.ndim(loss) != 0:
-        raise ValueError(f"The loss must be a scalar array; loss_fn returned {describe(loss)}.")
-    return loss, metrics
 
 
 def check_reduce_fn(

@@ -45,12 +45,15 @@ def map_arrays(fn: Callable[[Any], Any], tree: PyTree, *, min_ndim: int = 0) -> 
     return jax.tree.map(apply, tree)
 
 
-def _describe(node: Any) -> str:
-    if isinstance(node, dict):
-        return f"a dict with keys {sorted(map(str, node))}"
-    if isinstance(node, (list, tuple)):
-        return f"a {type(node).__name__} of length {len(node)}"
-    return f"a {type(node).__name__}"
+def describe(x: Any) -> str:
+    """A value as an error message names it: its kind and shape (or keys, or length), never its contents."""
+    if is_array(x):
+        return f"an array of shape {tuple(np.shape(x))} and dtype {x.dtype}"
+    if isinstance(x, dict):
+        return f"a dict with keys {sorted(map(str, x))}"
+    if isinstance(x, (list, tuple)):
+        return f"a {type(x).__name__} of {len(x)}"
+    return f"a {type(x).__name__}"
 
 
 def _one_level(node: Any) -> tuple[list[tuple[KeyPath, Any]], Any]:
@@ -97,7 +100,7 @@ def broadcast_prefix(
         if p_def != t_def:
             raise ValueError(
                 f"The {what} tree does not fit the batch at {path_str(path)}: the {what} tree "
-                f"has {_describe(p)} where the batch has {_describe(t)}. Give one {what} for "
+                f"has {describe(p)} where the batch has {describe(t)}. Give one {what} for "
                 f"that whole subtree, or mirror its structure exactly."
             )
         for (key, pc), (_, tc) in zip(p_children, t_children, strict=True):

@@ -303,7 +303,7 @@ def _loop_difference(row: Collective, expected: Expected, carried: Sequence[str]
     runs = f"{row.trip_count} times" if row.trip_count is not None else "an unstated number of times"
     what = f", carrying {shorten(list(carried), 4)}," if carried else ""
     return (
-        f"{row.kind} {row.name} ({_describe(row)}){what} sits inside a while loop and runs {runs} per step; "
+        f"{row.kind} {row.name} ({_row_text(row)}){what} sits inside a while loop and runs {runs} per step; "
         f"the {expected.layout} layout with {expected.microbatches} microbatch(es) expects every "
         f"collective of the step once per step, outside loops"
     )
@@ -330,6 +330,6 @@ def _twice(surplus: int, items: list[ExpectedCollective]) -> str:
     return f"the surplus is the size of {shorten(same, 3)} (reduced twice?); " if same else ""
 
 
-def _describe(row: Collective) -> str:
+def _row_text(row: Collective) -> str:
     where = f" from {row.op_name}" if row.op_name else ""
     return f"{row.kind} {row.name} [{buffers_text(row)}, {row.bytes:,} B]{where}"

@@ -25,7 +25,7 @@ import jax
 from flax import nnx
 
 from substrax._collectives import require_axis
-from substrax._reductions import split_loss_output
+from substrax._loss import loss_and_metrics
 
 __all__ = ["data_parallel_value_and_grad", "varying_axes"]
 
@@ -84,7 +84,7 @@ def data_parallel_value_and_grad(
 
     def averaged(*args: Any, **kwargs: Any) -> Any:
         require_axis(axis_name, "data_parallel_value_and_grad")
-        loss, aux = split_loss_output(fun(*args, **kwargs), has_aux)
+        loss, aux = loss_and_metrics(fun(*args, **kwargs), has_aux)
         axes = varying_axes(loss)
         if axes is not None and axis_name not in axes:
             raise ValueError(

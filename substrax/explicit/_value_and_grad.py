@@ -14,7 +14,7 @@ from substrax._layout import ParamSplit, check_mesh_axes, gradient_spec, paramet
 from substrax._microbatch import microbatched, split_microbatches
 from substrax._placement import batch_partition_specs
 from substrax._precision import MixedPrecision
-from substrax._reductions import split_loss_output
+from substrax._loss import loss_and_metrics
 from substrax._tree import PyTree
 from substrax.explicit._grad import data_parallel_value_and_grad
 from substrax.explicit._shard import (
@@ -86,7 +86,7 @@ def local_value_and_grad(
     devices = 1 if one_device else jax.lax.axis_size(data_axis)
 
     def share(m: nnx.Module, piece: PyTree) -> tuple[Any, Any]:
-        loss, aux = split_loss_output(split_loss(m, piece), True)
+        loss, aux = loss_and_metrics(split_loss(m, piece), True)
         return loss / devices, aux
 
     slices = split_microbatches(shard, specs, data_axis, microbatches)

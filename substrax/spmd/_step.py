@@ -18,7 +18,7 @@ from substrax._microbatch import (
 from substrax._options import StepOptions
 from substrax._placement import batch_partition_specs
 from substrax._precision import MixedPrecision
-from substrax._reductions import split_loss_output
+from substrax._loss import loss_and_metrics
 from substrax._update import apply_update, state_values
 from substrax.mesh import current_mesh
 from substrax.spmd._metrics import reduce_metrics
@@ -149,7 +149,7 @@ def run_step(
     run_loss = loss_fn if o.precision is None else o.precision.loss_fn(loss_fn, o.has_aux)
 
     def checked_loss(model: M, batch: PyTree) -> tuple[Any, Any]:
-        loss, aux = split_loss_output(run_loss(model, batch), o.has_aux)
+        loss, aux = loss_and_metrics(run_loss(model, batch), o.has_aux)
         return loss, aux
 
     if o.precision is None:
