@@ -2,6 +2,7 @@
 
     python examples/transformer_lm.py                                   # 8 emulated CPU devices
     python examples/transformer_lm.py --mode explicit --layout fsdp --microbatches 2
+    python examples/transformer_lm.py --mesh data=4,model=2 --mode explicit --layout fsdp
     python -m substrax.launch -n 2 -d 4 examples/transformer_lm.py      # 2 processes x 4 devices
 
 The text is the standard library's top-level ``*.py`` files, which every Python install
@@ -9,14 +10,33 @@ has offline, read in sorted order, so every machine with the same Python version
 on the same bytes. The model is a small decoder-only transformer (token and position
 embeddings, 2 blocks of LayerNorm, causal multi-head attention and an MLP, d=64, 4
 heads, 32-character context), trained with AdamW on batches of 32 windows. It prints the
-loss and the throughput at intervals, and samples a line of text at the end.
+layout of its state over the mesh, the loss and the throughput at intervals, and samples
+a line of text at the end.
 
 ``--mode`` picks the implicit or explicit step, ``--layout`` how the state lies over the
-devices (replicated, ZeRO-1: optimizer state split, FSDP: parameters split too) and
+data axis (replicated, ZeRO-1: optimizer state split, FSDP: parameters split too) and
 ``--microbatches`` how many accumulation steps each device's rows are split into; all
 give the same losses to float32 round-off. So do one process and several: every process
 draws the same global batch and places only its own rows (``process_slice``); the step
 is the same.
+
+``--mesh`` lays the devices out on two axes, ``data`` and ``model`` (default: every
+device on ``data``, ``model`` of size 1). The model is built from ``substrax.nn``'s
+tensor-parallel layers, one definition for every mesh: on ``--mesh data=4,model=2``
+each attention layer's heads and each MLP's hidden features are split over ``model``
+(the MLP a column-parallel up projection, gelu, a row-parallel down projection; the
+token and position tables by features; the output layer whole), the batch is split
+over ``data`` only (both devices of a ``model`` pair see the same rows), and
+``--layout`` splits the state over ``data`` on another dimension (the table printed at
+the start shows each array's splits). Each device then holds a quarter of the batch
+and half of every split parameter; in the forward pass each attention layer's and
+MLP's partial results are summed over ``model`` and the embeddings' features gathered. The arithmetic is
+the same: the losses equal ``--mesh data=8``'s to float32 round-off (sums taken in
+another order), in both modes and every layout; checkpoints restore across meshes. The
+heads (4) must divide by the ``model`` size. With ``--dropout`` the implicit step draws
+the same masks on every mesh; the explicit step draws each ``data`` device's own, so
+its losses then depend on the ``data`` size (not on ``model``: both devices of a
+``model`` pair draw the same mask).
 """
 
 from __future__ import annotations
@@ -40,10 +60,13 @@ import substrax
 import substrax.launch
 from substrax import checkpoint
 from substrax.launch import process_slice
-from substrax.mesh import create_data_parallel_mesh, use_cpu_devices
+from substrax.mesh import create_device_mesh, use_cpu_devices
+from substrax.nn import ColumnParallelLinear, ParallelEmbedding, ParallelSelfAttention, RowParallelLinear
 from substrax.spmd import create_data_parallel_sharding, place_batch_on_shards
 
 VOCAB = 128  # ASCII; other bytes read as "?"
+HEADS = 4
+AXES = ("data", "model")  # the mesh axes --mesh may name
 
 
 # --- the data: Python's standard library, as ASCII codes -----------------------------------
@@ -84,18 +107,23 @@ def encode(s: str) -> np.ndarray:
 
 
 class Block(nnx.Module):
-    """Pre-norm transformer block: causal self-attention, then an MLP, each residual."""
+    """Pre-norm transformer block: causal self-attention, then an MLP, each residual.
+
+    Attention and MLP are ``substrax.nn`` layers: on a mesh with a ``model`` axis the
+    heads and the MLP's hidden features are split over it; elsewhere they compute what
+    ``nnx.Linear`` and plain attention compute.
+    """
 
     def __init__(self, d: int, heads: int, dropout: float, rngs: nnx.Rngs) -> None:
         self.ln1 = nnx.LayerNorm(d, rngs=rngs)
-        self.attn = nnx.MultiHeadAttention(heads, d, decode=False, keep_rngs=False, rngs=rngs)
+        self.attn = ParallelSelfAttention(heads, d, causal=True, rngs=rngs)  # no dropout of its own
         self.ln2 = nnx.LayerNorm(d, rngs=rngs)
-        self.up = nnx.Linear(d, 4 * d, rngs=rngs)
-        self.down = nnx.Linear(4 * d, d, rngs=rngs)
+        self.up = ColumnParallelLinear(d, 4 * d, rngs=rngs)  # hidden features split over model
+        self.down = RowParallelLinear(4 * d, d, rngs=rngs)  # summed over model: whole again
         self.drop = nnx.Dropout(dropout, rngs=rngs if dropout else None)
 
-    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
-        x = x + self.drop(self.attn(self.ln1(x), mask=mask))
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x + self.drop(self.attn(self.ln1(x)))
         return x + self.drop(self.down(jax.nn.gelu(self.up(self.ln2(x)))))
 
 
@@ -108,23 +136,25 @@ class CharLM(nnx.Module):
         vocab: int = VOCAB,
         seq: int = 32,
         d: int = 64,
-        heads: int = 4,
+        heads: int = HEADS,
         blocks: int = 2,
         dropout: float = 0.0,
         rngs: nnx.Rngs,
     ) -> None:
         self.seq = seq
-        self.tok = nnx.Embed(vocab, d, rngs=rngs)
-        self.pos = nnx.Embed(seq, d, rngs=rngs)
+        # The tables' features split over model, all-gathered after the lookup. (Split by
+        # rows instead, the layout puts data on the features, against the batch's split
+        # over data, and XLA's implicit step replicates a tensor to reshard it.)
+        self.tok = ParallelEmbedding(vocab, d, split="features", rngs=rngs)
+        self.pos = ParallelEmbedding(seq, d, split="features", rngs=rngs)
         self.blocks = nnx.List([Block(d, heads, dropout, rngs) for _ in range(blocks)])
         self.ln = nnx.LayerNorm(d, rngs=rngs)
-        self.head = nnx.Linear(d, vocab, rngs=rngs)
+        self.head = nnx.Linear(d, vocab, rngs=rngs)  # replicated over model: the loss sees every logit
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         x = self.tok(tokens) + self.pos(jnp.arange(tokens.shape[-1]))
-        mask = nnx.make_causal_mask(tokens)
-        for block in self.blocks:
-            x = block(x, mask)
+        for block in self.blocks:  # causal: position i sees positions <= i
+            x = block(x)
         return self.head(self.ln(x))
 
 
@@ -152,7 +182,7 @@ def sample(model: CharLM, prompt: str, length: int, seed: int) -> str:
     key = jax.random.key(seed)
     for _ in range(length):
         context = codes[-model.seq :]
-        window = np.zeros((1, model.seq), np.int32)  # padded on the right: the mask hides it
+        window = np.zeros((1, model.seq), np.int32)  # padded on the right: causal attention hides it
         window[0, : len(context)] = context
         key, sub = jax.random.split(key)
         code = next_code(model, window, len(context) - 1, sub)
@@ -183,7 +213,64 @@ class Progress:
         print(text, flush=True)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def parse_mesh(text: str) -> dict[str, int]:
+    """``--mesh``'s value, ``data=4,model=2``, as ``{"data": 4, "model": 2}`` (argparse's ``type``)."""
+    axes: dict[str, int] = {}
+    for item in text.split(","):
+        name, eq, size = (part.strip() for part in item.partition("="))
+        if not eq or not size.isdigit() or int(size) < 1:
+            raise argparse.ArgumentTypeError(
+                f"{item.strip()!r} in {text!r} is not axis=size with a positive int size; "
+                f"write it as data=4,model=2"
+            )
+        if name not in AXES:
+            raise argparse.ArgumentTypeError(
+                f"unknown mesh axis {name!r} in {text!r}; the axes are {', '.join(AXES)}"
+            )
+        if name in axes:
+            raise argparse.ArgumentTypeError(f"mesh axis {name!r} is named twice in {text!r}")
+        axes[name] = int(size)
+    return axes
+
+
+def mesh_shape(axes: dict[str, int], devices: int, batch: int, heads: int = HEADS) -> dict[str, int]:
+    """``{"data": ..., "model": ...}`` for ``--mesh``'s axes on ``devices`` devices.
+
+    An axis left out is 1 (``model``) or takes the devices the others leave (``data``).
+    The mesh always has both axes: ``substrax.nn``'s layers declare their splits over
+    ``model``, and ``shard_state`` and the steps refuse a mesh that lacks an axis a
+    parameter names, so one-axis data parallelism is ``model=1``.
+
+    Raises:
+      ValueError: If the sizes' product is not ``devices``, ``model`` does not divide
+        ``heads``, or ``data`` does not divide ``batch``; says which.
+    """
+    model = axes.get("model", 1)
+    if "data" in axes:
+        data = axes["data"]
+    elif devices % model:
+        raise ValueError(f"--mesh model={model}: {model} does not divide the {devices} devices")
+    else:
+        data = devices // model
+    shape = {"data": data, "model": model}
+    if data * model != devices:
+        given = ",".join(f"{k}={v}" for k, v in axes.items())
+        raise ValueError(
+            f"--mesh {given}: {data} x {model} = {data * model} devices, but there are {devices}; "
+            f"the sizes' product must be the device count"
+        )
+    if heads % model:
+        raise ValueError(
+            f"--mesh model={model} does not divide the model's {heads} attention heads; "
+            f"each model device runs whole heads (model size one of "
+            f"{', '.join(str(n) for n in range(1, heads + 1) if heads % n == 0)})"
+        )
+    if batch % data:
+        raise ValueError(f"--batch {batch} does not split over data={data} devices; make it a multiple")
+    return shape
+
+
+def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=substrax.MODES, default="implicit")
     parser.add_argument(
@@ -205,6 +292,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=8,
         help="emulated CPU devices (CPU only; ignored under substrax.launch and on accelerators)",
     )
+    parser.add_argument(
+        "--mesh",
+        type=parse_mesh,
+        default={},
+        metavar="AXIS=SIZE,...",
+        help="the device mesh over the axes data and model, as data=4,model=2 "
+        "(default: every device on data); model splits the heads and the MLP",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--sample", type=int, default=80, help="characters to sample at the end (0: none)")
@@ -220,27 +315,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="f32",
         help="bf16: compute (and, in explicit mode, gather) in bfloat16; state and update stay float32",
     )
-    return parser.parse_args(argv)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> list[float]:
     """Train; returns every step's loss."""
-    args = parse_args(argv)
+    parser = make_parser()
+    args = parser.parse_args(argv)
     substrax.launch.initialize()  # first: before anything touches a JAX backend
     if not jax.distributed.is_initialized():
         use_cpu_devices(args.devices)  # sets the CPU backend's device count; an accelerator ignores it
+    try:
+        shape = mesh_shape(args.mesh, jax.device_count(), args.batch)
+    except ValueError as e:
+        parser.error(str(e))  # exits 2, with the usage
 
-    mesh = create_data_parallel_mesh()  # every device of every process
-    sharding = create_data_parallel_sharding(mesh)
+    mesh = create_device_mesh(shape)  # every device of every process, data x model
+    sharding = create_data_parallel_sharding(mesh)  # rows split over data, whole on each model device
     with jax.set_mesh(mesh):
-        # The same seed in every process: the same replicated start.
+        # The same seed in every process: the same start. Under a mesh with a model axis
+        # the tensor-parallel layers' parameters are placed split over it at creation.
         model, optimizer = make_model(args.seed, args.dropout, args.lr)
-    state_note = f"{args.layout} state"
-    if (
-        args.layout != "replicated"
-    ):  # split over the data axis: ZeRO-1 (optimizer state) or FSDP (parameters too)
-        layout = substrax.shard_state(model, optimizer, mesh=mesh, params=args.layout == "fsdp")
-        state_note += f" ({layout.bytes_per_device:,} of {layout.total_bytes:,} bytes per device)"
+    # The layers' model-axis splits stay; the layout applies over data on another dimension:
+    # replicated, ZeRO-1 (optimizer state split) or FSDP (parameters too).
+    layout = substrax.shard_state(model, optimizer, mesh=mesh, layout=args.layout)
+    per_device = f"{layout.bytes_per_device:,} of {layout.total_bytes:,} bytes per device"
+    state_note = f"{args.layout} state ({per_device})"
     precision = substrax.MixedPrecision(jnp.bfloat16) if args.precision == "bf16" else None
     train_step = substrax.make_train_step(
         loss_fn, args.mode, mesh=mesh, microbatches=args.microbatches, precision=precision
@@ -253,12 +353,14 @@ def main(argv: list[str] | None = None) -> list[float]:
     if leader:
         print(
             f"{params:,} parameters; {len(text):,} characters of Python {sys.version.split()[0]} stdlib; "
-            f"{jax.process_count()} process(es), {jax.device_count()} {jax.default_backend()} devices; "
-            f"{args.mode} step, {state_note}, global batch {args.batch} x {model.seq}"
+            f"{jax.process_count()} process(es), {jax.device_count()} {jax.default_backend()} devices "
+            f"as data={shape['data']} x model={shape['model']}; {args.mode} step, {state_note}, "
+            f"global batch {args.batch} x {model.seq}"
             + (f" in {args.microbatches} microbatches" if args.microbatches != 1 else "")
             + (", bfloat16 compute" if precision is not None else ""),
             flush=True,
         )
+        print(layout, flush=True)  # which array is split over which axis, on which dimension
 
     mine = process_slice(args.batch)
     data = batches(text, args.batch, model.seq, args.seed)
@@ -299,7 +401,10 @@ def main(argv: list[str] | None = None) -> list[float]:
     # model and optimizer hold the trained state again here
     skipped = [first + i for i, x in enumerate(losses) if not np.isfinite(float(x))]
     if skipped and leader:  # the step skips a non-finite update (skip_nonfinite=True) and says so by its loss
-        print(f"{len(skipped)} step(s) had a non-finite loss and left the model unchanged: {skipped}", flush=True)
+        print(
+            f"{len(skipped)} step(s) had a non-finite loss and left the model unchanged: {skipped}",
+            flush=True,
+        )
     if ckpt is not None:
         ckpt.wait()
         ckpt.close()

@@ -1,5 +1,5 @@
 """``examples/transformer_lm.py`` trains: both modes give the same falling losses, on one
-process and on two under the launcher.
+process and on two under the launcher, on the ``data=8`` mesh and on ``data=4,model=2``.
 
 The two-process run starts first, in the background, and the one-process runs go on
 in this process (8 emulated devices, from conftest) while it starts up.
@@ -21,10 +21,20 @@ import pytest
 from workers.launching import REPO
 
 import substrax
+from substrax.mesh import create_device_mesh
+from substrax.spmd import create_data_parallel_sharding, place_batch_on_shards
 
 EXAMPLE = REPO / "examples" / "transformer_lm.py"
 STEPS = 4
 ARGS = ["--steps", str(STEPS), "--log-every", "1"]
+MESH_2D = ["--mesh", "data=4,model=2"]
+# A 2-D mesh changes only the order of the sums (the model axis's partial products, the
+# data axis's 4 shards of rows instead of 8). Measured over 60 steps in both modes and all
+# three layouts, data=4,model=2's losses were within 3.6e-7 relative (3 float32 ulps) of
+# data=8's; data=8's own modes and layouts differ among themselves by up to 1.6e-7.
+# 1e-5 leaves 30x room and is this file's tolerance between modes and process counts;
+# one AdamW step here moves the loss by 1e-2 or more.
+RTOL_2D = 1e-5
 
 
 def load_example() -> Any:
@@ -65,8 +75,13 @@ def runs(two_processes: subprocess.Popen[str]) -> dict[str, tuple[list[float], s
     out: dict[str, tuple[list[float], str]] = {}
     for mode in substrax.MODES:
         with contextlib.redirect_stdout(io.StringIO()) as printed:
-            losses = example.main([*ARGS, "--mode", mode, "--sample", "5" if mode == "implicit" else "0"])
+            losses = example.main([*ARGS, "--mode", mode, "--sample", "0"])
         out[mode] = losses, printed.getvalue()
+    # The 2-D mesh, implicit and ZeRO-1, and a sample from it; explicit FSDP on it is the
+    # checkpoint test's first run.
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        losses = example.main([*ARGS, *MESH_2D, "--mode", "implicit", "--layout", "zero1", "--sample", "5"])
+    out["2d"] = losses, printed.getvalue()
     return out
 
 
@@ -88,36 +103,93 @@ def test_both_modes_give_the_same_losses(losses: dict[str, list[float]]) -> None
 
 
 def test_it_prints_losses_throughput_and_a_sample(runs: dict[str, tuple[list[float], str]]) -> None:
-    out = runs["implicit"][1]
-    assert re.search(rf"^step +{STEPS}/{STEPS}  loss [\d.]+ +[\d,]+ tokens/s", out, flags=re.M), out
-    assert re.search(r"^sample: def .", out, flags=re.M), out
-    assert "\r" not in out  # not a terminal: one line per interval, no redrawn status line
+    step_line = rf"^step +{STEPS}/{STEPS}  loss [\d.]+ +[\d,]+ tokens/s"
+    for out in (runs["implicit"][1], runs["2d"][1]):
+        assert re.search(step_line, out, flags=re.MULTILINE), out
+        assert "\r" not in out  # not a terminal: one line per interval, no redrawn status line
+    assert re.search(r"^sample: def .", runs["2d"][1], flags=re.MULTILINE), runs["2d"][1]  # on data=4,model=2
 
 
 def test_two_processes_give_the_same_losses(two_processes: subprocess.Popen[str], losses: dict) -> None:
     stdout, stderr = two_processes.communicate(timeout=180)
     assert two_processes.returncode == 0, stdout + stderr
-    printed = [float(x) for x in re.findall(r"^\[p0\] step +\d+/\d+  loss ([\d.]+)", stdout, flags=re.M)]
+    printed = [
+        float(x) for x in re.findall(r"^\[p0\] step +\d+/\d+  loss ([\d.]+)", stdout, flags=re.MULTILINE)
+    ]
     assert "[p1] step" not in stdout  # only process 0 reports
     np.testing.assert_allclose(printed, losses["implicit"], rtol=1e-5)
 
 
 def test_a_run_resumes_from_its_checkpoint_with_the_same_losses(losses: dict, tmp_path: Any) -> None:
-    """Two steps saved as FSDP in explicit mode; resumed replicated in implicit mode for steps 3-4."""
+    """Two steps saved as FSDP in explicit mode on data=4,model=2; resumed replicated in
+    implicit mode on data=8 for steps 3-4. The first two are explicit FSDP on the 2-D mesh."""
     example = load_example()
-    common = ["--log-every", "1", "--sample", "0", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "2"]
+    common = ["--log-every", "1", "--sample", "0", "--checkpoint-every", "2"]
+    common += ["--checkpoint-dir", str(tmp_path)]
     with contextlib.redirect_stdout(io.StringIO()):
-        example.main([*common, "--steps", "2", "--mode", "explicit", "--layout", "fsdp"])
+        first = example.main([*common, *MESH_2D, "--steps", "2", "--mode", "explicit", "--layout", "fsdp"])
+    np.testing.assert_allclose(first, losses["explicit"][:2], rtol=RTOL_2D)
     with contextlib.redirect_stdout(io.StringIO()) as printed:
-        resumed = example.main([*common, "--steps", str(STEPS), "--mode", "implicit"])
+        resumed = example.main([*common, "--steps", str(STEPS), "--mode", "implicit", "--mesh", "data=8"])
     assert "resumed from step 2" in printed.getvalue()
     np.testing.assert_allclose(resumed, losses["implicit"][2:], rtol=1e-5)
+
+
+def test_a_2d_mesh_gives_the_data_parallel_losses(runs: dict[str, tuple[list[float], str]]) -> None:
+    """data=4,model=2 (implicit, ZeRO-1) against data=8 (replicated); it prints the splits."""
+    got, out = runs["2d"]
+    np.testing.assert_allclose(got, runs["implicit"][0], rtol=RTOL_2D)
+    assert "8 cpu devices as data=4 x model=2" in out, out
+    up = r"\['blocks'\]\[0\]\['up'\]\['kernel'\] +\(64, 256\) +float32 +"
+    param, moment = (
+        rf"^model{up}dim 1 over 'model'$",
+        rf"^optimizer\[.*\]\['mu'\]{up}dim 0 over 'data'; dim 1 over 'model'$",
+    )
+    assert re.search(param, out, flags=re.MULTILINE), out  # ZeRO-1: the parameter whole over data
+    assert re.search(moment, out, flags=re.MULTILINE), out  # its optimizer state split over both
+
+
+def test_the_batch_is_split_over_data_and_whole_on_each_model_device() -> None:
+    """As main places it on data=4,model=2: 8 rows per data index, the same on both its model devices."""
+    example = load_example()
+    mesh = create_device_mesh(example.mesh_shape(example.parse_mesh("data=4,model=2"), 8, 32))
+    rows = np.arange(32)[:, None] * np.ones((1, 3), np.int32)
+    placed = place_batch_on_shards({"tokens": rows}, create_data_parallel_sharding(mesh))["tokens"]
+    coords = {d.id: (i, j) for (i, j), d in np.ndenumerate(mesh.devices)}
+    for shard in placed.addressable_shards:
+        i, _ = coords[shard.device.id]
+        np.testing.assert_array_equal(shard.data[:, 0], np.arange(8 * i, 8 * i + 8))
+
+
+@pytest.mark.parametrize(
+    ("mesh", "message"),
+    [
+        ("data=4,model=2,pipe=1", "unknown mesh axis 'pipe'"),
+        ("data=4,model", "'model' in 'data=4,model' is not axis=size"),
+        ("data=4,model=0", "is not axis=size with a positive int size"),
+        ("data=4,data=2", "mesh axis 'data' is named twice"),
+        ("data=2,model=2", "2 x 2 = 4 devices, but there are 8"),
+        ("data=1,model=8", "model=8 does not divide the model's 4 attention heads"),
+        ("model=3", "model=3: 3 does not divide the 8 devices"),
+    ],
+)
+def test_a_bad_mesh_is_a_clear_usage_error(
+    mesh: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    example = load_example()
+    with pytest.raises(SystemExit) as exit_info:
+        example.main([*ARGS, "--mesh", mesh])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage:" in err and message in err, err
 
 
 def test_bfloat16_compute_tracks_the_float32_run(losses: dict) -> None:
     """--precision bf16 (explicit FSDP: bfloat16 gathers, float32 state) within bfloat16's tolerance."""
     example = load_example()
     with contextlib.redirect_stdout(io.StringIO()) as printed:
-        got = example.main([*ARGS, "--sample", "0", "--mode", "explicit", "--layout", "fsdp", "--precision", "bf16"])
+        got = example.main(
+            [*ARGS, "--sample", "0", "--mode", "explicit", "--layout", "fsdp", "--precision", "bf16"]
+        )
     assert "bfloat16 compute" in printed.getvalue()
     np.testing.assert_allclose(got, losses["explicit"], rtol=1e-2)  # bfloat16 eps 7.8e-3
