@@ -58,15 +58,16 @@ class LeafPlacement:
         ways = math.prod(n for _, _, n in self.other_splits)
         return self.nbytes // ways if self.split_dim is None else self.nbytes // ways // self.axis_size
 
-    def where(self) -> str:
-        """``replicated``, ``split on dim 0`` (over the data axis), or each split as ``dim 0 over 'data'``."""
-        if not self.other_splits:
+    def where(self, by_axis: bool = False) -> str:
+        """``replicated``, ``split on dim 0`` (over the data axis), or each split as ``dim 0 over 'data'``
+        (with ``by_axis``, or when split over another axis too)."""
+        if not self.other_splits and not by_axis:
             return "replicated" if self.split_dim is None else f"split on dim {self.split_dim}"
         splits = sorted(
             [(self.split_dim, self.data_axis)] * (self.split_dim is not None)
             + [(d, a) for d, a, _ in self.other_splits]
         )
-        return "; ".join(f"dim {d} over {a!r}" for d, a in splits)
+        return "; ".join(f"dim {d} over {a!r}" for d, a in splits) or "replicated"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,13 +102,18 @@ class Layout:
 
     def __str__(self) -> str:
         width = max([len(r.path) for r in self.rows] + [4])
+        others = {a: n for r in self.rows for _, a, n in r.other_splits}
+        beside = "".join(
+            f", beside the layers' splits over {a!r} ({n} devices)" for a, n in sorted(others.items())
+        )
         lines = [
-            f"layout {self.kind} over {self.axis!r} ({self.axis_size} devices): "
+            f"layout {self.kind} over {self.axis!r} ({self.axis_size} devices){beside}: "
             f"{self.bytes_per_device:,} state bytes per device of {self.total_bytes:,}",
             f"{'leaf':<{width}}  {'shape':<14} {'dtype':<8} where",
         ]
+        by_axis = any(r.other_splits for r in self.rows)  # a 2-D layout names each split's axis
         for r in self.rows:
-            lines.append(f"{r.path:<{width}}  {str(r.shape):<14} {r.dtype:<8} {r.where()}")
+            lines.append(f"{r.path:<{width}}  {str(r.shape):<14} {r.dtype:<8} {r.where(by_axis)}")
         return "\n".join(lines)
 
 
