@@ -63,6 +63,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/layouts.py --quick --json benchmarks/results/layouts_quick.json
 	$(PY) benchmarks/accumulation.py --quick --json benchmarks/results/accumulation_quick.json
 	$(PY) benchmarks/precision.py --quick --json benchmarks/results/precision_quick.json
+	$(PY) benchmarks/tensor_parallel.py --quick --json benchmarks/results/tensor_parallel_quick.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
