@@ -21,7 +21,7 @@ draws the same global batch and places only its own rows (``process_slice``); th
 is the same.
 
 ``--mesh`` lays the devices out on two axes, ``data`` and ``model`` (default: every
-device on ``data``, ``model`` of size 1). The model is built from ``substrax.nn``'s
+device on ``data``, and no ``model`` axis: the layers then compute as plain ones). The model is built from ``substrax.nn``'s
 tensor-parallel layers, one definition for every mesh: on ``--mesh data=4,model=2``
 each attention layer's heads and each MLP's hidden features are split over ``model``
 (the MLP a column-parallel up projection, gelu, a row-parallel down projection; the
@@ -236,10 +236,8 @@ def parse_mesh(text: str) -> dict[str, int]:
 def mesh_shape(axes: dict[str, int], devices: int, batch: int, heads: int = HEADS) -> dict[str, int]:
     """``{"data": ..., "model": ...}`` for ``--mesh``'s axes on ``devices`` devices.
 
-    An axis left out is 1 (``model``) or takes the devices the others leave (``data``).
-    The mesh always has both axes: ``substrax.nn``'s layers declare their splits over
-    ``model``, and ``shard_state`` and the steps refuse a mesh that lacks an axis a
-    parameter names, so one-axis data parallelism is ``model=1``.
+    ``data`` left out takes the devices ``model`` leaves; ``model`` left out is no
+    ``model`` axis at all (``shard_state`` places the layers' splits over it whole).
 
     Raises:
       ValueError: If the sizes' product is not ``devices``, ``model`` does not divide
@@ -252,7 +250,7 @@ def mesh_shape(axes: dict[str, int], devices: int, batch: int, heads: int = HEAD
         raise ValueError(f"--mesh model={model}: {model} does not divide the {devices} devices")
     else:
         data = devices // model
-    shape = {"data": data, "model": model}
+    shape = {"data": data, "model": model} if "model" in axes else {"data": data}
     if data * model != devices:
         given = ",".join(f"{k}={v}" for k, v in axes.items())
         raise ValueError(
@@ -354,7 +352,7 @@ def main(argv: list[str] | None = None) -> list[float]:
         print(
             f"{params:,} parameters; {len(text):,} characters of Python {sys.version.split()[0]} stdlib; "
             f"{jax.process_count()} process(es), {jax.device_count()} {jax.default_backend()} devices "
-            f"as data={shape['data']} x model={shape['model']}; {args.mode} step, {state_note}, "
+            f"as data={shape['data']} x model={shape.get('model', 1)}; {args.mode} step, {state_note}, "
             f"global batch {args.batch} x {model.seq}"
             + (f" in {args.microbatches} microbatches" if args.microbatches != 1 else "")
             + (", bfloat16 compute" if precision is not None else ""),
