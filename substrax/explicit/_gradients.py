@@ -95,13 +95,15 @@ def reference_gradient(
     loss_fn: Callable[[Any, PyTree], jax.Array],
     host_batch: PyTree,
     axes: Sequence[str],
+    precision: MixedPrecision | None = None,
 ) -> tuple[nnx.State, nnx.State]:
     """The gradient on the whole batch on one device, and the state after the loss ran.
 
-    Refuses a loss that draws random numbers.
+    Under ``precision``, with the policy's casts on that one device (the gradient still
+    with respect to the parameters as stored). Refuses a loss that draws random numbers.
     """
     one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    grads, after = _grad_and_state(graphdef, loss_fn, axes)(
+    grads, after = _grad_and_state(graphdef, loss_fn, axes, precision)(
         jax.device_put(state, one_device), map_arrays(lambda x: jax.device_put(x, one_device), host_batch)
     )
     _refuse_random_draws(_rng_counts(state), _rng_counts(after))

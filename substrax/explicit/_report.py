@@ -122,6 +122,25 @@ def flatten_reference(reference: nnx.State, compute_dtype: Any = None) -> Refere
     )
 
 
+# A policy's round-off grows with the number of terms a gradient element sums (a bias under
+# a conv sums rows x pixels), which no fixed tolerance covers: it is measured instead, as the
+# one-device gradient under the policy against the reference, and each leaf may differ by
+# this many times that.
+POLICY_ERROR_FACTOR = 4.0
+
+
+def widen_to_policy_error(ref: Reference, under_policy: Any) -> Reference:
+    """``ref`` with each leaf's ``atol`` at least ``POLICY_ERROR_FACTOR`` times the leaf's
+    largest difference between ``under_policy`` (the one-device gradient under the same
+    mixed-precision policy) and the reference."""
+    noisy = [np.asarray(leaf, dtype=np.float64) for leaf in jax.tree.leaves(under_policy)]
+    atol = [
+        max(a, POLICY_ERROR_FACTOR * float(np.max(np.abs(n - v), initial=0.0)))
+        for a, n, v in zip(ref.atol, noisy, ref.values, strict=True)
+    ]
+    return dataclasses.replace(ref, atol=atol)
+
+
 def flatten_method(method: str, grads: Any, ref: Reference) -> list[np.ndarray]:
     """``grads``'s leaves as float64, in the reference's order; refuses other parameters."""
     got = jax.tree_util.tree_flatten_with_path(grads)[0]
