@@ -17,8 +17,12 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m substrax.demo
 
+# The suite on WORKERS processes (pytest-xdist), each test file whole on one of them: on 2
+# cores most of a file's time is compiling, which one process does on one core.
+WORKERS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile
 
 # The documentation site (docs/, mkdocs.yml) into build/site, warnings as errors; the docs
 # extra is installed into .venv beside the dev one, again whenever .venv is refreshed.
@@ -55,7 +59,7 @@ $(FLOOR_STAMP): pyproject.toml .ci/floor_requirements.py
 
 test-floor: $(FLOOR_STAMP)
 	$(FLOOR_PY) -c 'import jax, flax, optax, numpy; print("floor:", "jax", jax.__version__, "flax", flax.__version__, "optax", optax.__version__, "numpy", numpy.__version__)'
-	$(FLOOR_PY) -m pytest -q -p no:cacheprovider --ignore=tests/test_notebooks.py
+	$(FLOOR_PY) -m pytest -q -p no:cacheprovider -n $(WORKERS) --dist loadfile --ignore=tests/test_notebooks.py
 
 bench: $(STAMP)
 	$(PY) benchmarks/train_step.py --quick --json benchmarks/results/train_step_quick.json

@@ -3,8 +3,8 @@
 Reads ``pyproject.toml``: each ``[project] dependencies`` entry ``name>=X`` becomes
 ``name==X`` (an entry without a ``>=`` floor is kept as written), so a dependency added
 there is tested at its floor without editing this file. The test runner comes from the
-``dev`` extra as written there (only ``pytest`` and ``hypothesis``: the library tests
-need nothing else).
+``dev`` extra as written there (only ``pytest``, ``pytest-xdist`` and ``hypothesis``: the
+library tests need nothing else).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-TEST_TOOLS = ("pytest", "hypothesis")
+TEST_TOOLS = ("pytest", "pytest-xdist", "hypothesis")
 FLOOR = re.compile(r"^\s*([A-Za-z0-9_.\-]+(?:\[[^\]]*\])?)\s*>=\s*([^,;\s]+)\s*(;.*)?$")
 
 
