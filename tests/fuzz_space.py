@@ -21,6 +21,8 @@ from flax import nnx
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec
 
+import substrax
+
 P = PartitionSpec
 
 # ----------------------------------------------------------------------------------------- the axes
@@ -49,6 +51,10 @@ PLACEMENTS = ("batch_spec", "placed")  # host arrays + batch_spec=, or place_bat
 # A metric per reduction; "default" is a metric reduce= does not name (it gets "mean").
 METRICS = ("mean", "sum", "max", "min", "gather", None, "default")
 SPELLINGS = ("call", "bind")  # step(model, optimizer, batch), or step.bind(model, optimizer)(batch)
+# The mixed-precision policy, "param_dtype/reduce_dtype": None (no policy; two draws in three),
+# or substrax.MixedPrecision(bfloat16, reduce_dtype=float32 or bfloat16), keep_batch=().
+PRECISIONS = (None, "bf16/f32", "bf16/bf16")
+DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
 
 LR_SGD = 0.05
 LR_ADAPTIVE = 1e-2
@@ -77,6 +83,7 @@ class Config:
     placement: str = "batch_spec"
     metrics: tuple[str | None, ...] | None = None  # None: has_aux=False
     spelling: str = "call"
+    precision: str | None = None  # one of PRECISIONS
     compare_gradients: bool = False  # also run substrax.explicit.compare_gradients (3 more compiles)
     seed: int = 0
     steps: int = 3
@@ -95,6 +102,21 @@ class Config:
         return self.metrics is not None
 
     @property
+    def dtypes(self) -> tuple[Any, Any] | None:
+        """The policy's (param_dtype, reduce_dtype), or None without one."""
+        if self.precision is None:
+            return None
+        param, reduce = self.precision.split("/")
+        return DTYPES[param], DTYPES[reduce]
+
+    def policy(self) -> substrax.MixedPrecision | None:
+        """The ``precision=`` the step under test gets."""
+        if self.dtypes is None:
+            return None
+        param, reduce = self.dtypes
+        return substrax.MixedPrecision(param_dtype=param, reduce_dtype=reduce)
+
+    @property
     def batchnorm(self) -> bool:
         return any(b.startswith("batchnorm") for b in self.blocks)
 
@@ -103,10 +125,11 @@ class Config:
         layout = self.layout if self.layout == "replicated" else f"{self.layout}/min{self.min_size or 'def'}"
         extras = [self.batch_tree] + ["mask"] * self.mask + ["scale"] * self.scale + [self.placement]
         aux = "" if self.metrics is None else " aux(" + ",".join(str(m) for m in self.metrics) + ")"
+        precision = "" if self.precision is None else f" {self.precision}"
         return (
             f"{self.mode:<8} {layout:<12} n{self.devices} k{self.microbatches} r{self.rows} "
             f"{self.stem}[{','.join(self.blocks)}]w{self.width} {self.task} {self.optimizer} "
-            f"{' '.join(extras)}{aux} {self.spelling} s{self.seed}"
+            f"{' '.join(extras)}{aux} {self.spelling}{precision} s{self.seed}"
         )
 
 
@@ -134,6 +157,7 @@ def configs() -> st.SearchStrategy[Config]:
         spelling=st.sampled_from(SPELLINGS),
         compare_gradients=st.booleans(),
         seed=st.integers(0, 2**16 - 1),
+        precision=st.sampled_from((None,) * 4 + PRECISIONS[1:]),  # last: the earlier axes draw as before
     )
 
 
