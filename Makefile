@@ -40,7 +40,7 @@ docs: $(DOCS_STAMP)
 # configurations, one line per draw, every failing one listed at the end as Python code.
 # SUBSTRAX_FUZZ_EXAMPLES=N sets the number of draws (default 300; about 5-20 s each on 2 cores).
 fuzz: $(STAMP)
-	SUBSTRAX_FUZZ=full $(PY) -m pytest -q -s -p no:cacheprovider tests/test_fuzz.py
+	SUBSTRAX_FUZZ=full $(PY) -m pytest -q -s -p no:cacheprovider tests/test_fuzz.py tests/test_fuzz_mesh.py
 
 # The library tests (not the notebooks) against the oldest versions pyproject.toml allows:
 # each `name>=X` of its dependencies installed as `name==X`, in a venv of their own.

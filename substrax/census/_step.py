@@ -269,10 +269,15 @@ def check_communication(
     report = census(compiled, mesh=options.mesh)
     out = lowered.out_info[1]  # the step's (loss, metrics), as shapes and dtypes
     loss_dtype = out[0].dtype if options.has_aux else out.dtype
-    if layout.axis_size == 1:  # a data axis of size 1: the step calls for no communication at all
+    if layout.axis_size == 1:  # a data axis of size 1: nothing moves over it
+        sizes = _axis_sizes(options, model, optimizer)
+        # over another axis (a tensor-parallel ``model``), the update still reduces what the
+        # layers split there (a global norm, the non-finite flags): the update's own census
+        update = update_items(options, model, optimizer, loss_dtype) if math.prod(sizes.values()) > 1 else None
         expected = expected_communication(
-            [], layout=layout.kind, mode=options.mode, microbatches=options.microbatches, loss_bytes=0
-        )
+            [], layout=layout.kind, mode=options.mode, microbatches=options.microbatches, loss_bytes=0,
+            update=update,
+        )  # fmt: skip
         # what the model issues itself (BatchNorm's psum over a size-1 axis_name) is attributed
         return compare(report, expected, attribute_model=True)
     metrics = _metric_items(out, options.has_aux)
