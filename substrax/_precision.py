@@ -9,8 +9,9 @@ before their reduction (``psum`` / ``psum_scatter``) and accumulated over
 microbatches in it, then cast back to the parameters' dtype for the update. The loss
 and floating metrics come back in float32.
 
-Implicit mode differentiates the float32 parameters through the cast; where XLA
-reduces (before or after the cast back) is its choice, which the census shows.
+Implicit mode differentiates the float32 parameters through the cast, so its gradients
+(and their sum over microbatches) are float32; where XLA reduces (before or after the
+cast back) is its choice, which the census shows. ``reduce_dtype`` is explicit mode's.
 """
 
 from __future__ import annotations
