@@ -89,7 +89,7 @@ def check_mesh_axes(tree: Any, mesh: Any, owner: str) -> None:
     """Refuse a variable declared sharded over an axis ``mesh`` lacks, naming it and the axis."""
     for path, variable in nnx.to_flat_state(nnx.state(tree)):
         spec = spec_tuple(variable) or ()
-        names = [a for e in spec if e is not None for a in (e if isinstance(e, tuple) else (e,))]
+        names = [a for e in spec for a in entry_axes(e)]
         missing = [a for a in names if a not in mesh.axis_names]
         if missing:
             raise ValueError(

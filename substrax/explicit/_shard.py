@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from substrax._collectives import to_varying
-from substrax._layout import ParamSplit, spec_tuple
+from substrax._layout import ParamSplit, entry_axes, spec_tuple
 from substrax._tree import PyTree, path_str
 from substrax.explicit._grad import varying_axes
 
@@ -57,13 +57,7 @@ def check_layers_take_blocks(model: nnx.Module, data_axis: str) -> None:
             if not isinstance(variable, nnx.Param):
                 continue
             spec = spec_tuple(variable) or ()
-            others = [
-                a
-                for e in spec
-                if e is not None
-                for a in (e if isinstance(e, tuple) else (e,))
-                if a != data_axis
-            ]
+            others = [a for e in spec for a in entry_axes(e) if a != data_axis]
             if others:
                 raise ValueError(
                     f"{path_str((*path, name), 'model')} is sharded as {PartitionSpec(*spec)}, over mesh "
