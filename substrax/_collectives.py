@@ -24,6 +24,8 @@ __all__ = [
     "reduce_mean_collective",
     "reduce_min_collective",
     "reduce_sum_collective",
+    "to_varying",
+    "varying_axes",
 ]
 
 T = TypeVar("T")
@@ -146,6 +148,19 @@ else:  # pragma: no cover - older jax than pyproject allows
     def gather_invariant(x: Any, axis_name: str, *, axis: int = 0, tiled: bool = False) -> Any:
         """``all_gather`` whose result is typed equal on every device (may leave through ``P()``)."""
         return jax.lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
+
+
+def varying_axes(x: Any) -> frozenset[str] | None:
+    """The mesh axes ``x`` varies over inside ``shard_map``, or None where jax can't say.
+
+    With ``check_vma=False`` every value reports no varying axes.
+    """
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.12
+    if manual is not None:
+        return frozenset(manual.varying)
+    vma = getattr(aval, "vma", None)  # jax 0.11
+    return None if vma is None else frozenset(vma)
 
 
 def to_varying(x: Any, axis_name: str) -> Any:

@@ -27,6 +27,7 @@ from substrax._precision import MixedPrecision
 from substrax._tree import PyTree
 from substrax.census import Comparison
 from substrax.census._step import check_communication
+from substrax.nn import _issued as issued
 from substrax.explicit import _step as explicit_step
 from substrax.explicit._step import BatchSpec
 from substrax.mesh import current_mesh
@@ -231,21 +232,23 @@ class TrainStep:
         """``jax.set_mesh(self.mesh)``, or nothing when the step has no mesh of its own."""
         return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
+    def _jit(self, graphdef: Any, treedef: Any, donate: bool) -> Any:
+        """The pure step for one graph, jitted: a new ``jax.jit`` (and trace) each call."""
+
+        def pure(
+            arrays: list[jax.Array], batch: PyTree, placed: _PlacedSpecs | None
+        ) -> tuple[list[jax.Array], Any]:
+            model, optimizer = nnx.merge(graphdef, jax.tree.unflatten(treedef, arrays))
+            out = self._run(model, optimizer, batch, placed)
+            return jax.tree.leaves(nnx.state((model, optimizer))), out
+
+        return jax.jit(pure, donate_argnums=0 if donate else (), static_argnames="placed")
+
     def _pure_step(self, graphdef: Any, treedef: Any, donate: bool) -> Any:
         """The jitted pure step for one graph, made once per graph (a re-split reuses it)."""
         key = (graphdef, treedef, donate)
         if key not in self._pure_steps:
-
-            def pure(
-                arrays: list[jax.Array], batch: PyTree, placed: _PlacedSpecs | None
-            ) -> tuple[list[jax.Array], Any]:
-                model, optimizer = nnx.merge(graphdef, jax.tree.unflatten(treedef, arrays))
-                out = self._run(model, optimizer, batch, placed)
-                return jax.tree.leaves(nnx.state((model, optimizer))), out
-
-            self._pure_steps[key] = jax.jit(
-                pure, donate_argnums=0 if donate else (), static_argnames="placed"
-            )
+            self._pure_steps[key] = self._jit(graphdef, treedef, donate)
         return self._pure_steps[key]
 
     def _split(self, model: nnx.Module, optimizer: nnx.Optimizer, *, donate: bool) -> _SplitState:
@@ -275,8 +278,7 @@ class TrainStep:
         collectives XLA compiled in (``all-reduce`` and others).
         """
         split = self._split(model, optimizer, donate=False)
-        with self.mesh_context():
-            return split.jitted.lower(split.arrays(), batch, placed=self.placed_specs(batch))
+        return split.lower(split.arrays(), batch)
 
     def check_communication(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree) -> Comparison:
         """Every collective of this step compiled for these arguments, held against its layout's rule.
@@ -287,7 +289,9 @@ class TrainStep:
         itself (the ``CensusReport`` that ``substrax.census`` gives of the compiled step).
         See ``substrax.compare`` for the rule.
         """
-        return check_communication(self.lower(model, optimizer, batch), model, optimizer, self.options)
+        with issued.recording() as layers:  # what substrax.nn's layers say they communicate
+            lowered = self.lower(model, optimizer, batch)
+        return check_communication(lowered, model, optimizer, self.options, layers=layers)
 
     def census(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree) -> Comparison:
         """``check_communication``, under the name it had first.
@@ -343,6 +347,13 @@ class _SplitState:
         self._epochs = (_layout.epoch(model), _layout.epoch(optimizer))
 
         self.jitted = step._pure_step(graphdef, treedef, donate)
+        self._graph = (graphdef, treedef)
+
+    def lower(self, arrays: list[jax.Array], batch: PyTree) -> Any:
+        """The step lowered for these arguments, traced afresh (not from the jitted step's cache)."""
+        with self.step.mesh_context():
+            jitted = self.step._jit(*self._graph, donate=False)
+            return jitted.lower(arrays, batch, placed=self.step.placed_specs(batch))
 
     def valid_for(self, model: nnx.Module, optimizer: nnx.Optimizer) -> bool:
         if (
@@ -412,8 +423,7 @@ class BoundTrainStep:
 
     def lower(self, batch: PyTree) -> Any:
         """Lower this step for ``batch``, to read its HLO (see ``TrainStep.lower``)."""
-        with self._step.mesh_context():
-            return self._split.jitted.lower(self._arrays, batch, placed=self._step.placed_specs(batch))
+        return self._split.lower(self._arrays, batch)
 
     def check_communication(self, batch: PyTree) -> Comparison:
         """This step's census against its layout's rule (see ``TrainStep.check_communication``); syncs first."""

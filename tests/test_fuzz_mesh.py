@@ -16,7 +16,8 @@ turns into steps of about its learning rate whatever the round-off's size: there
 runs may differ by up to 2 x lr x steps, and that is its tolerance (declared, found by this
 fuzzer: ``MeshConfig(mode='explicit', data=1, model=4, layout='fsdp', microbatches=2,
 optimizer='adam', heads=4, causal=True, blocks=2, width=32, seed=236)``). In explicit mode
-the step's census must match.
+the step's census must match, with each layer's collectives over ``model`` expected from
+what the layers say (``substrax.nn._issued``).
 
 ``make test`` runs a fixed-seed sample (profile ``fuzz-ci`` of ``test_fuzz.py``);
 ``make fuzz`` (``SUBSTRAX_FUZZ=full``) ``SUBSTRAX_FUZZ_EXAMPLES`` random draws. A failing
@@ -215,6 +216,13 @@ def check(c: MeshConfig) -> None:
     if c.mode == "explicit":
         found = step.check_communication(model, optimizer, batches[0])
         assert found.matches, f"{c}: census\n{found}"
+        # expected from the layers: per block a forward psum of attention's output and of the
+        # MLP's, a backward psum of the MLP's input and, but for the first block (fed by the
+        # batch), of attention's
+        said = sorted((i.phase, i.kind) for i, _ in found.matched if i.category == "model")
+        blocks = c.blocks if c.model is not None else 0
+        want = [("backward", "all-reduce")] * max(2 * blocks - 1, 0) + [("forward", "all-reduce")] * 2 * blocks
+        assert said == want, f"{c}: {said}"
 
 
 # The corners of the space, first in every profile: each mesh shape of the issue, both modes.

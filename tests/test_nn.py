@@ -11,6 +11,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from substrax import census
+from substrax.census import phase_of
+from substrax.nn import _issued as issued
 from substrax.mesh import create_device_mesh
 from substrax.nn import ColumnParallelLinear, ParallelEmbedding, ParallelSelfAttention, RowParallelLinear
 
@@ -185,7 +187,10 @@ def test_explicit_block_matches_one_device(shape) -> None:
         assert model_collectives(forward, state, x, mesh=mesh) == {"all-reduce": 1}  # the row layer's psum
         rows = [r for r in census(run.lower(state, x).compile(), mesh=mesh).rows if r.axes == ("model",)]
         assert sorted(r.kind for r in rows) == ["all-reduce", "all-reduce"]  # + the input gradient's
-        assert sum("substrax.tensor_parallel" in r.op_name for r in rows) == 1
+        # both written by the layers: the row layer's psum, and the transpose of the column
+        # layer's cast of its input to varying
+        assert all("substrax.tensor_parallel" in r.op_name for r in rows), rows
+        assert sorted(phase_of(r.op_name) for r in rows) == ["backward", "forward"]
 
 
 @pytest.mark.parametrize("collective_matmul", [False, True])
@@ -251,6 +256,81 @@ def test_explicit_embedding_matches_one_device(split) -> None:
     np.testing.assert_allclose(logits, model.attend(q), **TOL)
     want = jax.grad(lambda s: jnp.mean(nnx.merge(graphdef, s)(ids) ** 2))(state)
     assert_trees_close(grads, want)
+
+
+class TiedLM(nnx.Module):
+    """Embedding -> attention -> the embedding's tied logits: every layer's collectives at once."""
+
+    def __init__(self, split: str) -> None:
+        rngs = nnx.Rngs(0)
+        self.emb = ParallelEmbedding(16, 8, split=split, rngs=rngs)
+        self.attn = ParallelSelfAttention(4, 8, qkv_features=16, rngs=rngs)
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        x = self.emb(ids)
+        return self.emb.attend(x + self.attn(x))
+
+
+def tied_lm(split: str, mesh):
+    """``TiedLM``'s loss and gradient under ``shard_map``, a fresh ``jax.jit`` each call."""
+    graphdef, state = nnx.split(TiedLM(split))
+    specs = nnx.get_partition_spec(state)
+    axes = ("data", "model") if split == "vocab" else "data"  # vocab: each device its logits' block
+
+    def per_device(state, ids):
+        loss = lambda s: jax.lax.pmean(jnp.mean(nnx.merge(graphdef, s)(ids) ** 2), axes)  # noqa: E731
+        return jax.value_and_grad(loss)(state)
+
+    run = jax.shard_map(
+        per_device, mesh=mesh, in_specs=(specs, P("data")), out_specs=(P(), specs), check_vma=True
+    )
+    return jax.jit(run), (state, jax.random.randint(jax.random.key(2), (4, 6), 0, 16))
+
+
+def block_run(mesh, **options):
+    spec, axes = (P("data", "model"), ("data", "model")) if options else (P("data"), "data")
+    run, _, state = explicit(Block(**options), mesh, spec, axes)
+    return run, (state, batch())
+
+
+def attention_run(mesh):
+    run, _, state = explicit(
+        ParallelSelfAttention(4, 8, qkv_features=16, rngs=nnx.Rngs(0)), mesh, P("data"), "data"
+    )
+    return run, (state, batch((4, 5, 8)))
+
+
+LAYER_RUNS = {
+    "block": block_run,
+    "sequence-parallel": lambda mesh: block_run(mesh, sequence_parallel=True),
+    "collective-matmul": lambda mesh: block_run(mesh, sequence_parallel=True, collective_matmul=True),
+    "attention": attention_run,
+    "embedding-vocab": lambda mesh: tied_lm("vocab", mesh),
+    "embedding-features": lambda mesh: tied_lm("features", mesh),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYER_RUNS))
+def test_layers_say_every_collective_they_compile_to(name) -> None:
+    """What the layers announce while traced (the census's expectation over ``model``,
+    ``substrax.nn._issued``) is, buffer for buffer and phase for phase, what XLA compiled
+    over ``model``: forward and backward, the input's gradient psum-ed only when taken."""
+    mesh = create_device_mesh({"data": 2, "model": 4})
+    run, args = LAYER_RUNS[name](mesh)
+    with issued.recording() as said:
+        compiled = run.lower(*args).compile()
+    parts = [p for row in census(compiled, mesh=mesh).rows if row.axes == ("model",) for p in row.parts]
+    got = sorted((phase_of(p.op_name), p.kind, p.buffer.shape, p.bytes_per_step) for p in parts)
+    want = sorted((i.phase, i.kind, i.shape, i.bytes) for i in said)
+    assert got == want, "\n".join(map(str, said))
+
+
+def test_nothing_is_said_outside_a_recording_or_without_a_split() -> None:
+    model, x = Block(), batch()
+    assert issued.backward(model, "all-reduce", "model", x, "why") is x  # the program as written
+    with issued.recording() as said:
+        jax.grad(lambda m, x: jnp.mean(m(x) ** 2), argnums=1)(model, x)  # one device: no collective
+    assert said == []
 
 
 # --- implicit: jax.jit over placed arrays ------------------------------------------

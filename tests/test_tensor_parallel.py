@@ -145,6 +145,16 @@ def test_layout_table_names_both_axes() -> None:
     assert (mu.split_dim, mu.other_splits) == (0, ((1, "model", 2),))  # the momentum follows its parameter
 
 
+# What the layers write over 'model', each rows x sequence x features per device: a forward
+# psum per row layer (attention's output, the MLP's down projection) and the backward psum
+# of the MLP column layer's input (attention's input is the batch: no gradient, no psum).
+LAYER_COLLECTIVES = [
+    ("model['attn']['out']", "forward", "all-reduce"),
+    ("model['down']", "forward", "all-reduce"),
+    ("model['up']", "backward", "all-reduce"),
+]
+
+
 @pytest.mark.parametrize("mode", substrax.MODES)
 def test_census_of_a_2d_step_matches_and_names_the_model_axis(mode: str) -> None:
     mesh = create_device_mesh({"data": 4, "model": 2})
@@ -154,16 +164,53 @@ def test_census_of_a_2d_step_matches_and_names_the_model_axis(mode: str) -> None
     check = step.check_communication(model, optimizer, BATCHES[0])
     if mode == "explicit":  # implicit: XLA may choose other collectives than the rule's
         assert check.matches, str(check)
-        # the layers' own psums over 'model', each of rows x sequence x features per device:
-        # one forward per row layer (attention's output, the MLP's down projection) and one
-        # backward for the MLP's column layer (attention's input is the batch: no gradient)
-        model_axis = [p for p in check.model if p.row.axes == ("model",)]
-        assert sorted((p.phase, p.buffer.shape) for p in model_axis) == [
-            ("backward", (ROWS // 4, SEQ, D)),
-            ("forward", (ROWS // 4, SEQ, D)),
-            ("forward", (ROWS // 4, SEQ, D)),
-        ], str(check)
+        said = [(item, parts) for item, parts in check.matched if item.category == "model"]
+        assert sorted((i.what.split(" ")[0], i.phase, i.kind) for i, _ in said) == LAYER_COLLECTIVES, str(check)
+        for item, parts in said:  # each expected from its layer, each matched to one compiled over model
+            assert item.axes == ("model",) and item.buffer == f"f32[{ROWS // 4},{SEQ},{D}]", item
+            assert [(p.row.axes, p.phase) for p in parts] == [(("model",), item.phase)], str(check)
+        assert sorted(p.buffer.shape for p in check.model if p.row.axes == ("model",)) == [(ROWS // 4, SEQ, D)] * 3
+        assert "model['down'] forward: the partial products, summed" in str(check)
     assert {row.axes for row in check.report.rows} >= {("data",), ("model",)}, str(check.report)
+
+
+def test_census_of_microbatches_expects_the_layers_collectives_in_the_loop() -> None:
+    mesh = create_device_mesh({"data": 2, "model": 4})
+    model, optimizer = _build()
+    substrax.shard_state(model, optimizer, mesh=mesh, layout="fsdp", min_size=64)
+    step = substrax.make_train_step(loss_fn, "explicit", mesh=mesh, microbatches=2)
+    check = step.check_communication(model, optimizer, BATCHES[0])
+    assert check.matches, str(check)
+    said = [(item, parts) for item, parts in check.matched if item.category == "model"]
+    assert sorted((i.what.split(" ")[0], i.phase, i.kind) for i, _ in said) == LAYER_COLLECTIVES
+    for item, parts in said:  # per microbatch (ROWS / data / 2 rows), twice per step, in the loop
+        assert item.in_loop and item.bytes == 2 * (ROWS // 4) * SEQ * D * 4, item
+        assert [(p.row.in_loop, p.row.trip_count) for p in parts] == [(True, 2)], str(check)
+
+
+@pytest.mark.parametrize("fault", ["unsaid", "said twice"])
+def test_census_catches_a_layer_that_does_not_say_what_it_writes(fault: str, monkeypatch) -> None:
+    """The census's expectation over 'model' is what the layers say; a layer whose word and
+    program disagree is a difference that names the layer or the compiled buffer."""
+    from substrax.nn import _linear
+
+    said = _linear.forward
+    if fault == "unsaid":  # the row layers psum without saying so
+        monkeypatch.setattr(_linear, "forward", lambda *args, **kwargs: None)
+    else:
+        monkeypatch.setattr(_linear, "forward", lambda *a, **k: (said(*a, **k), said(*a, **k))[0])
+    mesh = create_device_mesh({"data": 4, "model": 2})
+    model, optimizer = _build()
+    substrax.shard_state(model, optimizer, mesh=mesh, layout="fsdp", min_size=64)
+    step = substrax.make_train_step(loss_fn, "explicit", mesh=mesh)
+    check = step.check_communication(model, optimizer, BATCHES[0])
+    assert not check.matches, str(check)
+    text = " ".join(check.differences)
+    if fault == "unsaid":
+        assert "nothing expected accounts for" in text and "substrax.tensor_parallel" in text, text
+        assert len([p for p in check.unexpected if p.row.axes == ("model",)]) == 2, text
+    else:
+        assert "not compiled: model['" in text and "forward: the partial products, summed" in text, text
 
 
 def test_compare_gradients_on_a_2d_mesh() -> None:

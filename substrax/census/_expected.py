@@ -40,7 +40,8 @@ SOURCES = ("gradients", "parameters", "loss", "metrics", "batch stats", "update"
 before use; ``"loss"``, ``"metrics"``: their reductions; ``"batch stats"``: the explicit
 step's average of a BatchNorm statistic; ``"update"``: what the optimizer update (and the
 step's non-finite guard) communicates; ``"model"``: a collective the model's own forward or
-backward pass issues, attributed from the compiled program (``compare(...,
+backward pass issues: expected per layer from what ``substrax.nn``'s layers say they
+write (explicit mode), or attributed from the compiled program (``compare(...,
 attribute_model=True)``).
 """
 
@@ -61,6 +62,11 @@ class ExpectedCollective:
       optional: the step is right with or without it; ``why`` says when it is absent.
       buffer: its element type and shape (``"f32[4,16]"``), ``""`` when not known.
       why: for an optional buffer, why the compiler may leave it out.
+      phase: ``"forward"`` or ``"backward"`` for a model buffer (it prefers a compiled
+        buffer of that phase), ``None`` otherwise.
+      axes: the mesh axes its device groups span (``("model",)``); ``()``: any.
+      in_loop: it runs once per microbatch, inside the accumulation loop (``bytes``
+        counts every run), where the library's own collectives may not.
     """
 
     kind: str
@@ -71,6 +77,9 @@ class ExpectedCollective:
     optional: bool = False
     buffer: str = ""
     why: str = ""
+    phase: str | None = None
+    axes: tuple[str, ...] = ()
+    in_loop: bool = False
 
     @property
     def category(self) -> str:

@@ -17,7 +17,7 @@ from substrax.census._expected import REDUCTIONS, Expected, ExpectedCollective
 from substrax.census._hlo import KINDS, Operand
 from substrax.census._rows import Collective, Part, buffers_text
 from substrax.census._text import shorten
-from substrax.nn._linear import SCOPE as MODEL_SCOPE  # substrax.nn's layers: the model's own collectives
+from substrax.nn._issued import SCOPE as MODEL_SCOPE  # substrax.nn's layers: the model's own collectives
 
 __all__ = ["Match", "kind_key", "match", "ordered_keys"]
 
@@ -78,18 +78,25 @@ class _Matcher:
         self._one_to_one()
         self._combined()
         left = [j for j in range(len(self.parts)) if j not in self.taken]
+        # over an axis the layers said they communicate on, every buffer must be one they said
+        self.predicted_axes = {a for i in self.items if i.category == "model" for a in i.axes}
         self.model = [j for j in left if attribute_model and self._model_like(self.parts[j])]
         self.unexpected = [j for j in left if j not in self.model]
 
     def _fits(self, item: ExpectedCollective, part: Part) -> bool:
-        return kind_key(item.kind, self.mode) == kind_key(part.kind, self.mode) and (
-            not item.scopes or part.scope in item.scopes
+        return (
+            kind_key(item.kind, self.mode) == kind_key(part.kind, self.mode)
+            and (not item.scopes or part.scope in item.scopes)
+            and (not item.axes or part.row.axes is None or tuple(part.row.axes) == item.axes)
         )
 
     def _preference(self, item: ExpectedCollective, j: int) -> tuple[int, int, bool, int]:
         part = self.parts[j]
-        order = _PHASE_ORDER.get(item.category, _OTHER_ORDER)
-        return order.get(part.phase, 3), _shape_distance(item.buffer, part.buffer), part.row.in_loop, j
+        if item.phase is not None:
+            phase = 0 if part.phase == item.phase else 1
+        else:
+            phase = _PHASE_ORDER.get(item.category, _OTHER_ORDER).get(part.phase, 3)
+        return phase, _shape_distance(item.buffer, part.buffer), part.row.in_loop != item.in_loop, j
 
     def _order(self) -> list[int]:
         return sorted(
@@ -103,7 +110,9 @@ class _Matcher:
             free = [
                 j
                 for j, p in enumerate(self.parts)
-                if j not in self.taken and p.bytes == item.bytes and self._fits(item, p)
+                if j not in self.taken
+                and (p.bytes_per_step if item.in_loop else p.bytes) == item.bytes
+                and self._fits(item, p)
             ]
             if free:
                 j = min(free, key=lambda j: self._preference(item, j))
@@ -132,10 +141,15 @@ class _Matcher:
             pieces = "; ".join(str(self.parts[free[k]]) for k in chosen)
             self.notes.append(f"{whats} ({total:,} B) compiled combined differently, as {pieces}")
 
-    @staticmethod
-    def _model_like(part: Part) -> bool:
-        """Issued by the model: under no library scope, or by a ``substrax.nn`` layer."""
-        return (part.scope is None or part.scope == MODEL_SCOPE) and part.phase is not None
+    def _model_like(self, part: Part) -> bool:
+        """Issued by the model: under no library scope, or by a ``substrax.nn`` layer; but
+        not over an axis the layers' expected buffers run on, nor by those layers when
+        they said what they communicate: there, a buffer no layer said is a difference."""
+        if part.row.axes and self.predicted_axes & set(part.row.axes):
+            return False
+        if part.scope == MODEL_SCOPE:
+            return not self.predicted_axes
+        return part.scope is None and part.phase is not None
 
     def result(self) -> Match:
         expected, parts = self.expected, self.parts
@@ -163,13 +177,14 @@ class _Matcher:
             (item, tuple(parts[j] for j in self.assigned.get(i, ()))) for i, item in enumerate(self.items)
         )
         matched += tuple((m, (parts[j],)) for m, j in zip(model_items, self.model, strict=True))
+        said = [j for i, js in self.assigned.items() if self.items[i].category == "model" for j in js]
         return Match(
             matches=not differences,
             differences=tuple(differences),
             notes=tuple(notes),
             expected=expected.with_items(model_items) if model_items else expected,
             matched=matched,
-            model=tuple(parts[j] for j in self.model),
+            model=tuple(parts[j] for j in sorted({*said, *self.model})),
             unexpected=tuple(parts[j] for j in self.unexpected),
         )
 
@@ -178,7 +193,7 @@ class _Matcher:
         for i, js in self.assigned.items():
             for j in js:
                 row = self.parts[j].row
-                if row.in_loop and row not in rows:
+                if row.in_loop and not self.items[i].in_loop and row not in rows:
                     rows.append(row)
         rows += [
             self.parts[j].row

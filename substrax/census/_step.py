@@ -35,15 +35,25 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from substrax._layout import entry_axes, gradient_spec, layout_of, parameter_splits, spec_tuple, split_dim_of, without_axis
+from substrax._layout import (
+    entry_axes,
+    gradient_spec,
+    layout_of,
+    parameter_splits,
+    spec_tuple,
+    split_dim_of,
+    without_axis,
+)
 from substrax._options import StepOptions
 from substrax._tree import path_str
 from substrax._update import apply_update, state_values
 from substrax.census._expected import ExpectedCollective, expected_communication
 from substrax.census._report import CensusReport, Comparison, census, compare
 from substrax.census._rows import library_scope
+from substrax.nn._issued import SCOPE as MODEL_SCOPE
+from substrax.nn._issued import Issued
 
-__all__ = ["check_communication", "parameter_leaves", "update_dims", "update_items"]
+__all__ = ["check_communication", "layer_items", "parameter_leaves", "update_dims", "update_items"]
 
 Path = tuple[Any, ...]
 
@@ -83,10 +93,39 @@ def parameter_leaves(
         value = variable.get_value()
         shape = tuple(
             n // math.prod((sizes or {}).get(a, 1) for a in entry_axes(entry))
-            for n, entry in zip(value.shape, without_axis(spec_tuple(variable), value.ndim, axis), strict=True)
+            for n, entry in zip(
+                value.shape, without_axis(spec_tuple(variable), value.ndim, axis), strict=True
+            )
         )
         leaves.append((path_str(tuple(path), "model"), shape, value.dtype, dims[tuple(path)] is not None))
     return leaves
+
+
+def layer_items(
+    layers: Sequence[Issued], microbatches: int, sizes: dict[str, int] | None = None
+) -> list[ExpectedCollective]:
+    """One expected buffer per collective a ``substrax.nn`` layer said it writes.
+
+    ``layers``: what ``substrax.nn._issued.recording`` collected while the step was
+    traced: each layer's collectives per execution, forward and backward. With
+    microbatches they run once per microbatch, inside the accumulation loop. Each must
+    run over its axis, unless ``sizes`` (the mesh's axis sizes) gives that axis one
+    device: groups of one device span no axis the census can name.
+    """
+    return [
+        ExpectedCollective(
+            i.kind,
+            f"{i.layer} {i.phase}: {i.why}",
+            i.bytes * microbatches,
+            "model",
+            scopes=(MODEL_SCOPE,) if i.phase == "forward" else (None, MODEL_SCOPE),
+            buffer=i.buffer,
+            phase=i.phase,
+            axes=() if (sizes or {}).get(i.axis) == 1 else (i.axis,),
+            in_loop=microbatches > 1,
+        )
+        for i in layers
+    ]
 
 
 def _metric_items(outputs: Any, has_aux: bool) -> list[ExpectedCollective]:
@@ -242,7 +281,12 @@ def _scoped(
 
 
 def check_communication(
-    lowered: jax.stages.Lowered, model: nnx.Module, optimizer: nnx.Optimizer[Any], options: StepOptions
+    lowered: jax.stages.Lowered,
+    model: nnx.Module,
+    optimizer: nnx.Optimizer[Any],
+    options: StepOptions,
+    *,
+    layers: Sequence[Issued] = (),
 ) -> Comparison:
     """Compile a lowered step, take its census, and compare it with what the step should communicate.
 
@@ -253,7 +297,10 @@ def check_communication(
     The expected communication (see the module docstring): the layout's rule for the
     gradients and parameters (``substrax.expected_communication``), the loss, the
     metrics, the optimizer update's own census, and in explicit mode the optional
-    average of each BatchNorm statistic. The explicit step's collectives are matched
+    average of each BatchNorm statistic, and what ``substrax.nn``'s layers said they
+    communicate while ``lowered`` was traced (``layers``; explicit mode: each layer's
+    collectives over the model axis, forward and backward; ``layer_items``). Over an
+    axis those run on, a buffer no layer said is a difference. The explicit step's collectives are matched
     under the ``jax.named_scope`` each is written in (``substrax.grad_reduce``, ...),
     so a buffer the library adds twice is a difference. Collectives the model's forward
     or backward pass issues are attributed to the model and listed
@@ -269,15 +316,18 @@ def check_communication(
     report = census(compiled, mesh=options.mesh)
     out = lowered.out_info[1]  # the step's (loss, metrics), as shapes and dtypes
     loss_dtype = out[0].dtype if options.has_aux else out.dtype
+    sizes = _axis_sizes(options, model, optimizer)
     if layout.axis_size == 1:  # a data axis of size 1: nothing moves over it
-        sizes = _axis_sizes(options, model, optimizer)
         # over another axis (a tensor-parallel ``model``), the update still reduces what the
         # layers split there (a global norm, the non-finite flags): the update's own census
-        update = update_items(options, model, optimizer, loss_dtype) if math.prod(sizes.values()) > 1 else None
+        update = (
+            update_items(options, model, optimizer, loss_dtype) if math.prod(sizes.values()) > 1 else None
+        )
         expected = expected_communication(
             [], layout=layout.kind, mode=options.mode, microbatches=options.microbatches, loss_bytes=0,
             update=update,
         )  # fmt: skip
+        expected = expected.with_items(layer_items(layers, options.microbatches, sizes))
         # what the model issues itself (BatchNorm's psum over a size-1 axis_name) is attributed
         return compare(report, expected, attribute_model=True)
     metrics = _metric_items(out, options.has_aux)
@@ -302,7 +352,7 @@ def check_communication(
                 f"(the lowered program asks for the policy's; an accelerator moves those)"
             )
     expected = expected_communication(
-        parameter_leaves(model, optimizer, options.data_axis, _axis_sizes(options, model, optimizer)),
+        parameter_leaves(model, optimizer, options.data_axis, sizes),
         layout=layout.kind,
         mode=options.mode,
         microbatches=options.microbatches,
@@ -311,7 +361,7 @@ def check_communication(
         precision=precision,
         communicated_dtype=widened,
     )
-    items = [*expected.items, *metrics]
+    items = [*expected.items, *metrics, *layer_items(layers, options.microbatches, sizes)]
     gathered = any(i.kind == "all-gather" for i in metrics)
     scoped = any(library_scope(p.op_name) for row in report.rows for p in row.parts)
     if options.mode == "explicit":

@@ -24,23 +24,10 @@ from typing import Any
 import jax
 from flax import nnx
 
-from substrax._collectives import require_axis
+from substrax._collectives import require_axis, varying_axes
 from substrax._loss import loss_and_metrics
 
 __all__ = ["data_parallel_value_and_grad", "varying_axes"]
-
-
-def varying_axes(x: Any) -> frozenset[str] | None:
-    """The mesh axes ``x`` varies over inside ``shard_map``, or None where jax can't say.
-
-    With ``check_vma=False`` every value reports no varying axes.
-    """
-    aval = jax.typeof(x)
-    manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.12
-    if manual is not None:
-        return frozenset(manual.varying)
-    vma = getattr(aval, "vma", None)  # jax 0.11
-    return None if vma is None else frozenset(vma)
 
 
 def data_parallel_value_and_grad(

@@ -25,6 +25,7 @@ from substrax.explicit._shard import (
     varying_carry,
 )
 from substrax.mesh import current_mesh
+from substrax.nn import _issued as issued
 
 __all__ = ["BatchSpec", "explicit_value_and_grad", "local_value_and_grad", "parameter_plans", "with_aux"]
 
@@ -34,9 +35,14 @@ Path = tuple[Any, ...]
 
 
 def with_aux(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., tuple[Any, Any]]:
-    if has_aux:
-        return loss_fn
-    return lambda model, batch: (loss_fn(model, batch), {})
+    """``loss_fn`` returning ``(loss, metrics)``, its layers named for ``substrax.nn``'s record."""
+
+    def run(model: nnx.Module, batch: PyTree) -> tuple[Any, Any]:
+        with issued.naming(model):
+            out = loss_fn(model, batch)
+        return out if has_aux else (out, {})
+
+    return run
 
 
 def parameter_plans(

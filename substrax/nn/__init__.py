@@ -15,10 +15,11 @@ from ``nnx.get_partition_spec`` (the layers declare their splits as flax's
 
 - **forward**: one ``psum`` over the model axis per row layer (``RowParallelLinear``,
   ``ParallelSelfAttention``'s output projection), none in the column layer.
-- **backward**: the column layer's input gradient is ``psum``-ed over the model axis.
-  Nothing here writes it: the whole input is typed equal over the axis and the kernel
-  varying, so jax casts the input to varying (``pvary``) and AD transposes that cast
-  into the ``psum``. The row layer's ``psum`` transposes to nothing.
+- **backward**: the column layer's input gradient is ``psum``-ed over the model axis:
+  the whole input is typed equal over the axis and the kernel varying, so the layer
+  casts the input to varying (``pcast``, Megatron's *f*; ``ParallelSelfAttention`` once
+  for its three projections) and AD transposes that cast into the ``psum``. The row
+  layer's ``psum`` transposes to nothing.
 - **sequence parallel** (``sequence_parallel=True`` on both): between the pair the
   activations stay split over the model axis on the sequence dimension. The column
   layer all-gathers its input there (or, with ``collective_matmul=True``, passes
@@ -29,7 +30,9 @@ from ``nnx.get_partition_spec`` (the layers declare their splits as flax's
   all-gather of their features (features split).
 
 Every collective these layers write runs under ``jax.named_scope("substrax.tensor_parallel")``,
-so a census (``substrax.census``) attributes it. The layers decide by the parameter's
+and each layer says, where it writes one, what it moves forward and what AD's transpose
+of it moves backward (``substrax.nn._issued``): the census of a step
+(``TrainStep.check_communication``) expects exactly those, per layer and phase. The layers decide by the parameter's
 type, not by a flag: a kernel typed varying over the model axis is a shard, and the
 layer communicates; anywhere else (one device, no mesh, ``jax.jit`` over arrays placed
 with ``NamedSharding``, where XLA places the collectives) the layers compute exactly

@@ -17,6 +17,7 @@ from substrax.nn._linear import (
     RowParallelLinear,
     split_over,
 )
+from substrax.nn._issued import to_varying
 
 __all__ = ["ParallelSelfAttention"]
 
@@ -110,12 +111,12 @@ class ParallelSelfAttention(nnx.Module):
         self.causal = causal
         self.model_axis = model_axis
 
-    def _local_heads(self) -> int:
-        """How many heads this device runs: all of them unless inside ``shard_map`` over the axis."""
+    def _local_heads(self) -> int | None:
+        """How many heads this device runs; ``None`` (all of them) unless inside ``shard_map`` over the axis."""
         axis = self.model_axis
         whole = self.num_heads * self.head_dim
         if not split_over(self.query.kernel[...], axis, 1, whole, "ParallelSelfAttention"):
-            return self.num_heads
+            return None
         size = jax.lax.axis_size(axis)
         _check_heads(self.num_heads, size, axis)
         return self.num_heads // size
@@ -128,6 +129,10 @@ class ParallelSelfAttention(nnx.Module):
             ``num_heads``.
         """
         heads = self._local_heads()
+        if heads is None:
+            heads = self.num_heads
+        else:  # one cast for the three projections: one psum of x's gradient, not three
+            x = to_varying(self, x, self.model_axis)
 
         def split_heads(y: jax.Array) -> jax.Array:
             return y.reshape(*y.shape[:-1], heads, self.head_dim)

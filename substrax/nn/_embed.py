@@ -10,7 +10,8 @@ from flax import nnx
 from flax.nnx.nn import dtypes
 
 from substrax._collectives import gather_invariant
-from substrax.nn._linear import SCOPE, Initializer, sharded_param, split_over
+from substrax.nn._issued import SCOPE, forward, to_varying
+from substrax.nn._linear import Initializer, sharded_param, split_over
 
 __all__ = ["ParallelEmbedding"]
 
@@ -97,13 +98,17 @@ class ParallelEmbedding(nnx.Module):
         axis = self.model_axis
         if self.split == "features":
             with jax.named_scope(SCOPE):
-                return gather_invariant(jnp.take(table, ids, axis=0), axis, axis=ids.ndim, tiled=True)
+                found = gather_invariant(jnp.take(table, ids, axis=0), axis, axis=ids.ndim, tiled=True)
+            forward(self, "all-gather", axis, found, "the embeddings' features, gathered")
+            return found
         rows = table.shape[0]
         local = ids - jax.lax.axis_index(axis) * rows
         mine = (local >= 0) & (local < rows)
         found = jnp.take(table, jnp.where(mine, local, 0), axis=0)
+        found = jnp.where(mine[..., None], found, 0)
+        forward(self, "all-reduce", axis, found, "each device's rows of the lookups, summed")
         with jax.named_scope(SCOPE):
-            return jax.lax.psum(jnp.where(mine[..., None], found, 0), axis)
+            return jax.lax.psum(found, axis)
 
     def attend(self, query: jax.Array) -> jax.Array:
         """``query @ table.T``: logits over the vocabulary (tied output embedding).
@@ -115,10 +120,15 @@ class ParallelEmbedding(nnx.Module):
         the partial logits are ``psum``-ed: all of them, on every device.
         """
         (query, table), split = self._table(query)
-        if split and self.split == "features":
-            cols = table.shape[1]
-            start = jax.lax.axis_index(self.model_axis) * cols
-            query = jax.lax.dynamic_slice_in_dim(query, start, cols, axis=query.ndim - 1)
-            with jax.named_scope(SCOPE):
-                return jax.lax.psum(jnp.dot(query, table.T), self.model_axis)
-        return jnp.dot(query, table.T)
+        if not split:
+            return jnp.dot(query, table.T)
+        query = to_varying(self, query, self.model_axis)  # its gradient is psum-ed
+        if self.split == "vocab":
+            return jnp.dot(query, table.T)
+        cols = table.shape[1]
+        start = jax.lax.axis_index(self.model_axis) * cols
+        query = jax.lax.dynamic_slice_in_dim(query, start, cols, axis=query.ndim - 1)
+        logits = jnp.dot(query, table.T)
+        forward(self, "all-reduce", self.model_axis, logits, "the partial logits, summed")
+        with jax.named_scope(SCOPE):
+            return jax.lax.psum(logits, self.model_axis)

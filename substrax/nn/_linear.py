@@ -14,11 +14,10 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes
 
-from substrax.explicit._grad import varying_axes
+from substrax._collectives import varying_axes
+from substrax.nn._issued import SCOPE, backward, forward, to_varying
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
-
-SCOPE = "substrax.tensor_parallel"  # the named scope of every collective of this package
 
 Initializer = Any  # flax's ``(key, shape, dtype) -> array``
 KERNEL_INIT: Initializer = nnx.initializers.lecun_normal()  # nnx.Linear's defaults
@@ -90,7 +89,9 @@ def add_bias(y: jax.Array, bias: jax.Array | None) -> jax.Array:
     return y if bias is None else y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
 
 
-def ring_matmul(x: jax.Array, kernel: jax.Array, axis: str, dim: int, precision: Any) -> jax.Array:
+def ring_matmul(
+    layer: nnx.Module, x: jax.Array, kernel: jax.Array, axis: str, dim: int, precision: Any
+) -> jax.Array:
     """``all_gather(x, axis, axis=dim, tiled=True) @ kernel`` as a ring of ``ppermute``s.
 
     The collective matmul of the ``shard_map`` guide: each device multiplies the block
@@ -107,7 +108,14 @@ def ring_matmul(x: jax.Array, kernel: jax.Array, axis: str, dim: int, precision:
     y = jnp.zeros(out_shape, jnp.result_type(x, kernel))
     for step in range(size):
         if step:
-            x = jax.lax.ppermute(x, axis, shift)
+            forward(layer, "collective-permute", axis, x, "a block of the input, to the next device")
+            x = backward(
+                layer,
+                "collective-permute",
+                axis,
+                jax.lax.ppermute(x, axis, shift),
+                "that block's gradient, back",
+            )
         start: list[Any] = [0] * y.ndim
         start[dim] = ((index - step) % size) * rows  # the block came from device index - step
         y = jax.lax.dynamic_update_slice(y, matmul(x, kernel, precision), start)
@@ -240,14 +248,19 @@ class ColumnParallelLinear(_Linear):
         x, kernel, bias = self._promoted(x)
         axis = self.model_axis
         split = split_over(kernel, axis, 1, self.out_features, "ColumnParallelLinear")
-        if not (split and self.sequence_parallel):  # split: AD psums x's gradient over axis
+        if not split:
             return add_bias(matmul(x, kernel, self.precision), bias)
+        if not self.sequence_parallel:  # x's gradient is psum-ed over axis
+            return add_bias(matmul(to_varying(self, x, axis), kernel, self.precision), bias)
         dim = _sequence_dim(x, self.sequence_axis, "ColumnParallelLinear")
         with jax.named_scope(SCOPE):
             if self.collective_matmul:
-                y = ring_matmul(x, kernel, axis, dim, self.precision)
+                y = ring_matmul(self, x, kernel, axis, dim, self.precision)
             else:
-                y = matmul(jax.lax.all_gather(x, axis, axis=dim, tiled=True), kernel, self.precision)
+                whole = jax.lax.all_gather(x, axis, axis=dim, tiled=True)
+                forward(self, "all-gather", axis, whole, "the sequence, gathered")
+                whole = backward(self, "reduce-scatter", axis, whole, "its gradient, scattered back")
+                y = matmul(whole, kernel, self.precision)
         return add_bias(y, bias)
 
 
@@ -338,7 +351,11 @@ class RowParallelLinear(_Linear):
             with jax.named_scope(SCOPE):
                 if self.sequence_parallel:
                     dim = _sequence_dim(y, self.sequence_axis, "RowParallelLinear")
+                    forward(self, "reduce-scatter", axis, y, "the partial products, summed and scattered")
+                    whole = y.shape
                     y = jax.lax.psum_scatter(y, axis, scatter_dimension=dim, tiled=True)
+                    y = backward(self, "all-gather", axis, y, "the output's gradient, gathered", shape=whole)
                 else:
+                    forward(self, "all-reduce", axis, y, "the partial products, summed")
                     y = jax.lax.psum(y, axis)
         return add_bias(y, bias)
