@@ -27,7 +27,7 @@ from substrax._precision import MixedPrecision
 from substrax._tree import PyTree
 from substrax.census import Comparison
 from substrax.census._step import check_communication
-from substrax.nn import _issued as issued
+from substrax.nn import _declared as declared
 from substrax.explicit import _step as explicit_step
 from substrax.explicit._step import BatchSpec
 from substrax.mesh import current_mesh
@@ -289,7 +289,7 @@ class TrainStep:
         itself (the ``CensusReport`` that ``substrax.census`` gives of the compiled step).
         See ``substrax.compare`` for the rule.
         """
-        with issued.recording() as layers:  # what substrax.nn's layers say they communicate
+        with declared.recording() as layers:  # what substrax.nn's layers say they communicate
             lowered = self.lower(model, optimizer, batch)
         return check_communication(lowered, model, optimizer, self.options, layers=layers)
 

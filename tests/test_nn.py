@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from substrax import census
 from substrax.census import phase_of
-from substrax.nn import _issued as issued
+from substrax.nn import _declared as declared
 from substrax.mesh import create_device_mesh
 from substrax.nn import ColumnParallelLinear, ParallelEmbedding, ParallelSelfAttention, RowParallelLinear
 
@@ -312,12 +312,12 @@ LAYER_RUNS = {
 
 @pytest.mark.parametrize("name", list(LAYER_RUNS))
 def test_layers_say_every_collective_they_compile_to(name) -> None:
-    """What the layers announce while traced (the census's expectation over ``model``,
-    ``substrax.nn._issued``) is, buffer for buffer and phase for phase, what XLA compiled
+    """What the layers declare while traced (the census's expectation over ``model``,
+    ``substrax.nn._declared``) is, buffer for buffer and phase for phase, what XLA compiled
     over ``model``: forward and backward, the input's gradient psum-ed only when taken."""
     mesh = create_device_mesh({"data": 2, "model": 4})
     run, args = LAYER_RUNS[name](mesh)
-    with issued.recording() as said:
+    with declared.recording() as said:
         compiled = run.lower(*args).compile()
     parts = [p for row in census(compiled, mesh=mesh).rows if row.axes == ("model",) for p in row.parts]
     got = sorted((phase_of(p.op_name), p.kind, p.buffer.shape, p.bytes_per_step) for p in parts)
@@ -327,8 +327,8 @@ def test_layers_say_every_collective_they_compile_to(name) -> None:
 
 def test_nothing_is_said_outside_a_recording_or_without_a_split() -> None:
     model, x = Block(), batch()
-    assert issued.backward(model, "all-reduce", "model", x, "why") is x  # the program as written
-    with issued.recording() as said:
+    assert declared.declare_backward(model, "all-reduce", "model", x, "why") is x  # the program as written
+    with declared.recording() as said:
         jax.grad(lambda m, x: jnp.mean(m(x) ** 2), argnums=1)(model, x)  # one device: no collective
     assert said == []
 

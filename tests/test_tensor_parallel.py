@@ -18,6 +18,7 @@ from flax import nnx
 
 import substrax
 from substrax import checkpoint
+from substrax._collectives import gather_invariant
 from substrax.mesh import create_device_mesh
 
 SHAPES = [(8, 1), (4, 2), (2, 4), (1, 8)]
@@ -194,11 +195,11 @@ def test_census_catches_a_layer_that_does_not_say_what_it_writes(fault: str, mon
     program disagree is a difference that names the layer or the compiled buffer."""
     from substrax.nn import _linear
 
-    said = _linear.forward
-    if fault == "unsaid":  # the row layers psum without saying so
-        monkeypatch.setattr(_linear, "forward", lambda *args, **kwargs: None)
+    said = _linear.declare_forward
+    if fault == "unsaid":  # the row layers psum without declaring it
+        monkeypatch.setattr(_linear, "declare_forward", lambda *args, **kwargs: None)
     else:
-        monkeypatch.setattr(_linear, "forward", lambda *a, **k: (said(*a, **k), said(*a, **k))[0])
+        monkeypatch.setattr(_linear, "declare_forward", lambda *a, **k: (said(*a, **k), said(*a, **k))[0])
     mesh = create_device_mesh({"data": 4, "model": 2})
     model, optimizer = _build()
     substrax.shard_state(model, optimizer, mesh=mesh, layout="fsdp", min_size=64)
@@ -255,3 +256,43 @@ def test_a_loss_left_varying_over_the_model_axis_is_refused() -> None:
     step = substrax.make_train_step(lambda m, b: jnp.mean(m(b["x"])), "explicit", mesh=mesh)
     with pytest.raises(ValueError, match=r"the loss still varies over mesh axis 'model'.*RowParallelLinear"):
         step(model, optimizer, BATCHES[0])
+
+
+class OwnGather(nnx.Module):
+    """Attention, then a column layer whose blocks a collective of the user's own gathers."""
+
+    def __init__(self, rngs: nnx.Rngs, declare: bool) -> None:
+        self.attn = substrax.nn.ParallelSelfAttention(8, D, rngs=rngs)
+        self.up = substrax.nn.ColumnParallelLinear(D, 8, rngs=rngs)
+        self.declare = declare
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = self.up(x + self.attn(x))
+        if "model" in (substrax.explicit.varying_axes(y) or ()):  # the explicit step: this device's block
+            y = gather_invariant(y, "model", axis=y.ndim - 1, tiled=True)
+            if self.declare:
+                substrax.nn.declare_forward(self, "all-gather", "model", y, "the column blocks, gathered")
+        return jnp.mean(y, axis=-1)
+
+
+@pytest.mark.parametrize("declare", [True, False], ids=["declared", "undeclared"])
+def test_a_layer_of_your_own_declares_its_collectives(declare: bool) -> None:
+    """Over 'model' the census expects what layers declare; a user's own collective there is
+    expected once declared with ``substrax.nn.declare_forward``, and named as undeclared if not."""
+    mesh = create_device_mesh({"data": 4, "model": 2})
+    model = OwnGather(nnx.Rngs(0), declare)
+    want = float(loss_fn(model, BATCHES[0]))  # one device, before any step
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    substrax.shard_state(model, optimizer, mesh=mesh, layout="fsdp", min_size=64)
+    step = substrax.make_train_step(loss_fn, "explicit", mesh=mesh)
+    np.testing.assert_allclose(float(step(model, optimizer, BATCHES[0])), want, rtol=RTOL)
+    check = step.check_communication(model, optimizer, BATCHES[0])
+    gathered = f"f32[{ROWS // 4},{SEQ},8]"
+    if declare:
+        assert check.matches, str(check)
+        said = {(i.what, i.kind, i.buffer) for i, _ in check.matched if i.category == "model"}
+        assert ("model (the root) forward: the column blocks, gathered", "all-gather", gathered) in said, said
+    else:
+        assert not check.matches, str(check)
+        (difference,) = check.differences
+        assert gathered in difference and "substrax.nn.declare_forward" in difference, difference

@@ -17,7 +17,7 @@ from substrax.census._expected import REDUCTIONS, Expected, ExpectedCollective
 from substrax.census._hlo import KINDS, Operand
 from substrax.census._rows import Collective, Part, buffers_text
 from substrax.census._text import shorten
-from substrax.nn._issued import SCOPE as MODEL_SCOPE  # substrax.nn's layers: the model's own collectives
+from substrax.nn._declared import SCOPE as MODEL_SCOPE  # substrax.nn's layers: the model's own collectives
 
 __all__ = ["Match", "kind_key", "match", "ordered_keys"]
 
@@ -142,7 +142,7 @@ class _Matcher:
             self.notes.append(f"{whats} ({total:,} B) compiled combined differently, as {pieces}")
 
     def _model_like(self, part: Part) -> bool:
-        """Issued by the model: under no library scope, or by a ``substrax.nn`` layer; but
+        """Declared by the model: under no library scope, or by a ``substrax.nn`` layer; but
         not over an axis the layers' expected buffers run on, nor by those layers when
         they said what they communicate: there, a buffer no layer said is a difference."""
         if part.row.axes and self.predicted_axes & set(part.row.axes):
@@ -231,7 +231,7 @@ class _Matcher:
             if extra and not items:
                 out.append(
                     f"unexpected {key}: {sum(p.bytes_per_step for p in extra):,} B per step that the "
-                    f"{self.expected.layout} layout does not call for: " + _listed(extra)
+                    f"{self.expected.layout} layout does not call for: " + _listed(extra) + self._undeclared(extra)
                 )
             elif extra:
                 surplus = sum(p.bytes_per_step for p in extra)
@@ -240,6 +240,7 @@ class _Matcher:
                     + _twice(surplus, items)
                     + "nothing expected accounts for "
                     + _listed(extra)
+                    + self._undeclared(extra)
                 )
             if missing:
                 short = sum(i.bytes for i in missing)
@@ -254,6 +255,17 @@ class _Matcher:
                         f"not compiled: {named}"
                     )
         return out
+
+    def _undeclared(self, extra: Sequence[Part]) -> str:
+        """What to do about buffers over an axis whose collectives the layers declare."""
+        axes = sorted({a for p in extra for a in (p.row.axes or ()) if a in self.predicted_axes})
+        if not axes:
+            return ""
+        return (
+            f" (over {', '.join(map(repr, axes))} the model's layers declare their collectives and no layer "
+            f"declared these; a layer of your own that communicates there declares its collectives with "
+            f"substrax.nn.declare_forward and declare_backward)"
+        )
 
     def _bound_applies(self) -> bool:
         sharded_implicit = self.mode == "implicit" and self.expected.layout != "replicated"

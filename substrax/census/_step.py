@@ -50,8 +50,8 @@ from substrax._update import apply_update, state_values
 from substrax.census._expected import ExpectedCollective, expected_communication
 from substrax.census._report import CensusReport, Comparison, census, compare
 from substrax.census._rows import library_scope
-from substrax.nn._issued import SCOPE as MODEL_SCOPE
-from substrax.nn._issued import Issued
+from substrax.nn._declared import SCOPE as MODEL_SCOPE
+from substrax.nn._declared import Declared
 
 __all__ = ["check_communication", "layer_items", "parameter_leaves", "update_dims", "update_items"]
 
@@ -102,11 +102,11 @@ def parameter_leaves(
 
 
 def layer_items(
-    layers: Sequence[Issued], microbatches: int, sizes: dict[str, int] | None = None
+    layers: Sequence[Declared], microbatches: int, sizes: dict[str, int] | None = None
 ) -> list[ExpectedCollective]:
     """One expected buffer per collective a ``substrax.nn`` layer said it writes.
 
-    ``layers``: what ``substrax.nn._issued.recording`` collected while the step was
+    ``layers``: what ``substrax.nn._declared.recording`` collected while the step was
     traced: each layer's collectives per execution, forward and backward. With
     microbatches they run once per microbatch, inside the accumulation loop. Each must
     run over its axis, unless ``sizes`` (the mesh's axis sizes) gives that axis one
@@ -118,7 +118,7 @@ def layer_items(
             f"{i.layer} {i.phase}: {i.why}",
             i.bytes * microbatches,
             "model",
-            scopes=(MODEL_SCOPE,) if i.phase == "forward" else (None, MODEL_SCOPE),
+            scopes=(None, MODEL_SCOPE),  # substrax.nn's own scope, or none (a layer of yours; AD's transposes)
             buffer=i.buffer,
             phase=i.phase,
             axes=() if (sizes or {}).get(i.axis) == 1 else (i.axis,),
@@ -286,7 +286,7 @@ def check_communication(
     optimizer: nnx.Optimizer[Any],
     options: StepOptions,
     *,
-    layers: Sequence[Issued] = (),
+    layers: Sequence[Declared] = (),
 ) -> Comparison:
     """Compile a lowered step, take its census, and compare it with what the step should communicate.
 

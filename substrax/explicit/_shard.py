@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from substrax._collectives import to_varying
-from substrax.nn import _issued as issued
+from substrax.nn import _declared as declared
 from substrax._layout import ParamSplit, entry_axes, spec_tuple
 from substrax._tree import PyTree, path_str
 from substrax.explicit._grad import varying_axes
@@ -234,7 +234,7 @@ def varying_carry(body: Callable[..., Any], carry: Any, piece: PyTree, data_axis
     ``lax.scan`` needs a carry of one type in and out; a BatchNorm without
     ``axis_name`` turns its replicated statistics into per-device ones in the body.
     """
-    with issued.silenced():  # a trace for shapes: the layers' collectives are said by the loop's own
+    with declared.silenced():  # a trace for shapes: the layers' collectives are said by the loop's own
         out = jax.eval_shape(body, carry, piece)[0]
     cast = [
         data_axis in getattr(getattr(o, "manual_axis_type", None), "varying", ())

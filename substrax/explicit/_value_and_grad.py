@@ -25,7 +25,7 @@ from substrax.explicit._shard import (
     varying_carry,
 )
 from substrax.mesh import current_mesh
-from substrax.nn import _issued as issued
+from substrax.nn import _declared as declared
 
 __all__ = ["BatchSpec", "explicit_value_and_grad", "local_value_and_grad", "parameter_plans", "with_aux"]
 
@@ -38,7 +38,7 @@ def with_aux(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., tuple[
     """``loss_fn`` returning ``(loss, metrics)``, its layers named for ``substrax.nn``'s record."""
 
     def run(model: nnx.Module, batch: PyTree) -> tuple[Any, Any]:
-        with issued.naming(model):
+        with declared.naming(model):
             out = loss_fn(model, batch)
         return out if has_aux else (out, {})
 

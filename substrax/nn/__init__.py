@@ -30,9 +30,10 @@ from ``nnx.get_partition_spec`` (the layers declare their splits as flax's
   all-gather of their features (features split).
 
 Every collective these layers write runs under ``jax.named_scope("substrax.tensor_parallel")``,
-and each layer says, where it writes one, what it moves forward and what AD's transpose
-of it moves backward (``substrax.nn._issued``): the census of a step
-(``TrainStep.check_communication``) expects exactly those, per layer and phase. The layers decide by the parameter's
+and each layer declares, where it writes one, what it moves forward and what AD's
+transpose of it moves backward (``declare_forward``, ``declare_backward``): the census
+of a step (``TrainStep.check_communication``) expects exactly those, per layer and
+phase. A layer of your own that communicates over the same axis declares its own. The layers decide by the parameter's
 type, not by a flag: a kernel typed varying over the model axis is a shard, and the
 layer communicates; anywhere else (one device, no mesh, ``jax.jit`` over arrays placed
 with ``NamedSharding``, where XLA places the collectives) the layers compute exactly
@@ -47,7 +48,16 @@ split at creation (its eager sharding, on by default).
 """
 
 from substrax.nn._attention import ParallelSelfAttention
+from substrax.nn._declared import Declared, declare_backward, declare_forward
 from substrax.nn._embed import ParallelEmbedding
 from substrax.nn._linear import ColumnParallelLinear, RowParallelLinear
 
-__all__ = ["ColumnParallelLinear", "ParallelEmbedding", "ParallelSelfAttention", "RowParallelLinear"]
+__all__ = [
+    "ColumnParallelLinear",
+    "Declared",
+    "ParallelEmbedding",
+    "ParallelSelfAttention",
+    "RowParallelLinear",
+    "declare_backward",
+    "declare_forward",
+]

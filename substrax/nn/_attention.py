@@ -17,7 +17,7 @@ from substrax.nn._linear import (
     RowParallelLinear,
     split_over,
 )
-from substrax.nn._issued import to_varying
+from substrax.nn._declared import to_varying
 
 __all__ = ["ParallelSelfAttention"]
 

@@ -10,7 +10,7 @@ from flax import nnx
 from flax.nnx.nn import dtypes
 
 from substrax._collectives import gather_invariant
-from substrax.nn._issued import SCOPE, forward, to_varying
+from substrax.nn._declared import SCOPE, declare_forward, to_varying
 from substrax.nn._linear import Initializer, sharded_param, split_over
 
 __all__ = ["ParallelEmbedding"]
@@ -99,14 +99,14 @@ class ParallelEmbedding(nnx.Module):
         if self.split == "features":
             with jax.named_scope(SCOPE):
                 found = gather_invariant(jnp.take(table, ids, axis=0), axis, axis=ids.ndim, tiled=True)
-            forward(self, "all-gather", axis, found, "the embeddings' features, gathered")
+            declare_forward(self, "all-gather", axis, found, "the embeddings' features, gathered")
             return found
         rows = table.shape[0]
         local = ids - jax.lax.axis_index(axis) * rows
         mine = (local >= 0) & (local < rows)
         found = jnp.take(table, jnp.where(mine, local, 0), axis=0)
         found = jnp.where(mine[..., None], found, 0)
-        forward(self, "all-reduce", axis, found, "each device's rows of the lookups, summed")
+        declare_forward(self, "all-reduce", axis, found, "each device's rows of the lookups, summed")
         with jax.named_scope(SCOPE):
             return jax.lax.psum(found, axis)
 
@@ -129,6 +129,6 @@ class ParallelEmbedding(nnx.Module):
         start = jax.lax.axis_index(self.model_axis) * cols
         query = jax.lax.dynamic_slice_in_dim(query, start, cols, axis=query.ndim - 1)
         logits = jnp.dot(query, table.T)
-        forward(self, "all-reduce", self.model_axis, logits, "the partial logits, summed")
+        declare_forward(self, "all-reduce", self.model_axis, logits, "the partial logits, summed")
         with jax.named_scope(SCOPE):
             return jax.lax.psum(logits, self.model_axis)

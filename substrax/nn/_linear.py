@@ -15,7 +15,7 @@ from flax import nnx
 from flax.nnx.nn import dtypes
 
 from substrax._collectives import varying_axes
-from substrax.nn._issued import SCOPE, backward, forward, to_varying
+from substrax.nn._declared import SCOPE, declare_backward, declare_forward, to_varying
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
@@ -108,8 +108,8 @@ def ring_matmul(
     y = jnp.zeros(out_shape, jnp.result_type(x, kernel))
     for step in range(size):
         if step:
-            forward(layer, "collective-permute", axis, x, "a block of the input, to the next device")
-            x = backward(
+            declare_forward(layer, "collective-permute", axis, x, "a block of the input, to the next device")
+            x = declare_backward(
                 layer,
                 "collective-permute",
                 axis,
@@ -258,8 +258,8 @@ class ColumnParallelLinear(_Linear):
                 y = ring_matmul(self, x, kernel, axis, dim, self.precision)
             else:
                 whole = jax.lax.all_gather(x, axis, axis=dim, tiled=True)
-                forward(self, "all-gather", axis, whole, "the sequence, gathered")
-                whole = backward(self, "reduce-scatter", axis, whole, "its gradient, scattered back")
+                declare_forward(self, "all-gather", axis, whole, "the sequence, gathered")
+                whole = declare_backward(self, "reduce-scatter", axis, whole, "its gradient, scattered back")
                 y = matmul(whole, kernel, self.precision)
         return add_bias(y, bias)
 
@@ -351,11 +351,11 @@ class RowParallelLinear(_Linear):
             with jax.named_scope(SCOPE):
                 if self.sequence_parallel:
                     dim = _sequence_dim(y, self.sequence_axis, "RowParallelLinear")
-                    forward(self, "reduce-scatter", axis, y, "the partial products, summed and scattered")
+                    declare_forward(self, "reduce-scatter", axis, y, "the partial products, summed and scattered")
                     whole = y.shape
                     y = jax.lax.psum_scatter(y, axis, scatter_dimension=dim, tiled=True)
-                    y = backward(self, "all-gather", axis, y, "the output's gradient, gathered", shape=whole)
+                    y = declare_backward(self, "all-gather", axis, y, "the output's gradient, gathered", shape=whole)
                 else:
-                    forward(self, "all-reduce", axis, y, "the partial products, summed")
+                    declare_forward(self, "all-reduce", axis, y, "the partial products, summed")
                     y = jax.lax.psum(y, axis)
         return add_bias(y, bias)

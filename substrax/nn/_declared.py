@@ -1,19 +1,22 @@
-"""What ``substrax.nn``'s layers communicate, said by the layers while a step is traced.
+"""What a tensor-parallel layer communicates, declared by the layer where it writes it.
 
-Each collective a layer writes is announced where it is written: ``forward(...)`` for
-one the forward pass runs, ``backward(...)`` for one that AD's transpose of it runs (a
-``pcast`` to varying becomes a ``psum`` of the gradient, a ``psum_scatter`` an
-``all_gather``, ...). Outside ``recording()`` both do nothing (``backward`` returns its
-value untouched), so a step traced for training is the program as written. Inside it,
-each announcement is kept as an ``Issued``, and ``backward`` wraps its value in an
-identity whose custom VJP records the collective only when AD does transpose it: a layer
-whose input carries no gradient (the batch) runs no backward collective, and none is
-recorded.
+A layer writing a collective inside ``jax.shard_map`` declares it there:
+``declare_forward(...)`` for one the forward pass runs, ``declare_backward(...)`` for
+one that AD's transpose of it runs (a ``pcast`` to varying becomes a ``psum`` of the
+gradient, a ``psum_scatter`` an ``all_gather``, ...). ``substrax.nn``'s layers declare
+every one of theirs; a layer of your own may declare its own the same way.
 
-``substrax.census`` reads these (``TrainStep.check_communication`` traces the step
-afresh inside ``recording()``) to expect each layer's collectives over the model axis,
-per layer and phase, before it reads the compiled program. ``naming(model)`` names each
-layer by its path in the model while the loss function runs.
+Outside ``recording()`` both do nothing (``declare_backward`` returns its value
+untouched), so a step traced for training is the program as written. Inside it, each
+declaration is kept as a ``Declared``, and ``declare_backward`` wraps its value in an
+identity whose custom VJP records the collective only when AD does transpose it: a
+layer whose input carries no gradient (the batch) runs no backward collective, and none
+is recorded.
+
+``TrainStep.check_communication`` traces the step afresh inside ``recording()`` and the
+census expects exactly the declared collectives over their axis, per layer and phase,
+before it reads the compiled program. ``naming(model)`` names each layer by its path in
+the model while the loss function runs (the explicit step does).
 """
 
 from __future__ import annotations
@@ -33,13 +36,13 @@ from substrax._collectives import to_varying as _cast_varying
 from substrax._collectives import varying_axes
 from substrax._tree import path_str
 
-__all__ = ["Issued", "backward", "forward", "naming", "recording", "silenced", "to_varying"]
+__all__ = ["Declared", "declare_backward", "declare_forward", "naming", "recording", "silenced", "to_varying"]
 
 SCOPE = "substrax.tensor_parallel"  # the named scope of every collective of this package
 
 
 @dataclass(frozen=True)
-class Issued:
+class Declared:
     """One collective a layer writes, per execution of the layer.
 
     Attributes:
@@ -75,8 +78,8 @@ class Issued:
         return f"{kind}{bits}[{','.join(map(str, self.shape))}]"
 
 
-_RECORD: contextvars.ContextVar[list[Issued] | None] = contextvars.ContextVar(
-    "substrax_nn_issued", default=None
+_RECORD: contextvars.ContextVar[list[Declared] | None] = contextvars.ContextVar(
+    "substrax_nn_declared", default=None
 )
 _NAMES: contextvars.ContextVar[dict[int, str] | None] = contextvars.ContextVar(
     "substrax_nn_names", default=None
@@ -84,12 +87,12 @@ _NAMES: contextvars.ContextVar[dict[int, str] | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def recording() -> Iterator[list[Issued]]:
-    """Collect what the layers announce while a step is traced in this context (a list, filled in place)."""
-    issued: list[Issued] = []
-    token = _RECORD.set(issued)
+def recording() -> Iterator[list[Declared]]:
+    """Collect what the layers declare while a step is traced in this context (a list, filled in place)."""
+    declared: list[Declared] = []
+    token = _RECORD.set(declared)
     try:
-        yield issued
+        yield declared
     finally:
         _RECORD.reset(token)
 
@@ -122,35 +125,46 @@ def _name(layer: nnx.Module) -> str:
     return (_NAMES.get() or {}).get(id(layer), type(layer).__name__)
 
 
-def _issued(
+def _declared(
     layer: str, phase: str, kind: str, axis: str, like: Any, shape: tuple[int, ...] | None, why: str
-) -> Issued:
-    return Issued(
+) -> Declared:
+    return Declared(
         layer, phase, kind, axis, tuple(like.shape if shape is None else shape), np.dtype(like.dtype), why
     )
 
 
-def forward(
+def declare_forward(
     layer: nnx.Module, kind: str, axis: str, like: Any, why: str, *, shape: tuple[int, ...] | None = None
 ) -> None:
-    """Announce a forward collective over ``axis`` whose counted buffer is ``like`` (or ``shape`` of its dtype)."""
+    """Declare a collective the forward pass runs in ``layer``, for the census.
+
+    Args:
+      layer: The module writing it (named by its path in the model).
+      kind: ``"all-reduce"``, ``"all-gather"``, ``"reduce-scatter"``, ``"collective-permute"``, ...
+      axis: The mesh axis it runs over.
+      like: An array whose shape and dtype are the buffer the census counts: an
+        all-gather's result, the operand of the others.
+      why: What it moves, in a few words (the census prints it).
+      shape: That buffer's shape, when it is not ``like``'s.
+    """
     record = _RECORD.get()
     if record is not None:
-        record.append(_issued(_name(layer), "forward", kind, axis, like, shape, why))
+        record.append(_declared(_name(layer), "forward", kind, axis, like, shape, why))
 
 
-def backward(
+def declare_backward(
     layer: nnx.Module, kind: str, axis: str, value: Any, why: str, *, shape: tuple[int, ...] | None = None
 ) -> Any:
-    """``value``, and the announcement of the collective AD's transpose runs for its gradient.
+    """``value``, declaring the collective AD's transpose runs for its gradient, for the census.
 
-    ``shape``: that collective's counted buffer, when it is not ``value``'s shape. The
-    announcement is made only if the gradient is computed (see the module docstring).
+    Wrap the value whose gradient the transpose communicates (a ``pcast``'s input, a
+    ``psum_scatter``'s output); the arguments are ``declare_forward``'s, ``value`` in
+    place of ``like``. The declaration is recorded only if that gradient is computed.
     """
     record = _RECORD.get()
     if record is None:
         return value
-    issued = _issued(_name(layer), "backward", kind, axis, value, shape, why)
+    declared = _declared(_name(layer), "backward", kind, axis, value, shape, why)
 
     @jax.custom_vjp
     def tap(x: Any) -> Any:
@@ -160,7 +174,7 @@ def backward(
         return x, None
 
     def tap_bwd(_: None, cotangent: Any) -> tuple[Any]:
-        record.append(issued)
+        record.append(declared)
         return (cotangent,)
 
     tap.defvjp(tap_fwd, tap_bwd)
@@ -172,6 +186,6 @@ def to_varying(layer: nnx.Module, x: Any, axis: str) -> Any:
     gradient ``psum``-ed over ``axis`` backward. ``x`` itself if it already varies there."""
     if axis in (varying_axes(x) or ()):
         return x
-    x = backward(layer, "all-reduce", axis, x, "the input's gradient, summed")
+    x = declare_backward(layer, "all-reduce", axis, x, "the input's gradient, summed")
     with jax.named_scope(SCOPE):
         return _cast_varying(x, axis)
