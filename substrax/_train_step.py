@@ -27,10 +27,10 @@ from substrax._precision import MixedPrecision
 from substrax._tree import PyTree
 from substrax.census import Comparison
 from substrax.census._step import check_communication
-from substrax.nn import _declared as declared
 from substrax.explicit import _step as explicit_step
 from substrax.explicit._step import BatchSpec
 from substrax.mesh import current_mesh
+from substrax.nn import _declared as declared
 from substrax.spmd import _step as implicit_step
 
 __all__ = ["MODES", "BoundTrainStep", "TrainStep", "make_train_step"]
@@ -272,7 +272,7 @@ class TrainStep:
         return out
 
     def lower(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree) -> Any:
-        """Lower the jitted step for these arguments, to read its HLO.
+        """Lower the jitted step for these arguments, to read its HLO; traced afresh each call.
 
         ``step.lower(model, optimizer, batch).compile().as_text()`` shows the
         collectives XLA compiled in (``all-reduce`` and others).
@@ -289,7 +289,7 @@ class TrainStep:
         itself (the ``CensusReport`` that ``substrax.census`` gives of the compiled step).
         See ``substrax.compare`` for the rule.
         """
-        with declared.recording() as layers:  # what substrax.nn's layers say they communicate
+        with declared.recording() as layers:  # what the layers declare they communicate
             lowered = self.lower(model, optimizer, batch)
         return check_communication(lowered, model, optimizer, self.options, layers=layers)
 

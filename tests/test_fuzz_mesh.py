@@ -17,7 +17,7 @@ runs may differ by up to 2 x lr x steps, and that is its tolerance (declared, fo
 fuzzer: ``MeshConfig(mode='explicit', data=1, model=4, layout='fsdp', microbatches=2,
 optimizer='adam', heads=4, causal=True, blocks=2, width=32, seed=236)``). In explicit mode
 the step's census must match, with each layer's collectives over ``model`` expected from
-what the layers say (``substrax.nn._declared``).
+what the layers declare (``substrax.nn.declare_forward``, ...).
 
 ``make test`` runs a fixed-seed sample (profile ``fuzz-ci`` of ``test_fuzz.py``);
 ``make fuzz`` (``SUBSTRAX_FUZZ=full``) ``SUBSTRAX_FUZZ_EXAMPLES`` random draws. A failing

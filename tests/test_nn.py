@@ -325,7 +325,7 @@ def test_layers_say_every_collective_they_compile_to(name) -> None:
     assert got == want, "\n".join(map(str, said))
 
 
-def test_nothing_is_said_outside_a_recording_or_without_a_split() -> None:
+def test_nothing_is_declared_outside_a_recording_or_without_a_split() -> None:
     model, x = Block(), batch()
     assert declared.declare_backward(model, "all-reduce", "model", x, "why") is x  # the program as written
     with declared.recording() as said:

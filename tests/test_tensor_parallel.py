@@ -189,17 +189,17 @@ def test_census_of_microbatches_expects_the_layers_collectives_in_the_loop() -> 
         assert [(p.row.in_loop, p.row.trip_count) for p in parts] == [(True, 2)], str(check)
 
 
-@pytest.mark.parametrize("fault", ["unsaid", "said twice"])
+@pytest.mark.parametrize("fault", ["undeclared", "declared twice"])
 def test_census_catches_a_layer_that_does_not_say_what_it_writes(fault: str, monkeypatch) -> None:
-    """The census's expectation over 'model' is what the layers say; a layer whose word and
-    program disagree is a difference that names the layer or the compiled buffer."""
+    """The census's expectation over 'model' is what the layers declare; a layer whose
+    declarations and program disagree is a difference that names the layer or the buffer."""
     from substrax.nn import _linear
 
-    said = _linear.declare_forward
-    if fault == "unsaid":  # the row layers psum without declaring it
+    declare = _linear.declare_forward
+    if fault == "undeclared":  # the row layers psum without declaring it
         monkeypatch.setattr(_linear, "declare_forward", lambda *args, **kwargs: None)
     else:
-        monkeypatch.setattr(_linear, "declare_forward", lambda *a, **k: (said(*a, **k), said(*a, **k))[0])
+        monkeypatch.setattr(_linear, "declare_forward", lambda *a, **k: (declare(*a, **k), declare(*a, **k))[0])
     mesh = create_device_mesh({"data": 4, "model": 2})
     model, optimizer = _build()
     substrax.shard_state(model, optimizer, mesh=mesh, layout="fsdp", min_size=64)
@@ -207,7 +207,7 @@ def test_census_catches_a_layer_that_does_not_say_what_it_writes(fault: str, mon
     check = step.check_communication(model, optimizer, BATCHES[0])
     assert not check.matches, str(check)
     text = " ".join(check.differences)
-    if fault == "unsaid":
+    if fault == "undeclared":
         assert "nothing expected accounts for" in text and "substrax.tensor_parallel" in text, text
         assert len([p for p in check.unexpected if p.row.axes == ("model",)]) == 2, text
     else:

@@ -78,7 +78,7 @@ class _Matcher:
         self._one_to_one()
         self._combined()
         left = [j for j in range(len(self.parts)) if j not in self.taken]
-        # over an axis the layers said they communicate on, every buffer must be one they said
+        # over an axis the layers declare collectives on, every buffer must be one they declared
         self.predicted_axes = {a for i in self.items if i.category == "model" for a in i.axes}
         self.model = [j for j in left if attribute_model and self._model_like(self.parts[j])]
         self.unexpected = [j for j in left if j not in self.model]
@@ -143,8 +143,8 @@ class _Matcher:
 
     def _model_like(self, part: Part) -> bool:
         """Declared by the model: under no library scope, or by a ``substrax.nn`` layer; but
-        not over an axis the layers' expected buffers run on, nor by those layers when
-        they said what they communicate: there, a buffer no layer said is a difference."""
+        not over an axis the layers' declared buffers run on, nor under the layers' scope
+        when they declared any: there, a buffer no layer declared is a difference."""
         if part.row.axes and self.predicted_axes & set(part.row.axes):
             return False
         if part.scope == MODEL_SCOPE:
@@ -177,14 +177,14 @@ class _Matcher:
             (item, tuple(parts[j] for j in self.assigned.get(i, ()))) for i, item in enumerate(self.items)
         )
         matched += tuple((m, (parts[j],)) for m, j in zip(model_items, self.model, strict=True))
-        said = [j for i, js in self.assigned.items() if self.items[i].category == "model" for j in js]
+        declared = [j for i, js in self.assigned.items() if self.items[i].category == "model" for j in js]
         return Match(
             matches=not differences,
             differences=tuple(differences),
             notes=tuple(notes),
             expected=expected.with_items(model_items) if model_items else expected,
             matched=matched,
-            model=tuple(parts[j] for j in sorted({*said, *self.model})),
+            model=tuple(parts[j] for j in sorted({*declared, *self.model})),
             unexpected=tuple(parts[j] for j in self.unexpected),
         )
 

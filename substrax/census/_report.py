@@ -305,11 +305,10 @@ def _format_comparison(comparison: Comparison) -> str:
             want, optional, got = rows[source, key]
             cells.append((source, key, f"{want:,}", f"{optional:,}" if optional else "", f"{got:,}"))
     lines = [str(comparison.report), head, *table(cells, right={2, 3, 4})]
-    said = {id(p): item.what for item, parts in comparison.matched if item.category == "model" for p in parts}
-    lines += [
-        f"  model: {said[id(p)] + ': ' if id(p) in said and not said[id(p)].startswith('model: ') else ''}{p}"
-        for p in comparison.model
-    ]
+    declared = {  # a model buffer a layer declared: named by its layer and phase
+        id(p): f"{i.what}: " for i, parts in comparison.matched if i.category == "model" and i.phase for p in parts
+    }
+    lines += [f"  model: {declared.get(id(p), '')}{p}" for p in comparison.model]
     lines += [f"  difference: {d}" for d in comparison.differences]
     lines += [f"  note: {n}" for n in comparison.notes]
     return "\n".join(lines)

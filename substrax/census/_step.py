@@ -104,7 +104,7 @@ def parameter_leaves(
 def layer_items(
     layers: Sequence[Declared], microbatches: int, sizes: dict[str, int] | None = None
 ) -> list[ExpectedCollective]:
-    """One expected buffer per collective a ``substrax.nn`` layer said it writes.
+    """One expected buffer per collective a layer declared (``substrax.nn.declare_forward``, ...).
 
     ``layers``: what ``substrax.nn._declared.recording`` collected while the step was
     traced: each layer's collectives per execution, forward and backward. With

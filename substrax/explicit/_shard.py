@@ -234,7 +234,7 @@ def varying_carry(body: Callable[..., Any], carry: Any, piece: PyTree, data_axis
     ``lax.scan`` needs a carry of one type in and out; a BatchNorm without
     ``axis_name`` turns its replicated statistics into per-device ones in the body.
     """
-    with declared.silenced():  # a trace for shapes: the layers' collectives are said by the loop's own
+    with declared.silenced():  # a trace for shapes: the loop's own trace collects the declarations
         out = jax.eval_shape(body, carry, piece)[0]
     cast = [
         data_axis in getattr(getattr(o, "manual_axis_type", None), "varying", ())
