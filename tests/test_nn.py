@@ -163,9 +163,12 @@ def attention_reference(model: ParallelSelfAttention, x: np.ndarray, causal: boo
     return proj(model.out, out.reshape(b, s, heads * d))
 
 
+@pytest.mark.parametrize("sequence_parallel", [False, True])  # no shard_map: it changes nothing
 @pytest.mark.parametrize("causal", [False, True])
-def test_attention_matches_numpy_reference(causal) -> None:
-    model = ParallelSelfAttention(4, 8, qkv_features=16, out_features=6, causal=causal, rngs=nnx.Rngs(0))
+def test_attention_matches_numpy_reference(causal, sequence_parallel) -> None:
+    model = ParallelSelfAttention(
+        4, 8, qkv_features=16, out_features=6, causal=causal, sequence_parallel=sequence_parallel, rngs=nnx.Rngs(0)
+    )
     x = batch((2, 5, 8))
     np.testing.assert_allclose(model(x), attention_reference(model, np.asarray(x, np.float64), causal), **TOL)
 
@@ -222,6 +225,24 @@ def test_explicit_attention_matches_one_device() -> None:
     np.testing.assert_allclose(value, want_value, **TOL)
     assert_trees_close(grads, want_grads)
     assert model_collectives(forward, state, x, mesh=mesh) == {"all-reduce": 1}  # the output projection's
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_explicit_sequence_parallel_attention_matches_one_device(causal) -> None:
+    """The sequence split over model: gathered once for q, k, v (the causal mask over the whole
+    sequence), the output reduce-scattered back to each device's part of it."""
+    mesh = create_device_mesh({"data": 2, "model": 4})
+    model = ParallelSelfAttention(
+        4, 8, qkv_features=16, causal=causal, sequence_parallel=True, rngs=nnx.Rngs(0)
+    )
+    x = batch((4, 8, 8))
+    run, forward, state = explicit(model, mesh, P("data", "model"), ("data", "model"))
+    y, value, grads = run(state, x)
+    want_y, want_value, want_grads = one_device(model, x)
+    np.testing.assert_allclose(y, want_y, **TOL)
+    np.testing.assert_allclose(value, want_value, **TOL)
+    assert_trees_close(grads, want_grads)
+    assert model_collectives(forward, state, x, mesh=mesh) == {"all-gather": 1, "reduce-scatter": 1}
 
 
 @pytest.mark.parametrize("split", ["vocab", "features"])
@@ -293,11 +314,13 @@ def block_run(mesh, **options):
     return run, (state, batch())
 
 
-def attention_run(mesh):
-    run, _, state = explicit(
-        ParallelSelfAttention(4, 8, qkv_features=16, rngs=nnx.Rngs(0)), mesh, P("data"), "data"
+def attention_run(mesh, sequence_parallel=False):
+    model = ParallelSelfAttention(
+        4, 8, qkv_features=16, causal=True, sequence_parallel=sequence_parallel, rngs=nnx.Rngs(0)
     )
-    return run, (state, batch((4, 5, 8)))
+    spec, axes = (P("data", "model"), ("data", "model")) if sequence_parallel else (P("data"), "data")
+    run, _, state = explicit(model, mesh, spec, axes)
+    return run, (state, batch((4, 8, 8)))
 
 
 LAYER_RUNS = {
@@ -305,6 +328,7 @@ LAYER_RUNS = {
     "sequence-parallel": lambda mesh: block_run(mesh, sequence_parallel=True),
     "collective-matmul": lambda mesh: block_run(mesh, sequence_parallel=True, collective_matmul=True),
     "attention": attention_run,
+    "attention-sequence-parallel": lambda mesh: attention_run(mesh, sequence_parallel=True),
     "embedding-vocab": lambda mesh: tied_lm("vocab", mesh),
     "embedding-features": lambda mesh: tied_lm("features", mesh),
 }

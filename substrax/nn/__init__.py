@@ -25,7 +25,8 @@ from ``nnx.get_partition_spec`` (the layers declare their splits as flax's
   layer all-gathers its input there (or, with ``collective_matmul=True``, passes
   blocks around a ring of ``ppermute``s, overlapping each with a matmul), the row layer
   reduce-scatters its output there instead of ``psum``-ing it; the backward pass swaps
-  the two.
+  the two. ``ParallelSelfAttention(sequence_parallel=True)`` gathers the sequence once
+  for its three projections, and its output projection reduce-scatters.
 - ``ParallelEmbedding``: ``psum`` of the devices' lookups (vocabulary split) or an
   all-gather of their features (features split).
 

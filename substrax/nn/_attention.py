@@ -15,6 +15,7 @@ from substrax.nn._linear import (
     ColumnParallelLinear,
     Initializer,
     RowParallelLinear,
+    gather_sequence,
     split_over,
 )
 from substrax.nn._declared import to_varying
@@ -56,6 +57,12 @@ class ParallelSelfAttention(nnx.Module):
       kernel_init: For the four projections, as ``nnx.Linear``'s.
       bias_init: For the four projections, as ``nnx.Linear``'s.
       model_axis: The mesh axis the heads are split over.
+      sequence_parallel: Inside ``shard_map``, the input arrives split over
+        ``model_axis`` on the sequence (its second-to-last dimension) and is
+        all-gathered there once for the three projections; the output leaves split the
+        same way (``out`` reduce-scatters instead of ``psum``-ing), as the
+        sequence-parallel ``ColumnParallelLinear`` / ``RowParallelLinear`` pair takes
+        and gives it. Anywhere else it changes nothing.
       rngs: The projections' parameters come from ``rngs.params()``: query, key,
         value, out, each its kernel then its bias.
 
@@ -80,6 +87,7 @@ class ParallelSelfAttention(nnx.Module):
         kernel_init: Initializer = KERNEL_INIT,
         bias_init: Initializer = BIAS_INIT,
         model_axis: str = "model",
+        sequence_parallel: bool = False,
         rngs: nnx.Rngs,
     ) -> None:
         qkv_features = in_features if qkv_features is None else qkv_features
@@ -105,11 +113,12 @@ class ParallelSelfAttention(nnx.Module):
         self.query = ColumnParallelLinear(in_features, qkv_features, **common)
         self.key = ColumnParallelLinear(in_features, qkv_features, **common)
         self.value = ColumnParallelLinear(in_features, qkv_features, **common)
-        self.out = RowParallelLinear(qkv_features, out_features, **common)
+        self.out = RowParallelLinear(qkv_features, out_features, sequence_parallel=sequence_parallel, **common)
         self.num_heads = num_heads
         self.head_dim = qkv_features // num_heads
         self.causal = causal
         self.model_axis = model_axis
+        self.sequence_parallel = sequence_parallel
 
     def _local_heads(self) -> int | None:
         """How many heads this device runs; ``None`` (all of them) unless inside ``shard_map`` over the axis."""
@@ -131,6 +140,8 @@ class ParallelSelfAttention(nnx.Module):
         heads = self._local_heads()
         if heads is None:
             heads = self.num_heads
+        elif self.sequence_parallel:  # the whole sequence, gathered once for the three projections
+            x = gather_sequence(self, x, self.model_axis, x.ndim - 2)
         else:  # one cast for the three projections: one psum of x's gradient, not three
             x = to_varying(self, x, self.model_axis)
 

@@ -89,6 +89,15 @@ def add_bias(y: jax.Array, bias: jax.Array | None) -> jax.Array:
     return y if bias is None else y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
 
 
+def gather_sequence(layer: nnx.Module, x: jax.Array, axis: str, dim: int) -> jax.Array:
+    """``x``'s blocks on ``dim`` all-gathered (tiled) over ``axis``: the whole sequence, declared
+    with its backward reduce-scatter."""
+    with jax.named_scope(SCOPE):
+        whole = jax.lax.all_gather(x, axis, axis=dim, tiled=True)
+    declare_forward(layer, "all-gather", axis, whole, "the sequence, gathered")
+    return declare_backward(layer, "reduce-scatter", axis, whole, "its gradient, scattered back")
+
+
 def ring_matmul(
     layer: nnx.Module, x: jax.Array, kernel: jax.Array, axis: str, dim: int, precision: Any
 ) -> jax.Array:
@@ -253,14 +262,11 @@ class ColumnParallelLinear(_Linear):
         if not self.sequence_parallel:  # x's gradient is psum-ed over axis
             return add_bias(matmul(to_varying(self, x, axis), kernel, self.precision), bias)
         dim = _sequence_dim(x, self.sequence_axis, "ColumnParallelLinear")
-        with jax.named_scope(SCOPE):
-            if self.collective_matmul:
+        if self.collective_matmul:
+            with jax.named_scope(SCOPE):
                 y = ring_matmul(self, x, kernel, axis, dim, self.precision)
-            else:
-                whole = jax.lax.all_gather(x, axis, axis=dim, tiled=True)
-                declare_forward(self, "all-gather", axis, whole, "the sequence, gathered")
-                whole = declare_backward(self, "reduce-scatter", axis, whole, "its gradient, scattered back")
-                y = matmul(whole, kernel, self.precision)
+        else:
+            y = matmul(gather_sequence(self, x, axis, dim), kernel, self.precision)
         return add_bias(y, bias)
 
 
