@@ -18,7 +18,8 @@ shape it times:
   projection, the MLP's down projection), the loss ``pmean``-ed over ``data`` before
   ``grad`` (so AD transposes the gathers into ``psum_scatter``s over ``data``, the
   replicated parameters' ``pvary`` into ``psum``s, and the column layers' input into a
-  ``psum`` over ``model``), and ``optax.adam`` updating the local slices; ``jax.jit``
+  ``psum`` over ``model``: attention's input cast to varying once for its three
+  projections, one ``psum`` of its gradient, as ``ParallelSelfAttention`` does), and ``optax.adam`` updating the local slices; ``jax.jit``
   with the state donated. The minimum a 2-D FSDP step does. Everything is written by
   hand but the LayerNorms, which are flax's own ``nnx.LayerNorm`` applied to the arrays:
   every hand spelling of the same arithmetic tried (keepdims means, flax's op order
@@ -89,6 +90,7 @@ def run(
     from jax.sharding import PartitionSpec as P
 
     import substrax
+    from substrax._collectives import to_varying
     from substrax.mesh import create_device_mesh
     from substrax.nn import ColumnParallelLinear, ParallelSelfAttention, RowParallelLinear
     from substrax.spmd import create_data_parallel_sharding, place_batch_on_shards
@@ -145,6 +147,7 @@ def run(
         def split(y: jax.Array) -> jax.Array:
             return y.reshape(*y.shape[:-1], heads, head_dim)
 
+        x = to_varying(x, "model")  # Megatron's f, once for q, k and v: one psum of x's gradient
         q = split(dense(p["query"], x)) / math.sqrt(head_dim)
         k, v = split(dense(p["key"], x)), split(dense(p["value"], x))
         scores = jnp.einsum("...qhd,...khd->...hqk", q, k)
