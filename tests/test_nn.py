@@ -349,6 +349,17 @@ def test_layers_say_every_collective_they_compile_to(name) -> None:
     assert got == want, "\n".join(map(str, said))
 
 
+def test_a_declaration_names_a_kind_the_census_counts_and_one_axis() -> None:
+    from substrax.census import KINDS
+
+    assert set(declared.KINDS) <= set(KINDS)
+    model, x = Block(), batch()
+    with pytest.raises(ValueError, match=r"declare_forward: 'allreduce' is not a collective.*'all-reduce'"):
+        declared.declare_forward(model, "allreduce", "model", x, "why")  # checked outside a recording too
+    with pytest.raises(TypeError, match=r"declare_backward: axis must be one mesh axis name.*\('data', 'model'\)"):
+        declared.declare_backward(model, "all-reduce", ("data", "model"), x, "why")
+
+
 def test_nothing_is_declared_outside_a_recording_or_without_a_split() -> None:
     model, x = Block(), batch()
     assert declared.declare_backward(model, "all-reduce", "model", x, "why") is x  # the program as written

@@ -36,7 +36,7 @@ from substrax._collectives import to_varying as _cast_varying
 from substrax._collectives import varying_axes
 from substrax._tree import path_str
 
-__all__ = ["Declared", "declare_backward", "declare_forward", "naming", "recording", "silenced", "to_varying"]
+__all__ = ["KINDS", "Declared", "declare_backward", "declare_forward", "naming", "recording", "silenced", "to_varying"]
 
 SCOPE = "substrax.tensor_parallel"  # the named scope of every collective of this package
 
@@ -125,9 +125,20 @@ def _name(layer: nnx.Module) -> str:
     return (_NAMES.get() or {}).get(id(layer), type(layer).__name__)
 
 
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+"""The collectives a layer may declare: the census's names (``substrax.census.KINDS``)."""
+
+
 def _declared(
     layer: str, phase: str, kind: str, axis: str, like: Any, shape: tuple[int, ...] | None, why: str
 ) -> Declared:
+    if kind not in KINDS:
+        raise ValueError(
+            f"declare_{phase}: {kind!r} is not a collective the census counts; declare one of "
+            f"{', '.join(map(repr, KINDS))} (the HLO instruction's name)."
+        )
+    if not isinstance(axis, str):
+        raise TypeError(f"declare_{phase}: axis must be one mesh axis name, a str; got {axis!r}.")
     return Declared(
         layer, phase, kind, axis, tuple(like.shape if shape is None else shape), np.dtype(like.dtype), why
     )
@@ -140,16 +151,22 @@ def declare_forward(
 
     Args:
       layer: The module writing it (named by its path in the model).
-      kind: ``"all-reduce"``, ``"all-gather"``, ``"reduce-scatter"``, ``"collective-permute"``, ...
+      kind: ``"all-reduce"``, ``"all-gather"``, ``"reduce-scatter"``,
+        ``"collective-permute"`` or ``"all-to-all"``, as the census names them.
       axis: The mesh axis it runs over.
       like: An array whose shape and dtype are the buffer the census counts: an
         all-gather's result, the operand of the others.
       why: What it moves, in a few words (the census prints it).
       shape: That buffer's shape, when it is not ``like``'s.
+
+    Raises:
+      ValueError: If ``kind`` is not one of those.
+      TypeError: If ``axis`` is not a str.
     """
+    declared = _declared(_name(layer), "forward", kind, axis, like, shape, why)  # checked even unrecorded
     record = _RECORD.get()
     if record is not None:
-        record.append(_declared(_name(layer), "forward", kind, axis, like, shape, why))
+        record.append(declared)
 
 
 def declare_backward(
@@ -160,11 +177,15 @@ def declare_backward(
     Wrap the value whose gradient the transpose communicates (a ``pcast``'s input, a
     ``psum_scatter``'s output); the arguments are ``declare_forward``'s, ``value`` in
     place of ``like``. The declaration is recorded only if that gradient is computed.
+
+    Raises:
+      ValueError: If ``kind`` is not one ``declare_forward`` takes.
+      TypeError: If ``axis`` is not a str.
     """
+    declared = _declared(_name(layer), "backward", kind, axis, value, shape, why)  # checked even unrecorded
     record = _RECORD.get()
     if record is None:
         return value
-    declared = _declared(_name(layer), "backward", kind, axis, value, shape, why)
 
     @jax.custom_vjp
     def tap(x: Any) -> Any:
