@@ -308,7 +308,8 @@ def check_communication(
     metrics are optional when the step has scalar metrics (XLA reduces equal values once,
     and derives a multiple of one reduction from it), and in implicit mode when it
     gathers per-example values (XLA may compute the loss from the gathered vector). On a
-    data axis of size 1 it expects no communication at all.
+    data axis of size 1 it expects nothing over that axis, but what the layers declare and
+    the update reduces over another (a ``model`` axis beside it).
     """
     compiled = lowered.compile()
     with _mesh_context(options):
