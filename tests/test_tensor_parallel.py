@@ -296,3 +296,15 @@ def test_a_layer_of_your_own_declares_its_collectives(declare: bool) -> None:
         assert not check.matches, str(check)
         (difference,) = check.differences
         assert gathered in difference and "substrax.nn.declare_forward" in difference, difference
+
+
+def test_a_model_axis_of_one_device_costs_no_collective() -> None:
+    """On (8, 1) the explicit step runs the layers as plain ones: nothing over 1-device groups."""
+    mesh = create_device_mesh({"data": 8, "model": 1})
+    model, optimizer = _build()
+    substrax.shard_state(model, optimizer, mesh=mesh, layout="fsdp", min_size=64)
+    step = substrax.make_train_step(loss_fn, "explicit", mesh=mesh)
+    check = step.check_communication(model, optimizer, BATCHES[0])
+    assert check.matches, str(check)
+    assert [i for i, _ in check.matched if i.category == "model"] == []  # no layer wrote one
+    assert {row.axes for row in check.report.rows} == {("data",)}, str(check.report)

@@ -195,6 +195,12 @@ def run_step(
         state_specs = without_axis_specs(state_specs, data_axis)
         rest_specs = without_axis_specs(rest_specs, data_axis)
         plans = {p: ParamSplit(None, None) for p in plans}
+    # Likewise another axis of size 1 (a `model` axis of one device): the layers' blocks are
+    # then their whole parameters, typed equal over it, so the layers run as plain ones and
+    # write no collective over one-device groups (XLA would keep those).
+    for axis in (a for a, n in mesh.shape.items() if a != data_axis and n == 1):
+        state_specs = without_axis_specs(state_specs, axis)
+        rest_specs = without_axis_specs(rest_specs, axis)
     shard_specs = without_axis_specs(specs, data_axis) if one_device else specs
     grad_specs = nnx.from_flat_state(
         [
