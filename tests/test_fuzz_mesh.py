@@ -236,6 +236,7 @@ CURATED = [
         causal=True, blocks=2, width=32, seed=236,
     ),  # fmt: skip
     MeshConfig(mode="implicit", data=8, model=1, layout="zero1", optimizer="adam"),
+    MeshConfig(mode="explicit", data=8, model=1, layout="fsdp", microbatches=2, blocks=2),  # model dropped
     MeshConfig(mode="explicit", data=2, model=4, layout="fsdp", microbatches=2, blocks=2),
     MeshConfig(mode="explicit", data=1, model=8, layout="replicated", heads=8, width=32, causal=False),
 ]
