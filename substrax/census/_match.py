@@ -79,7 +79,7 @@ class _Matcher:
         self._combined()
         left = [j for j in range(len(self.parts)) if j not in self.taken]
         # over an axis the layers declare collectives on, every buffer must be one they declared
-        self.predicted_axes = {a for i in self.items if i.category == "model" for a in i.axes}
+        self.declared_axes = {a for i in self.items if i.category == "model" for a in i.axes}
         self.model = [j for j in left if attribute_model and self._model_like(self.parts[j])]
         self.unexpected = [j for j in left if j not in self.model]
 
@@ -142,13 +142,14 @@ class _Matcher:
             self.notes.append(f"{whats} ({total:,} B) compiled combined differently, as {pieces}")
 
     def _model_like(self, part: Part) -> bool:
-        """Declared by the model: under no library scope, or by a ``substrax.nn`` layer; but
-        not over an axis the layers' declared buffers run on, nor under the layers' scope
-        when they declared any: there, a buffer no layer declared is a difference."""
-        if part.row.axes and self.predicted_axes & set(part.row.axes):
+        """The model's own, attributed from the program: under no library scope, or under a
+        ``substrax.nn`` layer's; but not over an axis the layers' declared buffers run on, nor
+        under the layers' scope when they declared any: there, a buffer no layer declared is a
+        difference."""
+        if part.row.axes and self.declared_axes & set(part.row.axes):
             return False
         if part.scope == MODEL_SCOPE:
-            return not self.predicted_axes
+            return not self.declared_axes
         return part.scope is None and part.phase is not None
 
     def result(self) -> Match:
@@ -258,7 +259,7 @@ class _Matcher:
 
     def _undeclared(self, extra: Sequence[Part]) -> str:
         """What to do about buffers over an axis whose collectives the layers declare."""
-        axes = sorted({a for p in extra for a in (p.row.axes or ()) if a in self.predicted_axes})
+        axes = sorted({a for p in extra for a in (p.row.axes or ()) if a in self.declared_axes})
         if not axes:
             return ""
         return (
