@@ -18,11 +18,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from substrax._collectives import to_varying
-from substrax.nn import _declared as declared
+from substrax._collectives import to_varying, varying_axes
 from substrax._layout import ParamSplit, entry_axes, spec_tuple
 from substrax._tree import PyTree, path_str
-from substrax.explicit._grad import varying_axes
+from substrax.nn import _declared as declared
 
 __all__ = [
     "cast_like",

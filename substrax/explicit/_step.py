@@ -188,19 +188,16 @@ def run_step(
     precision = o.precision
     reduce_dtype = None if precision is None else precision.reduce_dtype
     split_loss = with_aux(loss_fn if precision is None else precision.loss_fn(loss_fn, o.has_aux), o.has_aux)
-    # A data axis of size 1 needs no collective: nothing is typed as varying over it (the
-    # batch and state enter replicated, which is the same placement), so none is emitted.
-    one_device = mesh.shape[data_axis] == 1
-    if one_device:
-        state_specs = without_axis_specs(state_specs, data_axis)
-        rest_specs = without_axis_specs(rest_specs, data_axis)
-        plans = {p: ParamSplit(None, None) for p in plans}
-    # Likewise another axis of size 1 (a `model` axis of one device): the layers' blocks are
-    # then their whole parameters, typed equal over it, so the layers run as plain ones and
-    # write no collective over one-device groups (XLA would keep those).
-    for axis in (a for a, n in mesh.shape.items() if a != data_axis and n == 1):
+    # An axis of size 1 needs no collective: the state enters replicated over it (the same
+    # placement), so nothing is typed as varying over it and none is emitted. On `data` the
+    # batch enters whole too; on `model` the layers hold their whole parameters and run as
+    # plain ones (XLA would keep psums over one-device groups).
+    for axis in (a for a, n in mesh.shape.items() if n == 1):
         state_specs = without_axis_specs(state_specs, axis)
         rest_specs = without_axis_specs(rest_specs, axis)
+    one_device = mesh.shape[data_axis] == 1
+    if one_device:
+        plans = {p: ParamSplit(None, None) for p in plans}
     shard_specs = without_axis_specs(specs, data_axis) if one_device else specs
     grad_specs = nnx.from_flat_state(
         [
