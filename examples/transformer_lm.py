@@ -237,7 +237,7 @@ def mesh_shape(axes: dict[str, int], devices: int, batch: int, heads: int = HEAD
     """``{"data": ..., "model": ...}`` for ``--mesh``'s axes on ``devices`` devices.
 
     ``data`` left out takes the devices ``model`` leaves; ``model`` left out is no
-    ``model`` axis at all (``shard_state`` places the layers' splits over it whole).
+    ``model`` axis at all (the layers are then plain ones: their split over it is placed whole).
 
     Raises:
       ValueError: If the sizes' product is not ``devices``, ``model`` does not divide

@@ -180,12 +180,15 @@ def test_shard_state_errors(mesh8: jax.sharding.Mesh) -> None:
         substrax.shard_state(model, other, mesh=mesh8)
 
 
-def _declared_over_model() -> tuple[nnx.Module, nnx.Optimizer]:
-    """The MLP with its hidden kernel declared split over ``model``, as a tensor-parallel layer would."""
+def _declared_over_model(optional: bool = False) -> tuple[nnx.Module, nnx.Optimizer]:
+    """The MLP with its hidden kernel declared split over ``model``, as a tensor-parallel layer would
+    (``optional``: as ``substrax.nn``'s layers declare it, ``optional_axes=("model",)``)."""
     init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
     with jax.set_mesh(create_device_mesh({"data": 4, "model": 2})):
         model = MLP()
         model.hidden = nnx.Linear(4, 16, kernel_init=init, rngs=nnx.Rngs(0))
+        if optional:
+            model.hidden.kernel.set_metadata(optional_axes=("model",))
         optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
     mesh = create_device_mesh({"data": 8})
     for _, variable in nnx.to_flat_state(nnx.state((model, optimizer))):  # bring every array to the 1-D mesh
@@ -203,6 +206,20 @@ def test_a_split_over_an_axis_the_mesh_lacks_is_refused_by_the_step_by_path(mode
     said = r"model\['hidden'\]\['kernel'\] is declared sharded as .*over mesh axis 'model', which the mesh"
     with pytest.raises(ValueError, match=said + r".*substrax.shard_state"):
         step(model, optimizer, batches[0])
+
+
+@pytest.mark.parametrize("mode", substrax.MODES)
+def test_a_split_over_an_optional_axis_the_mesh_lacks_is_placed_whole_by_the_step(
+    mode: str, batches: list, reference5: tuple
+) -> None:
+    """A spec that declares its axis optional (as substrax.nn's layers do) needs no shard_state."""
+    model, optimizer = _declared_over_model(optional=True)
+    step = substrax.make_train_step(mse, mode, mesh=create_device_mesh({"data": 8}))
+    losses = [float(step(model, optimizer, b)) for b in batches[:5]]
+    want_losses, want_params = reference5
+    np.testing.assert_allclose(losses, want_losses, rtol=2e-5, atol=2e-6)
+    assert_params_close(params_of(model), want_params)
+    assert model.hidden.kernel.get_metadata()["out_sharding"] == (None, "model")  # the step's fit stays inside it
 
 
 @pytest.mark.parametrize("mode", substrax.MODES)

@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from substrax._layout._owners import flat_state, follow_dim, optimizer_followers, optimizer_mirrors
 from substrax._layout._report import LAYOUTS, Layout, LayoutKind, layout_of
-from substrax._layout._specs import choose_split_dim, entry_axes, spec_tuple, with_axis, without_axis
+from substrax._layout._specs import choose_split_dim, declared_spec, entry_axes, with_axis, without_axis
 from substrax.mesh import current_mesh
 
 __all__ = ["epoch", "shard_state"]
@@ -130,7 +130,7 @@ def shard_state(
     model_vars = dict(flat_state(model))
     opt_vars = dict(flat_state(optimizer))
     declared = {  # each variable's own declaration, kept across meshes that lack an axis of it
-        id(v): v.get_metadata().get("declared_sharding") or spec_tuple(v)
+        id(v): v.get_metadata().get("declared_sharding") or declared_spec(v)
         for variables in (model_vars, opt_vars)
         for v in variables.values()
     }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
@@ -14,8 +15,10 @@ from substrax._tree import path_str
 __all__ = [
     "check_mesh_axes",
     "choose_split_dim",
+    "declared_spec",
     "entry_axes",
     "gradient_spec",
+    "optional_axes",
     "spec_tuple",
     "split_dim_of",
     "with_axis",
@@ -23,11 +26,47 @@ __all__ = [
 ]
 
 
-def spec_tuple(variable: nnx.Variable[Any]) -> tuple[Any, ...] | None:
-    """A variable's ``out_sharding`` metadata, or None when it has none."""
+def declared_spec(variable: nnx.Variable[Any]) -> tuple[Any, ...] | None:
+    """A variable's ``out_sharding`` metadata as written, or None when it has none."""
     meta = variable.get_metadata()
     spec = meta.get("out_sharding", meta.get("sharding_names"))
     return None if spec is None else tuple(spec)
+
+
+def optional_axes(variable: nnx.Variable[Any]) -> tuple[str, ...]:
+    """The axes of its spec a mesh may lack (metadata ``optional_axes``): it is then whole over them.
+
+    ``substrax.nn``'s layers declare their model axis so: on a mesh without it they
+    compute as plain layers. A spec of your own declares none, and an axis it names
+    that the mesh lacks is refused (``check_mesh_axes``).
+    """
+    return tuple(variable.get_metadata().get("optional_axes") or ())
+
+
+def without_axes(spec: tuple[Any, ...], axes: tuple[str, ...]) -> tuple[Any, ...]:
+    """``spec`` with ``axes`` dropped from every entry and trailing ``None`` entries trimmed."""
+    entries = []
+    for entry in spec:
+        kept = tuple(a for a in entry_axes(entry) if a not in axes)
+        entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return tuple(entries)
+
+
+def spec_tuple(variable: nnx.Variable[Any]) -> tuple[Any, ...] | None:
+    """A variable's ``out_sharding`` metadata on the mesh set by ``jax.set_mesh``, or None.
+
+    Its ``optional_axes`` that the mesh lacks are dropped (the variable is whole over
+    them); with no mesh set, the spec as written (``declared_spec``).
+    """
+    spec = declared_spec(variable)
+    optional = optional_axes(variable)
+    if spec is None or not optional:
+        return spec
+    mesh = jax.sharding.get_abstract_mesh()
+    absent = tuple(a for a in optional if not mesh.empty and a not in mesh.axis_names)
+    return without_axes(spec, absent) if absent else spec
 
 
 def split_dim_of(spec: tuple[Any, ...] | None, axis: str) -> int | None:
@@ -86,14 +125,26 @@ def choose_split_dim(
 
 
 def check_mesh_axes(tree: Any, mesh: Any, owner: str) -> None:
-    """Refuse a variable declared sharded over an axis ``mesh`` lacks, naming it and the axis."""
+    """Fit each variable's spec to ``mesh``, in place; refuse one naming an axis it lacks.
+
+    An axis the mesh lacks is dropped from the spec where the variable declares it
+    optional (``optional_axes``: ``substrax.nn``'s model axis), so the step places it
+    whole; the spec as written is kept as metadata ``declared_sharding``, as
+    ``substrax.shard_state`` keeps it, for a later mesh with the axis. Any other is
+    refused, naming the variable's path and the axis.
+    """
     for path, variable in nnx.to_flat_state(nnx.state(tree)):
-        spec = spec_tuple(variable) or ()
+        spec = declared_spec(variable) or ()
         names = [a for e in spec for a in entry_axes(e)]
-        missing = [a for a in names if a not in mesh.axis_names]
-        if missing:
+        missing = tuple(dict.fromkeys(a for a in names if a not in mesh.axis_names))
+        if not missing:
+            continue
+        refused = [a for a in missing if a not in optional_axes(variable)]
+        if refused:
             raise ValueError(
                 f"{path_str(tuple(path), owner)} is declared sharded as {PartitionSpec(*spec)}, over "
-                f"mesh axis {missing[0]!r}, which the mesh {dict(mesh.shape)} lacks. Build the mesh "
+                f"mesh axis {refused[0]!r}, which the mesh {dict(mesh.shape)} lacks. Build the mesh "
                 f"with that axis (substrax.mesh.create_device_mesh), or place the state with substrax.shard_state on this mesh, which places such a split whole."
             )
+        said = variable.get_metadata().get("declared_sharding") or spec
+        variable.set_metadata(out_sharding=without_axes(spec, missing), declared_sharding=said)

@@ -30,11 +30,13 @@ def sharded_param(value: jax.Array, spec: tuple[str | None, ...], axis: str) -> 
     flax places a variable with ``out_sharding`` on the mesh at creation ("eager
     sharding", on by default) and refuses to create one when no mesh is set. Here it
     is placed only when the mesh set by ``jax.set_mesh`` has ``axis``; otherwise the
-    value stays where it was made and only the metadata records the split.
+    value stays where it was made and only the metadata records the split. ``axis``
+    is declared optional (metadata ``optional_axes``): on a mesh without it the
+    steps place the parameter whole, and the layer computes as a plain one.
     """
     mesh = jax.sharding.get_abstract_mesh()
     place = nnx.using_eager_sharding() and axis in mesh.axis_names
-    return nnx.Param(value, out_sharding=spec, eager_sharding=place)
+    return nnx.Param(value, out_sharding=spec, eager_sharding=place, optional_axes=(axis,))
 
 
 def split_over(value: jax.Array, axis: str, dim: int, whole: int, where: str) -> bool:
