@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from substrax._tree import describe, is_array
@@ -17,6 +18,8 @@ def loss_and_metrics(out: Any, has_aux: bool) -> tuple[Any, Any]:
     Raises:
       ValueError: If the output does not match ``has_aux``, or the loss is not a scalar
         array; the message says what came back and which flag fits it.
+      TypeError: If the loss is not a real floating-point number (an int loss has no
+        gradient), naming its dtype.
     """
     if has_aux:
         if not (isinstance(out, tuple) and len(out) == 2):
@@ -34,4 +37,10 @@ def loss_and_metrics(out: Any, has_aux: bool) -> tuple[Any, Any]:
         )
     if not is_array(loss) or np.ndim(loss) != 0:
         raise ValueError(f"The loss must be a scalar array; loss_fn returned {describe(loss)}.")
+    if not jnp.issubdtype(loss.dtype, jnp.floating):
+        raise TypeError(
+            f"The loss must be a real floating-point scalar to differentiate; loss_fn returned "
+            f"dtype {loss.dtype}. Return it before any cast to an integer or bool "
+            f"(drop the .astype), or cast it to float32."
+        )
     return loss, metrics

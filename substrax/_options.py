@@ -14,6 +14,7 @@ from typing import Any, Literal
 from substrax._microbatch import check_microbatches
 from substrax._precision import MixedPrecision
 from substrax._reductions import METRIC_REDUCTIONS
+from substrax._skips import DEFAULT_MAX_SKIPS
 
 __all__ = ["MODES", "Mode", "StepOptions"]
 
@@ -35,10 +36,12 @@ class StepOptions:
       microbatches: Microbatches per step.
       skip_nonfinite: Whether a non-finite step skips its update.
       precision: A ``MixedPrecision`` policy, or ``None`` (compute in the parameters' dtype).
+      max_skips_in_a_row: Skipped steps in a row after which ``TrainStep`` raises, or ``None``.
 
     Raises:
       ValueError: If ``mode`` is unknown, ``reduce`` is given without ``has_aux`` or
-        names an unknown operation, or ``microbatches`` is below 1.
+        names an unknown operation, ``microbatches`` is below 1, or
+        ``max_skips_in_a_row`` is not a positive int or ``None``.
       TypeError: If ``microbatches`` is not an int, ``skip_nonfinite`` not a bool, or
         ``precision`` not a ``MixedPrecision``.
     """
@@ -52,6 +55,7 @@ class StepOptions:
     microbatches: int = 1
     skip_nonfinite: bool = True
     precision: MixedPrecision | None = None
+    max_skips_in_a_row: int | None = DEFAULT_MAX_SKIPS
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -70,6 +74,9 @@ class StepOptions:
         check_microbatches(self.microbatches)
         if not isinstance(self.skip_nonfinite, bool):
             raise TypeError(f"skip_nonfinite must be True or False; got {self.skip_nonfinite!r}.")
+        limit = self.max_skips_in_a_row
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise ValueError(f"max_skips_in_a_row must be an int >= 1 or None; got {limit!r}.")
         if self.precision is not None and not isinstance(self.precision, MixedPrecision):
             raise TypeError(
                 f"precision must be a substrax.MixedPrecision policy or None; got {self.precision!r}."

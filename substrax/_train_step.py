@@ -9,8 +9,6 @@ arrays back. Layouts and microbatches live in the step functions, not here.
 from __future__ import annotations
 
 import contextlib
-import functools
-import weakref
 from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any, NamedTuple, Self
@@ -20,10 +18,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from substrax import _layout
 from substrax._batch_specs import check_batch_leaves
 from substrax._options import MODES, Mode, StepOptions
 from substrax._precision import MixedPrecision
+from substrax._skips import DEFAULT_MAX_SKIPS, SkipWatch
+from substrax._split import SplitState
 from substrax._tree import PyTree
 from substrax.census import Comparison
 from substrax.census._step import check_communication
@@ -50,6 +49,7 @@ def make_train_step(
     microbatches: int = 1,
     skip_nonfinite: bool = True,
     precision: MixedPrecision | None = None,
+    max_skips_in_a_row: int | None = DEFAULT_MAX_SKIPS,
 ) -> TrainStep:
     """Build a jitted data-parallel step ``(model, optimizer, batch) -> loss``, in either mode.
 
@@ -92,9 +92,12 @@ def make_train_step(
         the update in the graph: the model, its BatchNorm statistics and the optimizer
         (its step count too) keep the values they had, and the step returns the
         non-finite loss, so the caller sees it. On by default: no step leaves
-        non-finite state. ``False`` applies every update.
+        non-finite state. ``False`` applies every update. A skipped step warns
+        (``SkippedStepWarning``, with the count) when the next call runs.
       precision: A ``substrax.MixedPrecision`` policy (bfloat16 compute and gathers,
         float32 state and update; see ``substrax._precision``), or ``None``.
+      max_skips_in_a_row: Raise ``NonFiniteStepsError`` once this many steps in a row
+        were skipped (default 10); ``None`` never raises.
 
     Returns:
       A ``TrainStep``: call it as ``step(model, optimizer, batch)``; it updates
@@ -124,6 +127,7 @@ def make_train_step(
         microbatches=microbatches,
         skip_nonfinite=skip_nonfinite,
         precision=precision,
+        max_skips_in_a_row=max_skips_in_a_row,
     )
 
 
@@ -153,6 +157,7 @@ class TrainStep:
         microbatches: int = 1,
         skip_nonfinite: bool = True,
         precision: MixedPrecision | None = None,
+        max_skips_in_a_row: int | None = DEFAULT_MAX_SKIPS,
     ) -> None:
         self.options = StepOptions(
             mode=mode,
@@ -164,14 +169,16 @@ class TrainStep:
             microbatches=microbatches,
             skip_nonfinite=skip_nonfinite,
             precision=precision,
+            max_skips_in_a_row=max_skips_in_a_row,
         )
         if mesh is not None:
             current_mesh(mesh, required_axes=(data_axis,))
         self.loss_fn = loss_fn
         # the chooser always reduces metrics (unlisted ones by their mean)
         self._step_options = self.options.replace(reduce=dict(reduce or {}) if has_aux else None)
-        self._cached: _SplitState | None = None
+        self._cached: SplitState | None = None
         self._pure_steps: dict[Any, Any] = {}
+        self._skips = SkipWatch(max_skips_in_a_row)
 
     mode = property(lambda self: self.options.mode, doc="``StepOptions.mode``.")
     mesh = property(lambda self: self.options.mesh, doc="``StepOptions.mesh``.")
@@ -218,7 +225,7 @@ class TrainStep:
         Inside a trace the batch's placement is not visible: without ``batch_spec``
         every leaf is split over ``data_axis``.
         """
-        return self._run(model, optimizer, batch)
+        return self._run(model, optimizer, batch)[0]
 
     def _run(
         self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree, placed: _PlacedSpecs | None = None
@@ -237,10 +244,10 @@ class TrainStep:
 
         def pure(
             arrays: list[jax.Array], batch: PyTree, placed: _PlacedSpecs | None
-        ) -> tuple[list[jax.Array], Any]:
+        ) -> tuple[list[jax.Array], Any, Any]:
             model, optimizer = nnx.merge(graphdef, jax.tree.unflatten(treedef, arrays))
-            out = self._run(model, optimizer, batch, placed)
-            return jax.tree.leaves(nnx.state((model, optimizer))), out
+            out, applied = self._run(model, optimizer, batch, placed)
+            return jax.tree.leaves(nnx.state((model, optimizer))), out, applied
 
         return jax.jit(pure, donate_argnums=0 if donate else (), static_argnames="placed")
 
@@ -251,9 +258,18 @@ class TrainStep:
             self._pure_steps[key] = self._jit(graphdef, treedef, donate)
         return self._pure_steps[key]
 
-    def _split(self, model: nnx.Module, optimizer: nnx.Optimizer, *, donate: bool) -> _SplitState:
+    def _split(self, model: nnx.Module, optimizer: nnx.Optimizer, *, donate: bool) -> SplitState:
         _STEPS[self.mode].check_placement(model)
-        return _SplitState(self, model, optimizer, donate=donate)
+        return SplitState(model, optimizer, lambda g, t: self._pure_step(g, t, donate))
+
+    def _lower(self, split: SplitState, arrays: list[jax.Array], batch: PyTree) -> Any:
+        """The step lowered for these arguments, traced afresh (not from the jitted step's cache)."""
+        with self.mesh_context():
+            return self._jit(*split.graph, donate=False).lower(arrays, batch, placed=self.placed_specs(batch))
+
+    def _run_split(self, split: SplitState, arrays: list[jax.Array], batch: PyTree, placed: Any) -> Any:
+        with self.mesh_context():
+            return split.jitted(arrays, batch, placed=placed)
 
     def __call__(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree) -> Any:
         """Run one step, updating ``model`` and ``optimizer`` in place.
@@ -267,8 +283,9 @@ class TrainStep:
         split = self._cached
         if split is None or not split.valid_for(model, optimizer):
             split = self._cached = self._split(model, optimizer, donate=False)
-        arrays, out = split.run(split.arrays(), batch)
+        arrays, out, applied = self._run_split(split, split.arrays(), batch, self.placed_specs(batch))
         split.write(arrays)
+        self._skips.push(applied)
         return out
 
     def lower(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree) -> Any:
@@ -278,7 +295,7 @@ class TrainStep:
         collectives XLA compiled in (``all-reduce`` and others).
         """
         split = self._split(model, optimizer, donate=False)
-        return split.lower(split.arrays(), batch)
+        return self._lower(split, split.arrays(), batch)
 
     def check_communication(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree) -> Comparison:
         """Every collective of this step compiled for these arguments, held against its layout's rule.
@@ -322,68 +339,6 @@ class TrainStep:
         return BoundTrainStep(self, model, optimizer, donate=donate)
 
 
-def _attributes(node: Any) -> tuple[tuple[str, Any], ...]:
-    return tuple((k, v) for k, v in vars(node).items() if k != "_pytree__state")
-
-
-class _SplitState:
-    """A model and optimizer split once into a graph and a list of arrays, with the jitted step.
-
-    ``valid_for`` tells whether the objects still have the graph the split saw: the
-    same objects, every module and variable the same object under the same attribute
-    name, every setting (``deterministic``) the same object, and no ``shard_state``
-    since.
-    """
-
-    def __init__(self, step: TrainStep, model: nnx.Module, optimizer: nnx.Optimizer, *, donate: bool) -> None:
-        self.step = step
-        graphdef, state = nnx.split((model, optimizer))
-        is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
-        self.variables: list[nnx.Variable[Any]] = jax.tree.leaves(state, is_leaf=is_variable)
-        treedef = jax.tree.structure(state)
-        self._refs = (weakref.ref(model), weakref.ref(optimizer))
-        self._nodes = [n for _, n in nnx.iter_graph((model, optimizer)) if isinstance(n, nnx.Pytree)]
-        self._snapshot = [_attributes(n) for n in self._nodes]
-        self._epochs = (_layout.epoch(model), _layout.epoch(optimizer))
-
-        self.jitted = step._pure_step(graphdef, treedef, donate)
-        self._graph = (graphdef, treedef)
-
-    def lower(self, arrays: list[jax.Array], batch: PyTree) -> Any:
-        """The step lowered for these arguments, traced afresh (not from the jitted step's cache)."""
-        with self.step.mesh_context():
-            jitted = self.step._jit(*self._graph, donate=False)
-            return jitted.lower(arrays, batch, placed=self.step.placed_specs(batch))
-
-    def valid_for(self, model: nnx.Module, optimizer: nnx.Optimizer) -> bool:
-        if (
-            self._refs[0]() is not model
-            or self._refs[1]() is not optimizer
-            or self._epochs != (_layout.epoch(model), _layout.epoch(optimizer))
-        ):
-            return False
-        for node, saved in zip(self._nodes, self._snapshot, strict=True):
-            now = vars(node)
-            if len(now) != len(saved) + ("_pytree__state" in now) or any(
-                now.get(k) is not v for k, v in saved
-            ):
-                return False
-        return True
-
-    def arrays(self) -> list[jax.Array]:
-        return [v.get_raw_value() for v in self.variables]
-
-    def write(self, arrays: list[jax.Array]) -> None:
-        for variable, array in zip(self.variables, arrays, strict=True):
-            variable.set_raw_value(array)
-
-    def run(self, arrays: list[jax.Array], batch: PyTree, placed: Any = False) -> tuple[list[jax.Array], Any]:
-        if placed is False:
-            placed = self.step.placed_specs(batch)
-        with self.step.mesh_context():
-            return self.jitted(arrays, batch, placed=placed)  # type: ignore[no-any-return]
-
-
 class BoundTrainStep:
     """A ``TrainStep`` bound to one model and optimizer: ``loss = fast(batch)``.
 
@@ -406,24 +361,37 @@ class BoundTrainStep:
         self.optimizer = optimizer
         self._step = step
         self._split = step._split(model, optimizer, donate=donate)
-        self._arrays = self._split.arrays()
+        self._arrays: list[jax.Array] | None = None  # None: the model holds the state (read it)
         self._donate = donate
-        self._pure: Callable[[list[jax.Array], PyTree], tuple[list[jax.Array], Any]] | None = None
+        self._placed: Any = False  # the first batch's placement holds for the loop
+        self._skips = SkipWatch(step.options.max_skips_in_a_row)
 
     def __call__(self, batch: PyTree) -> Any:
         """Run one step; returns the loss (or ``(loss, metrics)``)."""
-        if self._pure is None:  # the first batch's placement holds for the loop
-            self._pure = functools.partial(self._split.run, placed=self._step.placed_specs(batch))
-        consumed = self._arrays
-        self._arrays, out = self._pure(consumed, batch)
+        if self._placed is False:
+            self._placed = self._step.placed_specs(batch)
+        consumed = self._arrays if self._arrays is not None else self._read_model()
+        self._arrays, out, applied = self._step._run_split(self._split, consumed, batch, self._placed)
         if not self._donate:
             for array in consumed:  # what donation would have done: no stale copy stays readable
                 array.delete()
+        self._skips.push(applied)
         return out
+
+    def _read_model(self) -> list[jax.Array]:
+        """The state as ``model`` and ``optimizer`` hold it (after ``sync``, with any value set since)."""
+        if not self._split.valid_for(self.model, self.optimizer):
+            raise ValueError(
+                "The model or optimizer changed structure inside a bind block (a module, variable "
+                "or item replaced or added, or shard_state run); a set_value is fine. Leave the "
+                "block (or sync) and bind again: step.bind(model, optimizer)."
+            )
+        return self._split.arrays()
 
     def lower(self, batch: PyTree) -> Any:
         """Lower this step for ``batch``, to read its HLO (see ``TrainStep.lower``)."""
-        return self._split.lower(self._arrays, batch)
+        arrays = self._arrays if self._arrays is not None else self._read_model()
+        return self._step._lower(self._split, arrays, batch)
 
     def check_communication(self, batch: PyTree) -> Comparison:
         """This step's census against its layout's rule (see ``TrainStep.check_communication``); syncs first."""
@@ -435,11 +403,15 @@ class BoundTrainStep:
         return self.check_communication(batch)
 
     def sync(self) -> None:
-        """Write the current state into ``model`` and ``optimizer``.
+        """Write the current state into ``model`` and ``optimizer``, and judge the last step's flag.
 
-        The next call consumes these arrays again; sync after it to read the model.
+        The next call reads them again (a value set since, ``set_value``, is used) and
+        consumes them; sync after it to read the model.
         """
-        self._split.write(self._arrays)
+        if self._arrays is not None:
+            self._split.write(self._arrays)
+            self._arrays = None
+        self._skips.flush()
 
     def __enter__(self) -> Self:
         return self
@@ -447,4 +419,8 @@ class BoundTrainStep:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.sync()
+        if exc_type is None:
+            self.sync()
+        elif self._arrays is not None:  # the state goes back; the error in flight is the one to see
+            self._split.write(self._arrays)
+            self._arrays = None

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import PartitionSpec
 
 PyTree = Any
@@ -108,3 +110,40 @@ def broadcast_prefix(
 
     walk(prefix, tree, ())
     return path_leaves, prefix_leaves, jax.tree.structure(tree)
+
+
+_ARRAY = (jax.Array, np.ndarray, np.generic)
+
+
+def _child(node: Any, key: Any) -> Any:
+    if isinstance(node, (Mapping, list)) or (isinstance(node, tuple) and not hasattr(node, "_fields")):
+        return node[key]
+    return getattr(node, key)
+
+
+def adopt_assigned_arrays(optimizer: Any) -> None:
+    """Wrap each plain array found in ``optimizer.opt_state`` in an ``nnx.OptArray``, in place.
+
+    Raises:
+      TypeError: If the array sits in an immutable container (a tuple), naming its path.
+    """
+    found = [
+        path
+        for path, node in nnx.iter_graph(optimizer)
+        if path[:1] == ("opt_state",) and isinstance(node, _ARRAY)
+    ]
+    for path in found:
+        parent = optimizer
+        for key in path[:-1]:
+            parent = _child(parent, key)
+        value = nnx.OptArray(jnp.asarray(_child(parent, path[-1])))
+        if isinstance(parent, (dict, list)):
+            parent[path[-1]] = value
+        elif isinstance(parent, nnx.Pytree):
+            setattr(parent, path[-1], value)
+        else:
+            raise TypeError(
+                f"{path_str(path, 'optimizer')} holds a plain array inside a {type(parent).__name__}, "
+                f"which cannot take a variable in its place; set the value of the variable that was "
+                f"there (.set_value(x)), or assign nnx.OptArray(x)."
+            )

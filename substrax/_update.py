@@ -68,7 +68,7 @@ def apply_update(
     grads: nnx.State,
     loss: jax.Array,
     before: list[Any] | None,
-) -> None:
+) -> jax.Array | None:
     """``optimizer.update(model, grads)`` on global arrays, skipped when the step is not finite.
 
     Args:
@@ -81,9 +81,13 @@ def apply_update(
         the loss or a gradient is not finite; ``None`` applies the update whatever it
         holds (``skip_nonfinite=False``).
 
+    Returns:
+      Whether the update was applied (a 0-d bool), or ``None`` without the guard.
+
     Every variable placed by ``substrax.shard_state`` is then pinned to its placement.
     See the module docstring for what the update communicates.
     """
+    finite = None
     with jax.named_scope("substrax.update"):
         optimizer.update(model, grads)
     if before is not None:
@@ -102,3 +106,4 @@ def apply_update(
             ]
             nnx.update((model, optimizer), jax.tree.unflatten(treedef, kept))
     pin_layout((model, optimizer))
+    return finite

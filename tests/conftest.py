@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 
 from substrax.mesh import use_cpu_devices
@@ -24,12 +26,14 @@ def params_of(model: nnx.Module) -> dict[str, np.ndarray]:
     return {"/".join(map(str, path)): np.asarray(var.get_value()) for path, var in flat}
 
 
-def reference_training(batches: list[dict], *, lr: float = 1e-2, seed: int = 0) -> tuple[list[float], dict]:
-    """Train on one device, no mesh, no sharding: the reference both paths must match."""
+def reference_training(
+    batches: list[dict], *, lr: float = 1e-2, seed: int = 0, tx: optax.GradientTransformation | None = None
+) -> tuple[list[float], dict]:
+    """Train on one device, no mesh, no sharding: the reference both paths must match (Adam by default)."""
     device = jax.devices()[0]
     with jax.default_device(device):
         model = MLP(seed=seed)
-        optimizer = nnx.Optimizer(model, optax.adam(lr), wrt=nnx.Param)
+        optimizer = nnx.Optimizer(model, optax.adam(lr) if tx is None else tx, wrt=nnx.Param)
 
         @nnx.jit
         def step(model: MLP, optimizer: nnx.Optimizer, batch: dict) -> jax.Array:
@@ -39,6 +43,14 @@ def reference_training(batches: list[dict], *, lr: float = 1e-2, seed: int = 0) 
 
         losses = [float(step(model, optimizer, jax.device_put(b, device))) for b in batches]
     return losses, params_of(model)
+
+
+def noise_floor(make_tx: Callable[[], optax.GradientTransformation], batches: list[dict]) -> float:
+    """How far two valid one-device runs end apart when only the batch's summation order differs."""
+    _, a = reference_training(batches, tx=make_tx())
+    order = np.random.default_rng(1).permutation(len(batches[0]["x"]))
+    _, b = reference_training([{k: v[order] for k, v in batch.items()} for batch in batches], tx=make_tx())
+    return max(float(np.max(np.abs(a[k] - b[k]))) for k in a)
 
 
 def assert_params_close(got: dict, want: dict, *, rtol: float = 2e-5, atol: float = 2e-6) -> None:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import MLP, mse, params_of, regression_batches
+from conftest import MLP, mse, noise_floor, params_of, reference_training, regression_batches
 from flax import nnx
 
 import substrax
@@ -32,30 +32,6 @@ OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
 ADAM_FAMILY = {"clip+adamw", "lamb", "adafactor"}
 
 
-def _one_device(tx: optax.GradientTransformation, batches: list[dict]) -> tuple[list[float], dict]:
-    device = jax.devices()[0]
-    with jax.default_device(device):
-        model = MLP()
-        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-
-        @nnx.jit
-        def step(model: MLP, optimizer: nnx.Optimizer, batch: dict) -> jax.Array:
-            loss, grads = nnx.value_and_grad(mse)(model, batch)
-            optimizer.update(model, grads)
-            return loss
-
-        losses = [float(step(model, optimizer, jax.device_put(b, device))) for b in batches]
-    return losses, params_of(model)
-
-
-def _noise_floor(tx: Callable[[], optax.GradientTransformation], batches: list[dict]) -> float:
-    """How far two valid one-device runs end apart when only the batch's summation order differs."""
-    _, a = _one_device(tx(), batches)
-    order = np.random.default_rng(1).permutation(len(batches[0]["x"]))
-    _, b = _one_device(tx(), [{k: v[order] for k, v in batch.items()} for batch in batches])
-    return max(float(np.max(np.abs(a[k] - b[k]))) for k in a)
-
-
 def test_the_clip_threshold_is_below_the_gradient_norm() -> None:
     batch = regression_batches(1, rows=32)[0]
     grads = nnx.grad(mse)(MLP(), batch)
@@ -69,7 +45,7 @@ def test_whole_tensor_optimizers_match_one_device_under_split_state(
     mesh8: jax.sharding.Mesh, mode: str, layout: str, optimizer_name: str
 ) -> None:
     batches = regression_batches(4, rows=32)
-    want_losses, want = _one_device(OPTIMIZERS[optimizer_name](), batches)
+    want_losses, want = reference_training(batches, tx=OPTIMIZERS[optimizer_name]())
     with jax.set_mesh(mesh8):
         model = MLP()
         optimizer = nnx.Optimizer(model, OPTIMIZERS[optimizer_name](), wrt=nnx.Param)
@@ -80,7 +56,7 @@ def test_whole_tensor_optimizers_match_one_device_under_split_state(
     losses = [float(step(model, optimizer, place_batch_on_shards(b, sharding))) for b in batches]
     got = params_of(model)
     if optimizer_name in ADAM_FAMILY:  # Adam-family: to the measured floor of two valid one-device runs
-        atol, rtol = 4 * _noise_floor(OPTIMIZERS[optimizer_name], batches) + 1e-7, 0.0
+        atol, rtol = 4 * noise_floor(OPTIMIZERS[optimizer_name], batches) + 1e-7, 0.0
     else:  # SGD: strictly
         atol, rtol = 1e-6, 1e-5
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)

@@ -164,7 +164,7 @@ def explicit_train_step(
         skip_nonfinite=skip_nonfinite,
         precision=precision,
     )
-    return run_step(model, optimizer, loss_fn, batch, options)
+    return run_step(model, optimizer, loss_fn, batch, options)[0]
 
 
 def run_step(
@@ -173,8 +173,12 @@ def run_step(
     loss_fn: Callable[[M, PyTree], Any],
     batch: PyTree,
     options: StepOptions,
-) -> jax.Array | tuple[jax.Array, dict[str, Any]]:
-    """``explicit_train_step`` with its keywords as one ``StepOptions``."""
+) -> tuple[Any, jax.Array | None]:
+    """``explicit_train_step`` with its keywords as one ``StepOptions``; also whether the update applied.
+
+    Returns:
+      ``(out, applied)``: what ``explicit_train_step`` returns, and ``apply_update``'s flag.
+    """
     o = options
     data_axis, microbatches, reduce = o.data_axis, o.microbatches, o.reduce
     mesh = current_mesh(o.mesh, required_axes=(data_axis,))
@@ -264,5 +268,5 @@ def run_step(
     )
     rest, grads, loss, metrics = run(state, batch)
     nnx.update(model, rest)
-    apply_update(model, optimizer, grads, loss, before)
-    return (loss, metrics) if o.has_aux else loss
+    applied = apply_update(model, optimizer, grads, loss, before)
+    return ((loss, metrics) if o.has_aux else loss), applied

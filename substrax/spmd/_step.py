@@ -123,7 +123,7 @@ def spmd_train_step(
         skip_nonfinite=skip_nonfinite,
         precision=precision,
     )
-    return run_step(model, optimizer, loss_fn, batch, options)
+    return run_step(model, optimizer, loss_fn, batch, options)[0]
 
 
 def run_step(
@@ -132,8 +132,12 @@ def run_step(
     loss_fn: Callable[[M, PyTree], Any],
     batch: PyTree,
     options: StepOptions,
-) -> jax.Array | tuple[jax.Array, Any]:
-    """``spmd_train_step`` with its keywords as one ``StepOptions``."""
+) -> tuple[Any, jax.Array | None]:
+    """``spmd_train_step`` with its keywords as one ``StepOptions``; also whether the update applied.
+
+    Returns:
+      ``(out, applied)``: what ``spmd_train_step`` returns, and ``apply_update``'s flag.
+    """
     o = options
     found = _mesh_or_none(o.mesh, o.data_axis)
     if found is None and (o.batch_spec is not None or o.microbatches > 1):
@@ -163,13 +167,13 @@ def run_step(
         ways = found.shape[o.data_axis]
         slices = split_global_microbatches(batch, specs, ways, o.microbatches)
         (loss, aux), grads = microbatched(value_and_grad, model, slices)
-    apply_update(model, optimizer, grads, loss, before)
+    applied = apply_update(model, optimizer, grads, loss, before)
     if not o.has_aux:
-        return loss
+        return loss, applied
     if o.reduce is not None:
         if o.microbatches > 1:
             aux = {
                 n: unfold_global_gather(v, ways) if o.reduce.get(n) == "gather" else v for n, v in aux.items()
             }
         aux = reduce_metrics(aux, o.reduce, mesh=found)
-    return loss, aux
+    return (loss, aux), applied

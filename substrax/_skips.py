@@ -1,0 +1,74 @@
+"""Runs of skipped steps, said out loud: a warning while steps are skipped, an error after too many.
+
+The non-finite guard (``substrax._update``) skips a step in the graph; only the host can
+say so. ``SkipWatch`` reads each step's flag one call late (after the next step is
+dispatched, so the device never waits for the host), warns on the 1st, 2nd, 4th, 8th ...
+skip of a run, and raises ``NonFiniteStepsError`` when ``limit`` steps in a row were
+skipped.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+__all__ = ["DEFAULT_MAX_SKIPS", "NonFiniteStepsError", "SkipWatch", "SkippedStepWarning"]
+
+DEFAULT_MAX_SKIPS = 10
+
+
+class SkippedStepWarning(RuntimeWarning):
+    """A step's update was skipped: its loss or a gradient was NaN or infinite."""
+
+
+class NonFiniteStepsError(RuntimeError):
+    """Too many steps in a row were skipped for a non-finite loss or gradient."""
+
+
+class SkipWatch:
+    """Counts skipped steps from each step's ``applied`` flag; see the module docstring.
+
+    Args:
+      limit: Steps in a row to skip before raising, or ``None`` never to raise.
+    """
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
+        self.in_a_row = 0
+        self.total = 0
+        self._pending: Any = None
+
+    def push(self, applied: Any) -> None:
+        """Take this step's flag (``None`` without the guard) and judge the previous one's."""
+        pending, self._pending = self._pending, applied
+        if pending is not None:
+            self._judge(bool(pending))
+
+    def flush(self) -> None:
+        """Judge the flag still pending (the last step's)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._judge(bool(pending))
+
+    def _judge(self, applied: bool) -> None:
+        if applied:
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        self.total += 1
+        if self.limit is not None and self.in_a_row >= self.limit:
+            self.in_a_row = 0  # a caller that catches the error and goes on starts a new count
+            raise NonFiniteStepsError(
+                f"{self.limit} steps in a row were skipped: each had a NaN or infinite loss or "
+                f"gradient ({self.total} skipped in all), and left the model and optimizer as they "
+                f"were. Look at the batches and the learning rate; "
+                f"max_skips_in_a_row=None never stops the run."
+            )
+        if self.in_a_row & (self.in_a_row - 1) == 0:  # 1, 2, 4, 8, ...
+            warnings.warn(
+                f"substrax: a step was skipped, its loss or a gradient NaN or infinite "
+                f"({self.in_a_row} in a row, {self.total} in all); the model and optimizer keep "
+                f"their values.",
+                SkippedStepWarning,
+                stacklevel=4,
+            )

@@ -1,0 +1,116 @@
+"""A model and optimizer split once into a graph and a list of arrays, kept valid between steps.
+
+``TrainStep`` runs a jitted pure function of the arrays and writes the new ones back;
+``SplitState`` is what it keeps between calls. Two rules make the cache safe (see the
+modes guide, "What the step caches"):
+
+- a change of structure (a module, a variable or a container item replaced, added or
+  removed; ``shard_state`` since) is detected by object identity and re-splits;
+- a new value (``variable.set_value(0.0)``, ``v[...] = x``) is read at the next call and,
+  when only its dtype or placement differs from the value it replaces, cast and placed
+  like it, so the step does not compile again.
+
+An array assigned where the optimizer held a variable
+(``opt.opt_state.hyperparams["learning_rate"] = jnp.asarray(0.0)``) is adopted as an
+``nnx.OptArray``, the wrapper ``nnx.Optimizer`` gives its state (``adopt_assigned_arrays``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from substrax import _layout
+from substrax._tree import adopt_assigned_arrays
+
+__all__ = ["SplitState"]
+
+def _items(node: Any) -> tuple[tuple[Any, Any], ...]:
+    """A node's children by key: a module's attributes, a dict's items, a list's elements."""
+    if isinstance(node, nnx.Pytree):
+        return tuple((k, v) for k, v in vars(node).items() if k != "_pytree__state")
+    if isinstance(node, nnx.State):  # its items are views made afresh; the mapping under them is not
+        return tuple(node.raw_mapping.items())
+    if isinstance(node, Mapping):
+        return tuple(node.items())
+    return tuple(enumerate(node))
+
+
+def _is_mutable_node(node: Any) -> bool:
+    return isinstance(node, (nnx.Pytree, dict, list, nnx.State))
+
+
+class SplitState:
+    """``model`` and ``optimizer`` split into a graph and arrays, with the jitted pure step.
+
+    Args:
+      model: The model.
+      optimizer: Its optimizer.
+      jitted: ``make_jitted(graphdef, treedef)``, the jitted pure step for this graph.
+    """
+
+    def __init__(self, model: nnx.Module, optimizer: nnx.Optimizer, make_jitted: Any) -> None:
+        adopt_assigned_arrays(optimizer)
+        graphdef, state = nnx.split((model, optimizer))
+        is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+        # a variable without array leaves (optax.MaskedNode) has nothing to step
+        self.variables: list[nnx.Variable[Any]] = [
+            v for v in jax.tree.leaves(state, is_leaf=is_variable) if jax.tree.leaves(v)
+        ]
+        self.treedef = jax.tree.structure(state)
+        self.graph = (graphdef, self.treedef)
+        self._refs = (weakref.ref(model), weakref.ref(optimizer))
+        self._nodes = [n for _, n in nnx.iter_graph((model, optimizer)) if _is_mutable_node(n)]
+        self._snapshot = [_items(n) for n in self._nodes]
+        self._epochs = (_layout.epoch(model), _layout.epoch(optimizer))
+        self._written: list[Any] = [v.get_raw_value() for v in self.variables]
+        self.jitted = make_jitted(graphdef, self.treedef)
+
+    def valid_for(self, model: nnx.Module, optimizer: nnx.Optimizer) -> bool:
+        """Whether ``model`` and ``optimizer`` still have the graph this split saw."""
+        if (
+            self._refs[0]() is not model
+            or self._refs[1]() is not optimizer
+            or self._epochs != (_layout.epoch(model), _layout.epoch(optimizer))
+        ):
+            return False
+        for node, saved in zip(self._nodes, self._snapshot, strict=True):
+            now = _items(node)
+            if len(now) != len(saved) or any(k != k0 or v is not v0 for (k, v), (k0, v0) in zip(now, saved)):
+                return False
+        return True
+
+    def arrays(self) -> list[jax.Array]:
+        """The variables' current values; a value set since the last write is cast and placed like it."""
+        out = []
+        for variable, last in zip(self.variables, self._written, strict=True):
+            value = variable.get_raw_value()
+            if value is not last:
+                value = _like(value, last)
+            out.append(value)
+        return out
+
+    def write(self, arrays: list[jax.Array]) -> None:
+        """Set each variable's value to the step's result."""
+        for variable, array in zip(self.variables, arrays, strict=True):
+            variable.set_raw_value(array)
+        self._written = arrays
+
+
+def _like(value: Any, last: jax.Array) -> Any:
+    """``value`` with ``last``'s dtype, weak type and sharding where only those differ (no recompile)."""
+    if not isinstance(last, jax.Array) or np.shape(value) != last.shape:
+        return value  # a new shape is a new program
+    if last.weak_type and last.ndim == 0:  # optax keeps a hyperparameter weak-typed; jit keys on it
+        value = jnp.asarray(np.asarray(value).item())
+    if not isinstance(value, jax.Array) or value.dtype != last.dtype:
+        value = jnp.asarray(value, dtype=last.dtype)
+    if value.sharding != last.sharding:
+        value = jax.device_put(value, last.sharding)
+    return value
