@@ -14,7 +14,9 @@ The guard: when the step's loss or any gradient element is not finite (a NaN in 
 batch, an overflow), the whole update is skipped in the graph: parameters, optimizer
 state (its step count too) and the model's other state (BatchNorm statistics) keep the
 values they had before the step, and the step returns its non-finite loss, which is
-how the caller learns of it. ``skip_nonfinite=False`` turns the guard off.
+how the caller learns of it. One flag picks a branch (``lax.cond``): the update runs
+only when the step is finite, and no select pass over the state runs when it is.
+``skip_nonfinite=False`` turns the guard off.
 """
 
 from __future__ import annotations
@@ -88,22 +90,31 @@ def apply_update(
     See the module docstring for what the update communicates.
     """
     finite = None
-    with jax.named_scope("substrax.update"):
-        optimizer.update(model, grads)
-    if before is not None:
+    if before is None:
+        with jax.named_scope("substrax.update"):
+            optimizer.update(model, grads)
+    else:
         with jax.named_scope("substrax.finite"):
             finite = jnp.isfinite(loss).all() & all_finite(grads)
-            after = nnx.state((model, optimizer))
-            leaves, treedef = jax.tree.flatten(after)
-            if len(leaves) != len(before):  # an update that grows state (none in optax) is not guarded
+        graphdef, state = nnx.split((model, optimizer))
+        leaves, treedef = jax.tree.flatten(state)
+
+        def update(leaves: list[Any], before: list[Any], grads: nnx.State) -> list[Any]:
+            model, optimizer = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+            with jax.named_scope("substrax.update"):
+                optimizer.update(model, grads)
+            after = jax.tree.leaves(nnx.state((model, optimizer)))
+            if len(after) != len(before):  # an update that grows state (none in optax) is not guarded
                 raise ValueError(
                     f"The optimizer update changed the number of state arrays ({len(before)} -> "
-                    f"{len(leaves)}); pass skip_nonfinite=False to train without the non-finite guard."
+                    f"{len(after)}); pass skip_nonfinite=False to train without the non-finite guard."
                 )
-            kept = [
-                new if _is_key(new) else jnp.where(finite, new, old)
-                for new, old in zip(leaves, before, strict=True)
-            ]
-            nnx.update((model, optimizer), jax.tree.unflatten(treedef, kept))
+            return after
+
+        def keep(leaves: list[Any], before: list[Any], grads: nnx.State) -> list[Any]:
+            return [new if _is_key(new) else old for new, old in zip(leaves, before, strict=True)]
+
+        kept = jax.lax.cond(finite, update, keep, leaves, before, grads)
+        nnx.update((model, optimizer), jax.tree.unflatten(treedef, kept))
     pin_layout((model, optimizer))
     return finite

@@ -99,3 +99,18 @@ def test_skip_nonfinite_false_applies_every_update(mesh8: jax.sharding.Mesh, mod
 def test_skip_nonfinite_must_be_a_bool() -> None:
     with pytest.raises(TypeError, match=r"skip_nonfinite must be True or False; got 'yes'"):
         substrax.make_train_step(mse, skip_nonfinite="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("mode", substrax.MODES)
+def test_the_guard_is_one_branch_not_a_select_over_the_state(mesh8: jax.sharding.Mesh, mode: str) -> None:
+    """#26.10: the update runs under one ``conditional``; no select pass over a parameter-sized array."""
+    with jax.set_mesh(mesh8):
+        model = MLP(width=24)
+        optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    batch = regression_batches(1, rows=32)[0]
+    text = substrax.make_train_step(mse, mode, mesh=mesh8).lower(model, optimizer, batch).as_text()
+    assert "stablehlo.case" in text or "stablehlo.if" in text
+    selects = [line for line in text.splitlines() if "stablehlo.select" in line and "4x24" in line]
+    assert not selects, selects[:3]
+    off = substrax.make_train_step(mse, mode, mesh=mesh8, skip_nonfinite=False).lower(model, optimizer, batch)
+    assert "stablehlo.case" not in off.as_text() and "stablehlo.if" not in off.as_text()
