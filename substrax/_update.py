@@ -64,6 +64,17 @@ def _is_key(x: Any) -> bool:
     return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
+def _updated_leaves(state: nnx.State, wrt: Any) -> list[bool]:
+    """For each leaf of ``nnx.state((model, optimizer))``: a parameter ``wrt`` selects, or optimizer state."""
+    is_wrt = nnx.filterlib.to_predicate(wrt)
+    out = []
+    for path, variable in jax.tree.flatten_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]:
+        keys = tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path)
+        mine = keys[0] == 1 or (isinstance(variable, nnx.Variable) and is_wrt(keys[1:], variable))
+        out += [mine] * len(jax.tree.leaves(variable))
+    return out
+
+
 def apply_update(
     model: nnx.Module,
     optimizer: nnx.Optimizer[Any],
@@ -98,6 +109,7 @@ def apply_update(
             finite = jnp.isfinite(loss).all() & all_finite(grads)
         graphdef, state = nnx.split((model, optimizer))
         leaves, treedef = jax.tree.flatten(state)
+        updated = _updated_leaves(state, optimizer.wrt)
 
         def update(leaves: list[Any], before: list[Any], grads: nnx.State) -> list[Any]:
             model, optimizer = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
@@ -109,12 +121,18 @@ def apply_update(
                     f"The optimizer update changed the number of state arrays ({len(before)} -> "
                     f"{len(after)}); pass skip_nonfinite=False to train without the non-finite guard."
                 )
-            return after
+            return [new for new, u in zip(after, updated) if u]
 
         def keep(leaves: list[Any], before: list[Any], grads: nnx.State) -> list[Any]:
-            return [new if _is_key(new) else old for new, old in zip(leaves, before, strict=True)]
+            return [old for old, u in zip(before, updated) if u]
 
-        kept = jax.lax.cond(finite, update, keep, leaves, before, grads)
+        # the update runs in one branch; the model's other state (BatchNorm statistics,
+        # small) is selected outside it, so both branches give the state one placement
+        done = iter(jax.lax.cond(finite, update, keep, leaves, before, grads))
+        kept = [
+            next(done) if u else new if _is_key(new) else jnp.where(finite, new, old)
+            for new, old, u in zip(leaves, before, updated, strict=True)
+        ]
         nnx.update((model, optimizer), jax.tree.unflatten(treedef, kept))
     pin_layout((model, optimizer))
     return finite

@@ -286,6 +286,11 @@ def test_gradients_reduced_twice_are_named(mesh8: jax.sharding.Mesh) -> None:
     assert f"({SPLIT_BYTES + UNSPLIT_BYTES:,} B more)" in str(result) and "gradients reduced twice" in str(
         result
     )
+    # #26.6: one short line per difference, each buffer by the end of its operation's name;
+    # the whole name stays on the buffer
+    for difference in result.differences:
+        assert len(difference) < 600 and "jit(" not in difference, difference
+    assert all(p.op_name.startswith("jit(") for p in result.unexpected)
 
 
 @pytest.mark.parametrize("attribute_model", [False, True])

@@ -16,7 +16,7 @@ from typing import Any
 from substrax.census._expected import REDUCTIONS, Expected, ExpectedCollective
 from substrax.census._hlo import KINDS, Operand
 from substrax.census._rows import Collective, Part, buffers_text
-from substrax.census._text import shorten
+from substrax.census._text import short_op, shorten
 from substrax.nn._declared import SCOPE as MODEL_SCOPE  # substrax.nn's layers: the model's own collectives
 
 __all__ = ["Match", "kind_key", "match", "ordered_keys"]
@@ -337,7 +337,7 @@ def _loop_difference(row: Collective, expected: Expected, carried: Sequence[str]
     )
 
 
-_LISTED = 24  # buffers a difference names one by one
+_LISTED = 4  # buffers a difference names one by one (the rest: Comparison.unexpected, .matched)
 
 
 def _listed(things: Sequence[Any]) -> str:
@@ -359,5 +359,5 @@ def _twice(surplus: int, items: list[ExpectedCollective]) -> str:
 
 
 def _row_text(row: Collective) -> str:
-    where = f" from {row.op_name}" if row.op_name else ""
+    where = f" from {short_op(row.op_name)}" if row.op_name else ""
     return f"{row.kind} {row.name} [{buffers_text(row)}, {row.bytes:,} B]{where}"

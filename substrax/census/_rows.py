@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from substrax.census import _hlo
 from substrax.census._hlo import Operand
-from substrax.census._text import shorten
+from substrax.census._text import short_op, shorten
 
 __all__ = ["LIBRARY_SCOPE", "Collective", "Part", "buffers_text", "collectives", "library_scope", "phase_of"]
 
@@ -187,7 +187,7 @@ class Part:
         return phase_of(self.op_name)
 
     def __str__(self) -> str:
-        where = f" from {self.op_name}" if self.op_name else ""
+        where = f" from {short_op(self.op_name)}" if self.op_name else ""
         times = self.row.trip_count
         runs = (
             f", {times if times is not None else 'an unstated number of'} times per step"

@@ -50,6 +50,7 @@ from substrax._update import apply_update, state_values
 from substrax.census._expected import ExpectedCollective, expected_communication
 from substrax.census._report import CensusReport, Comparison, census, compare
 from substrax.census._rows import library_scope
+from substrax.census._text import short_op
 from substrax.nn._declared import SCOPE as MODEL_SCOPE
 from substrax.nn._declared import Declared
 
@@ -238,9 +239,9 @@ def update_items(
 
 
 def _operation(op_name: str) -> str:
-    """An operation's name without its ``jit(...)/`` prefix."""
-    head, sep, rest = op_name.partition("/")
-    return rest if sep and head.startswith("jit(") else op_name
+    """An operation's name from its library scope on (``substrax.update/...``), else its last steps."""
+    at = op_name.find("substrax.")
+    return op_name[at:] if at >= 0 else short_op(op_name)
 
 
 def batch_stat_items(model: nnx.Module, axis: str) -> list[ExpectedCollective]:

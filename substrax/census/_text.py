@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
-__all__ = ["shorten", "table"]
+__all__ = ["short_op", "shorten", "table"]
 
 
 def table(rows: Sequence[Sequence[str]], right: set[int]) -> list[str]:
@@ -23,3 +24,20 @@ def shorten(items: Sequence[str], keep: int) -> str:
     """The first ``keep`` items joined by commas, then how many more."""
     shown = ", ".join(items[:keep])
     return shown + (f", +{len(items) - keep} more" if len(items) > keep else "")
+
+
+_WRAPPER = re.compile(r"^(jit|pjit|shard_map|xla_computation)(\(.*\))?$")
+
+
+def short_op(op_name: str, keep: int = 3, width: int = 80) -> str:
+    """A JAX operation's name as a difference shows it: the last ``keep`` steps, without jit wrappers.
+
+    ``"jit(pure)/jit(main)/shard_map/transpose(jvp(substrax.loss))/substrax.grad_reduce/psum"``
+    becomes ``"transpose(jvp(substrax.loss))/substrax.grad_reduce/psum"``; the whole name
+    stays on ``Part.op_name``.
+    """
+    steps = [s for s in op_name.split("/") if not _WRAPPER.match(s)]
+    text = "/".join(steps[-keep:])
+    if len(steps) > keep:
+        text = ".../" + text
+    return text if len(text) <= width else text[: width // 2 - 2] + "..." + text[-(width // 2 - 1) :]
