@@ -19,6 +19,7 @@ here rebinds the attribute ``substrax.census`` from that package to the function
 from substrax import explicit, mesh, nn, spmd
 from substrax._layout import LAYOUTS, Layout, LeafPlacement, layout_of, shard_state
 from substrax._precision import MixedPrecision
+from substrax._skips import NonFiniteStepsError, SkippedStepWarning
 from substrax._train_step import MODES, BoundTrainStep, TrainStep, make_train_step
 from substrax.census import CensusReport, Comparison, Expected, census, compare, expected_communication
 
@@ -34,6 +35,8 @@ __all__ = [
     "Layout",
     "LeafPlacement",
     "MixedPrecision",
+    "NonFiniteStepsError",
+    "SkippedStepWarning",
     "TrainStep",
     "__version__",
     "census",

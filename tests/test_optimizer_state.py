@@ -22,7 +22,7 @@ from conftest import MLP, mse, noise_floor, params_of, reference_training, regre
 from flax import nnx
 
 import substrax
-from substrax._skips import NonFiniteStepsError, SkippedStepWarning
+from substrax import NonFiniteStepsError, SkippedStepWarning
 from substrax.spmd import create_data_parallel_sharding, place_batch_on_shards
 
 
