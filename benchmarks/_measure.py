@@ -8,6 +8,7 @@ Nothing here imports jax at module level: each script sets its emulated device c
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -136,3 +137,30 @@ def fmt_bytes(n: int | None) -> str:
         if n >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n} B"
+
+
+FAILED = ("error", "census_error")  # what a row records when its spelling, or its census, raised
+LABELS = ("model", "width", "devices", "mesh", "spelling", "mode", "name", "op", "size_bytes")
+
+
+def failures(rows: Iterable[dict[str, Any]]) -> list[str]:
+    """One line per row that recorded an error: its labels, then the error."""
+    lines = []
+    for row in rows:
+        for key in FAILED:
+            if key in row:
+                label = " ".join(f"{k}={row[k]}" for k in LABELS if k in row)
+                lines.append(f"{label}: {key}: {row[key]}")
+    return lines
+
+
+def exit_on_failures(rows: Iterable[dict[str, Any]], script: str) -> None:
+    """Exit with status 1, naming every row that failed, when any did (after the results are written).
+
+    A failed row stays in the table and the JSON as ``n/a``; the status makes ``make bench``
+    and ``tests/test_benchmarks.py`` fail on it rather than print it and pass.
+    """
+    lines = failures(rows)
+    if lines:
+        print(f"{script}: {len(lines)} row(s) failed:", *lines, sep="\n  ", file=sys.stderr)
+        sys.exit(1)

@@ -24,6 +24,10 @@ known to compute the same update.
 
     python benchmarks/accumulation.py --quick
     python benchmarks/accumulation.py --json benchmarks/results/accumulation.json
+    python benchmarks/accumulation.py --smoke --json out.json   # tests/test_benchmarks.py
+
+A row whose spelling raised is printed ``n/a`` with its error and written so; the
+script then exits with status 1, naming every such row.
 """
 
 from __future__ import annotations
@@ -41,7 +45,15 @@ MODES = ("implicit", "explicit")
 
 
 def run(
-    width: int, layers: int, batch_size: int, ks: list[int], multi_ks: list[int], rounds: int, devices: int
+    width: int,
+    layers: int,
+    batch_size: int,
+    ks: list[int],
+    multi_ks: list[int],
+    rounds: int,
+    devices: int,
+    block_s: float = 0.05,
+    modes: tuple[str, ...] = MODES,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     from substrax.mesh import use_cpu_devices
 
@@ -99,8 +111,8 @@ def run(
             out.append(place_batch_on_shards({key: v[rows] for key, v in host.items()}, sharding))
         return out
 
-    names = [f"{mode}:k{k}" for mode in MODES for k in ks]
-    names += [f"multisteps:{mode}:k{k}" for k in multi_ks for mode in MODES]
+    names = [f"{mode}:k{k}" for mode in modes for k in ks]
+    names += [f"multisteps:{mode}:k{k}" for k in multi_ks for mode in modes]
     calls: dict[str, Callable[[], Any]] = {}
     info: dict[str, dict[str, Any]] = {}
     params_of: dict[str, Callable[[], list]] = {}
@@ -160,7 +172,7 @@ def run(
             info[name]["max_param_diff_vs_explicit"] = float(max(diffs))
 
     print(f"  compiled {len(calls)} spellings; timing", file=sys.stderr)
-    samples, block = M.interleaved(calls, rounds, 0.05, reference=names[0])
+    samples, block = M.interleaved(calls, rounds, block_s, reference=names[0])
     medians = {name: float(np.median(samples[name])) * 1e6 for name in calls}
     params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(nnx.state(MLP(nnx.Rngs(0)), nnx.Param)))
     rows = []
@@ -236,25 +248,37 @@ def main() -> None:
     parser.add_argument(
         "--json", metavar="PATH", help="write the rows as JSON and the table beside it (.txt)"
     )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="width 32, 1 layer, batch 64, K 1 and 2, explicit only, one round (make test)",
+    )
     parser.add_argument("--width", type=int)
     parser.add_argument("--layers", type=int)
     parser.add_argument("--batch", type=int)
-    parser.add_argument("--k", type=int, nargs="*", default=[1, 2, 4, 8], help="microbatches per step")
+    parser.add_argument("--k", type=int, nargs="*", help="microbatches per step (default 1 2 4 8)")
     parser.add_argument("--multisteps-k", type=int, nargs="*", help="K of the optax.MultiSteps rows")
     parser.add_argument("--rounds", type=int)
     parser.add_argument("--devices", type=int, default=8)
     args = parser.parse_args()
-    width = args.width or (128 if args.quick else 256)
-    layers = args.layers or 3
-    batch_size = args.batch or (2048 if args.quick else 8192)
-    multi_ks = args.multisteps_k if args.multisteps_k is not None else [max(args.k)]
-    rounds = args.rounds or (4 if args.quick else 20)
+    width = args.width or (32 if args.smoke else 128 if args.quick else 256)
+    layers = args.layers or (1 if args.smoke else 3)
+    batch_size = args.batch or (64 if args.smoke else 2048 if args.quick else 8192)
+    ks = args.k or ([1, 2] if args.smoke else [1, 2, 4, 8])
+    multi_ks = args.multisteps_k if args.multisteps_k is not None else [max(ks)]
+    rounds = args.rounds or (1 if args.smoke else 4 if args.quick else 20)
+    block_s = 0.0 if args.smoke else 0.05
     start = time.perf_counter()
-    rows, model = run(width, layers, batch_size, sorted(set(args.k) | {1}), multi_ks, rounds, args.devices)
-    meta = M.machine() | model | {"wall_s": time.perf_counter() - start, "quick": args.quick}
+    modes = ("explicit",) if args.smoke else MODES
+    rows, model = run(
+        width, layers, batch_size, sorted(set(ks) | {1}), multi_ks, rounds, args.devices, block_s, modes
+    )
+    meta = M.machine() | model | {"wall_s": time.perf_counter() - start}
+    meta |= {"quick": args.quick, "smoke": args.smoke}
     text = table(rows, meta)
     print(text)
     M.write(args.json, {"meta": meta, "rows": rows}, text + "\n")
+    M.exit_on_failures(rows, "accumulation.py")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ one to ``results/collectives_quick.*``, so a quick run never replaces the full r
 
     python benchmarks/collectives.py            # results/collectives.{json,txt,png}
     python benchmarks/collectives.py --quick    # results/collectives_quick.{json,txt,png}
+    python benchmarks/collectives.py --smoke --json out.json   # tests/test_benchmarks.py
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ OPS = ("psum", "all_gather", "psum_scatter", "ppermute", "all_to_all")
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="4 sizes, fewer rounds: under 2 minutes")
+    parser.add_argument(
+        "--smoke", action="store_true", help="one size (1 KiB), one round: that every op runs (make test)"
+    )
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument(
         "--json",
@@ -55,8 +59,9 @@ def main() -> None:
 
     n = args.devices
     mesh = create_device_mesh({"x": n})
-    sizes = [2**k for k in (range(10, 27, 4) if args.quick else range(10, 27, 2))]  # 1 KiB .. 64 MiB
-    rounds = 5 if args.quick else 15
+    powers = range(10, 11) if args.smoke else range(10, 27, 4) if args.quick else range(10, 27, 2)
+    sizes = [2**k for k in powers]  # 1 KiB .. 64 MiB
+    rounds = 1 if args.smoke else 5 if args.quick else 15
     ring = [(i, (i + 1) % n) for i in range(n)]
     bodies = {
         "psum": lambda b: jax.lax.psum(b, "x"),
@@ -82,7 +87,7 @@ def main() -> None:
                 jax.block_until_ready(fns[op](inputs[op]))
         start = time.perf_counter()
         jax.block_until_ready(fns["psum"](inputs["psum"]))
-        block = max(1, min(100, int(0.02 / max(time.perf_counter() - start, 1e-6))))
+        block = 1 if args.smoke else max(1, min(100, int(0.02 / max(time.perf_counter() - start, 1e-6))))
         samples: dict[str, list[float]] = {op: [] for op in OPS}
         for _ in range(rounds):
             for op in OPS:

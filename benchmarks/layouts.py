@@ -29,6 +29,10 @@ same parameters, so the losses agree to round-off).
 
     python benchmarks/layouts.py --quick
     python benchmarks/layouts.py --json benchmarks/results/layouts.json
+    python benchmarks/layouts.py --smoke --json out.json   # tests/test_benchmarks.py
+
+A row whose spelling raised is printed ``n/a`` with its error and written so; the
+script then exits with status 1, naming every such row.
 """
 
 from __future__ import annotations
@@ -49,7 +53,12 @@ BATCH = 256
 MIN_SIZE = 1024  # substrax.shard_state's default
 
 
-def run(widths: list[int], rounds: int, block_s: float, devices: int) -> list[dict[str, Any]]:
+SMOKE_SPELLINGS = (*BOUNDS, "replicated:explicit", "zero1:implicit", "fsdp:explicit")  # each layout once
+
+
+def run(
+    widths: list[int], rounds: int, block_s: float, devices: int, spellings: tuple[str, ...] | None = None
+) -> list[dict[str, Any]]:
     from substrax.mesh import use_cpu_devices
 
     use_cpu_devices(devices)
@@ -167,7 +176,7 @@ def run(widths: list[int], rounds: int, block_s: float, devices: int) -> list[di
             "y": rng.normal(size=(BATCH, 1)).astype(np.float32),
         }
         batch = place_batch_on_shards(host, create_data_parallel_sharding(mesh))
-        names = [*BOUNDS, *(f"{layout}:{mode}" for layout in LAYOUTS for mode in MODES)]
+        names = list(spellings or (*BOUNDS, *(f"{layout}:{mode}" for layout in LAYOUTS for mode in MODES)))
         calls: dict[str, Callable[[], Any]] = {}
         info: dict[str, dict[str, Any]] = {}
         arrays_of: dict[str, Callable[[], list]] = {}
@@ -284,20 +293,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="widths 128 and 256, 5 rounds: under a minute")
     parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="width 64, the bounds and each layout in one mode, one round of one-step blocks (make test)",
+    )
+    parser.add_argument(
         "--json", metavar="PATH", help="write the rows as JSON and the table beside it (.txt)"
     )
     parser.add_argument("--widths", type=int, nargs="*")
     parser.add_argument("--rounds", type=int)
     parser.add_argument("--devices", type=int, default=8)
     args = parser.parse_args()
-    widths = args.widths or ([128, 256] if args.quick else [256, 512, 1024, 2048])
-    rounds = args.rounds or (5 if args.quick else 15)
+    widths = args.widths or ([64] if args.smoke else [128, 256] if args.quick else [256, 512, 1024, 2048])
+    rounds = args.rounds or (1 if args.smoke else 5 if args.quick else 15)
     start = time.perf_counter()
-    rows = run(widths, rounds, 0.01 if args.quick else 0.05, args.devices)
-    meta = M.machine() | {"wall_s": time.perf_counter() - start, "quick": args.quick}
+    block_s = 0.0 if args.smoke else 0.01 if args.quick else 0.05
+    rows = run(widths, rounds, block_s, args.devices, SMOKE_SPELLINGS if args.smoke else None)
+    meta = M.machine() | {"wall_s": time.perf_counter() - start, "quick": args.quick, "smoke": args.smoke}
     text = table(rows, meta)
     print(text)
     M.write(args.json, {"meta": meta, "rows": rows}, text + "\n")
+    M.exit_on_failures(rows, "layouts.py")
 
 
 if __name__ == "__main__":

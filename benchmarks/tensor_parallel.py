@@ -48,6 +48,7 @@ optimized HLO there, to read its collectives and fusions.
 
     python benchmarks/tensor_parallel.py --quick
     python benchmarks/tensor_parallel.py --json benchmarks/results/tensor_parallel.json
+    python benchmarks/tensor_parallel.py --smoke --json out.json   # tests/test_benchmarks.py
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ SPELLINGS = ("bound", "implicit", "explicit", "implicit.bind", "explicit.bind")
 WIDTH, HEADS, LAYERS, VOCAB, SEQ, BATCH = 256, 4, 2, 256, 32, 32
 LEARNING_RATE = 1e-3
 LOSS_RTOL = 2e-5  # float32 round-off of sums taken in other orders
+SMOKE = {"WIDTH": 32, "LAYERS": 1, "VOCAB": 32, "SEQ": 8}  # --smoke: the model, small enough to compile fast
 
 
 def run(
@@ -441,6 +443,12 @@ def main() -> None:
         help="the bound and .bind only, 5 rounds of short blocks (the compiles dominate)",
     )
     parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the bound and explicit.bind on the mesh (4, 2), the model at width 32, 1 block; one round "
+        "of one-step blocks (make test)",
+    )
+    parser.add_argument(
         "--json", metavar="PATH", help="write the rows as JSON and the table beside it (.txt)"
     )
     parser.add_argument("--rounds", type=int)
@@ -455,7 +463,12 @@ def main() -> None:
     )
     parser.add_argument("--hlo", metavar="DIR", help="also write each program's optimized HLO into DIR")
     args = parser.parse_args()
-    rounds = args.rounds or (5 if args.quick else 20)
+    if args.smoke:
+        globals().update(SMOKE)  # the sizes run() and table() read
+        args.quick = True
+        args.shapes = args.shapes if args.shapes != parser.get_default("shapes") else ["4x2"]
+        args.spellings = args.spellings or ["bound", "explicit.bind"]
+    rounds = args.rounds or (1 if args.smoke else 5 if args.quick else 20)
     shapes = tuple((int(d), int(t)) for d, t in (s.split("x") for s in args.shapes))
     spellings = tuple(
         args.spellings or (("bound", "implicit.bind", "explicit.bind") if args.quick else SPELLINGS)
@@ -463,7 +476,8 @@ def main() -> None:
     if "bound" not in spellings:
         parser.error("--spellings: the bound is the reference; keep it")
     start = time.perf_counter()
-    rows, reference = run(shapes, spellings, rounds, 0.05 if args.quick else 0.3, args.hlo, not args.quick)
+    block_s = 0.0 if args.smoke else 0.05 if args.quick else 0.3
+    rows, reference = run(shapes, spellings, rounds, block_s, args.hlo, not args.quick)
     command = "python " + " ".join(["benchmarks/tensor_parallel.py", *sys.argv[1:]])
     meta = M.machine() | {"wall_s": time.perf_counter() - start, "quick": args.quick, "command": command}
     text = table(rows, meta, reference)

@@ -28,6 +28,15 @@ device count runs in its own process, since jax fixes the device count at start.
 
     python benchmarks/train_step.py --json benchmarks/results/train_step.json
     python benchmarks/train_step.py --quick --json out.json   # make bench
+    python benchmarks/train_step.py --smoke --json out.json   # tests/test_benchmarks.py
+
+``--smoke`` checks that the script runs, in seconds: 8 devices, every kind of spelling
+once (the MLP at width 32: the bounds, the reference spellings, ``.bind`` undonated; the
+example's model at 1 block of width 16: the bounds, the plain call, ``.bind``), one
+round of one-step blocks.
+
+A row whose spelling (or census) raised is printed ``n/a`` with its error and written
+so; the script then exits with status 1, naming every such row.
 """
 
 from __future__ import annotations
@@ -43,11 +52,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import _measure as M  # benchmarks/_measure.py: run as `python benchmarks/NAME.py`
+
 Spelling = tuple[Callable[[], Any], Callable[[], Any] | None]  # the step call; its census call or None
 REPO = Path(__file__).resolve().parents[1]
 BOUNDS = ("bound", "bound_shard_map")
 MODES = ("implicit", "explicit")
 LAYOUTS = ("zero1", "fsdp")  # beside the replicated state every spelling uses
+SMOKE_LM = {"seq": 8, "d": 16, "blocks": 1}  # --smoke: the example's model, small enough to compile fast
 
 
 def reference_spellings() -> list[str]:
@@ -96,6 +108,7 @@ def run_worker(
     block_s: float,
     quick: bool = False,
     with_census: bool = True,
+    smoke: bool = False,
 ) -> list[dict[str, Any]]:
     import jax
 
@@ -304,6 +317,8 @@ def run_worker(
         names = reference_spellings() + mode_spellings(
             ("make_train_step", "bound_step", "bound_step_undonated")
         )
+        if smoke:  # each spelling the transformer's rows leave out, in one mode
+            names = [*reference_spellings(), "bound_step_undonated:explicit"]
         for width in widths:
 
             def fresh_mlp(width: int = width) -> tuple[MLP, nnx.Optimizer]:
@@ -314,13 +329,17 @@ def run_worker(
 
     if "transformer" in models:
         lm = load_example()
-        host = next(lm.batches(lm.stdlib_text(), 32, 32, seed=0))
-        if quick:  # its compiles dominate: the bounds, the plain call and .bind only
+        sizes = SMOKE_LM if smoke else {}
+        host = next(lm.batches(lm.stdlib_text(), 32, sizes.get("seq", 32), seed=0))
+        if smoke:  # the plain call and .bind, one mode each
+            names = [*BOUNDS, "make_train_step:implicit", "bound_step:explicit"]
+        elif quick:  # its compiles dominate: the bounds, the plain call and .bind only
             names = [*BOUNDS, *mode_spellings(("make_train_step", "bound_step"))]
         else:
             names = reference_spellings()
             names += mode_spellings(("make_train_step", "bound_step", "bound_step_undonated"), layouts)
-        rows += measure({"model": "transformer"}, names, lm.make_model, lm.loss_fn, host)
+        fresh = functools.partial(lm.make_model, **sizes)
+        rows += measure({"model": "transformer", **sizes}, names, fresh, lm.loss_fn, host)
     return rows
 
 
@@ -355,7 +374,7 @@ def main() -> None:
         help="two MLP widths, fewer rounds; the transformer replicated, donated only",
     )
     parser.add_argument("--json", metavar="PATH", help="write the rows as JSON")
-    parser.add_argument("--devices", type=int, nargs="*", default=[1, 8])
+    parser.add_argument("--devices", type=int, nargs="*", help="default 1 8 (--smoke: 8)")
     parser.add_argument("--models", nargs="*", choices=("mlp", "transformer"), default=["mlp", "transformer"])
     parser.add_argument("--widths", type=int, nargs="*", help="MLP widths")
     parser.add_argument("--layouts", nargs="*", choices=LAYOUTS, help="state layouts for the transformer")
@@ -363,16 +382,31 @@ def main() -> None:
     parser.add_argument(
         "--no-census", action="store_true", help="leave the comm bytes column empty (--quick does)"
     )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="that the script runs, in seconds (see the module docstring; make test)",
+    )
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    widths = args.widths or ([32, 512] if args.quick else [32, 256, 1024, 2048])
+    args.quick = args.quick or args.smoke
+    args.devices = args.devices or ([8] if args.smoke else [1, 8])
+    widths = args.widths or ([32] if args.smoke else [32, 512] if args.quick else [32, 256, 1024, 2048])
     layouts = args.layouts if args.layouts is not None else ([] if args.quick else list(LAYOUTS))
-    rounds = args.rounds or (15 if args.quick else 30)
+    rounds = args.rounds or (1 if args.smoke else 15 if args.quick else 30)
 
     if args.worker:
-        block_s = 0.01 if args.quick else 0.03
+        block_s = 0.0 if args.smoke else 0.01 if args.quick else 0.03
         rows = run_worker(
-            args.worker, args.models, widths, tuple(layouts), rounds, block_s, args.quick, not args.no_census
+            args.worker,
+            args.models,
+            widths,
+            tuple(layouts),
+            rounds,
+            block_s,
+            args.quick,
+            not args.no_census,
+            args.smoke,
         )
         print(json.dumps(rows))
         return
@@ -381,7 +415,7 @@ def main() -> None:
     for devices in args.devices:
         cmd = [sys.executable, __file__, "--worker", str(devices), "--rounds", str(rounds)]
         cmd += ["--models", *args.models, "--widths", *map(str, widths), "--layouts", *layouts]
-        cmd += ["--quick"] if args.quick else []
+        cmd += ["--smoke"] if args.smoke else ["--quick"] if args.quick else []
         cmd += ["--no-census"] if args.no_census or args.quick else []
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode:
@@ -392,6 +426,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
         print(f"wrote {len(rows)} rows to {args.json}")
+    M.exit_on_failures(rows, "train_step.py")
 
 
 if __name__ == "__main__":

@@ -164,9 +164,14 @@ def loss_fn(model: CharLM, batch: dict[str, jax.Array]) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 
 
-def make_model(seed: int = 0, dropout: float = 0.0, lr: float = 3e-3) -> tuple[CharLM, nnx.Optimizer]:
-    """The model and its AdamW optimizer; call under ``jax.set_mesh`` to place them on a mesh."""
-    model = CharLM(dropout=dropout, rngs=nnx.Rngs(params=seed, dropout=seed + 1))
+def make_model(
+    seed: int = 0, dropout: float = 0.0, lr: float = 3e-3, **sizes: int
+) -> tuple[CharLM, nnx.Optimizer]:
+    """The model and its AdamW optimizer; call under ``jax.set_mesh`` to place them on a mesh.
+
+    ``sizes``: ``CharLM``'s ``seq``, ``d``, ``heads``, ``blocks`` (its defaults otherwise).
+    """
+    model = CharLM(dropout=dropout, rngs=nnx.Rngs(params=seed, dropout=seed + 1), **sizes)
     return model, nnx.Optimizer(model, optax.adamw(lr, weight_decay=0.01), wrt=nnx.Param)
 
 

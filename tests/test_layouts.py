@@ -219,7 +219,7 @@ def test_a_split_over_an_optional_axis_the_mesh_lacks_is_placed_whole_by_the_ste
     want_losses, want_params = reference5
     np.testing.assert_allclose(losses, want_losses, rtol=2e-5, atol=2e-6)
     assert_params_close(params_of(model), want_params)
-    assert model.hidden.kernel.get_metadata()["out_sharding"] == (None, "model")  # the step's fit stays inside it
+    assert model.hidden.kernel.get_metadata()["out_sharding"] == (None, "model")  # fitted inside the step only
 
 
 @pytest.mark.parametrize("mode", substrax.MODES)

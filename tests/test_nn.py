@@ -515,7 +515,9 @@ def lm_reference() -> tuple[list[float], dict]:
 @pytest.mark.parametrize("layout", [None, "zero1"])
 @pytest.mark.parametrize("built", ["under the mesh", "without a mesh"])
 @pytest.mark.parametrize("mode", substrax.MODES)
-def test_a_model_of_these_layers_trains_on_a_mesh_without_model_axis(mode, built, layout, lm_reference) -> None:
+def test_a_model_of_these_layers_trains_on_a_mesh_without_model_axis(
+    mode, built, layout, lm_reference
+) -> None:
     """No shard_state needed (layout None): the declared model axis is optional, so the step
     places these layers' parameters whole on a data-only mesh; the result is one device's."""
     mesh = create_device_mesh({"data": 8})
