@@ -138,10 +138,16 @@ def test_a_bound_step_is_saved_in_the_background_while_it_trains(
     np.testing.assert_allclose(resumed, losses[SAVED:], rtol=RTOL, atol=ATOL)
 
 
+def tick(optimizer: nnx.Optimizer) -> nnx.Optimizer:
+    """The optimizer one step on (its ``step`` count alone): a state the manager has not saved."""
+    optimizer.step.set_value(optimizer.step.get_value() + 1)
+    return optimizer
+
+
 def test_the_manager_keeps_the_last_steps_at_its_interval(tmp_path: Path) -> None:
     model, optimizer = build("unplaced")
     with checkpoint.CheckpointManager(tmp_path, max_to_keep=2, save_interval_steps=2) as ckpt:
-        started = [ckpt.save(i, model, optimizer) for i in range(1, 8)]
+        started = [ckpt.save(i, model, tick(optimizer)) for i in range(1, 8)]
         ckpt.wait()
         assert started == [True, True, False, True, False, True, False]  # the first, then every 2nd
         assert ckpt.all_steps() == [4, 6] and ckpt.latest_step() == 6

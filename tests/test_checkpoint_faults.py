@@ -17,6 +17,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
+import warnings
 from pathlib import Path
 
 import jax
@@ -24,12 +27,13 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from conftest import MLP
+from conftest import MLP, mse, regression_batches
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from workers.launching import REPO, WORKERS
 
+import substrax
 from substrax import checkpoint
 from substrax.checkpoint import (
     CheckpointManager,
@@ -84,7 +88,9 @@ def run_worker(*args: str) -> subprocess.CompletedProcess[str]:
 def test_a_state_that_is_not_finite_is_refused_and_the_finite_steps_kept(tmp_path: Path) -> None:
     model, optimizer = build()
     with CheckpointManager(tmp_path, max_to_keep=2) as ckpt:
-        assert ckpt.save(1, model, optimizer) and ckpt.save(2, model, optimizer)
+        assert ckpt.save(1, model, optimizer)
+        add(model, optimizer, 1.0)  # another state: one equal to the last saved is not saved again
+        assert ckpt.save(2, model, optimizer)
         finite = values(model, optimizer)
         add(model, optimizer, float("nan"))  # every parameter NaN, as after one NaN batch
         for step in (3, 4, 5):  # each would have rotated a finite step out
@@ -190,10 +196,15 @@ def test_a_run_resumes_from_the_last_whole_step_and_saves_past_the_damaged_one(
         with pytest.warns(UserWarning, match=r"restored step 1, .* moved to .*\.substrax-damaged\.$"):
             assert ckpt.restore(model, optimizer) == 1
         assert ckpt.all_steps() == [1]
+        assert_values(model, optimizer, two_steps[1])
+        with pytest.warns(UserWarning, match=r"^step 2 not saved in .*: its state is step 1's, unchanged"):
+            assert not ckpt.save(2, model, optimizer)  # the state restored is step 1's
+        add(model, optimizer, 1.0)  # as step 2 was
+        step2 = values(model, optimizer)
         assert ckpt.save(2, model, optimizer)  # the damaged step's number is free again
     assert [name.split("-")[0] for name in os.listdir(damaged / ".substrax-damaged")] == ["2"]
     assert checkpoint.restore(damaged, model, optimizer) == 2
-    assert_values(model, optimizer, two_steps[1])
+    assert_values(model, optimizer, step2)
 
 
 def test_when_every_step_is_damaged_the_latest_is_named(damaged: Path) -> None:
@@ -319,6 +330,123 @@ def test_a_sigterm_saves_the_step_at_hand_and_exits_143(tmp_path: Path) -> None:
     np.testing.assert_array_equal(
         np.asarray(model.out.bias.get_value()), np.asarray(want.out.bias.get_value()) + 3
     )
+
+
+# --- 6. a run of skipped steps ------------------------------------------------------------------
+
+
+def test_a_run_of_skipped_steps_does_not_rotate_out_the_distinct_steps_before_it(
+    tmp_path: Path, mesh8: jax.sharding.Mesh
+) -> None:
+    model, optimizer = build()
+    train_step = substrax.make_train_step(mse, "implicit", mesh=mesh8, max_skips_in_a_row=None)
+    good = regression_batches(4, 32)
+    nan = {"x": np.full_like(good[0]["x"], np.nan), "y": good[0]["y"]}
+    with CheckpointManager(tmp_path, max_to_keep=3) as ckpt, warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for step in (1, 2, 3):
+            train_step(model, optimizer, good[step - 1])
+            assert ckpt.save(step, model, optimizer)
+        third = values(model, optimizer)
+        for step in range(4, 14):  # 10 NaN batches in a row, each skipped by the step's guard
+            assert np.isnan(train_step(model, optimizer, nan))
+            assert not ckpt.save(step, model, optimizer)
+        ckpt.wait()
+        assert ckpt.all_steps() == [1, 2, 3]  # not [11, 12, 13]: three copies of step 3's state
+        mine = [str(w.message) for w in said if str(w.message).startswith("step 4 not saved")]
+        assert mine == [
+            f"step 4 not saved in {tmp_path}: its state is step 3's, unchanged since (the train step "
+            "skips non-finite updates, leaving the state as it was); step 3 is kept and no step is "
+            "rotated out, and later saves of this same state are skipped without a word."
+        ]
+        assert [w.filename for w in said if str(w.message) in mine] == [__file__]  # the caller's line
+        train_step(model, optimizer, good[3])  # finite again: a new state
+        assert ckpt.save(14, model, optimizer)
+        ckpt.wait()
+        assert ckpt.all_steps() == [2, 3, 14]
+    model, optimizer = build(seed=1)
+    assert checkpoint.restore(tmp_path, model, optimizer, step=3) == 3
+    assert_values(model, optimizer, third)
+
+
+# --- 7. a save in flight ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def held_commits(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Background saves wait for this event (at most 30 s) before they commit."""
+    from orbax.checkpoint._src.checkpointers import async_checkpointer
+
+    commit, release = async_checkpointer._on_commit_callback, threading.Event()
+
+    def held(*args: object, **kwargs: object) -> None:
+        release.wait(30)
+        commit(*args, **kwargs)
+
+    monkeypatch.setattr(async_checkpointer, "_on_commit_callback", held)
+    return release
+
+
+def test_only_committed_steps_are_listed_or_named(tmp_path: Path, held_commits: threading.Event) -> None:
+    model, optimizer = build()
+    with CheckpointManager(tmp_path) as ckpt:
+        assert ckpt.save(1, model, optimizer)
+        assert ckpt.all_steps() == [] and ckpt.latest_step() is None  # written, not yet committed
+        threading.Timer(1.0, held_commits.set).start()
+        add(model, optimizer, float("nan"))
+        with pytest.raises(NonFiniteStateError, match=r"; the newest step kept there is 1\.$"):
+            ckpt.save(2, model, optimizer)
+        assert (tmp_path / "1").is_dir()  # committed before it was named
+        assert ckpt.all_steps() == [1]
+
+
+@pytest.mark.parametrize(
+    ("how", "code", "said"),
+    [
+        ("end", 0, "the CheckpointManager of {d} was still open as the script ended: step 1, still being written, was committed."),
+        ("raise", 1, "the CheckpointManager of {d} was still open as the script ended: step 1, still being written, was committed."),
+        ("scope", 0, "a CheckpointManager of {d} was collected unclosed while saving; its save was finished as the script ended."),
+    ],
+)
+def test_a_save_in_flight_when_the_script_ends_is_committed(tmp_path: Path, how: str, code: int, said: str) -> None:
+    """Before, the script hung for 300 s on orbax's signal barrier and left ``1.orbax-checkpoint-tmp``."""
+    directory = tmp_path / "ckpt"
+    started = time.monotonic()
+    done = run_worker("unclosed", str(directory), how)
+    seconds = time.monotonic() - started
+    assert done.returncode == code, done.stdout + done.stderr
+    assert seconds < 60, f"the script took {seconds:.0f} s to end"  # a guard, not a speed test
+    assert "LISTED [] None" in done.stdout  # in flight as save returned: not listed
+    assert f"substrax.checkpoint: {said.format(d=directory)}" in done.stderr
+    assert sorted(os.listdir(directory)) == ["1"]  # committed, the claim released, no tmp
+    assert checkpoint.restore(directory, *build(seed=1)) == 1
+
+
+# --- 8. what a damaged step prints ---------------------------------------------------------------
+
+
+def test_a_damaged_step_says_one_line_and_orbax_the_rest_at_debug(tmp_path: Path) -> None:
+    """Before, up to hundreds of lines: ``RuntimeError: Event loop is closed`` tracebacks,
+    ``Exception ignored in: <coroutine ...>``, ``ERROR:absl:Failed to json parse ...``."""
+    directory = tmp_path / "ckpt"
+    done = run_worker("damaged", str(directory))
+    assert done.returncode == 0, done.stdout + done.stderr
+    refused, restored = done.stdout.splitlines()
+    assert re.match(
+        rf"^REFUSED step 2 in {directory} is damaged: (model|optimizer)\[.*\] could not be read "
+        r"\(DATA_LOSS: .*\)\.$",
+        refused,
+    ), refused
+    assert restored == "RESTORED 1"
+    warning, source = done.stderr.splitlines()  # the warning, and the line that restored
+    assert warning.endswith(
+        f"UserWarning: restored step 1, the newest whole step: step 3 in {directory} is damaged: its "
+        "_CHECKPOINT_METADATA cannot be read (Unterminated string starting at: line 1 column 31 "
+        "(char 30)) (older damaged steps skipped too: [2])."
+    ), done.stderr
+    assert source.strip().startswith('print(f"RESTORED {checkpoint.restore(directory')
+    debug = (tmp_path / "ckpt.debug").read_text()
+    assert f"orbax: Failed to json parse Metadata file: {directory}/3/_CHECKPOINT_METADATA" in debug
 
 
 # --- the checksum ---------------------------------------------------------------------------

@@ -8,6 +8,7 @@ what is damaged (``DamagedCheckpointError``) when it does not check out.
 from __future__ import annotations
 
 import json
+import os
 import re
 import warnings
 from typing import Any
@@ -19,9 +20,11 @@ from etils import epath  # type: ignore[import-untyped]
 
 from substrax.checkpoint._checksums import checksum_hex, everywhere, inspect_arrays
 from substrax.checkpoint._errors import DamagedCheckpointError
+from substrax.checkpoint._quiet import keep_dropping, leftovers_dropped, orbax_logs
 from substrax.checkpoint._state import Key, Slot, check_tree, flatten, nest
 
 __all__ = [
+    "PACKAGE_DIR",
     "RECORD",
     "STEP_METADATA",
     "checksum_record",
@@ -35,6 +38,7 @@ __all__ = [
 
 RECORD = "substrax"  # the integrity record's key in a step's custom metadata
 STEP_METADATA = "_CHECKPOINT_METADATA"  # orbax's file of a step's metadata, custom metadata included
+PACKAGE_DIR = os.path.dirname(__file__)  # warnings point past it, at the caller's line
 
 
 def reason(error: BaseException) -> str:
@@ -68,8 +72,14 @@ def checksum_record(slots: list[Slot], arrays: list[jax.Array], sums: np.ndarray
     return {"version": 1, "arrays": arrays_record}
 
 
-def read_step(orbax: ocp.CheckpointManager, directory: str, step: int, slots: list[Slot]) -> list[jax.Array]:
-    """The arrays of ``step``, in the slots' order and shardings, checked against its checksums.
+def read_step(
+    orbax: ocp.CheckpointManager, directory: str, step: int, slots: list[Slot]
+) -> tuple[list[jax.Array], list[dict[str, Any]] | None]:
+    """The arrays of ``step`` (the slots' order and shardings) checked against its checksums, and its record.
+
+    Orbax's log lines and tracebacks about a damaged step go to the logger
+    ``substrax.checkpoint`` at DEBUG; the error says what is damaged in one line, and its
+    ``__cause__`` is orbax's error, when orbax raised one.
 
     Raises:
       ValueError: If the step's arrays do not match the slots.
@@ -79,34 +89,39 @@ def read_step(orbax: ocp.CheckpointManager, directory: str, step: int, slots: li
     record: list[dict[str, Any]] | None = None
     restored: dict[Key, jax.Array] = {}
     error: DamagedCheckpointError | None = None
-    try:
-        record = read_record(directory, step)
-        shapes = saved_shapes(orbax, directory, step, slots)
-        if record is not None and {tuple(a["key"]): tuple(a["shape"]) for a in record} != shapes:
-            raise DamagedCheckpointError(
-                step,
-                f"{where} is damaged: its index of arrays (default/_METADATA) disagrees with its checksums.",
-            )
-    except DamagedCheckpointError as e:
-        error = e
-    if error is None:
-        check_tree(step, slots, shapes, directory)
-        dtypes = {tuple(a["key"]): a["dtype"] for a in record} if record is not None else {}
-        targets = nest({slot.key: slot.target(dtypes.get(slot.key)) for slot in slots})
+    with orbax_logs() as logs, leftovers_dropped():
         try:
-            restored = dict(flatten(orbax.restore(step, args=ocp.args.StandardRestore(targets))))
-        except Exception as e:  # noqa: BLE001  (orbax and TensorStore raise many kinds, with pages of detail)
-            error = unreadable(step, directory, slots, e)
-            error.__cause__ = e
+            record = read_record(directory, step)
+            shapes = saved_shapes(orbax, directory, step, slots)
+            if record is not None and {tuple(a["key"]): tuple(a["shape"]) for a in record} != shapes:
+                raise DamagedCheckpointError(
+                    step,
+                    f"{where} is damaged: its index of arrays (default/_METADATA) disagrees with its "
+                    f"checksums.",
+                )
+        except DamagedCheckpointError as e:
+            error = e
+        if error is None:
+            check_tree(step, slots, shapes, directory)
+            dtypes = {tuple(a["key"]): a["dtype"] for a in record} if record is not None else {}
+            targets = nest({slot.key: slot.target(dtypes.get(slot.key)) for slot in slots})
+            try:
+                restored = dict(flatten(orbax.restore(step, args=ocp.args.StandardRestore(targets))))
+            except Exception as e:  # noqa: BLE001  (orbax and TensorStore raise many kinds, at length)
+                error = unreadable(step, directory, slots, e)
+                error.__cause__ = e
+        if error is not None:
+            keep_dropping()  # the reads orbax abandoned end later
+            logs.demote(f"reading the damaged step {step}")
     if not everywhere(error is None):
         raise error or DamagedCheckpointError(step, f"{where} is damaged: another process could not read it.")
     arrays = [restored[slot.key] for slot in slots]
     if record is None:
         warnings.warn(
             f"{where} has no checksums (saved by an earlier substrax): restored without checking them.",
-            stacklevel=3,
+            skip_file_prefixes=(PACKAGE_DIR,),
         )
-        return arrays
+        return arrays, None
     want = {tuple(a["key"]): a["checksum"] for a in record}
     _, sums = inspect_arrays(arrays)
     bad = [slot.name for slot, s in zip(slots, sums) if checksum_hex(s) != want[slot.key]]
@@ -116,7 +131,7 @@ def read_step(orbax: ocp.CheckpointManager, directory: str, step: int, slots: li
             step,
             f"{where} is damaged: {bad[0]}{more} does not match the checksum recorded when it was saved.",
         )
-    return arrays
+    return arrays, record
 
 
 def read_record(directory: str, step: int) -> list[dict[str, Any]] | None:

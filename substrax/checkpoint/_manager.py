@@ -19,11 +19,20 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.experimental import multihost_utils
 
+from substrax.checkpoint import _exit
 from substrax.checkpoint._checksums import everywhere, inspect_arrays
 from substrax.checkpoint._claim import LOCK_FILE, claim_directory, release_claim
 from substrax.checkpoint._errors import DamagedCheckpointError, DirectoryInUseError, NonFiniteStateError
-from substrax.checkpoint._integrity import RECORD, checksum_record, read_step
+from substrax.checkpoint._integrity import (
+    PACKAGE_DIR,
+    RECORD,
+    STEP_METADATA,
+    checksum_record,
+    read_step,
+    reason,
+)
 from substrax.checkpoint._preemption import SIGTERM_EXIT, Sigterm, jax_preemption_service
+from substrax.checkpoint._quiet import orbax_logs
 from substrax.checkpoint._state import BoundState, check_args, nest, slots_of, unpack
 
 __all__ = ["CheckpointManager", "restore", "save"]
@@ -53,6 +62,7 @@ def _remove_trash(directory: str) -> None:
             shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
 
+
 class CheckpointManager:
     """The checkpoints of one training run in ``directory``: keep the last few, save every n steps.
 
@@ -65,11 +75,13 @@ class CheckpointManager:
       host, pid, run, since when) until ``close``; a claim whose process is gone from
       this host is taken over with a warning, so a killed run does not block its resume;
     - refuses to save a state that is not finite, so ``max_to_keep`` never rotates the
-      finite steps out for a diverged one;
+      finite steps out for a diverged one, and does not save again the state it last
+      saved or restored (steps skipped as non-finite leave it unchanged);
     - records a checksum of every array it saves, and checks them on ``restore``;
     - moves a step rotated out to a hidden trash directory before deleting it, so
       ``all_steps`` never lists a half-deleted step;
-    - saves the step at hand after a SIGTERM, and ends the process (exit code 143).
+    - saves the step at hand after a SIGTERM, and ends the process (exit code 143);
+    - left open, is closed as the script's code ends, committing its save in flight.
 
     Example::
 
@@ -155,12 +167,19 @@ class CheckpointManager:
             todelete_subdir=_TRASH if self._local and not read_only else None,
         )
         try:
-            self.orbax = ocp.CheckpointManager(
-                self.directory, options=options, item_handlers=ocp.StandardCheckpointHandler()
-            )
+            with orbax_logs() as logs:  # a step's damaged metadata: restore says it in one line
+                self.orbax = ocp.CheckpointManager(
+                    self.directory, options=options, item_handlers=ocp.StandardCheckpointHandler()
+                )
+                logs.release(keep=lambda record: STEP_METADATA not in record.getMessage())
         except BaseException:
             self._release()
             raise
+        self._kept: tuple[int, list[dict[str, Any]]] | None = None  # the last state saved or restored
+        self._repeated: int | None = None  # the step whose state later saves repeated (warned of)
+        self._orphaned = weakref.finalize(self, _exit.orphan, self.orbax)
+        self._orphaned.atexit = False
+        _exit.register(self)
         self._sweep()  # a trash a killed run left
 
     def _claim(self) -> dict[str, Any] | None:
@@ -176,19 +195,24 @@ class CheckpointManager:
             refused = bool(multihost_utils.broadcast_one_to_all(np.int32(error is not None)))
             if refused and error is None:
                 error = DirectoryInUseError(
-                    f"{self.directory} is in use by another run: process 0 could not claim it (see its error)."
+                    f"{self.directory} is in use by another run: process 0 could not claim it (see its "
+                    f"error)."
                 )
         if error is not None:
             raise error
         return claim
 
     def all_steps(self) -> list[int]:
-        """The steps saved and committed, oldest first."""
-        return sorted(self.orbax.all_steps())
+        """The steps saved and committed, oldest first (a save still being written is not listed)."""
+        steps = sorted(self.orbax.all_steps())
+        if self._local:  # orbax lists a step as its save starts; it is committed once renamed
+            return [s for s in steps if os.path.isdir(os.path.join(self.directory, str(s)))]
+        return steps[:-1] if steps and self.orbax.is_saving_in_progress() else steps
 
     def latest_step(self) -> int | None:
         """The newest committed step, or ``None`` when there is none."""
-        return self.orbax.latest_step()
+        steps = self.all_steps()
+        return steps[-1] if steps else None
 
     def save(
         self,
@@ -205,6 +229,13 @@ class CheckpointManager:
         the save, so the steps kept stay finite. A checksum of each array is recorded
         with the step, for ``restore`` to check.
 
+        A state equal to the last one this manager saved or restored (every checksum,
+        shape and dtype alike; the optimizer's ``step`` count included) is not saved
+        again, forced or not, and no step is rotated out for it: a train step that skips
+        non-finite updates leaves the state as it was, and ``max_to_keep`` copies of one
+        state would push out the distinct steps before it. The first such save of a run
+        of them warns, in one line naming the step skipped and the step whose state it is.
+
         Args:
           step: The training step the state is at (usually the number of steps taken).
           model: The model, or a ``BoundTrainStep`` in place of both (it is synced first).
@@ -212,14 +243,16 @@ class CheckpointManager:
           force: Save even a step the interval would skip.
 
         Returns:
-          Whether a save was started (a bound step is synced only then).
+          Whether a save was started (a bound step is synced only then; ``False`` for
+          a step the interval skips, or a state already saved).
 
         Raises:
           TypeError: If a bound step comes with an optimizer, or a model without one.
           ValueError: If a variable's array has been deleted (the model of a bound step
             that was not synced), naming it; or the manager is read-only.
-          NonFiniteStateError: If an array holds a NaN or an infinity, naming the step
-            and the first such arrays; nothing is saved, no step is deleted.
+          NonFiniteStateError: If an array holds a NaN or an infinity, naming the step,
+            the first such arrays and the newest step kept (a save in flight is
+            finished first); nothing is saved, no step is deleted.
           SystemExit: With code 143 after a SIGTERM (``save_on_sigterm``), once this
             step is written.
         """
@@ -237,29 +270,56 @@ class CheckpointManager:
             raise NonFiniteStateError(
                 self._non_finite(step, [s.name for s, ok in zip(slots, finite) if not ok])
             )
-        started = False
-        if not (notice and step in self.all_steps()):
+        record = checksum_record(slots, arrays, sums)
+        started, repeated = False, None
+        if not (notice and step in self.orbax.all_steps()):
             self.orbax.wait_until_finished()  # as orbax's save would; then no deletion is under way
             self._sweep()
-            started = bool(
-                self.orbax.save(
-                    step,
-                    args=ocp.args.StandardSave(nest({slot.key: x for slot, x in zip(slots, arrays)})),
-                    force=force or notice,
-                    custom_metadata={RECORD: checksum_record(slots, arrays, sums)},
+            repeated = self._repeats(step, record["arrays"])
+            if repeated is None:
+                started = bool(
+                    self.orbax.save(
+                        step,
+                        args=ocp.args.StandardSave(nest({slot.key: x for slot, x in zip(slots, arrays)})),
+                        force=force or notice,
+                        custom_metadata={RECORD: record},
+                    )
                 )
-            )
+            if started:
+                self._kept, self._repeated = (step, record["arrays"]), None
         if notice:
+            self.wait()  # committed before it is said to be saved
             if self._primary:
                 why = "SIGTERM" if self._listening or self._agree_on_sigterm else "JAX's preemption notice"
+                saved = (
+                    f"step {step} saved"
+                    if repeated is None
+                    else f"step {step}'s state is step {repeated}'s, kept"
+                )
                 print(
-                    f"substrax.checkpoint: {why}: step {step} saved in {self.directory}; exiting (143).",
+                    f"substrax.checkpoint: {why}: {saved} in {self.directory}; exiting (143).",
                     file=sys.stderr,
                     flush=True,
                 )
             self.close()
             raise SystemExit(SIGTERM_EXIT)
         return started
+
+    def _repeats(self, step: int, arrays: list[dict[str, Any]]) -> int | None:
+        """The kept step whose state ``arrays`` (a checksum record) repeats, warning at the first of a run."""
+        if self._kept is None or self._kept[1] != arrays or self._kept[0] not in self.orbax.all_steps():
+            return None
+        kept = self._kept[0]
+        if self._repeated != kept and kept != step:
+            self._repeated = kept
+            warnings.warn(
+                f"step {step} not saved in {self.directory}: its state is step {kept}'s, unchanged "
+                f"since (the train step skips non-finite updates, leaving the state as it was); "
+                f"step {kept} is kept and no step is rotated out, and later saves of this same "
+                f"state are skipped without a word.",
+                skip_file_prefixes=(PACKAGE_DIR,),
+            )
+        return kept
 
     def _termination_notice(self, step: int) -> bool:
         """Whether this run was told to stop: a SIGTERM noted, or JAX's preemption sync point."""
@@ -273,11 +333,16 @@ class CheckpointManager:
 
     def _non_finite(self, step: int, names: list[str]) -> str:
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        failed = ""
+        try:
+            self.orbax.wait_until_finished()  # a save in flight commits: the step named is kept
+        except Exception as e:  # noqa: BLE001  (said in the message, which matters more)
+            failed = f" (the save in flight failed: {reason(e)})"
         latest = self.latest_step()
         kept = f"the newest step kept there is {latest}" if latest is not None else "it holds no step yet"
         return (
             f"step {step} not saved in {self.directory}: its state is not finite ({shown} "
-            f"hold a NaN or an infinity); {kept}."
+            f"hold a NaN or an infinity); {kept}{failed}."
         )
 
     def restore(self, model: nnx.Module, optimizer: nnx.Optimizer, step: int | None = None) -> int:
@@ -323,20 +388,19 @@ class CheckpointManager:
         if step is not None:
             if step not in steps:
                 raise ValueError(f"no checkpoint of step {step} in {self.directory}; it holds steps {steps}.")
-            for slot, array in zip(slots, read_step(self.orbax, self.directory, step, slots), strict=True):
-                slot.fill(array)
+            arrays, record = read_step(self.orbax, self.directory, step, slots)
+            self._fill(slots, arrays, step, record)
             return step
         damaged: list[DamagedCheckpointError] = []
         for candidate in reversed(steps):
             try:
-                arrays = read_step(self.orbax, self.directory, candidate, slots)
+                arrays, record = read_step(self.orbax, self.directory, candidate, slots)
             except DamagedCheckpointError as e:
                 damaged.append(e)
                 continue
             if damaged:
                 self._skipped(candidate, damaged)
-            for slot, array in zip(slots, arrays, strict=True):
-                slot.fill(array)
+            self._fill(slots, arrays, candidate, record)
             return candidate
         if len(damaged) == 1:
             raise damaged[0]
@@ -344,6 +408,12 @@ class CheckpointManager:
         raise DamagedCheckpointError(
             damaged[0].step, f"{damaged[0]} The older steps {older} are damaged too."
         ) from damaged[0]
+
+    def _fill(self, slots: list[Any], arrays: list[jax.Array], step: int, record: Any) -> None:
+        """Fill the slots from ``step``'s arrays; its state is then the one kept (see ``save``)."""
+        for slot, array in zip(slots, arrays, strict=True):
+            slot.fill(array)
+        self._kept, self._repeated = ((step, record) if record is not None else None), None
 
     def _skipped(self, restored: int, damaged: list[DamagedCheckpointError]) -> None:
         """Warn of the damaged steps ``restore`` skipped; a writing manager moves them out of the listing."""
@@ -363,7 +433,7 @@ class CheckpointManager:
         more = f" (older damaged steps skipped too: {steps[1:]})" if len(steps) > 1 else ""
         warnings.warn(
             f"restored step {restored}, the newest whole step: {str(damaged[0]).rstrip('.')}{more}{moved}.",
-            stacklevel=3,
+            skip_file_prefixes=(PACKAGE_DIR,),
         )
 
     def _sweep(self, *, block: bool = False) -> None:
@@ -404,6 +474,8 @@ class CheckpointManager:
         if self._closed:
             return
         self._closed = True
+        _exit.unregister(self)
+        self._orphaned.detach()
         try:
             self.orbax.close()
             self._sweep(block=True)
@@ -411,6 +483,40 @@ class CheckpointManager:
             self._release()
         if self._listening and Sigterm.pending:
             raise SystemExit(SIGTERM_EXIT)
+
+    def _close_at_exit(self, raised: bool) -> None:
+        """Close a manager left open as the script ends, finishing its save in flight (said in one line).
+
+        After an exception on several processes the save is left unfinished: the others
+        may not reach the barrier that commits it.
+        """
+        if self._closed:
+            return
+        saving = self.orbax.is_saving_in_progress()
+        step = max(self.orbax.all_steps(), default=None)
+        said = (
+            f"substrax.checkpoint: the CheckpointManager of {self.directory} was still open as the "
+            f"script ended"
+        )
+        if raised and jax.process_count() > 1:
+            if saving and self._primary:
+                print(f"{said} (raising): step {step}, still being written, is not kept.", file=sys.stderr)
+            return
+        try:
+            self.close()
+        except SystemExit:
+            pass
+        except Exception as e:  # noqa: BLE001  (at exit: say it in one line)
+            if self._primary:
+                print(f"{said}, and its save of step {step} failed: {reason(e)}.", file=sys.stderr)
+            return
+        if saving and self._primary:
+            print(
+                f"{said}: step {step}, still being written, was committed. Close the manager "
+                f"(or open it in a `with` block) to finish its saves where you choose.",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def __enter__(self) -> Self:
         return self
