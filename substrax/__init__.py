@@ -16,6 +16,8 @@ of a compiled program; it comes from the package ``substrax/census/``, and impor
 here rebinds the attribute ``substrax.census`` from that package to the function.
 """
 
+import importlib
+
 from substrax import explicit, mesh, nn, spmd
 from substrax._layout import LAYOUTS, Layout, LeafPlacement, layout_of, shard_state
 from substrax._precision import MixedPrecision
@@ -24,6 +26,20 @@ from substrax._train_step import MODES, BoundTrainStep, TrainStep, make_train_st
 from substrax.census import CensusReport, Comparison, Expected, census, compare, expected_communication
 
 __version__ = "0.1.0"
+
+_LAZY = ("checkpoint",)  # imported on first use: it imports orbax
+
+
+def __getattr__(name: str) -> object:
+    """``substrax.checkpoint``, imported when first used (``import substrax`` does not load orbax)."""
+    if name in _LAZY:
+        return importlib.import_module(f"substrax.{name}")
+    raise AttributeError(f"module 'substrax' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
 
 __all__ = [
     "LAYOUTS",
@@ -40,6 +56,7 @@ __all__ = [
     "TrainStep",
     "__version__",
     "census",
+    "checkpoint",
     "compare",
     "expected_communication",
     "explicit",

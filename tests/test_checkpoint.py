@@ -156,6 +156,19 @@ def test_the_manager_keeps_the_last_steps_at_its_interval(tmp_path: Path) -> Non
             ckpt.restore(model, optimizer, step=2)
 
 
+def test_import_substrax_gives_substrax_checkpoint_without_loading_orbax() -> None:
+    probe = (
+        "import sys, substrax\n"
+        "assert 'orbax' not in sys.modules and 'substrax.checkpoint' not in sys.modules\n"
+        "assert 'checkpoint' in dir(substrax) and 'checkpoint' in substrax.__all__\n"
+        "assert substrax.checkpoint.CheckpointManager.__module__ == 'substrax.checkpoint._manager'\n"
+        "try:\n    substrax.no_such_name\nexcept AttributeError as e:\n    print(e)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "module 'substrax' has no attribute 'no_such_name'\n"
+
+
 class Noisy(nnx.Module):
     """Batch statistics and a dropout stream: state beyond parameters, a typed key among it."""
 

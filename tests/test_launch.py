@@ -249,10 +249,30 @@ def test_an_idle_run_ends_after_the_idle_timeout_naming_what_it_waited_for() -> 
     pids = run.pids()
     try:
         assert run.returncode == 124, run.output
-        said = re.search(r"\[launch\] no process printed a line for 1 s \(--idle-timeout\); (.*)", run.stderr)
+        said = re.search(r"\[launch\] no process printed a line for 1 s \(--idle-timeout\): (.*)", run.stderr)
         assert said, run.stderr
-        assert f"waited for output from p0 (pid {pids[0]}, last line" in said.group(1)
-        assert f"p1 (pid {pids[1]}, last line" in said.group(1)
+        for i in (0, 1):  # quietest first: whichever printed READY first
+            assert re.search(rf"(^|; )process {i} \(pid {pids[i]}\), no line for \d+ s[;.]", said[1]), said[1]
+        assert run.seconds < BOUND_S and running(pids) == []
+    finally:
+        kill_all(pids)
+
+
+def test_the_idle_timeout_names_the_process_that_went_quiet_first(tmp_path) -> None:
+    # Process 1 goes quiet after READY; process 0 prints for 2 s more, then both hang.
+    ready = str(tmp_path / "ready")
+    run = launch(2, 1, "plain_worker.py", "quiet", ready, timeout=60, options=["--idle-timeout", "1"])
+    pids = run.pids()
+    try:
+        assert run.returncode == 124, run.output
+        said = re.search(
+            r"\[launch\] no process printed a line for 1 s \(--idle-timeout\): "
+            rf"process 1 \(pid {pids[1]}\), no line for (\d+) s, the first to go quiet; "
+            rf"process 0 \(pid {pids[0]}\), no line for (\d+) s\. ",
+            run.stderr,
+        )
+        assert said, run.stderr
+        assert int(said[1]) >= int(said[2]) + 1 and int(said[2]) >= 1
         assert run.seconds < BOUND_S and running(pids) == []
     finally:
         kill_all(pids)

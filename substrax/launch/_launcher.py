@@ -233,8 +233,9 @@ def launch(
         ``sys.exit`` with another code skips it.
       idle_timeout_s: End the run when no running process has printed a line for this
         many seconds (a hung process, and its peers blocked in a collective waiting for
-        it, print nothing); the message names each process, when it last printed, and
-        whether it is stopped or its script has ended. The default, 30 minutes, bounds
+        it, print nothing); the message names the running processes quietest first
+        (index, pid, how long each printed no line, whether it is stopped or its script
+        has ended), and which went quiet first. The default, 30 minutes, bounds
         a hang even when nobody watches, yet leaves room for a long silent compile or
         evaluation; ``None``: no bound, for scripts that are silent for longer.
 

@@ -67,25 +67,40 @@ def failure_report(child: Child, code: int, children: Sequence[Child]) -> str:
 
 
 def idle_report(children: Sequence[Child], codes: Sequence[int | None], idle_timeout_s: float) -> str | None:
-    """What the run waited for, when no running child has printed a line for ``idle_timeout_s``."""
+    """Who went quiet, when no running child has printed a line for ``idle_timeout_s``.
+
+    The running processes are named quietest first (index, pid, how long since each
+    printed a line, or since it started if it never did), with what else is known of
+    them: stopped, or its script ended.
+    """
     now = time.monotonic()
     running = [c for c, code in zip(children, codes, strict=True) if code is None]
-    last = [c.last_output_at or c.started_at for c in running]
-    if not running or now - max(last) < idle_timeout_s:
+    if not running:
+        return None
+    quiet = {c.index: now - (c.last_output_at or c.started_at) for c in running}
+    if min(quiet.values()) < idle_timeout_s:
         return None
 
     def state(c: Child) -> str:
-        said = f"last line {now - c.last_output_at:.0f} s ago" if c.last_output_at else "printed nothing"
+        said = (
+            f"{c.name}, no line for {quiet[c.index]:.0f} s"
+            if c.last_output_at
+            else f"{c.name}, no line since it started {quiet[c.index]:.0f} s ago"
+        )
         if c.stopped_since is not None:
-            said += f", stopped for {now - c.stopped_since:.0f} s"
+            said += f" (stopped for {now - c.stopped_since:.0f} s)"
         elif c.finished_at is not None:
-            said += f", its script ended {now - c.finished_at:.0f} s ago"
-        return f"p{c.index} (pid {c.proc.pid}, {said})"
+            said += f" (its script ended {now - c.finished_at:.0f} s ago)"
+        return said
 
+    quietest = sorted(running, key=lambda c: (-quiet[c.index], c.index))
+    first = len(quietest) > 1 and quiet[quietest[0].index] - quiet[quietest[1].index] >= 1.0
     causes = _causes(children, now, now)
     return (
-        f"no process printed a line for {idle_timeout_s:g} s (--idle-timeout); waited for output "
-        f"from {', '.join(state(c) for c in running)}: "
+        f"no process printed a line for {idle_timeout_s:g} s (--idle-timeout): "
+        f"{state(quietest[0])}{', the first to go quiet' if first else ''}"
+        + "".join(f"; {state(c)}" for c in quietest[1:])
+        + ". "
         + ("; ".join(causes) + ". " if causes else "")
         + "A process may be hung, or its peers blocked in a collective waiting for it. Stopping "
         "every process; raise --idle-timeout (0: no bound) for a script that is silent for longer."

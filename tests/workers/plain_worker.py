@@ -4,7 +4,9 @@
 stderr. ``fail CODE``: every process starts a ``sleep`` grandchild (``GRANDCHILD <pid>``)
 and ignores SIGTERM and SIGINT, as a JAX process may; process 1 then exits with CODE
 (``kill`` for SIGKILL) while the others sleep. ``wait``: the same, but nobody fails:
-each prints ``READY`` and sleeps, for the launcher to be interrupted. ``gloo``: gloo's
+each prints ``READY`` and sleeps, for the launcher to be interrupted. ``quiet PATH``: the
+same, but process 1 creates the file PATH after ``READY``, and process 0 prints ``tick``
+every 0.2 s until PATH exists, and for 2 s after. ``gloo``: gloo's
 "Rank R is connected" lines, interleaved as its threads print them, then one whole line.
 """
 
@@ -41,6 +43,14 @@ print(f"GRANDCHILD {sleeper.pid}")
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 print("READY")
+if mode == "quiet" and index == 1:
+    open(sys.argv[2], "w").close()
+if mode == "quiet" and index == 0:
+    ticks = 0
+    while ticks < 10:
+        time.sleep(0.2)
+        print("tick")
+        ticks += os.path.exists(sys.argv[2])
 if mode == "fail" and index == 1:
     time.sleep(0.5)
     if sys.argv[2] == "kill":
