@@ -36,8 +36,9 @@ from substrax._layout._owners import (
     optimizer_mirrors,
     parameter_splits,
 )
-from substrax._layout._report import LAYOUTS, Layout, LayoutKind, LeafPlacement, layout_of
+from substrax._layout._report import LAYOUTS, Layout, LayoutKind, LeafPlacement, LeftWhole, layout_of
 from substrax._layout._shard import epoch, shard_state
+from substrax._layout._units import RESHARD_KEY, UNIT_KEY, UNIT_SCOPE, UnitsSpec, mark_units, unit_paths
 from substrax._layout._specs import (
     check_mesh_axes,
     choose_split_dim,
@@ -52,10 +53,17 @@ from substrax._layout._specs import (
 )
 
 __all__ = [
+    "RESHARD_KEY",
+    "UNIT_KEY",
+    "UNIT_SCOPE",
+    "UnitsSpec",
+    "mark_units",
+    "unit_paths",
     "LAYOUTS",
     "Layout",
     "LayoutKind",
     "LeafPlacement",
+    "LeftWhole",
     "ParamSplit",
     "check_mesh_axes",
     "check_optimizer_of",

@@ -16,7 +16,7 @@ from substrax._layout._specs import entry_axes, spec_tuple, split_dim_of, withou
 from substrax._tree import path_str
 from substrax.mesh import current_mesh
 
-__all__ = ["LAYOUTS", "Layout", "LayoutKind", "LeafPlacement", "layout_of"]
+__all__ = ["LAYOUTS", "Layout", "LayoutKind", "LeafPlacement", "LeftWhole", "layout_of"]
 
 LayoutKind = Literal["replicated", "zero1", "fsdp"]
 LAYOUTS: tuple[LayoutKind, ...] = ("replicated", "zero1", "fsdp")
@@ -71,6 +71,23 @@ class LeafPlacement:
 
 
 @dataclasses.dataclass(frozen=True)
+class LeftWhole:
+    """A parameter a splitting layout left whole on every device, and why.
+
+    Attributes:
+      path: The parameter's path, as ``model['hidden']['kernel']``.
+      shape: Its shape.
+      reason: ``"small"`` (fewer than ``min_size`` elements, or a scalar),
+        ``"indivisible"`` (no dimension is a multiple of the axis size) or ``"taken"``
+        (each dimension that is, another mesh axis splits: a layer's own split).
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    reason: Literal["small", "indivisible", "taken"]
+
+
+@dataclasses.dataclass(frozen=True)
 class Layout:
     """Which leaf of a model's and optimizer's state went where; ``str()`` prints a table.
 
@@ -79,12 +96,20 @@ class Layout:
       axis: The data axis.
       axis_size: Its size.
       rows: One ``LeafPlacement`` per array of the state.
+      asked: The layout ``shard_state`` was asked for (``kind`` is ``"replicated"`` when
+        it could split nothing); ``None`` from ``layout_of``.
+      min_size: ``shard_state``'s ``min_size``; ``None`` from ``layout_of``.
+      left_whole: The parameters ``shard_state`` left whole under a splitting layout,
+        and why (``LeftWhole``); empty from ``layout_of``.
     """
 
     kind: LayoutKind
     axis: str
     axis_size: int
     rows: tuple[LeafPlacement, ...]
+    asked: LayoutKind | None = None
+    min_size: int | None = None
+    left_whole: tuple[LeftWhole, ...] = ()
 
     @property
     def bytes_per_device(self) -> int:
@@ -100,15 +125,39 @@ class Layout:
         """The rows split over the axis."""
         return tuple(r for r in self.rows if r.split_dim is not None)
 
+    def whole_summary(self, named: int = 4) -> str:
+        """``left_whole`` counted by reason, all but those below ``min_size`` named (``named`` each)."""
+
+        def listed(reason: str) -> tuple[int, str]:
+            found = [w for w in self.left_whole if w.reason == reason]
+            names = ", ".join(f"{w.path} {w.shape}" for w in found[:named])
+            return len(found), names + (f" and {len(found) - named} more" if len(found) > named else "")
+
+        small = sum(w.reason == "small" for w in self.left_whole)
+        parts = [f"{small} of fewer than {self.min_size:,} elements (min_size)"] if small else []
+        odd, names = listed("indivisible")
+        if odd:
+            parts.append(f"{odd} with no dimension a multiple of {self.axis_size}: {names}")
+        taken, names = listed("taken")
+        if taken:
+            parts.append(f"{taken} with every such dimension split over another axis: {names}")
+        if not parts:
+            return ""
+        count = len(self.left_whole)
+        return f"{count} parameter{'s' * (count != 1)} left whole: " + ", ".join(parts)
+
     def __str__(self) -> str:
         width = max([len(r.path) for r in self.rows] + [4])
         others = {a: n for r in self.rows for _, a, n in r.other_splits}
         beside = "".join(
             f", beside the layers' splits over {a!r} ({n} devices)" for a, n in sorted(others.items())
         )
+        asked = f" ({self.asked} asked)" if self.asked not in (None, self.kind) else ""
+        whole = self.whole_summary()
         lines = [
-            f"layout {self.kind} over {self.axis!r} ({self.axis_size} devices){beside}: "
-            f"{self.bytes_per_device:,} state bytes per device of {self.total_bytes:,}",
+            f"layout {self.kind}{asked} over {self.axis!r} ({self.axis_size} devices){beside}: "
+            f"{self.bytes_per_device:,} state bytes per device of {self.total_bytes:,}"
+            + (f"; {whole}" if whole else ""),
             f"{'leaf':<{width}}  {'shape':<14} {'dtype':<8} where",
         ]
         by_axis = any(r.other_splits for r in self.rows)  # a 2-D layout names each split's axis

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import warnings
 import weakref
 from typing import Any
 
@@ -12,8 +14,18 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from substrax._layout._owners import flat_state, follow_dim, optimizer_followers, optimizer_mirrors
-from substrax._layout._report import LAYOUTS, Layout, LayoutKind, layout_of
-from substrax._layout._specs import choose_split_dim, declared_spec, entry_axes, with_axis, without_axis
+from substrax._layout._report import LAYOUTS, Layout, LayoutKind, LeftWhole, layout_of
+from substrax._layout._specs import (
+    choose_split_dim,
+    declared_spec,
+    entry_axes,
+    spec_tuple,
+    split_dim_of,
+    with_axis,
+    without_axis,
+)
+from substrax._layout._units import UnitsSpec, mark_units
+from substrax._tree import path_str
 from substrax.mesh import current_mesh
 
 __all__ = ["epoch", "shard_state"]
@@ -72,6 +84,8 @@ def shard_state(
     min_size: int = 1024,
     params: bool | None = None,
     axis: str | None = None,
+    units: UnitsSpec = None,
+    reshard_after_forward: bool = True,
 ) -> Layout:
     """Place ``model``'s and ``optimizer``'s state over ``data_axis``, in place: FSDP, ZeRO-1 or replicated.
 
@@ -99,17 +113,35 @@ def shard_state(
       params: The older spelling of ``layout``: ``True`` is ``"fsdp"``, ``False``
         ``"zero1"``.
       axis: The older spelling of ``data_axis``.
+      units: FSDP units (``layout="fsdp"``): a module type, a tuple of them, or a
+        function ``(path, module) -> bool``; each matching submodule's split parameters
+        are gathered together right before it runs and released after (explicit mode;
+        see the layouts guide, "Units"). ``None``: each parameter gathered on its own
+        before the forward pass.
+      reshard_after_forward: With ``units``: gather a unit again for its backward pass
+        (``True``, the least memory) or keep it from the forward pass (``False``).
 
     Returns:
-      The ``Layout``: which leaf went where, and the bytes per device.
+      The ``Layout``: which leaf went where, the bytes per device, and the parameters
+      left whole and why (``Layout.left_whole``, counted in its summary line).
 
     Raises:
       TypeError: If ``optimizer`` is not an ``nnx.Optimizer`` or ``min_size`` not an int.
-      ValueError: If ``layout`` is unknown or contradicts ``params``, ``axis``
+      ValueError: If ``units`` is given with a layout other than ``"fsdp"``, matches the
+        model itself, or matches a module inside another; if ``layout`` is unknown or contradicts ``params``, ``axis``
         contradicts ``data_axis``, the mesh lacks the axis, ``min_size`` is negative, the optimizer is
         not the model's (its state is not what its transformation gives this model:
         ``check_optimizer_of``); each message names the axis or leaf. Optimizer state that mirrors no
         parameter (adafactor's factored statistics, counters) is placed, never refused.
+
+    Warns:
+      UserWarning: Once per call, naming every parameter of at least ``min_size``
+        elements, and at least as many as the axis has devices, that a splitting layout
+        leaves whole because no dimension of it is a multiple of the axis size (a
+        ``(33, 63)`` kernel on 8 devices). The others left whole are in the summary
+        line only: below ``min_size`` (what it asks for), too few elements to split, or
+        split over another axis on every dimension the layout could take (a layer's
+        own split, kept).
     """
     if not isinstance(optimizer, nnx.Optimizer):
         raise TypeError(f"shard_state takes the model's nnx.Optimizer; got {type(optimizer).__name__}.")
@@ -118,6 +150,11 @@ def shard_state(
     if min_size < 0:
         raise ValueError(f"min_size must be >= 0 (a number of elements); got {min_size}.")
     layout = _layout_kind(layout, params)
+    if units is not None and layout != "fsdp":
+        raise ValueError(
+            f"units= names what FSDP gathers together; layout={layout!r} gathers no parameter. "
+            f"Pass layout='fsdp', or drop units=."
+        )
     if axis is not None and axis != data_axis and data_axis != "data":
         raise ValueError(f"axis={axis!r} and data_axis={data_axis!r} disagree; pass data_axis only.")
     axis = data_axis if axis is None else axis
@@ -141,11 +178,21 @@ def shard_state(
         kept = [tuple(a for a in entry_axes(e) if a in found.axis_names) for e in spec]
         return tuple(None if not k else k[0] if len(k) == 1 else k for k in kept)
 
+    left_whole = []
     for path, mirror_paths in mirrors.items():
         variable = model_vars[path]
         shape = tuple(np.shape(variable.get_value()))
         base = base_of(variable)  # the layer's own (model-axis) splits
         dim = None if layout == "replicated" else choose_split_dim(shape, size, min_size, base)
+        if dim is None and layout != "replicated":
+            reason: Any = (
+                "small"
+                if not shape or math.prod(shape) < min_size
+                else "taken"
+                if choose_split_dim(shape, size, min_size) is not None
+                else "indivisible"
+            )
+            left_whole.append(LeftWhole(path_str(path, "model"), shape, reason))
         split = with_axis(base, dim, axis)
         _place(variable, split if layout == "fsdp" else base, found)
         for mirror in mirror_paths:
@@ -174,6 +221,9 @@ def shard_state(
             lacking = any(a not in found.axis_names for e in said or () for a in entry_axes(e))
             if lacking or variable.get_metadata().get("declared_sharding") is not None:
                 variable.set_metadata(declared_sharding=said if lacking else None)
+    split = {p for p, v in model_vars.items() if isinstance(v, nnx.Param) and layout == "fsdp"
+             and split_dim_of(spec_tuple(v), axis) is not None}  # fmt: skip
+    mark_units(model, units, reshard_after_forward, split)
     for obj in (model, optimizer):
         _EPOCHS[obj] = epoch(obj) + 1
     kind: LayoutKind = (
@@ -190,4 +240,25 @@ def shard_state(
         )
         else "replicated"
     )
-    return layout_of(model, optimizer, mesh=found, axis=axis, axis_size=size, kind=kind)
+    placed_layout = dataclasses.replace(
+        layout_of(model, optimizer, mesh=found, axis=axis, axis_size=size, kind=kind),
+        asked=layout,
+        min_size=min_size,
+        left_whole=tuple(left_whole),
+    )
+    # fewer elements than devices cannot be split, whatever the shape: named in the summary only
+    odd = [w for w in left_whole if w.reason == "indivisible" and math.prod(w.shape) >= size]
+    if odd:
+        one = len(odd) == 1
+        warnings.warn(
+            f"substrax.shard_state(layout={layout!r}) leaves {len(odd)} parameter{'' if one else 's'} of at "
+            f"least min_size={min_size:,} elements whole on every device: no dimension of "
+            f"{'it' if one else 'each'} is a multiple of the {size} devices of {axis!r} ("
+            + ", ".join(f"{w.path} {w.shape}" for w in odd)
+            + f"). Each device holds and updates {'it' if one else 'them'} whole, with "
+            f"{'its' if one else 'their'} optimizer state. To split one, pad a dimension to a multiple of "
+            f"{size}, or use a {axis!r} axis whose size divides one of its dimensions.",
+            UserWarning,
+            stacklevel=2,
+        )
+    return placed_layout

@@ -36,6 +36,9 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from substrax._layout import (
+    UNIT_KEY,
+    UNIT_SCOPE,
+    unit_paths,
     entry_axes,
     gradient_spec,
     layout_of,
@@ -47,7 +50,7 @@ from substrax._layout import (
 from substrax._options import StepOptions
 from substrax._tree import path_str
 from substrax._update import apply_update, state_values
-from substrax.census._expected import ExpectedCollective, expected_communication
+from substrax.census._expected import ExpectedCollective, _hlo_type, _itemsize, expected_communication
 from substrax.census._report import CensusReport, Comparison, census, compare
 from substrax.census._rows import library_scope
 from substrax.census._text import short_op
@@ -100,6 +103,59 @@ def parameter_leaves(
         )
         leaves.append((path_str(tuple(path), "model"), shape, value.dtype, dims[tuple(path)] is not None))
     return leaves
+
+
+def unit_items(
+    model: nnx.Module,
+    leaves: list[tuple[str, tuple[int, ...], Any, bool]],
+    options: StepOptions,
+    n: int,
+    precision: Any,
+    communicated: Any,
+) -> tuple[list[tuple[str, tuple[int, ...], Any, bool]], list[ExpectedCollective]]:
+    """The leaves outside every FSDP unit, and each unit's expected buffers (explicit mode).
+
+    Per unit and dtype: an all-gather in the forward pass, another in the backward with
+    ``reshard_after_forward`` (optional: AD drops it for a unit whose input needs no
+    gradient, such as the first), and one reduce-scatter of its gradient; with
+    microbatches, each runs once per microbatch, inside the loop.
+    """
+    units = unit_paths(model)
+    if not units:
+        return leaves, []
+    owner = {
+        path_str(tuple(p), "model"): tuple(v.get_metadata()[UNIT_KEY])
+        for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+        if v.get_metadata().get(UNIT_KEY) is not None
+    }
+    k = options.microbatches
+    moved: dict[tuple[Path, str, str], int] = {}  # (unit, pass, dtype) -> elements
+    for path, shape, dtype, _ in leaves:
+        if path in owner:
+            for kind, want in (("gather", None if precision is None else precision.param_dtype),
+                               ("reduce", None if precision is None else precision.reduce_dtype)):  # fmt: skip
+                floating = jnp.issubdtype(np.dtype(dtype), jnp.floating)
+                key = (owner[path], kind, np.dtype(want if want is not None and floating else dtype).name)
+                moved[key] = moved.get(key, 0) + math.prod(shape)
+    items = []
+    for (unit, kind, dtype), elements in moved.items():
+        size = _itemsize(dtype, communicated)
+        buffer = f"{_hlo_type(dtype, size)}[{n},{elements // n}]"
+        name = path_str(unit, "model")
+        common = dict(scopes=(UNIT_SCOPE,), buffer=buffer, in_loop=k > 1)
+        if kind == "reduce":
+            items.append(ExpectedCollective("reduce-scatter", f"unit {name}", elements * size * k, "gradients", **common))
+            continue
+        items.append(ExpectedCollective("all-gather", f"unit {name} forward", elements * size * k, "parameters", **common))
+        if units[unit]:  # reshard_after_forward: gathered again for the backward pass
+            items.append(
+                ExpectedCollective(
+                    "all-gather", f"unit {name} backward", elements * size * k, "parameters", optional=True,
+                    why="AD needs no backward gather for a unit whose input takes no gradient (the first)",
+                    **common,
+                )
+            )  # fmt: skip
+    return [leaf for leaf in leaves if leaf[0] not in owner], items
 
 
 def layer_items(
@@ -278,7 +334,10 @@ def _short_type(dtype: np.dtype[Any]) -> str:
 def _scoped(
     items: Sequence[ExpectedCollective], scopes: dict[str, tuple[str | None, ...]]
 ) -> list[ExpectedCollective]:
-    return [dataclasses.replace(i, scopes=scopes[i.category]) if i.category in scopes else i for i in items]
+    return [
+        dataclasses.replace(i, scopes=scopes[i.category]) if i.category in scopes and not i.scopes else i
+        for i in items
+    ]
 
 
 def check_communication(
@@ -353,8 +412,12 @@ def check_communication(
                 f"compiler widens such collectives to float32, so float32 bytes are expected here "
                 f"(the lowered program asks for the policy's; an accelerator moves those)"
             )
+    leaves = parameter_leaves(model, optimizer, options.data_axis, sizes)
+    units: list[ExpectedCollective] = []
+    if options.mode == "explicit":  # a unit's parameters move together (substrax.explicit._units)
+        leaves, units = unit_items(model, leaves, options, sizes[options.data_axis], precision, widened)
     expected = expected_communication(
-        parameter_leaves(model, optimizer, options.data_axis, sizes),
+        leaves,
         layout=layout.kind,
         mode=options.mode,
         microbatches=options.microbatches,
@@ -363,7 +426,7 @@ def check_communication(
         precision=precision,
         communicated_dtype=widened,
     )
-    items = [*expected.items, *metrics, *layer_items(layers, options.microbatches, sizes)]
+    items = [*expected.items, *units, *metrics, *layer_items(layers, options.microbatches, sizes)]
     gathered = any(i.kind == "all-gather" for i in metrics)
     scoped = any(library_scope(p.op_name) for row in report.rows for p in row.parts)
     if options.mode == "explicit":

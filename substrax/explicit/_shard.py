@@ -143,16 +143,23 @@ def gather_whole_varying(
     return held
 
 
-def reduce_gradients(grads: nnx.State, plans: Mapping[Path, ParamSplit], data_axis: str) -> nnx.State:
-    """The once-per-step reduction: psum the whole-updated gradients, psum_scatter the split ones."""
+def reduce_gradients(
+    grads: nnx.State, plans: Mapping[Path, ParamSplit], data_axis: str, done: frozenset[Path] | set[Path] = frozenset()
+) -> nnx.State:
+    """The once-per-step reduction: psum the whole-updated gradients, psum_scatter the split ones.
+
+    ``done``: paths whose gradient is already reduced (an FSDP unit's, in its backward).
+    """
     flat = [(tuple(p), v) for p, v in nnx.to_flat_state(grads)]
-    whole = [i for i, (p, _) in enumerate(flat) if plans[p].update_dim is None]
+    whole = [i for i, (p, _) in enumerate(flat) if plans[p].update_dim is None and p not in done]
     with jax.named_scope("substrax.grad_reduce"):
         summed = jax.lax.psum([flat[i][1].get_value() for i in whole], data_axis) if whole else []
         out = dict(zip(whole, summed, strict=True))
         for i, (path, variable) in enumerate(flat):
             dim = plans[path].update_dim
-            if dim is not None:
+            if path in done:
+                out[i] = variable.get_value()
+            elif dim is not None:
                 out[i] = jax.lax.psum_scatter(
                     variable.get_value(), data_axis, scatter_dimension=dim, tiled=True
                 )

@@ -37,7 +37,7 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from substrax._layout import ParamSplit, gradient_spec
+from substrax._layout import UNIT_KEY, ParamSplit, gradient_spec, unit_paths
 from substrax._microbatch import check_microbatches, fold_microbatch_metrics
 from substrax._options import StepOptions
 from substrax._placement import batch_partition_specs
@@ -56,6 +56,7 @@ from substrax.explicit._shard import (
     settle_per_device_state,
     without_axis_specs,
 )
+from substrax.explicit._units import units_running
 from substrax.explicit._value_and_grad import (
     BatchSpec,
     explicit_value_and_grad,
@@ -202,6 +203,12 @@ def run_step(
     one_device = mesh.shape[data_axis] == 1
     if one_device:
         plans = {p: ParamSplit(None, None) for p in plans}
+    units = {} if one_device else unit_paths(model)
+    in_unit = {  # the split parameters of the units; the rest are gathered and reduced as before
+        tuple(p) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param)) if units and v.get_metadata().get(UNIT_KEY)
+    }
+    # a unit's parameters stay split until the unit runs (substrax.explicit._units)
+    gather_plans = {p: ParamSplit(None, None) if p in in_unit else plan for p, plan in plans.items()}
     shard_specs = without_axis_specs(specs, data_axis) if one_device else specs
     grad_specs = nnx.from_flat_state(
         [
@@ -229,9 +236,18 @@ def run_step(
             )
         else:
             held = gather_whole_varying(
-                model, plans, data_axis, None if precision is None else precision.param_dtype
+                model, gather_plans, data_axis, None if precision is None else precision.param_dtype
             )
-            with per_device_random_streams(model, data_axis):
+            running = units_running(
+                model,
+                units,
+                data_axis,
+                plans,
+                in_unit,
+                None if precision is None else precision.param_dtype,
+                reduce_dtype,
+            )
+            with per_device_random_streams(model, data_axis), running:
                 loss, metrics, grads = local_value_and_grad(
                     model,
                     split_loss,
@@ -243,7 +259,7 @@ def run_step(
                 )
             if precision is not None:  # reduced in the policy's dtype
                 grads = jax.tree.map(lambda g: g.astype(reduce_dtype), grads)
-            grads = reduce_gradients(grads, plans, data_axis)
+            grads = reduce_gradients(grads, plans, data_axis, done=in_unit)
         if precision is not None:  # the update runs in the parameters' own dtype
             grads = cast_like(grads, held)
         check_reduced_over_other_axes(loss, metrics, data_axis)

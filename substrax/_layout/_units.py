@@ -1,0 +1,87 @@
+"""FSDP units: the submodules whose split parameters are gathered together, just in time.
+
+``shard_state(..., layout="fsdp", units=...)`` names them, as FSDP2's ``fully_shard``
+does: each submodule matching ``units`` is one unit. The choice is written on the unit's
+split parameters (metadata ``fsdp_unit``: the unit's path; ``fsdp_reshard_after_forward``),
+so it survives ``nnx.split``/``nnx.merge`` into a traced step; it changes when
+parameters move, never where they live, so a checkpoint is the same with or without
+units. The explicit step runs each unit as ``substrax.explicit._units`` says.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from flax import nnx
+
+from substrax._tree import path_str
+
+__all__ = ["RESHARD_KEY", "UNIT_KEY", "UNIT_SCOPE", "UnitsSpec", "mark_units", "unit_paths"]
+
+UNIT_KEY = "fsdp_unit"
+UNIT_SCOPE = "substrax.unit"  # the jax.named_scope a unit's gathers and reduce-scatters run under
+RESHARD_KEY = "fsdp_reshard_after_forward"
+
+Path = tuple[Any, ...]
+UnitsSpec = type | tuple[type, ...] | Callable[[Path, nnx.Module], bool] | None
+
+
+def _matcher(units: UnitsSpec) -> Callable[[Path, Any], bool]:
+    if isinstance(units, type) or (isinstance(units, tuple) and all(isinstance(u, type) for u in units)):
+        return lambda _, node: isinstance(node, units)  # type: ignore[arg-type]
+    if callable(units):
+        return lambda path, node: isinstance(node, nnx.Module) and bool(units(path, node))
+    raise TypeError(
+        f"units must be a module type, a tuple of them, or a function (path, module) -> bool; got {units!r}."
+    )
+
+
+def mark_units(model: nnx.Module, units: UnitsSpec, reshard_after_forward: bool, split: set[Path]) -> list[Path]:
+    """Write (or, with ``units=None``, clear) each split parameter's unit; returns the units' paths.
+
+    ``split``: the paths of the parameters the layout splits (only those are gathered).
+
+    Raises:
+      TypeError: If ``units`` is not a type, a tuple of types or a predicate, or
+        ``reshard_after_forward`` not a bool.
+      ValueError: If a unit lies inside another (naming both), or is the model itself.
+    """
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(f"reshard_after_forward must be True or False; got {reshard_after_forward!r}.")
+    found: list[Path] = []
+    if units is not None:
+        match = _matcher(units)
+        for path, node in nnx.iter_graph(model):
+            if isinstance(node, nnx.Module) and match(tuple(path), node):
+                if not path:
+                    raise ValueError(
+                        "units= matched the model itself; a unit is a submodule (a block, a layer). "
+                        "Parameters outside every unit are gathered as the root unit already."
+                    )
+                found.append(tuple(path))
+    found.sort(key=len)
+    for i, inner in enumerate(found):
+        for outer in found[:i]:
+            if inner[: len(outer)] == outer:
+                raise ValueError(
+                    f"units= matched {path_str(inner, 'model')} inside {path_str(outer, 'model')}; units "
+                    f"may not nest. Name only the outer modules (or only the inner ones)."
+                )
+    for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        owner = next((u for u in found if tuple(path)[: len(u)] == u), None) if tuple(path) in split else None
+        if owner is not None:
+            variable.set_metadata(**{UNIT_KEY: owner, RESHARD_KEY: reshard_after_forward})
+        elif variable.get_metadata().get(UNIT_KEY) is not None:
+            variable.set_metadata(**{UNIT_KEY: None, RESHARD_KEY: None})
+    return found
+
+
+def unit_paths(model: nnx.Module) -> dict[Path, bool]:
+    """Each unit's path and its ``reshard_after_forward``, read from the parameters' metadata."""
+    found: dict[Path, bool] = {}
+    for _, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        meta = variable.get_metadata()
+        if meta.get(UNIT_KEY) is not None:
+            found[tuple(meta[UNIT_KEY])] = bool(meta.get(RESHARD_KEY, True))
+    return found

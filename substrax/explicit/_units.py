@@ -1,0 +1,212 @@
+"""FSDP units in the explicit step: a unit's split parameters gathered just in time, then released.
+
+A unit is a submodule ``substrax.shard_state(..., units=...)`` named
+(``substrax._layout._units``). Inside the step's
+``shard_map`` each unit keeps its parameters split; calling it runs ``run_unit``, a
+custom VJP:
+
+- forward: one all-gather per dtype of the unit's split parameters (once its input
+  exists, so it cannot run ahead of the layer before), the module on the whole
+  parameters, and the module's residuals kept without the gathered parameters;
+- backward: the parameters gathered again (once the cotangent exists;
+  ``reshard_after_forward=False`` keeps them from the forward pass instead), the
+  module's VJP, and the unit's gradient reduce-scattered as one buffer per dtype.
+
+So a step holds one unit's parameters whole at a time, and its temporary memory grows
+with a layer's activations, not a layer's parameters. Everything is written under the
+scope ``substrax.unit``, which the census reads back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from substrax._layout import UNIT_SCOPE as SCOPE
+
+
+__all__ = ["run_unit", "units_running"]
+
+
+Path = tuple[Any, ...]
+
+
+def _node(model: nnx.Module, path: Path) -> Any:
+    node = model
+    for key in path:
+        node = node[key] if isinstance(node, (list, tuple, dict, nnx.List, nnx.Dict)) else getattr(node, key)
+    return node
+
+
+_WRAPPED: dict[type, type] = {}
+
+
+def _unit_class(cls: type) -> type:
+    """``cls`` with its ``__call__`` run through ``run_unit`` (FSDP2's class swap)."""
+    if cls not in _WRAPPED:
+
+        def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
+            return run_unit(self, cls.__call__, args, kwargs)
+
+        _WRAPPED[cls] = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
+    return _WRAPPED[cls]
+
+
+@contextlib.contextmanager
+def units_running(model: nnx.Module, units: dict[Path, bool], data_axis: str, plans: dict[Path, Any],
+                  split: set[Path], param_dtype: Any = None, reduce_dtype: Any = None) -> Iterator[None]:  # fmt: skip
+    """Inside the step's ``shard_map``: every unit of ``model`` (a merged copy) runs through ``run_unit``.
+
+    ``split``: the units' parameters that stay split until their unit runs.
+    """
+    swapped = []
+    for path, reshard in units.items():
+        node = _node(model, path)
+        object.__setattr__(node, "_substrax_unit", _UnitRun(path, reshard, data_axis, plans, split, param_dtype, reduce_dtype))
+        swapped.append((node, type(node)))
+        object.__setattr__(node, "__class__", _unit_class(type(node)))
+    try:
+        yield
+    finally:
+        for node, cls in swapped:
+            object.__setattr__(node, "__class__", cls)
+            vars(node).pop("_substrax_unit", None)
+
+
+class _UnitRun:
+    def __init__(self, path: Path, reshard: bool, axis: str, plans: dict[Path, Any], split: set[Path],
+                 param_dtype: Any, reduce_dtype: Any) -> None:  # fmt: skip
+        self.path, self.reshard, self.axis = path, reshard, axis
+        self.dims = {p[len(path) :]: plans[p].gather_dim for p in split if p[: len(path)] == path}
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+
+
+def _after(x: jax.Array, anchor: Any) -> jax.Array:
+    """``x``, computed only once ``anchor`` exists: a data dependency XLA keeps (a barrier it drops on CPU)."""
+    leaves = [a for a in jax.tree.leaves(anchor) if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.inexact)]
+    if not leaves:
+        return x
+    first = jnp.ravel(leaves[0])[0]
+    return x + (first * 0).astype(x.dtype)
+
+
+def _gather(shards: list[jax.Array], dims: list[int], axis: str) -> list[jax.Array]:
+    """Whole values of ``shards`` (split on ``dims`` over ``axis``): one all-gather per dtype."""
+    n = jax.lax.axis_size(axis)
+    out: list[Any] = [None] * len(shards)
+    for dtype in dict.fromkeys(s.dtype for s in shards):
+        idx = [i for i, s in enumerate(shards) if s.dtype == dtype]
+        flat = jnp.concatenate([jnp.ravel(shards[i]) for i in idx])
+        with jax.named_scope(SCOPE):
+            stacked = jax.lax.all_gather(flat, axis, axis=0, tiled=False)  # (n, total)
+        at = 0
+        for i in idx:
+            shard, d = shards[i], dims[i]
+            size = math.prod(shard.shape)
+            piece = stacked[:, at : at + size].reshape(n, *shard.shape)
+            at += size
+            whole = jnp.moveaxis(piece, 0, d)
+            out[i] = whole.reshape(*shard.shape[:d], n * shard.shape[d], *shard.shape[d + 1 :])
+    return out
+
+
+def _scatter(grads: list[jax.Array], shapes: list[tuple[int, ...]], dims: list[int], axis: str,
+             dtype: Any) -> list[jax.Array]:  # fmt: skip
+    """The transpose of ``_gather``: each whole gradient reduce-scattered, one buffer per dtype."""
+    n = jax.lax.axis_size(axis)
+    out: list[Any] = [None] * len(grads)
+    moved = [g if dtype is None else g.astype(dtype) for g in grads]
+    for dt in dict.fromkeys(g.dtype for g in moved):
+        idx = [i for i, g in enumerate(moved) if g.dtype == dt]
+        rows = []
+        for i in idx:
+            g, d, shape = moved[i], dims[i], shapes[i]
+            split = g.reshape(*shape[:d], n, shape[d], *shape[d + 1 :])
+            rows.append(jnp.moveaxis(split, d, 0).reshape(n, -1))
+        with jax.named_scope(SCOPE):
+            flat = jax.lax.psum_scatter(jnp.concatenate(rows, axis=1), axis, scatter_dimension=0, tiled=False)
+        at = 0
+        for i in idx:
+            size = math.prod(shapes[i])
+            out[i] = flat[at : at + size].reshape(shapes[i])
+            at += size
+    return out
+
+
+def run_unit(module: nnx.Module, call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Call ``module`` (a unit) on ``args``, its split parameters gathered just in time (module docstring)."""
+    run: _UnitRun = vars(module)["_substrax_unit"]
+    graphdef, state = nnx.split(module)
+    flat = list(nnx.to_flat_state(state))
+    split_at = [i for i, (p, v) in enumerate(flat) if isinstance(v, nnx.Param) and run.dims.get(tuple(p)) is not None]
+    other_at = [i for i in range(len(flat)) if i not in set(split_at)]
+    dims = [run.dims[tuple(flat[i][0])] for i in split_at]
+    shards = [flat[i][1].get_value() for i in split_at]
+    shapes = [tuple(s.shape) for s in shards]
+    shard_dtypes = [s.dtype for s in shards]
+    others = [flat[i][1].get_value() for i in other_at]
+    in_leaves, in_tree = jax.tree.flatten((args, kwargs))
+    arrays_at = [i for i, x in enumerate(in_leaves) if isinstance(x, jax.Array)]
+    statics = [None if i in set(arrays_at) else x for i, x in enumerate(in_leaves)]
+
+    def apply(wholes: list[Any], others: list[Any], arrays: list[Any]) -> tuple[Any, list[Any]]:
+        values = [None] * len(flat)
+        for i, w in zip(split_at, wholes, strict=True):
+            values[i] = w
+        for i, o in zip(other_at, others, strict=True):
+            values[i] = o
+        state = nnx.from_flat_state([(p, v.replace(x)) for (p, v), x in zip(flat, values, strict=True)])
+        m = nnx.merge(graphdef, state)
+        leaves = list(statics)
+        for i, a in zip(arrays_at, arrays, strict=True):
+            leaves[i] = a
+        a, k = jax.tree.unflatten(in_tree, leaves)
+        out = call(m, *a, **k)
+        after = [v.get_value() for _, v in nnx.to_flat_state(nnx.state(m))]
+        return out, [after[i] for i in other_at if not isinstance(flat[i][1], nnx.Param)]
+
+    def cast(xs: list[Any]) -> list[Any]:
+        if run.param_dtype is None:
+            return xs
+        return [x.astype(run.param_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in xs]
+
+    @jax.custom_vjp
+    def unit(shards: list[Any], others: list[Any], arrays: list[Any]) -> tuple[Any, list[Any]]:
+        return apply(_gather(cast([_after(s, arrays) for s in shards]), dims, run.axis), others, arrays)
+
+    def forward(shards: list[Any], others: list[Any], arrays: list[Any]) -> tuple[Any, Any]:
+        wholes = _gather(cast([_after(s, arrays) for s in shards]), dims, run.axis)
+        out, vjp = jax.vjp(lambda w, o, a: apply(w, o, a), wholes, others, arrays, has_aux=False)
+        if not run.reshard:
+            return out, (shards, vjp)
+        ids = {id(w): i for i, w in enumerate(wholes)}
+        leaves, layout["tree"] = jax.tree.flatten(vjp)
+        layout["where"] = where = [ids.get(id(x), -1) for x in leaves]
+        return out, (shards, [None if w >= 0 else x for x, w in zip(leaves, where)])
+
+    layout: dict[str, Any] = {}  # where the residuals held the gathered parameters (a trace's static facts)
+
+    def backward(res: Any, ct: Any) -> tuple[Any, Any, Any]:
+        shards, vjp = res
+        if run.reshard:  # the parameters again, once the cotangent exists
+            tree, where = layout["tree"], layout["where"]
+            wholes = _gather(cast([_after(s, ct) for s in shards]), dims, run.axis)
+            vjp = jax.tree.unflatten(tree, [wholes[w] if w >= 0 else x for x, w in zip(vjp, where)])
+        d_wholes, d_others, d_arrays = vjp(ct)
+        d_shards = _scatter(d_wholes, shapes, dims, run.axis, run.reduce_dtype)
+        d_shards = [g.astype(dt) for g, dt in zip(d_shards, shard_dtypes, strict=True)]
+        return d_shards, d_others, d_arrays
+
+    unit.defvjp(forward, backward)
+    out, rest = unit(shards, others, [in_leaves[i] for i in arrays_at])
+    rest_at = [i for i in other_at if not isinstance(flat[i][1], nnx.Param)]
+    for i, value in zip(rest_at, rest, strict=True):
+        flat[i][1].set_value(value)
+    nnx.update(module, nnx.from_flat_state(flat))
+    return out
