@@ -206,3 +206,30 @@ def test_a_run_of_skipped_steps_warns_then_raises(mesh8, mode: str, spelling: st
 def test_max_skips_in_a_row_is_checked() -> None:
     with pytest.raises(ValueError, match="max_skips_in_a_row must be an int >= 1 or None; got 0"):
         substrax.make_train_step(mse, max_skips_in_a_row=0)
+
+
+@pytest.mark.parametrize("name", ["muon", "multi_transform"])
+@pytest.mark.parametrize("layout", ["replicated", "fsdp"])
+def test_masked_optimizer_state_checkpoints_and_resumes_exactly(mesh8, tmp_path, layout: str, name: str) -> None:
+    batches = regression_batches(3, rows=32)
+    _, model, optimizer, step = _train(mesh8, "explicit", layout, MASKED[name], batches[:2])
+    substrax.checkpoint.save(tmp_path / "ckpt", 2, model, optimizer)
+    step(model, optimizer, batches[2])
+    with jax.set_mesh(mesh8):
+        again = MLP(seed=5)
+        again_opt = nnx.Optimizer(again, MASKED[name](), wrt=nnx.Param)
+    if layout != "replicated":
+        substrax.shard_state(again, again_opt, mesh=mesh8, layout=layout, min_size=1)
+    assert substrax.checkpoint.restore(tmp_path / "ckpt", again, again_opt) == 2
+    substrax.make_train_step(mse, "explicit", mesh=mesh8)(again, again_opt, batches[2])
+    for a, b in zip(jax.tree.leaves(nnx.state((model, optimizer))), jax.tree.leaves(nnx.state((again, again_opt)))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_layout_of_reads_an_assigned_array_as_the_variable_it_replaced() -> None:
+    model = MLP()
+    optimizer = nnx.Optimizer(model, _hyper(0.1), wrt=nnx.Param)
+    optimizer.opt_state.hyperparams["learning_rate"] = jnp.asarray(0.5)
+    assert "learning_rate" in str(substrax.layout_of(model, optimizer))
+    assert isinstance(optimizer.opt_state.hyperparams["learning_rate"], nnx.OptArray)
+    assert float(optimizer.opt_state.hyperparams["learning_rate"][...]) == 0.5

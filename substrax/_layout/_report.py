@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from substrax._layout._owners import flat_state
 from substrax._layout._specs import entry_axes, spec_tuple, split_dim_of, without_axis
-from substrax._tree import path_str
+from substrax._tree import adopt_assigned_arrays, path_str
 from substrax.mesh import current_mesh
 
 __all__ = ["LAYOUTS", "Layout", "LayoutKind", "LeafPlacement", "LeftWhole", "layout_of"]
@@ -190,6 +190,7 @@ def layout_of(
         ``"zero1"`` when only optimizer state is, else ``"replicated"``.
       axis: The older spelling of ``data_axis``.
     """
+    adopt_assigned_arrays(optimizer)  # an array assigned where the optimizer held a variable
     axis = data_axis if axis is None else axis
     if axis_size is None:
         meshes = [

@@ -25,7 +25,7 @@ from substrax._layout._specs import (
     without_axis,
 )
 from substrax._layout._units import UnitsSpec, mark_units
-from substrax._tree import path_str
+from substrax._tree import adopt_assigned_arrays, path_str
 from substrax.mesh import current_mesh
 
 __all__ = ["epoch", "shard_state"]
@@ -149,6 +149,7 @@ def shard_state(
         raise TypeError(f"min_size must be an int (a number of elements); got {min_size!r}.")
     if min_size < 0:
         raise ValueError(f"min_size must be >= 0 (a number of elements); got {min_size}.")
+    adopt_assigned_arrays(optimizer)  # an array assigned where the optimizer held a variable
     layout = _layout_kind(layout, params)
     if units is not None and layout != "fsdp":
         raise ValueError(

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from substrax._tree import path_str
+from substrax._tree import adopt_assigned_arrays, path_str
 
 __all__ = [
     "ROOTS",
@@ -93,12 +93,16 @@ def slots_of(model: nnx.Module, optimizer: nnx.Optimizer) -> list[Slot]:
     """Every variable of ``model`` and ``optimizer``, keyed ``("model", *path)`` or ``("optimizer", *path)``.
 
     Path entries are strings (an optax state's tuple index ``0`` becomes ``"0"``), so the
-    keys are those of the nested dict orbax writes.
+    keys are those of the nested dict orbax writes. A variable with no array
+    (``optax.MaskedNode``, as muon and ``multi_transform`` hold) has nothing to write; an
+    array assigned where the optimizer held a variable is adopted as one first.
     """
+    adopt_assigned_arrays(optimizer)
     out = []
     for root, obj in zip(ROOTS, (model, optimizer), strict=True):
         for path, variable in nnx.to_flat_state(nnx.state(obj)):
-            out.append(Slot(root, tuple(path), variable))
+            if jax.tree.leaves(variable.get_raw_value()):
+                out.append(Slot(root, tuple(path), variable))
     return out
 
 
