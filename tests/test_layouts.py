@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -101,6 +104,75 @@ def test_state_bytes_per_device(mesh8: jax.sharding.Mesh, layout: str) -> None:
     assert held == report.bytes_per_device <= split // 8 + whole
     assert report.kind == layout and split > 0
     assert "split on dim 1" in str(report) and "model['out']['bias']" in str(report)
+
+
+class Odd(nnx.Module):
+    """A (33, 63) kernel (no dimension a multiple of 8), a (63, 64) one, a (64,) bias."""
+
+    def __init__(self) -> None:
+        rngs = nnx.Rngs(0)
+        self.odd = nnx.Linear(33, 63, use_bias=False, rngs=rngs)
+        self.even = nnx.Linear(63, 64, rngs=rngs)
+
+
+@pytest.mark.parametrize("layout", ["zero1", "fsdp"])
+def test_a_parameter_no_dimension_of_which_divides_is_named_not_left_whole_silently(
+    mesh8: jax.sharding.Mesh, layout: str
+) -> None:
+    model = Odd()
+    optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
+    with pytest.warns(UserWarning) as seen:
+        placed = substrax.shard_state(model, optimizer, mesh=mesh8, layout=layout)
+    said = [str(w.message) for w in seen if "leaves" in str(w.message)]
+    assert len(said) == 1, said  # once, naming every such leaf
+    assert re.search(
+        rf"shard_state\(layout='{layout}'\) leaves 1 parameter of at least min_size=1,024 elements whole "
+        r"on every device: no dimension of it is a multiple of the 8 devices of 'data' "
+        r"\(model\['odd'\]\['kernel'\] \(33, 63\)\)\. .*pad a dimension to a multiple of 8",
+        said[0],
+    ), said[0]
+    assert "even" not in said[0]  # the (64,) bias, below min_size, is counted, not warned about
+    assert [(w.path, w.shape, w.reason) for w in placed.left_whole] == [
+        ("model['even']['bias']", (64,), "small"),
+        ("model['odd']['kernel']", (33, 63), "indivisible"),
+    ]
+    summary = str(placed).splitlines()[0]
+    assert summary.endswith(
+        "; 2 parameters left whole: 1 of fewer than 1,024 elements (min_size), "
+        "1 with no dimension a multiple of 8: model['odd']['kernel'] (33, 63)"
+    ), summary
+    assert summary.startswith(f"layout {layout} over 'data' (8 devices)")  # the (63, 64) kernel is split
+
+
+def test_a_layout_that_could_split_nothing_says_what_was_asked(mesh8: jax.sharding.Mesh) -> None:
+    model = nnx.Linear(33, 63, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
+    with pytest.warns(UserWarning, match=r"\(model\['kernel'\] \(33, 63\)\)"):
+        placed = substrax.shard_state(model, optimizer, mesh=mesh8, layout="fsdp")
+    assert (placed.kind, placed.asked) == ("replicated", "fsdp")
+    said = "layout replicated (fsdp asked) over 'data' (8 devices): 25,712 state bytes"
+    assert str(placed).startswith(said)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # replicated on purpose, or nothing odd: no warning
+        quiet = substrax.shard_state(model, optimizer, mesh=mesh8, layout="replicated")
+        mlp = MLP()  # every parameter splits but the (1,) bias: fewer elements than devices
+        mlp_optimizer = nnx.Optimizer(mlp, optax.adam(LR), wrt=nnx.Param)
+        tiny = substrax.shard_state(mlp, mlp_optimizer, mesh=mesh8, min_size=1)
+    assert quiet.left_whole == () and "left whole" not in str(quiet)
+    assert "1 with no dimension a multiple of 8: model['out']['bias'] (1,)" in str(tiny)  # named, not warned
+
+
+def test_a_parameter_split_over_model_on_its_only_dimension_is_counted_not_warned_about() -> None:
+    """A column layer's bias (64,) on (data 4, model 2): its one dimension is the layer's own split."""
+    model = substrax.nn.ColumnParallelLinear(16, 64, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
+    mesh = create_device_mesh({"data": 4, "model": 2})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        placed = substrax.shard_state(model, optimizer, mesh=mesh, layout="fsdp", min_size=64)
+    assert [(w.path, w.reason) for w in placed.left_whole] == [("model['bias']", "taken")]
+    said = "1 parameter left whole: 1 with every such dimension split over another axis: model['bias'] (64,)"
+    assert said in str(placed)
 
 
 def test_explicit_fsdp_step_gathers_and_reduce_scatters(mesh8: jax.sharding.Mesh, batches: list) -> None:
