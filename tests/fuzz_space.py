@@ -38,7 +38,7 @@ BLOCKS = ("linear", "layernorm", "batchnorm", "batchnorm_sync", "dropout_zero", 
 WIDTHS = (8, 16, 32)
 TASKS = ("regress", "classify")  # squared error on 2 outputs; cross-entropy over 4 classes, int labels
 SGD_FAMILY = ("sgd", "momentum", "clip_sgd")
-ADAM_FAMILY = ("adam", "adamw_masked", "clip_adamw", "adafactor", "lamb", "multisteps")
+ADAM_FAMILY = ("adam", "adamw_masked", "clip_adamw", "adafactor", "lamb", "multisteps", "muon", "multi_transform")
 OPTIMIZERS = ADAM_FAMILY + SGD_FAMILY
 LAYOUTS = ("fsdp", "zero1", "replicated")
 MIN_SIZES = (1, None)  # None: shard_state's default (1024)
@@ -47,6 +47,7 @@ MICROBATCHES = (2, 1, 4)
 DEVICES = (8, 4, 2, 1)
 ROWS = (2, 3, 4)  # rows per device per microbatch
 BATCH_TREES = ("flat", "nested", "tuple")
+UNITS = (None, "blocks", "linear")  # none; each block a unit; every nnx.Linear (stem, blocks, head)
 PLACEMENTS = ("batch_spec", "placed")  # host arrays + batch_spec=, or place_batch_on_shards and no batch_spec
 # A metric per reduction; "default" is a metric reduce= does not name (it gets "mean").
 METRICS = ("mean", "sum", "max", "min", "gather", None, "default")
@@ -85,6 +86,8 @@ class Config:
     spelling: str = "call"
     precision: str | None = None  # one of PRECISIONS
     compare_gradients: bool = False  # also run substrax.explicit.compare_gradients (3 more compiles)
+    units: str | None = None  # one of UNITS: FSDP units (layout "fsdp" only)
+    reshard: bool = True  # the units' reshard_after_forward
     seed: int = 0
     steps: int = 3
 
@@ -126,6 +129,8 @@ class Config:
         extras = [self.batch_tree] + ["mask"] * self.mask + ["scale"] * self.scale + [self.placement]
         aux = "" if self.metrics is None else " aux(" + ",".join(str(m) for m in self.metrics) + ")"
         precision = "" if self.precision is None else f" {self.precision}"
+        if self.units is not None and self.layout == "fsdp":
+            precision += f" units={self.units}{'' if self.reshard else '/keep'}"
         return (
             f"{self.mode:<8} {layout:<12} n{self.devices} k{self.microbatches} r{self.rows} "
             f"{self.stem}[{','.join(self.blocks)}]w{self.width} {self.task} {self.optimizer} "
@@ -158,7 +163,18 @@ def configs() -> st.SearchStrategy[Config]:
         compare_gradients=st.booleans(),
         seed=st.integers(0, 2**16 - 1),
         precision=st.sampled_from((None,) * 4 + PRECISIONS[1:]),  # last: the earlier axes draw as before
+        units=st.sampled_from(UNITS),
+        reshard=st.booleans(),
     )
+
+
+def units_of(config: Config) -> Any:
+    """The ``units=`` ``shard_state`` gets: None, each block, or every ``nnx.Linear``."""
+    if config.layout != "fsdp" or config.units is None:
+        return None
+    if config.units == "linear":
+        return nnx.Linear
+    return lambda path, module: len(path) == 2 and path[0] == "blocks"
 
 
 # ----------------------------------------------------------------------------------------- the model
@@ -248,6 +264,13 @@ def build_tx(name: str) -> optax.GradientTransformation:
         return optax.adafactor(LR_ADAPTIVE, min_dim_size_to_factor=4)  # factored: these widths are small
     if name == "lamb":
         return optax.lamb(LR_ADAPTIVE)
+    if name == "muon":  # its state holds optax.MaskedNode (#26.1)
+        return optax.contrib.muon(LR_ADAPTIVE)
+    if name == "multi_transform":  # MaskedNode too: SGD+momentum on matrices, Adam on vectors
+        return optax.multi_transform(
+            {"matrix": optax.sgd(LR_SGD, momentum=0.9), "vector": optax.adam(LR_ADAPTIVE)},
+            lambda params: jax.tree.map(lambda p: "matrix" if jnp.ndim(p) > 1 else "vector", params),
+        )
     if name == "multisteps":
         return optax.MultiSteps(optax.adam(LR_ADAPTIVE), every_k_schedule=2)
     raise ValueError(f"unknown optimizer {name!r}")

@@ -108,6 +108,7 @@ from fuzz_space import (
     per_example,
     reduce_map,
     unpack,
+    units_of,
 )
 from hypothesis import HealthCheck, example, given, settings
 from jax.sharding import NamedSharding, PartitionSpec
@@ -468,7 +469,15 @@ def device_run(config: Config, batches: list[dict]) -> DeviceRun:
     try:
         if config.layout != "replicated":
             size: dict[str, Any] = {} if config.min_size is None else {"min_size": config.min_size}
-            substrax.shard_state(model, optimizer, mesh=mesh, params=config.layout == "fsdp", **size)
+            substrax.shard_state(
+                model,
+                optimizer,
+                mesh=mesh,
+                params=config.layout == "fsdp",
+                units=units_of(config),
+                reshard_after_forward=config.reshard,
+                **size,
+            )
     except Exception as e:  # noqa: BLE001
         out.problems.append(f"shard_state raised {_first_line(e)}")
         return out
@@ -514,7 +523,9 @@ def device_run(config: Config, batches: list[dict]) -> DeviceRun:
     changed = [
         f"{'/'.join(map(str, p))} {v.get_value().dtype}"
         for p, v in nnx.to_flat_state(nnx.state((model, optimizer)))
-        if jnp.issubdtype(v.get_value().dtype, jnp.floating) and v.get_value().dtype != jnp.float32
+        if hasattr(v.get_value(), "dtype")  # not an optax.MaskedNode
+        and jnp.issubdtype(v.get_value().dtype, jnp.floating)
+        and v.get_value().dtype != jnp.float32
     ]
     if changed:
         out.problems.append(f"{len(changed)} state array(s) not float32 after training, e.g. {changed[0]}")
@@ -800,6 +811,24 @@ CURATED = (
     ),
     # factored optimizer state
     Config(mode="implicit", layout="fsdp", min_size=1, devices=2, optimizer="adafactor", width=16, seed=6),
+    # masked optimizer state (optax.MaskedNode, #26.1): muon under explicit FSDP, bound
+    Config(mode="explicit", layout="fsdp", min_size=1, devices=8, optimizer="muon", spelling="bind", seed=8),
+    # FSDP units (#27): each block a unit, kept from the forward pass, BatchNorm inside, microbatches
+    Config(
+        mode="explicit",
+        layout="fsdp",
+        min_size=1,
+        devices=4,
+        microbatches=2,
+        blocks=("linear", "batchnorm_sync", "dropout_zero"),
+        width=16,
+        optimizer="adam",
+        units="blocks",
+        reshard=False,
+        seed=9,
+    ),
+    # every Linear a unit (stem, blocks, head), gathered again for the backward pass
+    Config(mode="explicit", layout="fsdp", min_size=1, devices=8, blocks=("linear", "linear"), units="linear", seed=10),
     # bfloat16 gathers, reductions and microbatch sums: explicit FSDP under MixedPrecision(bf16, bf16)
     Config(
         mode="explicit",
