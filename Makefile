@@ -68,6 +68,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/accumulation.py --quick --json benchmarks/results/accumulation_quick.json
 	$(PY) benchmarks/precision.py --quick --json benchmarks/results/precision_quick.json
 	$(PY) benchmarks/tensor_parallel.py --quick --json benchmarks/results/tensor_parallel_quick.json
+	$(PY) benchmarks/memory.py --quick --json benchmarks/results/memory_quick.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

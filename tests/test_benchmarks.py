@@ -33,6 +33,7 @@ TIMED = {  # in the order they are started: the longest first
     "accumulation": "median_us",
     "layouts": "median_us",
     "collectives": "median_us",
+    "memory": "peak_bytes",  # compiled, not run: its rows measure memory
 }
 FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
