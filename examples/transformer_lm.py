@@ -283,6 +283,11 @@ def make_parser() -> argparse.ArgumentParser:
         help="replicated state, ZeRO-1 (optimizer state split) or FSDP (parameters too)",
     )
     parser.add_argument(
+        "--units",
+        action="store_true",
+        help="with --layout fsdp: each block an FSDP unit, gathered just in time (explicit mode)",
+    )
+    parser.add_argument(
         "--microbatches", type=int, default=1, help="split each device's rows into K steps of accumulation"
     )
     parser.add_argument("--steps", type=int, default=300)
@@ -341,7 +346,9 @@ def main(argv: list[str] | None = None) -> list[float]:
         model, optimizer = make_model(args.seed, args.dropout, args.lr)
     # The layers' model-axis splits stay; the layout applies over data on another dimension:
     # replicated, ZeRO-1 (optimizer state split) or FSDP (parameters too).
-    layout = substrax.shard_state(model, optimizer, mesh=mesh, layout=args.layout)
+    layout = substrax.shard_state(
+        model, optimizer, mesh=mesh, layout=args.layout, units=Block if args.units else None
+    )
     per_device = f"{layout.bytes_per_device:,} of {layout.total_bytes:,} bytes per device"
     state_note = f"{args.layout} state ({per_device})"
     precision = substrax.MixedPrecision(jnp.bfloat16) if args.precision == "bf16" else None

@@ -180,3 +180,20 @@ def test_the_example_transformer_with_its_blocks_as_units_trains_like_one_device
         twin, _ = lm.make_model(**sizes)
         nnx.update(twin, jax.device_put(moved, jax.devices()[0]))
         np.testing.assert_allclose(float(lm.loss_fn(twin, batch)), float(lm.loss_fn(ref, batch)), rtol=2e-5)
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_units_gather_in_the_policys_dtype_and_keep_the_state_float32(reshard: bool) -> None:
+    """#27.5: a unit gathers in ``param_dtype`` and reduces in ``reduce_dtype``; the census expects it."""
+    model, optimizer = _placed(3, 16, _in_layers, reshard)
+    policy = substrax.MixedPrecision(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
+    step = substrax.make_train_step(mse, "explicit", mesh=MESH, precision=policy)
+    batch = _batch(16)
+    loss = step(model, optimizer, batch)
+    assert loss.dtype == jnp.float32
+    assert all(v.dtype == jnp.float32 for v in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    lowered = step.lower(model, optimizer, batch).as_text()
+    gathers = [line for line in lowered.splitlines() if "stablehlo.all_gather" in line]  # parameters only
+    assert len(gathers) >= 3 * (2 if reshard else 1) and all("bf16" in line for line in gathers)
+    comparison = step.check_communication(model, optimizer, batch)
+    assert comparison.matches, str(comparison)
