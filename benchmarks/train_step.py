@@ -11,6 +11,9 @@ batch:
 - ``make_train_step:MODE``: the plain call ``make_train_step(loss_fn, MODE)(model, optimizer, batch)``
 - ``bound_step:MODE``: ``make_train_step(...).bind(model, optimizer)``
 - ``bound_step_undonated:MODE``: the same with ``bind(..., donate=False)``
+- ``make_train_step_unguarded:MODE`` / ``bound_step_unguarded:MODE`` (transformer): the
+  plain call and ``.bind`` with ``skip_nonfinite=False``, beside the guarded ones: the
+  non-finite guard's price
 - ``make_train_step:MODE:LAYOUT`` / ``bound_step:MODE:LAYOUT`` (transformer): the state
   placed by ``substrax.shard_state`` first, ``zero1`` or ``fsdp``
 - two hand-written bounds, each a pure function of the split state (a flat list of
@@ -59,7 +62,9 @@ REPO = Path(__file__).resolve().parents[1]
 BOUNDS = ("bound", "bound_shard_map")
 MODES = ("implicit", "explicit")
 LAYOUTS = ("zero1", "fsdp")  # beside the replicated state every spelling uses
-SMOKE_LM = {"seq": 8, "d": 16, "blocks": 1}  # --smoke: the example's model, small enough to compile fast
+SMOKE_LM = {"seq": 8, "d": 16, "blocks": 1}
+# the plain call and .bind with the non-finite guard (the default) and without it, side by side
+GUARD_KINDS = ("make_train_step", "bound_step", "make_train_step_unguarded", "bound_step_unguarded")  # --smoke: the example's model, small enough to compile fast
 
 
 def reference_spellings() -> list[str]:
@@ -184,17 +189,21 @@ def run_worker(
         kind, mode, *layout = name.split(":")
         if layout:
             substrax.shard_state(model, optimizer, mesh=mesh, params=layout[0] == "fsdp")
-        step = substrax.make_train_step(loss_fn, mode)  # type: ignore[arg-type]  # the caller sets the mesh
+        guarded = not kind.endswith("_unguarded")  # the non-finite guard on (the default) or off
+        step = substrax.make_train_step(loss_fn, mode, skip_nonfinite=guarded)  # type: ignore[arg-type]
         if kind.startswith("bound_step"):
-            fast = step.bind(model, optimizer, donate=kind == "bound_step")
+            fast = step.bind(model, optimizer, donate=kind != "bound_step_undonated")
             take = functools.partial(fast.census, batch) if with_census else None
             return functools.partial(fast, batch), take
         take = functools.partial(step.census, model, optimizer, batch) if with_census else None
         return functools.partial(step, model, optimizer, batch), take
 
     def program(name: str) -> str:
-        """The plain, bound and undonated calls of one mode and layout compile one program."""
-        return name.split(":", 1)[1] if ":" in name else f"{name} (own)"
+        """The plain, bound and undonated calls of one mode and layout compile one program (unguarded: another)."""
+        if ":" not in name:
+            return f"{name} (own)"
+        kind, rest = name.split(":", 1)
+        return f"{rest} unguarded" if kind.endswith("_unguarded") else rest
 
     def measure(
         label: dict[str, Any],
@@ -331,13 +340,14 @@ def run_worker(
         lm = load_example()
         sizes = SMOKE_LM if smoke else {}
         host = next(lm.batches(lm.stdlib_text(), 32, sizes.get("seq", 32), seed=0))
-        if smoke:  # the plain call and .bind, one mode each
-            names = [*BOUNDS, "make_train_step:implicit", "bound_step:explicit"]
-        elif quick:  # its compiles dominate: the bounds, the plain call and .bind only
-            names = [*BOUNDS, *mode_spellings(("make_train_step", "bound_step"))]
+        if smoke:  # the plain call and .bind, one mode each, and one unguarded
+            names = [*BOUNDS, "make_train_step:implicit", "bound_step:explicit", "bound_step_unguarded:implicit"]
+        elif quick:  # its compiles dominate: the bounds, the plain call and .bind, guarded and not
+            names = [*BOUNDS, *mode_spellings(GUARD_KINDS)]
         else:
-            names = reference_spellings()
+            names = reference_spellings() + mode_spellings(GUARD_KINDS)
             names += mode_spellings(("make_train_step", "bound_step", "bound_step_undonated"), layouts)
+            names = list(dict.fromkeys(names))
         fresh = functools.partial(lm.make_model, **sizes)
         rows += measure({"model": "transformer", **sizes}, names, fresh, lm.loss_fn, host)
     return rows
