@@ -14,9 +14,7 @@ The guard: when the step's loss or any gradient element is not finite (a NaN in 
 batch, an overflow), the whole update is skipped in the graph: parameters, optimizer
 state (its step count too) and the model's other state (BatchNorm statistics) keep the
 values they had before the step, and the step returns its non-finite loss, which is
-how the caller learns of it. One flag picks a branch (``lax.cond``): the update runs
-only when the step is finite, and no select pass over the state runs when it is.
-``skip_nonfinite=False`` turns the guard off.
+how the caller learns of it. ``skip_nonfinite=False`` turns the guard off.
 """
 
 from __future__ import annotations
@@ -64,17 +62,6 @@ def _is_key(x: Any) -> bool:
     return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-def _updated_leaves(state: nnx.State, wrt: Any) -> list[bool]:
-    """For each leaf of ``nnx.state((model, optimizer))``: a parameter ``wrt`` selects, or optimizer state."""
-    is_wrt = nnx.filterlib.to_predicate(wrt)
-    out = []
-    for path, variable in jax.tree.flatten_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]:
-        keys = tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path)
-        mine = keys[0] == 1 or (isinstance(variable, nnx.Variable) and is_wrt(keys[1:], variable))
-        out += [mine] * len(jax.tree.leaves(variable))
-    return out
-
-
 def apply_update(
     model: nnx.Module,
     optimizer: nnx.Optimizer[Any],
@@ -101,38 +88,22 @@ def apply_update(
     See the module docstring for what the update communicates.
     """
     finite = None
-    if before is None:
-        with jax.named_scope("substrax.update"):
-            optimizer.update(model, grads)
-    else:
+    with jax.named_scope("substrax.update"):
+        optimizer.update(model, grads)
+    if before is not None:
         with jax.named_scope("substrax.finite"):
             finite = jnp.isfinite(loss).all() & all_finite(grads)
-        graphdef, state = nnx.split((model, optimizer))
-        leaves, treedef = jax.tree.flatten(state)
-        updated = _updated_leaves(state, optimizer.wrt)
-
-        def update(leaves: list[Any], before: list[Any], grads: nnx.State) -> list[Any]:
-            model, optimizer = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-            with jax.named_scope("substrax.update"):
-                optimizer.update(model, grads)
-            after = jax.tree.leaves(nnx.state((model, optimizer)))
-            if len(after) != len(before):  # an update that grows state (none in optax) is not guarded
+            after = nnx.state((model, optimizer))
+            leaves, treedef = jax.tree.flatten(after)
+            if len(leaves) != len(before):  # an update that grows state (none in optax) is not guarded
                 raise ValueError(
                     f"The optimizer update changed the number of state arrays ({len(before)} -> "
-                    f"{len(after)}); pass skip_nonfinite=False to train without the non-finite guard."
+                    f"{len(leaves)}); pass skip_nonfinite=False to train without the non-finite guard."
                 )
-            return [new for new, u in zip(after, updated) if u]
-
-        def keep(leaves: list[Any], before: list[Any], grads: nnx.State) -> list[Any]:
-            return [old for old, u in zip(before, updated) if u]
-
-        # the update runs in one branch; the model's other state (BatchNorm statistics,
-        # small) is selected outside it, so both branches give the state one placement
-        done = iter(jax.lax.cond(finite, update, keep, leaves, before, grads))
-        kept = [
-            next(done) if u else new if _is_key(new) else jnp.where(finite, new, old)
-            for new, old, u in zip(leaves, before, updated, strict=True)
-        ]
-        nnx.update((model, optimizer), jax.tree.unflatten(treedef, kept))
+            kept = [
+                new if _is_key(new) else jnp.where(finite, new, old)
+                for new, old in zip(leaves, before, strict=True)
+            ]
+            nnx.update((model, optimizer), jax.tree.unflatten(treedef, kept))
     pin_layout((model, optimizer))
     return finite

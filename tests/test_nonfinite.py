@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -101,16 +102,35 @@ def test_skip_nonfinite_must_be_a_bool() -> None:
         substrax.make_train_step(mse, skip_nonfinite="yes")  # type: ignore[arg-type]
 
 
+class Deep(nnx.Module):  # notebook 05's model: 16 -> 64 -> 64 -> 1
+    def __init__(self) -> None:
+        rngs = nnx.Rngs(0)
+        self.hidden = nnx.Linear(16, 64, rngs=rngs)
+        self.mid = nnx.Linear(64, 64, rngs=rngs)
+        self.out = nnx.Linear(64, 1, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.out(jnp.tanh(self.mid(jnp.tanh(self.hidden(x)))))
+
+
+@pytest.mark.parametrize("layout", ["replicated", "fsdp"])
 @pytest.mark.parametrize("mode", substrax.MODES)
-def test_the_guard_is_one_branch_not_a_select_over_the_state(mesh8: jax.sharding.Mesh, mode: str) -> None:
-    """#26.10: the update runs under one ``conditional``; no select pass over a parameter-sized array."""
+def test_the_guard_costs_no_copy_of_the_state(mesh8: jax.sharding.Mesh, mode: str, layout: str) -> None:
+    """#26.10: the guard's select fuses into the update; a branch (``lax.cond``) would copy the state.
+
+    Measured on jax 0.12 CPU: under ``lax.cond`` the replicated explicit step's temporaries
+    grew from 184 B to 43,152 B (the 64 KB state's copy); the select keeps them.
+    """
     with jax.set_mesh(mesh8):
-        model = MLP(width=24)
+        model = Deep()
         optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
-    batch = regression_batches(1, rows=32)[0]
-    text = substrax.make_train_step(mse, mode, mesh=mesh8).lower(model, optimizer, batch).as_text()
-    assert "stablehlo.case" in text or "stablehlo.if" in text
-    selects = [line for line in text.splitlines() if "stablehlo.select" in line and "4x24" in line]
-    assert not selects, selects[:3]
-    off = substrax.make_train_step(mse, mode, mesh=mesh8, skip_nonfinite=False).lower(model, optimizer, batch)
-    assert "stablehlo.case" not in off.as_text() and "stablehlo.if" not in off.as_text()
+    if layout == "fsdp":
+        substrax.shard_state(model, optimizer, mesh=mesh8, min_size=1)
+    batch = regression_batches(1, rows=64, din=16)[0]
+    state = sum(x.nbytes for x in jax.tree.leaves(nnx.state((model, optimizer))))
+
+    def temp(guard: bool) -> int:
+        step = substrax.make_train_step(mse, mode, mesh=mesh8, skip_nonfinite=guard)
+        return step.lower(model, optimizer, batch).compile().memory_analysis().temp_size_in_bytes
+
+    assert temp(True) - temp(False) < state / 4, (temp(True), temp(False), state)
