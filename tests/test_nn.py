@@ -539,3 +539,24 @@ def test_a_model_of_these_layers_trains_on_a_mesh_without_model_axis(
     said = model.up.kernel.get_metadata()
     assert (said.get("declared_sharding") or said["out_sharding"]) == (None, "model")
     assert said["optional_axes"] == ("model",)
+
+
+@pytest.mark.parametrize("where", ["shard_state", "step"])
+def test_a_stack_built_without_transform_metadata_is_refused_by_path(where: str) -> None:
+    """#27.4: stacked by nnx.vmap without transform_metadata, a declared split is one dimension off."""
+    from substrax.nn import ColumnParallelLinear
+
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def make(key: jax.Array) -> ColumnParallelLinear:
+        return ColumnParallelLinear(8, 16, rngs=nnx.Rngs(key))
+
+    mesh = substrax.mesh.create_device_mesh({"data": 4, "model": 2})
+    with jax.set_mesh(mesh):
+        stack = make(jax.random.split(jax.random.key(0), 4))
+        optimizer = nnx.Optimizer(stack, optax.sgd(0.1), wrt=nnx.Param)
+    with pytest.raises(ValueError, match=r"model\['(bias|kernel)'\] has [23] dimensions .* transform_metadata"):
+        if where == "shard_state":
+            substrax.shard_state(stack, optimizer, mesh=mesh)
+        else:
+            step = substrax.make_train_step(lambda m, b: jnp.mean(m(b["x"]) ** 2), "explicit", mesh=mesh)
+            step(stack, optimizer, {"x": np.ones((8, 4, 8), np.float32)})

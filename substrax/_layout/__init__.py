@@ -40,6 +40,7 @@ from substrax._layout._report import LAYOUTS, Layout, LayoutKind, LeafPlacement,
 from substrax._layout._shard import epoch, shard_state
 from substrax._layout._units import RESHARD_KEY, UNIT_KEY, UNIT_SCOPE, UnitsSpec, mark_units, unit_paths
 from substrax._layout._specs import (
+    check_declared_rank,
     check_mesh_axes,
     choose_split_dim,
     declared_spec,
@@ -65,6 +66,7 @@ __all__ = [
     "LeafPlacement",
     "LeftWhole",
     "ParamSplit",
+    "check_declared_rank",
     "check_mesh_axes",
     "check_optimizer_of",
     "choose_split_dim",

@@ -16,6 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from substrax._layout._owners import flat_state, follow_dim, optimizer_followers, optimizer_mirrors
 from substrax._layout._report import LAYOUTS, Layout, LayoutKind, LeftWhole, layout_of
 from substrax._layout._specs import (
+    check_declared_rank,
     choose_split_dim,
     declared_spec,
     entry_axes,
@@ -172,6 +173,9 @@ def shard_state(
         for variables in (model_vars, opt_vars)
         for v in variables.values()
     }
+
+    for path, variable in model_vars.items():  # a stacked layer's declaration one dimension off
+        check_declared_rank(variable, declared[id(variable)] or (), path_str(path, "model"))
 
     def base_of(variable: nnx.Variable[Any]) -> tuple[Any, ...]:
         """The variable's own splits over the mesh's other axes (one over an axis it lacks: none)."""

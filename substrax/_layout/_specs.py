@@ -124,6 +124,25 @@ def choose_split_dim(
     return max(fits, key=lambda d: (shape[d], -d)) if fits else None
 
 
+def check_declared_rank(variable: nnx.Variable[Any], spec: tuple[Any, ...], name: str) -> None:
+    """Refuse a layer's declared split with fewer entries than its array has dimensions.
+
+    ``substrax.nn``'s layers (variables with ``optional_axes``) declare one entry per
+    dimension. Stacked with ``nnx.vmap`` (or ``nnx.scan``) without
+    ``transform_metadata={nnx.PARTITION_NAME: None}``, the array gains a leading layer axis
+    and the declaration does not, so the split would land one dimension off.
+    """
+    ndim = np.ndim(variable.get_value())
+    if optional_axes(variable) and spec and len(spec) < ndim:
+        raise ValueError(
+            f"{name} has {ndim} dimensions but its layer declares a split for {len(spec)} "
+            f"({PartitionSpec(*spec)}): it was stacked (nnx.vmap or nnx.scan) without "
+            f"transform_metadata={{nnx.PARTITION_NAME: None}}, so the split would land on the wrong "
+            f"dimension. Create the stack with nnx.vmap(..., transform_metadata={{nnx.PARTITION_NAME: None}}), "
+            f"which gives the layer axis its own (unsplit) entry."
+        )
+
+
 def check_mesh_axes(tree: Any, mesh: Any, owner: str) -> None:
     """Fit each variable's spec to ``mesh``, in place; refuse one naming an axis it lacks.
 
@@ -135,6 +154,7 @@ def check_mesh_axes(tree: Any, mesh: Any, owner: str) -> None:
     """
     for path, variable in nnx.to_flat_state(nnx.state(tree)):
         spec = declared_spec(variable) or ()
+        check_declared_rank(variable, spec, path_str(tuple(path), owner))
         names = [a for e in spec for a in entry_axes(e)]
         missing = tuple(dict.fromkeys(a for a in names if a not in mesh.axis_names))
         if not missing:

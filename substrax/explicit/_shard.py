@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from substrax._collectives import to_varying, varying_axes
-from substrax._layout import ParamSplit, entry_axes, spec_tuple
+from substrax._layout import ParamSplit, check_declared_rank, declared_spec, entry_axes, spec_tuple
 from substrax._tree import PyTree, path_str
 from substrax.nn import _declared as declared
 
@@ -77,6 +77,7 @@ def check_placement(model: nnx.Module) -> None:
     as replicated.
     """
     for path, variable in nnx.to_flat_state(nnx.state(model)):
+        check_declared_rank(variable, declared_spec(variable) or (), path_str(tuple(path), "model"))
         sharding = getattr(variable.get_value(), "sharding", None)
         if not isinstance(sharding, NamedSharding) or sharding.is_fully_replicated:
             continue
