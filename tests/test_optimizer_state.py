@@ -64,8 +64,11 @@ def _train(mesh: jax.sharding.Mesh, mode: str, layout: str, make: Callable, batc
     return losses, model, optimizer, step
 
 
-@pytest.mark.parametrize("name", sorted(MASKED))
-@pytest.mark.parametrize("layout", substrax.LAYOUTS)
+# muon in every layout; the other two where their state is split (the parity fuzzer draws the rest)
+DRAWS = [(n, layout) for n in sorted(MASKED) for layout in substrax.LAYOUTS if n == "muon" or layout == "fsdp"]
+
+
+@pytest.mark.parametrize(("name", "layout"), DRAWS)
 @pytest.mark.parametrize("mode", substrax.MODES)
 def test_masked_optimizer_state_trains_like_one_device(mesh8, mode: str, layout: str, name: str) -> None:
     batches = regression_batches(3, rows=32)
