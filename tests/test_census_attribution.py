@@ -253,8 +253,8 @@ def test_gradients_the_step_reduces_twice_are_caught(
 
     original = _step.reduce_gradients
 
-    def twice(grads: nnx.State, plans: Any, data_axis: str) -> nnx.State:
-        reduced = original(grads, plans, data_axis)
+    def twice(grads: nnx.State, plans: Any, data_axis: str, **kwargs: Any) -> nnx.State:
+        reduced = original(grads, plans, data_axis, **kwargs)
         with jax.named_scope("substrax.grad_reduce"):
             again = jax.lax.psum(
                 [2.0 * g for g in jax.tree.leaves(grads)], data_axis
