@@ -276,7 +276,9 @@ def update_items(
     """What the update communicates, one expected buffer per buffer of ``update_census``.
 
     Each keeps the library scope it was compiled under (``substrax.update``,
-    ``substrax.finite``), and must be compiled under the same one in the step.
+    ``substrax.finite``), and must be compiled under the same one in the step; one the
+    update runs in a loop of its own (muon's Newton-Schulz iterations in optax 0.2.5) is
+    expected in a loop, with its bytes per step.
     """
     report = update_census(options, model, optimizer, loss_dtype)
     if report is None:
@@ -289,6 +291,7 @@ def update_items(
             "update",
             scopes=(part.scope,),
             buffer=str(part.buffer),
+            in_loop=part.row.in_loop,
         )
         for part in (p for row in report.rows for p in row.parts)
     ]
