@@ -126,7 +126,11 @@ def main() -> None:
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(rows, indent=1))
     json_path.with_suffix(".txt").write_text(text + "\n")
-    import matplotlib
+    try:  # the figure needs the dev extra's matplotlib; the floor environment has none
+        import matplotlib
+    except ImportError:
+        print(f"wrote {json_path} and {json_path.with_suffix('.txt')} (no figure: matplotlib is not installed)")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
