@@ -52,7 +52,7 @@ class SplitState:
     Args:
       model: The model.
       optimizer: Its optimizer.
-      jitted: ``make_jitted(graphdef, treedef)``, the jitted pure step for this graph.
+      make_jitted: ``(graphdef, treedef) -> jitted pure step`` for this graph.
     """
 
     def __init__(self, model: nnx.Module, optimizer: nnx.Optimizer, make_jitted: Any) -> None:

@@ -2,7 +2,7 @@
 
 ``TrainStep`` only picks a step function (``spmd_train_step`` or
 ``explicit_train_step``) and runs it fast: it splits the model and optimizer once
-(``_SplitState``), runs a ``jax.jit`` pure function of their arrays, and writes the new
+(``substrax._split.SplitState``), runs a ``jax.jit`` pure function of their arrays, and writes the new
 arrays back. Layouts and microbatches live in the step functions, not here.
 """
 
