@@ -115,10 +115,15 @@ def broadcast_prefix(
 _ARRAY = (jax.Array, np.ndarray, np.generic)
 
 
-def _child(node: Any, key: Any) -> Any:
-    if isinstance(node, (Mapping, list)) or (isinstance(node, tuple) and not hasattr(node, "_fields")):
-        return node[key]
-    return getattr(node, key)
+def node_at(root: Any, path: KeyPath) -> Any:
+    """The node of an NNX graph at ``path`` (as ``nnx.iter_graph`` gives it): items and attributes."""
+    node = root
+    for key in path:
+        indexed = isinstance(node, (Mapping, list, nnx.List, nnx.Dict)) or (
+            isinstance(node, tuple) and not hasattr(node, "_fields")
+        )
+        node = node[key] if indexed else getattr(node, key)
+    return node
 
 
 def adopt_assigned_arrays(optimizer: Any) -> None:
@@ -133,10 +138,8 @@ def adopt_assigned_arrays(optimizer: Any) -> None:
         if path[:1] == ("opt_state",) and isinstance(node, _ARRAY)
     ]
     for path in found:
-        parent = optimizer
-        for key in path[:-1]:
-            parent = _child(parent, key)
-        value = nnx.OptArray(jnp.asarray(_child(parent, path[-1])))
+        parent = node_at(optimizer, path[:-1])
+        value = nnx.OptArray(jnp.asarray(node_at(parent, path[-1:])))
         if isinstance(parent, (dict, list)):
             parent[path[-1]] = value
         elif isinstance(parent, nnx.Pytree):

@@ -29,19 +29,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from substrax._layout import UNIT_SCOPE as SCOPE
+from substrax._tree import node_at
 
 
 __all__ = ["run_unit", "units_running"]
 
 
 Path = tuple[Any, ...]
-
-
-def _node(model: nnx.Module, path: Path) -> Any:
-    node = model
-    for key in path:
-        node = node[key] if isinstance(node, (list, tuple, dict, nnx.List, nnx.Dict)) else getattr(node, key)
-    return node
 
 
 _WRAPPED: dict[type, type] = {}
@@ -67,7 +61,7 @@ def units_running(model: nnx.Module, units: dict[Path, bool], data_axis: str, pl
     """
     swapped = []
     for path, reshard in units.items():
-        node = _node(model, path)
+        node = node_at(model, path)
         object.__setattr__(node, "_substrax_unit", _UnitRun(path, reshard, data_axis, plans, split, param_dtype, reduce_dtype))
         swapped.append((node, type(node)))
         object.__setattr__(node, "__class__", _unit_class(type(node)))
