@@ -49,6 +49,7 @@ import sysconfig
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -139,6 +140,7 @@ class CharLM(nnx.Module):
         heads: int = HEADS,
         blocks: int = 2,
         dropout: float = 0.0,
+        scan: bool = False,
         rngs: nnx.Rngs,
     ) -> None:
         self.seq = seq
@@ -147,14 +149,28 @@ class CharLM(nnx.Module):
         # over data, and XLA's implicit step replicates a tensor to reshard it.)
         self.tok = ParallelEmbedding(vocab, d, split="features", rngs=rngs)
         self.pos = ParallelEmbedding(seq, d, split="features", rngs=rngs)
-        self.blocks = nnx.List([Block(d, heads, dropout, rngs) for _ in range(blocks)])
+        self.scan = scan
+        if scan:  # the Flax NNX idiom: one stacked Block (nnx.vmap), applied by nnx.scan
+            # (the layer axis gets its own, unsplit entry in each layer's declared split)
+            @nnx.split_rngs(splits=blocks)
+            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
+            def stack(rngs: nnx.Rngs) -> Block:
+                return Block(d, heads, dropout, rngs)
+
+            self.blocks = stack(rngs)
+        else:
+            self.blocks = nnx.List([Block(d, heads, dropout, rngs) for _ in range(blocks)])
         self.ln = nnx.LayerNorm(d, rngs=rngs)
         self.head = nnx.Linear(d, vocab, rngs=rngs)  # replicated over model: the loss sees every logit
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         x = self.tok(tokens) + self.pos(jnp.arange(tokens.shape[-1]))
-        for block in self.blocks:  # causal: position i sees positions <= i
-            x = block(x)
+        if self.scan:
+            body = lambda x, block: (block(x), None)  # noqa: E731
+            x, _ = nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))(x, self.blocks)
+        else:
+            for block in self.blocks:  # causal: position i sees positions <= i
+                x = block(x)
         return self.head(self.ln(x))
 
 
@@ -165,11 +181,11 @@ def loss_fn(model: CharLM, batch: dict[str, jax.Array]) -> jax.Array:
 
 
 def make_model(
-    seed: int = 0, dropout: float = 0.0, lr: float = 3e-3, **sizes: int
+    seed: int = 0, dropout: float = 0.0, lr: float = 3e-3, **sizes: Any
 ) -> tuple[CharLM, nnx.Optimizer]:
     """The model and its AdamW optimizer; call under ``jax.set_mesh`` to place them on a mesh.
 
-    ``sizes``: ``CharLM``'s ``seq``, ``d``, ``heads``, ``blocks`` (its defaults otherwise).
+    ``sizes``: ``CharLM``'s ``seq``, ``d``, ``heads``, ``blocks``, ``scan`` (its defaults otherwise).
     """
     model = CharLM(dropout=dropout, rngs=nnx.Rngs(params=seed, dropout=seed + 1), **sizes)
     return model, nnx.Optimizer(model, optax.adamw(lr, weight_decay=0.01), wrt=nnx.Param)
@@ -288,6 +304,11 @@ def make_parser() -> argparse.ArgumentParser:
         help="with --layout fsdp: each block an FSDP unit, gathered just in time (explicit mode)",
     )
     parser.add_argument(
+        "--scan",
+        action="store_true",
+        help="the blocks stacked by nnx.vmap and applied by nnx.scan (with --units: gathered per layer)",
+    )
+    parser.add_argument(
         "--microbatches", type=int, default=1, help="split each device's rows into K steps of accumulation"
     )
     parser.add_argument("--steps", type=int, default=300)
@@ -343,7 +364,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     with jax.set_mesh(mesh):
         # The same seed in every process: the same start. Under a mesh with a model axis
         # the tensor-parallel layers' parameters are placed split over it at creation.
-        model, optimizer = make_model(args.seed, args.dropout, args.lr)
+        model, optimizer = make_model(args.seed, args.dropout, args.lr, scan=args.scan)
     # The layers' model-axis splits stay; the layout applies over data on another dimension:
     # replicated, ZeRO-1 (optimizer state split) or FSDP (parameters too).
     layout = substrax.shard_state(

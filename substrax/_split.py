@@ -13,10 +13,16 @@ modes guide, "What the step caches"):
 An array assigned where the optimizer held a variable
 (``opt.opt_state.hyperparams["learning_rate"] = jnp.asarray(0.0)``) is adopted as an
 ``nnx.OptArray``, the wrapper ``nnx.Optimizer`` gives its state (``adopt_assigned_arrays``).
+
+The plain call donates the arrays to the step when nothing but the variables and the
+split holds them (``SplitState.unshared``, by reference count): an array the user kept
+(``before = model.layer.kernel[...]``, ``nnx.state(model)``) is never deleted under them.
 """
 
 from __future__ import annotations
 
+import functools
+import sys
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -96,11 +102,36 @@ class SplitState:
             out.append(value)
         return out
 
+    def unshared(self, arrays: list[jax.Array]) -> bool:
+        """Whether ``arrays`` (from ``arrays()``) are held by no one else: a step may donate them.
+
+        The holders counted are the variable, this split's last write, the list itself
+        and, for a value set since, not the last write; one more is someone else's.
+        """
+        base = _base_count()
+        counts = _counts(arrays)
+        return all(c <= base - (a is not w) for c, a, w in zip(counts, arrays, self._written, strict=True))
+
     def write(self, arrays: list[jax.Array]) -> None:
         """Set each variable's value to the step's result."""
         for variable, array in zip(self.variables, arrays, strict=True):
             variable.set_raw_value(array)
         self._written = arrays
+
+
+def _counts(arrays: list[Any]) -> list[int]:
+    """Each array's reference count, read the same way for the probe and for a split."""
+    return [sys.getrefcount(a) for a in arrays]
+
+
+@functools.cache
+def _base_count() -> int:
+    """The count of an array held only by its variable, a split's last write and one list."""
+    variable = nnx.Param(np.zeros(()))
+    written = [variable.get_raw_value()]
+    arrays = [variable.get_raw_value()]
+    assert written[0] is arrays[0]
+    return _counts(arrays)[0]
 
 
 def _like(value: Any, last: jax.Array) -> Any:

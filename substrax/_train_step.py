@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from substrax import _layout
 from substrax._batch_specs import check_batch_leaves
 from substrax._options import MODES, Mode, StepOptions
 from substrax._precision import MixedPrecision
@@ -267,9 +268,9 @@ class TrainStep:
         with self.mesh_context():
             return self._jit(*split.graph, donate=False).lower(arrays, batch, placed=self.placed_specs(batch))
 
-    def _run_split(self, split: SplitState, arrays: list[jax.Array], batch: PyTree, placed: Any) -> Any:
+    def _run_split(self, jitted: Any, arrays: list[jax.Array], batch: PyTree, placed: Any) -> Any:
         with self.mesh_context():
-            return split.jitted(arrays, batch, placed=placed)
+            return jitted(arrays, batch, placed=placed)
 
     def __call__(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree) -> Any:
         """Run one step, updating ``model`` and ``optimizer`` in place.
@@ -283,7 +284,9 @@ class TrainStep:
         split = self._cached
         if split is None or not split.valid_for(model, optimizer):
             split = self._cached = self._split(model, optimizer, donate=False)
-        arrays, out, applied = self._run_split(split, split.arrays(), batch, self.placed_specs(batch))
+        arrays = split.arrays()
+        jitted = self._pure_step(*split.graph, donate=split.unshared(arrays))  # nobody else reads them
+        arrays, out, applied = self._run_split(jitted, arrays, batch, self.placed_specs(batch))
         split.write(arrays)
         self._skips.push(applied)
         return out
@@ -306,9 +309,10 @@ class TrainStep:
         itself (the ``CensusReport`` that ``substrax.census`` gives of the compiled step).
         See ``substrax.compare`` for the rule.
         """
-        with declared.recording() as layers:  # what the layers declare they communicate
+        # what the layers declare they communicate, and which units ran one layer at a time
+        with declared.recording() as layers, _layout.recording_layers() as layered:
             lowered = self.lower(model, optimizer, batch)
-        return check_communication(lowered, model, optimizer, self.options, layers=layers)
+        return check_communication(lowered, model, optimizer, self.options, layers=layers, layered=layered)
 
     def census(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree) -> Comparison:
         """``check_communication``, under the name it had first.
@@ -371,7 +375,7 @@ class BoundTrainStep:
         if self._placed is False:
             self._placed = self._step.placed_specs(batch)
         consumed = self._arrays if self._arrays is not None else self._read_model()
-        self._arrays, out, applied = self._step._run_split(self._split, consumed, batch, self._placed)
+        self._arrays, out, applied = self._step._run_split(self._split.jitted, consumed, batch, self._placed)
         if not self._donate:
             for array in consumed:  # what donation would have done: no stale copy stays readable
                 array.delete()

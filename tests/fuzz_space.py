@@ -47,7 +47,10 @@ MICROBATCHES = (2, 1, 4)
 DEVICES = (8, 4, 2, 1)
 ROWS = (2, 3, 4)  # rows per device per microbatch
 BATCH_TREES = ("flat", "nested", "tuple")
-UNITS = (None, "blocks", "linear")  # none; each block a unit; every nnx.Linear (stem, blocks, head)
+UNITS = (None, "blocks", "linear", "stack")  # none; each block; every nnx.Linear; the scanned stack
+# A scanned stack after the blocks (#27.4): two Linear+tanh layers made by nnx.vmap and applied by
+# nnx.scan, under nnx.remat or not; none (two draws in four).
+SCANS = (None, None, "scan", "remat")
 PLACEMENTS = ("batch_spec", "placed")  # host arrays + batch_spec=, or place_batch_on_shards and no batch_spec
 # A metric per reduction; "default" is a metric reduce= does not name (it gets "mean").
 METRICS = ("mean", "sum", "max", "min", "gather", None, "default")
@@ -88,6 +91,7 @@ class Config:
     compare_gradients: bool = False  # also run substrax.explicit.compare_gradients (3 more compiles)
     units: str | None = None  # one of UNITS: FSDP units (layout "fsdp" only)
     reshard: bool = True  # the units' reshard_after_forward
+    scan: str | None = None  # one of SCANS
     seed: int = 0
     steps: int = 3
 
@@ -131,6 +135,8 @@ class Config:
         precision = "" if self.precision is None else f" {self.precision}"
         if self.units is not None and self.layout == "fsdp":
             precision += f" units={self.units}{'' if self.reshard else '/keep'}"
+        if self.scan is not None:
+            precision += f" {self.scan}"
         return (
             f"{self.mode:<8} {layout:<12} n{self.devices} k{self.microbatches} r{self.rows} "
             f"{self.stem}[{','.join(self.blocks)}]w{self.width} {self.task} {self.optimizer} "
@@ -165,19 +171,32 @@ def configs() -> st.SearchStrategy[Config]:
         precision=st.sampled_from((None,) * 4 + PRECISIONS[1:]),  # last: the earlier axes draw as before
         units=st.sampled_from(UNITS),
         reshard=st.booleans(),
+        scan=st.sampled_from(SCANS),  # last: the earlier axes draw as before
     )
 
 
 def units_of(config: Config) -> Any:
-    """The ``units=`` ``shard_state`` gets: None, each block, or every ``nnx.Linear``."""
+    """The ``units=`` ``shard_state`` gets: None, each block, every ``nnx.Linear``, or the scanned stack."""
     if config.layout != "fsdp" or config.units is None:
         return None
     if config.units == "linear":
         return nnx.Linear
+    if config.units == "stack":
+        return ScanLayer
     return lambda path, module: len(path) == 2 and path[0] == "blocks"
 
 
 # ----------------------------------------------------------------------------------------- the model
+
+
+class ScanLayer(nnx.Module):
+    """One layer of the scanned stack: ``tanh(Linear(x))``."""
+
+    def __init__(self, width: int, rngs: nnx.Rngs) -> None:
+        self.lin = nnx.Linear(width, width, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jnp.tanh(self.lin(x))
 
 
 class Model(nnx.Module):
@@ -212,6 +231,15 @@ class Model(nnx.Module):
             else:
                 layers.append(nnx.Dropout(0.5, deterministic=False, rngs=rngs))
         self.blocks = nnx.List(layers)
+        self.scan = config.scan
+        if config.scan is not None:
+
+            @nnx.split_rngs(splits=2)
+            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
+            def stack(rngs: nnx.Rngs) -> ScanLayer:
+                return ScanLayer(w, rngs)
+
+            self.stack = stack(rngs)
         self.head = nnx.Linear(w, CLASSES if config.task == "classify" else TARGETS, rngs=rngs)
         # model.eval() for the rate-0.5 dropout layers only (BatchNorm keeps training)
         active = lambda _, node: isinstance(node, nnx.Dropout) and node.rate > 0
@@ -225,6 +253,13 @@ class Model(nnx.Module):
             h = layer(h)
             if isinstance(layer, nnx.Linear):
                 h = jnp.tanh(h)
+        if self.scan is not None:
+
+            def body(h: jax.Array, layer: ScanLayer) -> tuple[jax.Array, None]:
+                return layer(h), None
+
+            body = nnx.remat(body) if self.scan == "remat" else body
+            h, _ = nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))(h, self.stack)
         if h.ndim > 2:
             h = jnp.mean(h, axis=tuple(range(1, h.ndim - 1)))
         return self.head(h)

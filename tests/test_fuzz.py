@@ -235,22 +235,29 @@ def _grouped_loss(
         rows = {name: v[groups] for name, v in parts.items() if name in ROW_PARTS}  # (groups, parts, m, ...)
         whole = {name: v for name, v in parts.items() if name not in ROW_PARTS}
 
-        def one(rest: Any, piece: dict) -> tuple[Any, tuple[jax.Array, jax.Array]]:
+        # the parameters travel as arguments, not closed over: a model that runs nnx.scan
+        # itself takes only values of the trace it runs in
+        def one(rest: Any, params: Any, piece: dict) -> tuple[Any, tuple[jax.Array, jax.Array]]:
             m = nnx.merge(graphdef, params, rest)
             piece = {**piece, **whole}
             pe = per_example(config, m, piece)
             return nnx.state(m, nnx.Not(nnx.Param)), (loss_of(config, pe, piece), pe)
 
-        def group(rest: Any, piece: dict) -> tuple[Any, tuple[jax.Array, jax.Array]]:
+        def group(carry: Any, piece: dict) -> tuple[Any, tuple[jax.Array, jax.Array]]:
+            rest, params = carry
             if config.batchnorm:
-                rests, out = jax.vmap(one, in_axes=(None, 0), out_axes=0, axis_name="data")(rest, piece)
+                rests, out = jax.vmap(one, in_axes=(None, None, 0), out_axes=0, axis_name="data")(rest, params, piece)
                 rest = jax.tree.map(_average, rests)
             else:
-                rest, out = jax.lax.scan(one, rest, piece)
-            losses, pe = out
-            return rest, (jnp.mean(losses), pe.reshape(-1))
+                def next_part(c: Any, part: dict) -> tuple[Any, Any]:
+                    rest, out = one(*c, part)
+                    return (rest, c[1]), out
 
-        rest, (losses, pes) = jax.lax.scan(group, rest, rows)
+                (rest, _), out = jax.lax.scan(next_part, (rest, params), piece)
+            losses, pe = out
+            return (rest, params), (jnp.mean(losses), pe.reshape(-1))
+
+        (rest, _), (losses, pes) = jax.lax.scan(group, (rest, params), rows)
         nnx.update(model, rest)
         return jnp.mean(losses), pes.reshape(-1)
 
@@ -827,6 +834,8 @@ CURATED = (
         reshard=False,
         seed=9,
     ),
+    # a scanned stack under remat, its block the unit (#27.4): gathered one layer at a time in the loop
+    Config(mode="explicit", layout="fsdp", min_size=1, devices=8, units="stack", scan="remat", optimizer="adam", seed=11),
     # every Linear a unit (stem, blocks, head), gathered again for the backward pass
     Config(mode="explicit", layout="fsdp", min_size=1, devices=8, blocks=("linear", "linear"), units="linear", seed=10),
     # bfloat16 gathers, reductions and microbatch sums: explicit FSDP under MixedPrecision(bf16, bf16)

@@ -252,3 +252,26 @@ def test_the_plain_call_follows_changes_to_the_model(mesh8: jax.sharding.Mesh, m
     step(model, optimizer, batch)
     assert model.hidden.kernel.get_value().sharding.spec == P(None, "data")
     assert optimizer.opt_state[0].mu["hidden"]["kernel"].get_value().sharding.spec == P(None, "data")
+
+
+@pytest.mark.parametrize("mode", substrax.MODES)
+def test_the_plain_call_donates_only_what_nobody_else_holds(mesh8: jax.sharding.Mesh, mode: str) -> None:
+    """An array the user kept is never deleted under them; the state nobody else holds is donated."""
+    batch = regression_batches(1, rows=32)[0]
+    model = MLP()
+    optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
+    step = substrax.make_train_step(mse, mode, mesh=mesh8)
+    kept = model.hidden.kernel.get_value()  # held from before the first step
+    before = np.asarray(kept).copy()
+    step(model, optimizer, batch)
+    assert not kept.is_deleted() and np.array_equal(np.asarray(kept), before)
+    ran = lambda: {donate for (*_, donate), f in step._pure_steps.items() if f._cache_size()}  # noqa: E731
+    assert ran() == {False}  # the step ran undonated
+    del kept
+    step(model, optimizer, batch)
+    mu = optimizer.opt_state[0].mu["out"]["kernel"].get_value()  # held between steps
+    mu_before = np.asarray(mu).copy()
+    step(model, optimizer, batch)
+    assert not mu.is_deleted() and np.array_equal(np.asarray(mu), mu_before)
+    assert ran() == {False, True}  # donated in between
+    assert not optimizer.opt_state[0].mu["out"]["kernel"].get_value().is_deleted()

@@ -160,10 +160,11 @@ def _example() -> object:
     return module
 
 
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
 @pytest.mark.parametrize("mode", substrax.MODES)
-def test_the_example_transformer_with_its_blocks_as_units_trains_like_one_device(mode: str) -> None:
+def test_the_example_transformer_with_its_blocks_as_units_trains_like_one_device(mode: str, scan: bool) -> None:
     lm = _example()
-    sizes = {"seq": 8, "d": 16, "blocks": 2}
+    sizes = {"seq": 8, "d": 16, "blocks": 2, "scan": scan}
     tokens = np.random.default_rng(0).integers(0, 128, size=(16, 9))
     batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
     with jax.default_device(jax.devices()[0]):
@@ -172,7 +173,7 @@ def test_the_example_transformer_with_its_blocks_as_units_trains_like_one_device
     with jax.set_mesh(MESH):
         model, optimizer = lm.make_model(**sizes)
     substrax.shard_state(model, optimizer, mesh=MESH, min_size=1, units=lm.Block)
-    assert len(unit_paths(model)) == 2
+    assert len(unit_paths(model)) == (1 if scan else 2)  # scanned: one stacked unit, gathered per layer
     train = substrax.make_train_step(lm.loss_fn, mode, mesh=MESH)
     train(model, optimizer, batch)
     with jax.default_device(jax.devices()[0]):  # the loss after one step, on one device, for both

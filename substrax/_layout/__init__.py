@@ -38,7 +38,16 @@ from substrax._layout._owners import (
 )
 from substrax._layout._report import LAYOUTS, Layout, LayoutKind, LeafPlacement, LeftWhole, layout_of
 from substrax._layout._shard import epoch, shard_state
-from substrax._layout._units import RESHARD_KEY, UNIT_KEY, UNIT_SCOPE, UnitsSpec, mark_units, unit_paths
+from substrax._layout._units import (
+    RESHARD_KEY,
+    UNIT_KEY,
+    UNIT_SCOPE,
+    UnitsSpec,
+    mark_units,
+    note_layers,
+    recording_layers,
+    unit_paths,
+)
 from substrax._layout._specs import (
     check_declared_rank,
     check_mesh_axes,
@@ -59,6 +68,8 @@ __all__ = [
     "UNIT_SCOPE",
     "UnitsSpec",
     "mark_units",
+    "note_layers",
+    "recording_layers",
     "unit_paths",
     "LAYOUTS",
     "Layout",

@@ -25,7 +25,7 @@ from substrax._layout._specs import (
     with_axis,
     without_axis,
 )
-from substrax._layout._units import UnitsSpec, mark_units
+from substrax._layout._units import UnitsSpec, find_units, mark_units, stacked_modules
 from substrax._tree import adopt_assigned_arrays, path_str
 from substrax.mesh import current_mesh
 
@@ -183,12 +183,16 @@ def shard_state(
         kept = [tuple(a for a in entry_axes(e) if a in found.axis_names) for e in spec]
         return tuple(None if not k else k[0] if len(k) == 1 else k for k in kept)
 
+    unit_list = find_units(model, units, reshard_after_forward)
+    stacks = stacked_modules(model, unit_list)
     left_whole = []
     for path, mirror_paths in mirrors.items():
         variable = model_vars[path]
         shape = tuple(np.shape(variable.get_value()))
         base = base_of(variable)  # the layer's own (model-axis) splits
-        dim = None if layout == "replicated" else choose_split_dim(shape, size, min_size, base)
+        # a stack's layer axis stays whole: nnx.scan hands each layer its slice
+        taken = ("layers", *base[1:]) if any(path[: len(u)] == u for u in stacks) else base
+        dim = None if layout == "replicated" else choose_split_dim(shape, size, min_size, taken)
         if dim is None and layout != "replicated":
             reason: Any = (
                 "small"
@@ -228,7 +232,7 @@ def shard_state(
                 variable.set_metadata(declared_sharding=said if lacking else None)
     split = {p for p, v in model_vars.items() if isinstance(v, nnx.Param) and layout == "fsdp"
              and split_dim_of(spec_tuple(v), axis) is not None}  # fmt: skip
-    mark_units(model, units, reshard_after_forward, split)
+    mark_units(model, unit_list, reshard_after_forward, split)
     for obj in (model, optimizer):
         _EPOCHS[obj] = epoch(obj) + 1
     kind: LayoutKind = (

@@ -10,14 +10,20 @@ units. The explicit step runs each unit as ``substrax.explicit._units`` says.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 from flax import nnx
 
-from substrax._tree import path_str
+from substrax._tree import node_at, path_str
 
-__all__ = ["RESHARD_KEY", "UNIT_KEY", "UNIT_SCOPE", "UnitsSpec", "mark_units", "unit_paths"]
+__all__ = [
+    "RESHARD_KEY", "UNIT_KEY", "UNIT_SCOPE", "UnitsSpec", "find_units", "mark_units", "note_layers",
+    "recording_layers", "stacked_modules", "unit_paths",
+]
 
 UNIT_KEY = "fsdp_unit"
 UNIT_SCOPE = "substrax.unit"  # the jax.named_scope a unit's gathers and reduce-scatters run under
@@ -37,10 +43,8 @@ def _matcher(units: UnitsSpec) -> Callable[[Path, Any], bool]:
     )
 
 
-def mark_units(model: nnx.Module, units: UnitsSpec, reshard_after_forward: bool, split: set[Path]) -> list[Path]:
-    """Write (or, with ``units=None``, clear) each split parameter's unit; returns the units' paths.
-
-    ``split``: the paths of the parameters the layout splits (only those are gathered).
+def find_units(model: nnx.Module, units: UnitsSpec, reshard_after_forward: bool) -> list[Path]:
+    """The paths of the submodules ``units`` matches (none for ``units=None``).
 
     Raises:
       TypeError: If ``units`` is not a type, a tuple of types or a predicate, or
@@ -68,13 +72,39 @@ def mark_units(model: nnx.Module, units: UnitsSpec, reshard_after_forward: bool,
                     f"units= matched {path_str(inner, 'model')} inside {path_str(outer, 'model')}; units "
                     f"may not nest. Name only the outer modules (or only the inner ones)."
                 )
+    return found
+
+
+def stacked_modules(model: nnx.Module, units: list[Path]) -> set[Path]:
+    """The modules that read as stacks of layers (``nnx.vmap``): each unit, and each module
+    holding two or more parameters itself, whose parameters all have two or more dimensions
+    and share the first, the layer axis, which FSDP leaves whole.
+
+    (One layer has a bias or a norm's scale of one dimension, or parameters whose first
+    dimensions differ. A module that only reads as a stack, such as two square kernels,
+    is split on another dimension: the same memory.)
+    """
+    owners: dict[Path, list[tuple[int, ...]]] = {}
+    for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        owners.setdefault(tuple(path)[:-1], []).append(np.shape(variable.get_value()))
+    candidates = {p: s for p, s in owners.items() if len(s) >= 2}
+    for unit in units:
+        candidates[unit] = [np.shape(v.get_value()) for _, v in nnx.to_flat_state(nnx.state(node_at(model, unit), nnx.Param))]
+    return {p for p, shapes in candidates.items()
+            if shapes and all(len(s) >= 2 for s in shapes) and len({s[0] for s in shapes}) == 1}  # fmt: skip
+
+
+def mark_units(model: nnx.Module, found: list[Path], reshard_after_forward: bool, split: set[Path]) -> None:
+    """Write on each split parameter its unit (one of ``found``), or clear it outside every unit.
+
+    ``split``: the paths of the parameters the layout splits (only those are gathered).
+    """
     for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         owner = next((u for u in found if tuple(path)[: len(u)] == u), None) if tuple(path) in split else None
         if owner is not None:
             variable.set_metadata(**{UNIT_KEY: owner, RESHARD_KEY: reshard_after_forward})
         elif variable.get_metadata().get(UNIT_KEY) is not None:
             variable.set_metadata(**{UNIT_KEY: None, RESHARD_KEY: None})
-    return found
 
 
 def unit_paths(model: nnx.Module) -> dict[Path, bool]:
@@ -85,3 +115,24 @@ def unit_paths(model: nnx.Module) -> dict[Path, bool]:
         if meta.get(UNIT_KEY) is not None:
             found[tuple(meta[UNIT_KEY])] = bool(meta.get(RESHARD_KEY, True))
     return found
+
+
+_LAYERS: contextvars.ContextVar[dict[Path, int] | None] = contextvars.ContextVar("substrax_unit_layers", default=None)
+
+
+@contextlib.contextmanager
+def recording_layers() -> Iterator[dict[Path, int]]:
+    """Collect, while a step is traced, the units run one layer at a time (path -> layers)."""
+    found: dict[Path, int] = {}
+    token = _LAYERS.set(found)
+    try:
+        yield found
+    finally:
+        _LAYERS.reset(token)
+
+
+def note_layers(path: Path, layers: int) -> None:
+    """Record (inside ``recording_layers``) that the unit at ``path`` ran as ``layers`` calls of one layer."""
+    found = _LAYERS.get()
+    if found is not None:
+        found[path] = layers

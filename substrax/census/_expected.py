@@ -67,6 +67,8 @@ class ExpectedCollective:
       axes: the mesh axes its device groups span (``("model",)``); ``()``: any.
       in_loop: it runs once per microbatch, inside the accumulation loop (``bytes``
         counts every run), where the library's own collectives may not.
+      per_run: ``bytes`` is one run's (a layer's declared collective): the loops the
+        program runs it in (a scan over stacked layers, the microbatches) say how often.
     """
 
     kind: str
@@ -80,6 +82,7 @@ class ExpectedCollective:
     phase: str | None = None
     axes: tuple[str, ...] = ()
     in_loop: bool = False
+    per_run: bool = False
 
     @property
     def category(self) -> str:

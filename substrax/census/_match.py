@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from substrax.census._expected import REDUCTIONS, Expected, ExpectedCollective
@@ -111,13 +111,22 @@ class _Matcher:
                 j
                 for j, p in enumerate(self.parts)
                 if j not in self.taken
-                and (p.bytes_per_step if item.in_loop else p.bytes) == item.bytes
+                and self._same_bytes(item, p)
                 and self._fits(item, p)
             ]
             if free:
                 j = min(free, key=lambda j: self._preference(item, j))
                 self.assigned[i] = [j]
                 self.taken.add(j)
+                if item.per_run:  # as often as the program's loops run it: its bytes per step
+                    part = self.parts[j]
+                    self.items[i] = replace(item, bytes=part.bytes_per_step, in_loop=part.row.in_loop)
+
+    @staticmethod
+    def _same_bytes(item: ExpectedCollective, part: Part) -> bool:
+        if item.per_run:  # one run's bytes, in as many loops as it takes (inside the microbatch loop)
+            return part.bytes == item.bytes and (part.row.in_loop or not item.in_loop)
+        return (part.bytes_per_step if item.in_loop else part.bytes) == item.bytes
 
     def _combined(self) -> None:
         """Buffers XLA combined or cut differently: the required buffers still unmatched of one

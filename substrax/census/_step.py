@@ -112,41 +112,58 @@ def unit_items(
     n: int,
     precision: Any,
     communicated: Any,
+    layered: dict[Path, int] | None = None,
+    recomputed: bool = False,
 ) -> tuple[list[tuple[str, tuple[int, ...], Any, bool]], list[ExpectedCollective]]:
     """The leaves outside every FSDP unit, and each unit's expected buffers (explicit mode).
 
     Per unit and dtype: an all-gather in the forward pass, another in the backward with
     ``reshard_after_forward`` (optional: AD drops it for a unit whose input needs no
     gradient, such as the first), and one reduce-scatter of its gradient; with
-    microbatches, each runs once per microbatch, inside the loop.
+    microbatches, each runs once per microbatch, inside the loop. A stacked unit that
+    ran one layer at a time (``nnx.scan``; ``layered``: unit path -> layers, recorded
+    while the step was traced) moves one layer's buffer per iteration, inside the loop.
+    ``recomputed`` (the program recomputes under remat): each forward gather may run again.
     """
+    layered = layered or {}
     units = unit_paths(model)
     if not units:
         return leaves, []
-    owner = {
-        path_str(tuple(p), "model"): tuple(v.get_metadata()[UNIT_KEY])
-        for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
-        if v.get_metadata().get(UNIT_KEY) is not None
-    }
+    owner, others = {}, {}  # each unit parameter's unit, and the other axes it is split over
+    for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        if v.get_metadata().get(UNIT_KEY) is not None:
+            owner[path_str(tuple(p), "model")] = tuple(v.get_metadata()[UNIT_KEY])
+            axes = {a for entry in spec_tuple(v) or () for a in entry_axes(entry)} - {options.data_axis}
+            others[path_str(tuple(p), "model")] = tuple(sorted(axes))
     k = options.microbatches
-    moved: dict[tuple[Path, str, str], int] = {}  # (unit, pass, dtype) -> elements
+    # (unit, pass, dtype, other axes) -> elements: a buffer per dtype and per set of other
+    # axes (a parameter split over model and one whole over it do not share one)
+    moved: dict[tuple[Path, str, str, tuple[str, ...]], int] = {}
     for path, shape, dtype, _ in leaves:
         if path in owner:
             for kind, want in (("gather", None if precision is None else precision.param_dtype),
                                ("reduce", None if precision is None else precision.reduce_dtype)):  # fmt: skip
                 floating = jnp.issubdtype(np.dtype(dtype), jnp.floating)
-                key = (owner[path], kind, np.dtype(want if want is not None and floating else dtype).name)
+                key = (owner[path], kind, np.dtype(want if want is not None and floating else dtype).name, others[path])
                 moved[key] = moved.get(key, 0) + math.prod(shape)
     items = []
-    for (unit, kind, dtype), elements in moved.items():
+    for (unit, kind, dtype, _), elements in moved.items():
         size = _itemsize(dtype, communicated)
-        buffer = f"{_hlo_type(dtype, size)}[{n},{elements // n}]"
+        layers = layered.get(unit, 1)
+        buffer = f"{_hlo_type(dtype, size)}[{n},{elements // (n * layers)}]"
         name = path_str(unit, "model")
-        common = dict(scopes=(UNIT_SCOPE,), buffer=buffer, in_loop=k > 1)
+        common = dict(scopes=(UNIT_SCOPE,), buffer=buffer, in_loop=k > 1 or layers > 1)
         if kind == "reduce":
             items.append(ExpectedCollective("reduce-scatter", f"unit {name}", elements * size * k, "gradients", **common))
             continue
         items.append(ExpectedCollective("all-gather", f"unit {name} forward", elements * size * k, "parameters", **common))
+        if recomputed:  # under nnx.remat the forward pass runs again in the backward, gather and all
+            items.append(
+                ExpectedCollective(
+                    "all-gather", f"unit {name} forward, recomputed", elements * size * k, "parameters",
+                    optional=True, why="run again only where the unit is under remat (nnx.remat)", **common,
+                )
+            )  # fmt: skip
         if units[unit]:  # reshard_after_forward: gathered again for the backward pass
             items.append(
                 ExpectedCollective(
@@ -159,29 +176,49 @@ def unit_items(
 
 
 def layer_items(
-    layers: Sequence[Declared], microbatches: int, sizes: dict[str, int] | None = None
+    layers: Sequence[Declared], microbatches: int, sizes: dict[str, int] | None = None, recomputed: bool = False
 ) -> list[ExpectedCollective]:
     """One expected buffer per collective a layer declared (``substrax.nn.declare_forward``, ...).
 
     ``layers``: what ``substrax.nn._declared.recording`` collected while the step was
-    traced: each layer's collectives per execution, forward and backward. With
-    microbatches they run once per microbatch, inside the accumulation loop. Each must
+    traced: each layer's collectives per execution, forward and backward. They run as
+    often as the program's loops run the layer (``per_run``: once per microbatch inside
+    the accumulation loop, once per layer of a scanned stack). Each must
     run over its axis, unless ``sizes`` (the mesh's axis sizes) gives that axis one
-    device: groups of one device span no axis the census can name.
+    device: groups of one device span no axis the census can name. ``recomputed`` (the
+    program recomputes under remat): each forward collective may run again, in the backward.
     """
+    again = [i for i in layers if i.phase == "forward"] if recomputed else []
     return [
         ExpectedCollective(
             i.kind,
             f"{i.layer} {i.phase}: {i.why}",
-            i.bytes * microbatches,
+            i.bytes,
             "model",
             scopes=(None, MODEL_SCOPE),  # substrax.nn's own scope, or none (a layer of yours; AD's transposes)
             buffer=i.buffer,
             phase=i.phase,
             axes=() if (sizes or {}).get(i.axis) == 1 else (i.axis,),
             in_loop=microbatches > 1,
+            per_run=True,
         )
         for i in layers
+    ] + [
+        ExpectedCollective(
+            i.kind,
+            f"{i.layer} forward, recomputed: {i.why}",
+            i.bytes,
+            "model",
+            scopes=(None, MODEL_SCOPE),
+            buffer=i.buffer,
+            phase="backward",
+            axes=() if (sizes or {}).get(i.axis) == 1 else (i.axis,),
+            in_loop=microbatches > 1,
+            per_run=True,
+            optional=True,
+            why="run again only where the layer is under remat (nnx.remat)",
+        )
+        for i in again
     ]
 
 
@@ -350,6 +387,7 @@ def check_communication(
     options: StepOptions,
     *,
     layers: Sequence[Declared] = (),
+    layered: dict[Path, int] | None = None,
 ) -> Comparison:
     """Compile a lowered step, take its census, and compare it with what the step should communicate.
 
@@ -362,7 +400,8 @@ def check_communication(
     metrics, the optimizer update's own census, and in explicit mode the optional
     average of each BatchNorm statistic, and what ``substrax.nn``'s layers said they
     communicate while ``lowered`` was traced (``layers``; explicit mode: each layer's
-    collectives over the model axis, forward and backward; ``layer_items``). Over an
+    collectives over the model axis, forward and backward; ``layer_items``), with the
+    FSDP units that ran one layer at a time (``layered``; ``unit_items``). Over an
     axis those run on, a buffer no layer said is a difference. The explicit step's collectives are matched
     under the ``jax.named_scope`` each is written in (``substrax.grad_reduce``, ...),
     so a buffer the library adds twice is a difference. Collectives the model's forward
@@ -378,6 +417,7 @@ def check_communication(
     with _mesh_context(options):
         layout = layout_of(model, optimizer, mesh=options.mesh, axis=options.data_axis)
     report = census(compiled, mesh=options.mesh)
+    recomputed = any("rematted_computation" in (p.op_name or "") for row in report.rows for p in row.parts)
     out = lowered.out_info[1]  # the step's (loss, metrics), as shapes and dtypes
     loss_dtype = out[0].dtype if options.has_aux else out.dtype
     sizes = _axis_sizes(options, model, optimizer)
@@ -391,7 +431,7 @@ def check_communication(
             [], layout=layout.kind, mode=options.mode, microbatches=options.microbatches, loss_bytes=0,
             update=update,
         )  # fmt: skip
-        expected = expected.with_items(layer_items(layers, options.microbatches, sizes))
+        expected = expected.with_items(layer_items(layers, options.microbatches, sizes, recomputed))
         # what the model issues itself (BatchNorm's psum over a size-1 axis_name) is attributed
         return compare(report, expected, attribute_model=True)
     metrics = _metric_items(out, options.has_aux)
@@ -418,7 +458,9 @@ def check_communication(
     leaves = parameter_leaves(model, optimizer, options.data_axis, sizes)
     units: list[ExpectedCollective] = []
     if options.mode == "explicit":  # a unit's parameters move together (substrax.explicit._units)
-        leaves, units = unit_items(model, leaves, options, sizes[options.data_axis], precision, widened)
+        leaves, units = unit_items(
+            model, leaves, options, sizes[options.data_axis], precision, widened, layered, recomputed
+        )
     expected = expected_communication(
         leaves,
         layout=layout.kind,
@@ -429,7 +471,7 @@ def check_communication(
         precision=precision,
         communicated_dtype=widened,
     )
-    items = [*expected.items, *units, *metrics, *layer_items(layers, options.microbatches, sizes)]
+    items = [*expected.items, *units, *metrics, *layer_items(layers, options.microbatches, sizes, recomputed)]
     gathered = any(i.kind == "all-gather" for i in metrics)
     scoped = any(library_scope(p.op_name) for row in report.rows for p in row.parts)
     if options.mode == "explicit":

@@ -5,7 +5,8 @@ A unit is a submodule ``substrax.shard_state(..., units=...)`` named
 ``shard_map`` each unit keeps its parameters split; calling it runs ``run_unit``, a
 custom VJP:
 
-- forward: one all-gather per dtype of the unit's split parameters (once its input
+- forward: one all-gather per dtype of the unit's split parameters (and per set of
+  other axes they are split over: a tensor-parallel layer's ``model``) (once its input
   exists, so it cannot run ahead of the layer before), the module on the whole
   parameters, and the module's residuals kept without the gathered parameters;
 - backward: the parameters gathered again (once the cotangent exists;
@@ -29,7 +30,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from substrax._layout import UNIT_SCOPE as SCOPE
-from substrax._tree import node_at
+from substrax._layout import note_layers
+from substrax._collectives import varying_axes
+from substrax._tree import node_at, path_str
+from substrax.nn import _declared as declared
 
 
 __all__ = ["run_unit", "units_running"]
@@ -62,7 +66,11 @@ def units_running(model: nnx.Module, units: dict[Path, bool], data_axis: str, pl
     swapped = []
     for path, reshard in units.items():
         node = node_at(model, path)
-        object.__setattr__(node, "_substrax_unit", _UnitRun(path, reshard, data_axis, plans, split, param_dtype, reduce_dtype))
+        run = _UnitRun(path, reshard, data_axis, plans, split, param_dtype, reduce_dtype)
+        for rel, variable in nnx.to_flat_state(nnx.state(node, nnx.Param)):
+            if tuple(rel) in run.dims:
+                run.shapes[tuple(rel)] = tuple(variable.get_value().shape)
+        object.__setattr__(node, "_substrax_unit", run)
         swapped.append((node, type(node)))
         object.__setattr__(node, "__class__", _unit_class(type(node)))
     try:
@@ -78,24 +86,66 @@ class _UnitRun:
                  param_dtype: Any, reduce_dtype: Any) -> None:  # fmt: skip
         self.path, self.reshard, self.axis = path, reshard, axis
         self.dims = {p[len(path) :]: plans[p].gather_dim for p in split if p[: len(path)] == path}
+        self.shapes: dict[Path, tuple[int, ...]] = {}  # each split parameter's local shape, as placed
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+
+    def dim_of(self, rel: Path, shape: tuple[int, ...]) -> int:
+        """The split dimension of the parameter at ``rel`` whose value (or one layer of it) has ``shape``.
+
+        Inside ``nnx.scan`` over a stacked unit each call sees one layer: the placed
+        shape without its leading (layer) axis, and the split dimension one lower.
+        """
+        placed, dim = self.shapes[rel], self.dims[rel]
+        if shape == placed:
+            return dim
+        if shape == placed[1:] and dim > 0:
+            note_layers(self.path, placed[0])  # for the census: gathered per layer, inside a loop
+            return dim - 1
+        raise ValueError(
+            f"FSDP unit {path_str(self.path, 'model')}: its parameter {path_str(rel, 'unit')} has "
+            f"local shape {placed} but the unit was called with {shape}. A stacked unit may be "
+            f"applied whole or one layer at a time by nnx.scan over its leading axis (in_axes=0); "
+            f"scan over axis 0, or name the layer module inside the stack as the unit."
+        )
 
 
 def _after(x: jax.Array, anchor: Any) -> jax.Array:
-    """``x``, computed only once ``anchor`` exists: a data dependency XLA keeps (a barrier it drops on CPU)."""
-    leaves = [a for a in jax.tree.leaves(anchor) if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.inexact)]
+    """``x``, computed only once ``anchor`` exists: a data dependency XLA keeps (a barrier it drops on CPU).
+
+    Only on a leaf of ``anchor`` that varies over no mesh axis ``x`` does not: the
+    dependency must not change ``x``'s type (``check_vma``).
+    """
+    axes = _vma(x, "")
+    leaves = [
+        a for a in jax.tree.leaves(anchor)
+        if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.inexact) and _vma(a, "") <= axes
+    ]  # fmt: skip
     if not leaves:
         return x
     first = jnp.ravel(leaves[0])[0]
     return x + (first * 0).astype(x.dtype)
 
 
+def _groups(xs: list[jax.Array], types: list[Any]) -> list[list[int]]:
+    """``xs``'s indices by ``types``: one buffer per dtype and set of other axes a value varies over.
+
+    A parameter split over a second axis (``model``) and one whole over it cannot share
+    a buffer: the joined buffer would vary over that axis (``check_vma``) for both.
+    """
+    keys = [(x.dtype, t) for x, t in zip(xs, types, strict=True)]
+    return [[i for i, k in enumerate(keys) if k == key] for key in dict.fromkeys(keys)]
+
+
+def _vma(x: jax.Array, axis: str) -> frozenset[str]:
+    """The mesh axes other than ``axis`` that ``x`` varies over."""
+    return (varying_axes(x) or frozenset()) - {axis}
+
+
 def _gather(shards: list[jax.Array], dims: list[int], axis: str) -> list[jax.Array]:
-    """Whole values of ``shards`` (split on ``dims`` over ``axis``): one all-gather per dtype."""
+    """Whole values of ``shards`` (split on ``dims`` over ``axis``): one all-gather per ``_groups`` group."""
     n = jax.lax.axis_size(axis)
     out: list[Any] = [None] * len(shards)
-    for dtype in dict.fromkeys(s.dtype for s in shards):
-        idx = [i for i, s in enumerate(shards) if s.dtype == dtype]
+    for idx in _groups(shards, [_vma(s, axis) for s in shards]):
         flat = jnp.concatenate([jnp.ravel(shards[i]) for i in idx])
         with jax.named_scope(SCOPE):
             stacked = jax.lax.all_gather(flat, axis, axis=0, tiled=False)  # (n, total)
@@ -111,13 +161,13 @@ def _gather(shards: list[jax.Array], dims: list[int], axis: str) -> list[jax.Arr
 
 
 def _scatter(grads: list[jax.Array], shapes: list[tuple[int, ...]], dims: list[int], axis: str,
-             dtype: Any) -> list[jax.Array]:  # fmt: skip
-    """The transpose of ``_gather``: each whole gradient reduce-scattered, one buffer per dtype."""
+             dtype: Any, types: list[Any]) -> list[jax.Array]:  # fmt: skip
+    """The transpose of ``_gather``: each whole gradient reduce-scattered, one buffer per group
+    (``types``: the other axes each parameter's shard varies over)."""
     n = jax.lax.axis_size(axis)
     out: list[Any] = [None] * len(grads)
     moved = [g if dtype is None else g.astype(dtype) for g in grads]
-    for dt in dict.fromkeys(g.dtype for g in moved):
-        idx = [i for i, g in enumerate(moved) if g.dtype == dt]
+    for idx in _groups(moved, types):
         rows = []
         for i in idx:
             g, d, shape = moved[i], dims[i], shapes[i]
@@ -140,10 +190,11 @@ def run_unit(module: nnx.Module, call: Any, args: tuple[Any, ...], kwargs: dict[
     flat = list(nnx.to_flat_state(state))
     split_at = [i for i, (p, v) in enumerate(flat) if isinstance(v, nnx.Param) and run.dims.get(tuple(p)) is not None]
     other_at = [i for i in range(len(flat)) if i not in set(split_at)]
-    dims = [run.dims[tuple(flat[i][0])] for i in split_at]
     shards = [flat[i][1].get_value() for i in split_at]
+    dims = [run.dim_of(tuple(flat[i][0]), tuple(s.shape)) for i, s in zip(split_at, shards, strict=True)]
     shapes = [tuple(s.shape) for s in shards]
     shard_dtypes = [s.dtype for s in shards]
+    shard_types = [_vma(s, run.axis) for s in shards]
     others = [flat[i][1].get_value() for i in other_at]
     in_leaves, in_tree = jax.tree.flatten((args, kwargs))
     arrays_at = [i for i, x in enumerate(in_leaves) if isinstance(x, jax.Array)]
@@ -172,7 +223,8 @@ def run_unit(module: nnx.Module, call: Any, args: tuple[Any, ...], kwargs: dict[
 
     @jax.custom_vjp
     def unit(shards: list[Any], others: list[Any], arrays: list[Any]) -> tuple[Any, list[Any]]:
-        return apply(_gather(cast([_after(s, arrays) for s in shards]), dims, run.axis), others, arrays)
+        with declared.silenced():  # traced beside ``forward``, which records the layers' collectives
+            return apply(_gather(cast([_after(s, arrays) for s in shards]), dims, run.axis), others, arrays)
 
     def forward(shards: list[Any], others: list[Any], arrays: list[Any]) -> tuple[Any, Any]:
         wholes = _gather(cast([_after(s, arrays) for s in shards]), dims, run.axis)
@@ -193,7 +245,7 @@ def run_unit(module: nnx.Module, call: Any, args: tuple[Any, ...], kwargs: dict[
             wholes = _gather(cast([_after(s, ct) for s in shards]), dims, run.axis)
             vjp = jax.tree.unflatten(tree, [wholes[w] if w >= 0 else x for x, w in zip(vjp, where)])
         d_wholes, d_others, d_arrays = vjp(ct)
-        d_shards = _scatter(d_wholes, shapes, dims, run.axis, run.reduce_dtype)
+        d_shards = _scatter(d_wholes, shapes, dims, run.axis, run.reduce_dtype, shard_types)
         d_shards = [g.astype(dt) for g, dt in zip(d_shards, shard_dtypes, strict=True)]
         return d_shards, d_others, d_arrays
 
