@@ -69,6 +69,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/precision.py --quick --json benchmarks/results/precision_quick.json
 	$(PY) benchmarks/tensor_parallel.py --quick --json benchmarks/results/tensor_parallel_quick.json
 	$(PY) benchmarks/memory.py --quick --json benchmarks/results/memory_quick.json
+	$(PY) benchmarks/units.py --quick --json benchmarks/results/units_quick.json
+	$(PY) benchmarks/hsdp.py --json benchmarks/results/hsdp_quick.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -140,7 +140,7 @@ def fmt_bytes(n: int | None) -> str:
 
 
 FAILED = ("error", "census_error")  # what a row records when its spelling, or its census, raised
-LABELS = ("model", "width", "devices", "mesh", "spelling", "mode", "name", "op", "size_bytes")
+LABELS = ("model", "width", "depth", "scan", "devices", "mesh", "spelling", "mode", "name", "op", "size_bytes")
 
 
 def failures(rows: Iterable[dict[str, Any]]) -> list[str]:

@@ -22,6 +22,7 @@ from substrax import explicit, mesh, nn, spmd
 from substrax._layout import LAYOUTS, Layout, LeafPlacement, layout_of, shard_state
 from substrax._precision import MixedPrecision
 from substrax._skips import NonFiniteStepsError, SkippedStepWarning
+from substrax._options import StepOptions
 from substrax._train_step import MODES, BoundTrainStep, TrainStep, make_train_step
 from substrax.census import CensusReport, Comparison, Expected, census, compare, expected_communication
 
@@ -53,6 +54,7 @@ __all__ = [
     "MixedPrecision",
     "NonFiniteStepsError",
     "SkippedStepWarning",
+    "StepOptions",
     "TrainStep",
     "__version__",
     "census",

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from substrax._collectives import axes_of
 from substrax._specs import check_fits, check_spec_axes, spec_axes
 from substrax._tree import KeyPath, PyTree, broadcast_prefix, path_str
 
@@ -87,7 +88,7 @@ def warn_float64(
             )
 
 
-def batch_partition_specs(batch: PyTree, batch_spec: Any, mesh: Any, data_axis: str) -> PyTree:
+def batch_partition_specs(batch: PyTree, batch_spec: Any, mesh: Any, data_axis: str | tuple[str, ...]) -> PyTree:
     """One PartitionSpec per leaf of ``batch``: how a step splits it over the mesh.
 
     Args:
@@ -98,7 +99,7 @@ def batch_partition_specs(batch: PyTree, batch_spec: Any, mesh: Any, data_axis: 
         ``PartitionSpec()`` (replicated) on every 0-d leaf, which has no rows to split
         (a batch-level scalar; inside ``jax.jit`` the step cannot see how it was placed).
       mesh: The mesh.
-      data_axis: The batch axis.
+      data_axis: The batch axis, or a tuple of them (rows over ``("replica", "data")``).
 
     Returns:
       A tree of PartitionSpecs with the structure of ``batch``.
@@ -135,10 +136,12 @@ def batch_partition_specs(batch: PyTree, batch_spec: Any, mesh: Any, data_axis: 
     return jax.tree.unflatten(treedef, specs)
 
 
-def _rows_over(shape: tuple[int, ...], spec: PartitionSpec, data_axis: str) -> int | None:
-    """The size of the dimension ``spec`` splits over ``data_axis``: the leaf's rows (None if none)."""
+def _rows_over(shape: tuple[int, ...], spec: PartitionSpec, data_axis: str | tuple[str, ...]) -> int | None:
+    """The size of the dimension ``spec`` splits over ``data_axis`` (an axis, or a tuple of
+    them for hybrid sharding): the leaf's rows (None if none)."""
+    wanted = set(axes_of(data_axis))
     for dim, entry in enumerate(spec):
-        if data_axis in spec_axes(entry) and dim < len(shape):
+        if wanted & set(spec_axes(entry)) and dim < len(shape):
             return shape[dim]
     return None
 

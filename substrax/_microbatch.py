@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from substrax._specs import spec_axes
 from substrax._tree import PyTree, path_str
 
 __all__ = ["check_microbatches", "fold_microbatch_metrics", "microbatched", "split_microbatches"]
@@ -66,6 +67,31 @@ def check_microbatches(
                 f"microbatches. Make the rows per device a multiple of {microbatches}, or pick a "
                 f"microbatch count that divides {rows}."
             )
+
+
+def split_rows_over(specs: PyTree, data_axis: str, hybrid: str | tuple[str, ...]) -> str | tuple[str, ...]:
+    """The axes the batch's rows are split over: ``hybrid`` (``("replica", "data")``) when a
+    leaf's rows name the replica axis, else ``data_axis`` (a batch placed over ``data``
+    only is the same on every replica, and reduced over ``data`` alone).
+
+    Raises:
+      ValueError: If some leaves split their rows over the replica axis and others not.
+    """
+    if not isinstance(hybrid, tuple):
+        return data_axis
+    replicas = set(hybrid) - {data_axis}
+    kinds = {
+        bool(replicas & set(spec_axes(spec[0])))
+        for spec in jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
+        if _has_rows(spec)
+    }
+    if len(kinds) > 1:
+        raise ValueError(
+            f"Some of the batch's leaves split their rows over {sorted(replicas)} and {data_axis!r}, "
+            f"others over {data_axis!r} alone; place every per-example leaf the same way "
+            f"(create_data_parallel_sharding(mesh) splits rows over both)."
+        )
+    return hybrid if kinds == {True} or not kinds else data_axis
 
 
 def split_microbatches(shard: PyTree, specs: PyTree, data_axis: str, microbatches: int) -> PyTree:

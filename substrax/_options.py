@@ -37,6 +37,8 @@ class StepOptions:
       skip_nonfinite: Whether a non-finite step skips its update.
       precision: A ``MixedPrecision`` policy, or ``None`` (compute in the parameters' dtype).
       max_skips_in_a_row: Skipped steps in a row after which ``TrainStep`` raises, or ``None``.
+      replica_axis: On a mesh with this axis (HSDP), the batch's rows are split over it
+        and ``data_axis`` together (``row_axes``); the state is replicated over it.
 
     Raises:
       ValueError: If ``mode`` is unknown, ``reduce`` is given without ``has_aux`` or
@@ -56,6 +58,7 @@ class StepOptions:
     skip_nonfinite: bool = True
     precision: MixedPrecision | None = None
     max_skips_in_a_row: int | None = DEFAULT_MAX_SKIPS
+    replica_axis: str = "replica"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -81,6 +84,14 @@ class StepOptions:
             raise TypeError(
                 f"precision must be a substrax.MixedPrecision policy or None; got {self.precision!r}."
             )
+
+    def row_axes(self, mesh: Any) -> str | tuple[str, ...]:
+        """The mesh axes the batch's rows are split over: ``data_axis``, after
+        ``replica_axis`` where ``mesh`` has it (hybrid sharding: ``("replica", "data")``)."""
+        names = tuple(getattr(mesh, "axis_names", ()) or ())
+        if self.replica_axis in names and self.replica_axis != self.data_axis:
+            return (self.replica_axis, self.data_axis)
+        return self.data_axis
 
     def replace(self, **changes: Any) -> StepOptions:
         """A copy with ``changes``, checked again."""

@@ -22,20 +22,25 @@ __all__ = [
 ]
 
 
-def create_data_parallel_sharding(mesh: Mesh, data_axis: str = "data") -> NamedSharding:
+def create_data_parallel_sharding(mesh: Mesh, data_axis: str = "data", replica_axis: str = "replica") -> NamedSharding:
     """Create the sharding that splits a batch's leading axis over a mesh axis.
 
     Args:
       mesh: The device mesh to use for sharding.
       data_axis: The name of the mesh axis to use for data parallelism.
+      replica_axis: On a mesh that also has this axis (hybrid sharding), the rows are
+        split over it and ``data_axis`` together, replicas outer.
 
     Returns:
-      A NamedSharding over ``mesh`` with spec ``PartitionSpec(data_axis)``.
+      A NamedSharding over ``mesh`` with spec ``PartitionSpec(data_axis)``, or
+      ``PartitionSpec((replica_axis, data_axis))`` on a hybrid mesh.
 
     Raises:
       ValueError: If ``data_axis`` is not an axis of ``mesh``; names the mesh's axes.
     """
     check_spec_axes(PartitionSpec(data_axis), mesh, where="create_data_parallel_sharding")
+    if replica_axis in mesh.axis_names and replica_axis != data_axis:
+        return NamedSharding(mesh, PartitionSpec((replica_axis, data_axis)))
     return NamedSharding(mesh, PartitionSpec(data_axis))
 
 

@@ -22,6 +22,7 @@ split holds them (``SplitState.unshared``, by reference count): an array the use
 from __future__ import annotations
 
 import functools
+import operator
 import sys
 import weakref
 from collections.abc import Mapping
@@ -37,15 +38,26 @@ from substrax._tree import adopt_assigned_arrays
 
 __all__ = ["SplitState"]
 
-def _items(node: Any) -> tuple[tuple[Any, Any], ...]:
-    """A node's children by key: a module's attributes, a dict's items, a list's elements."""
+def _items(node: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """A node's children: its keys and its values (a module's attributes, a dict's items, a list's elements)."""
     if isinstance(node, nnx.Pytree):
-        return tuple((k, v) for k, v in vars(node).items() if k != "_pytree__state")
-    if isinstance(node, nnx.State):  # its items are views made afresh; the mapping under them is not
-        return tuple(node.raw_mapping.items())
-    if isinstance(node, Mapping):
-        return tuple(node.items())
-    return tuple(enumerate(node))
+        d = vars(node)
+    elif isinstance(node, nnx.State):  # its items are views made afresh; the mapping under them is not
+        d = node.raw_mapping
+    elif isinstance(node, Mapping):
+        d = node
+    else:
+        return (len(node),), tuple(node)
+    return tuple(d), tuple(d.values())
+
+
+def _same(now: tuple[tuple[Any, ...], tuple[Any, ...]], saved: tuple[tuple[Any, ...], tuple[Any, ...]]) -> bool:
+    """The same keys, each holding the same object (a module's own ``_pytree__state`` aside)."""
+    if now[0] != saved[0]:
+        return False
+    if all(map(operator.is_, now[1], saved[1])):
+        return True
+    return all(a is b or k == "_pytree__state" for k, a, b in zip(now[0], now[1], saved[1]))
 
 
 def _is_mutable_node(node: Any) -> bool:
@@ -58,10 +70,11 @@ class SplitState:
     Args:
       model: The model.
       optimizer: Its optimizer.
-      make_jitted: ``(graphdef, treedef) -> jitted pure step`` for this graph.
+      make_jitted: ``(graphdef, treedef, donate) -> jitted pure step`` for this graph.
+      donate: Whether ``jitted`` (the step a ``bind`` runs) donates the arrays.
     """
 
-    def __init__(self, model: nnx.Module, optimizer: nnx.Optimizer, make_jitted: Any) -> None:
+    def __init__(self, model: nnx.Module, optimizer: nnx.Optimizer, make_jitted: Any, donate: bool = False) -> None:
         adopt_assigned_arrays(optimizer)
         graphdef, state = nnx.split((model, optimizer))
         is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
@@ -76,7 +89,15 @@ class SplitState:
         self._snapshot = [_items(n) for n in self._nodes]
         self._epochs = (_layout.epoch(model), _layout.epoch(optimizer))
         self._written: list[Any] = [v.get_raw_value() for v in self.variables]
-        self.jitted = make_jitted(graphdef, self.treedef)
+        self._make_jitted = make_jitted
+        self._jitted: dict[bool, Any] = {}  # by donation: hashing the graph per call costs a millisecond
+        self.jitted = self.jitted_for(donate)
+
+    def jitted_for(self, donate: bool) -> Any:
+        """The jitted pure step for this graph, donating its arrays or not."""
+        if donate not in self._jitted:
+            self._jitted[donate] = self._make_jitted(*self.graph, donate)
+        return self._jitted[donate]
 
     def valid_for(self, model: nnx.Module, optimizer: nnx.Optimizer) -> bool:
         """Whether ``model`` and ``optimizer`` still have the graph this split saw."""
@@ -86,11 +107,7 @@ class SplitState:
             or self._epochs != (_layout.epoch(model), _layout.epoch(optimizer))
         ):
             return False
-        for node, saved in zip(self._nodes, self._snapshot, strict=True):
-            now = _items(node)
-            if len(now) != len(saved) or any(k != k0 or v is not v0 for (k, v), (k0, v0) in zip(now, saved)):
-                return False
-        return True
+        return all(map(_same, map(_items, self._nodes), self._snapshot))
 
     def arrays(self) -> list[jax.Array]:
         """The variables' current values; a value set since the last write is cast and placed like it."""

@@ -15,10 +15,15 @@ import optax  # noqa: E402
 import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
 
+import substrax  # noqa: E402
 from substrax.mesh import create_device_mesh  # noqa: E402
 
 
 from models import MLP, mse, regression_batches  # noqa: E402,F401  (re-exported for the tests)
+
+
+# The layouts of a mesh with one data axis; "hsdp" needs a replica axis too (tests/test_hsdp.py).
+FLAT_LAYOUTS = tuple(layout for layout in substrax.LAYOUTS if layout != "hsdp")
 
 
 def params_of(model: nnx.Module) -> dict[str, np.ndarray]:

@@ -40,7 +40,7 @@ TASKS = ("regress", "classify")  # squared error on 2 outputs; cross-entropy ove
 SGD_FAMILY = ("sgd", "momentum", "clip_sgd")
 ADAM_FAMILY = ("adam", "adamw_masked", "clip_adamw", "adafactor", "lamb", "multisteps", "muon", "multi_transform")
 OPTIMIZERS = ADAM_FAMILY + SGD_FAMILY
-LAYOUTS = ("fsdp", "zero1", "replicated")
+LAYOUTS = ("fsdp", "zero1", "replicated", "hsdp")  # hsdp: on (replica=2, data=devices/2)
 MIN_SIZES = (1, None)  # None: shard_state's default (1024)
 MODES = ("explicit", "implicit")
 MICROBATCHES = (2, 1, 4)
@@ -133,7 +133,7 @@ class Config:
         extras = [self.batch_tree] + ["mask"] * self.mask + ["scale"] * self.scale + [self.placement]
         aux = "" if self.metrics is None else " aux(" + ",".join(str(m) for m in self.metrics) + ")"
         precision = "" if self.precision is None else f" {self.precision}"
-        if self.units is not None and self.layout == "fsdp":
+        if self.units is not None and self.layout in ("fsdp", "hsdp"):
             precision += f" units={self.units}{'' if self.reshard else '/keep'}"
         if self.scan is not None:
             precision += f" {self.scan}"
@@ -177,7 +177,7 @@ def configs() -> st.SearchStrategy[Config]:
 
 def units_of(config: Config) -> Any:
     """The ``units=`` ``shard_state`` gets: None, each block, every ``nnx.Linear``, or the scanned stack."""
-    if config.layout != "fsdp" or config.units is None:
+    if config.layout not in ("fsdp", "hsdp") or config.units is None:
         return None
     if config.units == "linear":
         return nnx.Linear
@@ -384,10 +384,12 @@ def unpack(config: Config, tree: Any) -> dict[str, Any]:
 
 
 def batch_specs(config: Config) -> Any:
-    """The batch's PartitionSpec tree: rows over "data", the batch-level scalar replicated."""
-    specs = {"x": P("data"), "y": P("data")}
+    """The batch's PartitionSpec tree: rows over "data" (hsdp: over "replica" and "data"), the
+    batch-level scalar replicated."""
+    rows = P(("replica", "data")) if config.layout == "hsdp" else P("data")
+    specs = {"x": rows, "y": rows}
     if config.mask:
-        specs["mask"] = P("data")
+        specs["mask"] = rows
     if config.scale:
         specs["scale"] = P()
     return pack(config, specs)

@@ -34,6 +34,8 @@ TIMED = {  # in the order they are started: the longest first
     "layouts": "median_us",
     "collectives": "median_us",
     "memory": "peak_bytes",  # compiled, not run: its rows measure memory
+    "units": "median_us",
+    "hsdp": "bytes_per_step",  # compiled, not run: its rows measure bytes
 }
 FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 

@@ -471,8 +471,13 @@ def _first_line(e: BaseException) -> str:
 def device_run(config: Config, batches: list[dict]) -> DeviceRun:
     """Train with ``make_train_step`` on ``config.devices`` devices; check layout, census, gradients."""
     out = DeviceRun()
-    mesh = create_device_mesh({"data": config.devices}, devices=jax.devices()[: config.devices])
-    model, optimizer = build(config, sync_axis="data" if config.mode == "explicit" else None)
+    devices = jax.devices()[: config.devices]
+    hybrid = config.layout == "hsdp"  # the rows over (replica, data), the state split over data only
+    replicas = 2 if hybrid and config.devices >= 2 else 1
+    shape = {"replica": replicas, "data": config.devices // replicas} if hybrid else {"data": config.devices}
+    mesh = create_device_mesh(shape, devices=devices)
+    sync = ("replica", "data") if hybrid else "data"  # a synchronized BatchNorm sees the global batch
+    model, optimizer = build(config, sync_axis=sync if config.mode == "explicit" else None)
     try:
         if config.layout != "replicated":
             size: dict[str, Any] = {} if config.min_size is None else {"min_size": config.min_size}
@@ -480,7 +485,7 @@ def device_run(config: Config, batches: list[dict]) -> DeviceRun:
                 model,
                 optimizer,
                 mesh=mesh,
-                params=config.layout == "fsdp",
+                layout=config.layout,
                 units=units_of(config),
                 reshard_after_forward=config.reshard,
                 **size,
@@ -836,6 +841,11 @@ CURATED = (
     ),
     # a scanned stack under remat, its block the unit (#27.4): gathered one layer at a time in the loop
     Config(mode="explicit", layout="fsdp", min_size=1, devices=8, units="stack", scan="remat", optimizer="adam", seed=11),
+    # hybrid sharding (#28): FSDP within each of 2 replicas, units, microbatches, synchronized BatchNorm
+    Config(
+        mode="explicit", layout="hsdp", min_size=1, devices=8, microbatches=2, blocks=("linear", "batchnorm_sync"),
+        units="blocks", optimizer="adam", seed=12,
+    ),  # fmt: skip
     # every Linear a unit (stem, blocks, head), gathered again for the backward pass
     Config(mode="explicit", layout="fsdp", min_size=1, devices=8, blocks=("linear", "linear"), units="linear", seed=10),
     # bfloat16 gathers, reductions and microbatch sums: explicit FSDP under MixedPrecision(bf16, bf16)

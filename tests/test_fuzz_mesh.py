@@ -3,7 +3,7 @@
 Hypothesis draws a ``MeshConfig``: the mesh shape (``data`` x ``model``, 1 to 8 devices,
 ``model`` absent or of size 1, 2, 4 or 8), the mode, the layout, microbatches, the optimizer,
 the model (``substrax.nn`` attention with 2, 4 or 8 heads, causal or not, and a
-column/row MLP, 1 or 2 blocks, width) and the seed. ``check`` trains it for a few steps
+column/row MLP, 1 or 2 blocks, width), the seed, and under FSDP whether each layer is a unit. ``check`` trains it for a few steps
 with ``substrax.make_train_step`` and, separately, with a plain one-device reference
 (``nnx.value_and_grad`` and ``optimizer.update`` under ``nnx.jit``, no mesh: the layers
 are plain ones there), and holds the losses and the parameters to it: strictly (float32
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import params_of
+from conftest import FLAT_LAYOUTS, params_of
 from flax import nnx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -81,6 +81,7 @@ class MeshConfig:
     width: int = 16
     seed: int = 0
     steps: int = 2
+    units: bool = False  # under FSDP: each tensor-parallel layer (attention, up, down) an FSDP unit
 
     @property
     def shape(self) -> dict[str, int]:
@@ -98,7 +99,7 @@ def mesh_configs(draw: st.DrawFn) -> MeshConfig:
         mode=draw(st.sampled_from(substrax.MODES)),
         data=data,
         model=model,
-        layout=draw(st.sampled_from(substrax.LAYOUTS)),
+        layout=draw(st.sampled_from(FLAT_LAYOUTS)),
         microbatches=microbatches,
         optimizer=draw(st.sampled_from(["sgd", "adam"])),
         heads=heads,
@@ -106,6 +107,7 @@ def mesh_configs(draw: st.DrawFn) -> MeshConfig:
         blocks=draw(st.sampled_from([1, 2])),
         width=draw(st.sampled_from([8, 16])) * heads // 2,
         seed=draw(st.integers(0, 2**16 - 1)),
+        units=draw(st.booleans()),  # last: the earlier axes draw as before
     )
 
 
@@ -204,7 +206,10 @@ def check(c: MeshConfig) -> None:
             floor[name] = max(floor[name], 2 * ADAM_LR * c.steps / SAFETY)
     mesh = create_device_mesh(c.shape)
     model, optimizer = _build(c)
-    substrax.shard_state(model, optimizer, mesh=mesh, layout=c.layout, min_size=64)
+    units = (lambda path, _: len(path) == 2 and path[0] in ("attn", "up", "down")) if c.units else None
+    substrax.shard_state(
+        model, optimizer, mesh=mesh, layout=c.layout, min_size=64, units=units if c.layout == "fsdp" else None
+    )
     step = substrax.make_train_step(loss_fn, c.mode, mesh=mesh, microbatches=c.microbatches)
     losses = [float(step(model, optimizer, b)) for b in batches]
     np.testing.assert_allclose(losses, want_losses, rtol=STRICT_RTOL, atol=STRICT_ATOL, err_msg=f"{c}: losses")
@@ -238,6 +243,8 @@ CURATED = [
     MeshConfig(mode="implicit", data=8, model=1, layout="zero1", optimizer="adam"),
     MeshConfig(mode="explicit", data=8, model=1, layout="fsdp", microbatches=2, blocks=2),  # model dropped
     MeshConfig(mode="explicit", data=2, model=4, layout="fsdp", microbatches=2, blocks=2),
+    # each tensor-parallel layer an FSDP unit: a buffer per dtype and per model-split or not
+    MeshConfig(mode="explicit", data=4, model=2, layout="fsdp", microbatches=2, blocks=2, units=True),
     MeshConfig(mode="explicit", data=1, model=8, layout="replicated", heads=8, width=32, causal=False),
 ]
 

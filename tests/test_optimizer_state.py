@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import MLP, mse, noise_floor, params_of, reference_training, regression_batches
+from conftest import FLAT_LAYOUTS, MLP, mse, noise_floor, params_of, reference_training, regression_batches
 from flax import nnx
 
 import substrax
@@ -65,7 +65,7 @@ def _train(mesh: jax.sharding.Mesh, mode: str, layout: str, make: Callable, batc
 
 
 # muon in every layout; the other two where their state is split (the parity fuzzer draws the rest)
-DRAWS = [(n, layout) for n in sorted(MASKED) for layout in substrax.LAYOUTS if n == "muon" or layout == "fsdp"]
+DRAWS = [(n, layout) for n in sorted(MASKED) for layout in FLAT_LAYOUTS if n == "muon" or layout == "fsdp"]
 
 
 @pytest.mark.parametrize(("name", "layout"), DRAWS)

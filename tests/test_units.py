@@ -28,10 +28,12 @@ MESH = create_device_mesh({"data": 8})
 class Stack(nnx.Module):
     def __init__(self, depth: int, width: int, *, seed: int = 0) -> None:
         rngs = nnx.Rngs(seed)
+        self.embed = nnx.Linear(width, width, rngs=rngs)  # with the head: the root unit
         self.layers = nnx.List([nnx.Linear(width, width, rngs=rngs) for _ in range(depth)])
         self.head = nnx.Linear(width, 1, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        x = self.embed(x)
         for layer in self.layers:
             x = jnp.tanh(layer(x))
         return self.head(x)[:, 0]
@@ -101,6 +103,11 @@ def test_units_train_like_one_device_and_the_census_counts_them(mode: str, resha
         assert all(i.in_loop == (microbatches > 1) for i in units)
         compiled = {id(p) for i, parts in comparison.matched if i in scatters for p in parts}
         assert len(compiled) == 3  # one reduce-scatter per unit, not per parameter
+        # the root unit (embed's kernel and bias, the head's kernel): one buffer each way, once
+        root = [(i, parts) for i, parts in comparison.matched if i.what == "root unit"]
+        assert sorted((i.kind, len(parts), i.in_loop) for i, parts in root) == [
+            ("all-gather", 1, False), ("reduce-scatter", 1, False)
+        ]
 
 
 def _temp_bytes(depth: int, units, width: int = 256) -> int:

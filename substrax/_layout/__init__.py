@@ -36,7 +36,7 @@ from substrax._layout._owners import (
     optimizer_mirrors,
     parameter_splits,
 )
-from substrax._layout._report import LAYOUTS, Layout, LayoutKind, LeafPlacement, LeftWhole, layout_of
+from substrax._layout._report import LAYOUTS, REPLICA_AXIS, Layout, LayoutKind, LeafPlacement, LeftWhole, layout_of
 from substrax._layout._shard import epoch, shard_state
 from substrax._layout._units import (
     RESHARD_KEY,
@@ -72,6 +72,7 @@ __all__ = [
     "recording_layers",
     "unit_paths",
     "LAYOUTS",
+    "REPLICA_AXIS",
     "Layout",
     "LayoutKind",
     "LeafPlacement",

@@ -16,10 +16,11 @@ from substrax._layout._specs import entry_axes, spec_tuple, split_dim_of, withou
 from substrax._tree import adopt_assigned_arrays, path_str
 from substrax.mesh import current_mesh
 
-__all__ = ["LAYOUTS", "Layout", "LayoutKind", "LeafPlacement", "LeftWhole", "layout_of"]
+__all__ = ["LAYOUTS", "REPLICA_AXIS", "Layout", "LayoutKind", "LeafPlacement", "LeftWhole", "layout_of"]
 
-LayoutKind = Literal["replicated", "zero1", "fsdp"]
-LAYOUTS: tuple[LayoutKind, ...] = ("replicated", "zero1", "fsdp")
+LayoutKind = Literal["replicated", "zero1", "fsdp", "hsdp"]
+LAYOUTS: tuple[LayoutKind, ...] = ("replicated", "zero1", "fsdp", "hsdp")
+REPLICA_AXIS = "replica"  # hybrid sharding's outer axis, by default (shard_state, the steps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +93,8 @@ class Layout:
     """Which leaf of a model's and optimizer's state went where; ``str()`` prints a table.
 
     Attributes:
-      kind: ``"replicated"``, ``"zero1"`` or ``"fsdp"``.
+      kind: ``"replicated"``, ``"zero1"``, ``"fsdp"`` or ``"hsdp"`` (FSDP within a
+        replica, on a mesh with a ``replica`` axis).
       axis: The data axis.
       axis_size: Its size.
       rows: One ``LeafPlacement`` per array of the state.
@@ -246,4 +248,11 @@ def layout_of(
         split_model = any(r.split_dim is not None and r.owner == "model" for r in rows)
         split_opt = any(r.split_dim is not None and r.owner == "optimizer" for r in rows)
         kind = "fsdp" if split_model else "zero1" if split_opt else "replicated"
+        meshes = [getattr(getattr(v.get_value(), "sharding", None), "mesh", None) for v in _params_of(model)]
+        if kind == "fsdp" and any(REPLICA_AXIS in getattr(m, "axis_names", ()) for m in meshes):
+            kind = "hsdp"
     return Layout(kind, axis, axis_size, tuple(rows))
+
+
+def _params_of(model: Any) -> list[Any]:
+    return [v for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param))]

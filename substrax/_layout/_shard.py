@@ -14,7 +14,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from substrax._layout._owners import flat_state, follow_dim, optimizer_followers, optimizer_mirrors
-from substrax._layout._report import LAYOUTS, Layout, LayoutKind, LeftWhole, layout_of
+from substrax._layout._report import LAYOUTS, REPLICA_AXIS, Layout, LayoutKind, LeftWhole, layout_of
 from substrax._layout._specs import (
     check_declared_rank,
     choose_split_dim,
@@ -87,6 +87,7 @@ def shard_state(
     axis: str | None = None,
     units: UnitsSpec = None,
     reshard_after_forward: bool = True,
+    replica_axis: str = REPLICA_AXIS,
 ) -> Layout:
     """Place ``model``'s and ``optimizer``'s state over ``data_axis``, in place: FSDP, ZeRO-1 or replicated.
 
@@ -108,7 +109,9 @@ def shard_state(
       mesh: The mesh; ``None`` takes the one set by ``jax.set_mesh``.
       layout: ``"fsdp"`` (the default) splits parameters and their optimizer state;
         ``"zero1"`` only the optimizer state; ``"replicated"`` splits nothing (every
-        array placed whole on every device of the mesh).
+        array placed whole on every device of the mesh); ``"hsdp"`` (hybrid sharding)
+        is FSDP over ``data_axis`` within a replica, replicated over ``replica_axis``,
+        which the mesh must have (see the layouts guide, "Hybrid sharding").
       data_axis: The data axis to split over.
       min_size: Parameters with fewer elements stay replicated.
       params: The older spelling of ``layout``: ``True`` is ``"fsdp"``, ``False``
@@ -121,6 +124,7 @@ def shard_state(
         before the forward pass.
       reshard_after_forward: With ``units``: gather a unit again for its backward pass
         (``True``, the least memory) or keep it from the forward pass (``False``).
+      replica_axis: ``layout="hsdp"``'s outer axis, over which the state is replicated.
 
     Returns:
       The ``Layout``: which leaf went where, the bytes per device, and the parameters
@@ -152,7 +156,7 @@ def shard_state(
         raise ValueError(f"min_size must be >= 0 (a number of elements); got {min_size}.")
     adopt_assigned_arrays(optimizer)  # an array assigned where the optimizer held a variable
     layout = _layout_kind(layout, params)
-    if units is not None and layout != "fsdp":
+    if units is not None and layout not in ("fsdp", "hsdp"):
         raise ValueError(
             f"units= names what FSDP gathers together; layout={layout!r} gathers no parameter. "
             f"Pass layout='fsdp', or drop units=."
@@ -163,6 +167,13 @@ def shard_state(
     found = current_mesh(mesh, required_axes=(axis,))
     if not isinstance(found, Mesh):
         raise ValueError("shard_state places arrays: call it outside jax.jit, with a concrete mesh.")
+    if layout == "hsdp" and replica_axis not in found.axis_names:
+        raise ValueError(
+            f"layout='hsdp' splits the state over {axis!r} within a replica and replicates it "
+            f"over {replica_axis!r}, which the mesh {dict(found.shape)} lacks. Build the mesh with "
+            f"both, replicas outer: create_device_mesh({{{replica_axis!r}: R, {axis!r}: D}}) "
+            f"(or name yours with replica_axis=), or use layout='fsdp' on this mesh."
+        )
     size = found.shape[axis]
     mirrors = optimizer_mirrors(model, optimizer)
     followers = optimizer_followers(model, optimizer)
@@ -203,7 +214,7 @@ def shard_state(
             )
             left_whole.append(LeftWhole(path_str(path, "model"), shape, reason))
         split = with_axis(base, dim, axis)
-        _place(variable, split if layout == "fsdp" else base, found)
+        _place(variable, split if layout in ("fsdp", "hsdp") else base, found)
         for mirror in mirror_paths:
             _place(opt_vars[mirror], split, found)
         for follower in followers[path]:
@@ -230,7 +241,7 @@ def shard_state(
             lacking = any(a not in found.axis_names for e in said or () for a in entry_axes(e))
             if lacking or variable.get_metadata().get("declared_sharding") is not None:
                 variable.set_metadata(declared_sharding=said if lacking else None)
-    split = {p for p, v in model_vars.items() if isinstance(v, nnx.Param) and layout == "fsdp"
+    split = {p for p, v in model_vars.items() if isinstance(v, nnx.Param) and layout in ("fsdp", "hsdp")
              and split_dim_of(spec_tuple(v), axis) is not None}  # fmt: skip
     mark_units(model, unit_list, reshard_after_forward, split)
     for obj in (model, optimizer):

@@ -104,7 +104,8 @@ class Expected:
     """The communication a data-parallel step should compile to, per device and per step.
 
     Attributes:
-      layout: ``"replicated"``, ``"zero1"`` or ``"fsdp"``.
+      layout: ``"replicated"``, ``"zero1"``, ``"fsdp"`` or ``"hsdp"`` (as ``"fsdp"`` over the
+        data axis; the cross-replica reduction is added by the step's check).
       mode: ``"implicit"`` or ``"explicit"``.
       microbatches: the gradient-accumulation steps; every collective of the library still
         runs once per step, outside the accumulation loop.
@@ -212,7 +213,7 @@ def expected_communication(
     items: list[ExpectedCollective] = []
     for path, shape, dtype, split in leaves:
         for kind in _leaf_kinds(layout, split):
-            source = "gradients" if kind in REDUCTIONS else "parameters" if layout == "fsdp" else "update"
+            source = "gradients" if kind in REDUCTIONS else "parameters" if layout in ("fsdp", "hsdp") else "update"
             if source == "update" and update is not None:
                 continue
             moved = dtype

@@ -117,7 +117,9 @@ def unit_items(
 ) -> tuple[list[tuple[str, tuple[int, ...], Any, bool]], list[ExpectedCollective]]:
     """The leaves outside every FSDP unit, and each unit's expected buffers (explicit mode).
 
-    Per unit and dtype: an all-gather in the forward pass, another in the backward with
+    The split parameters outside every unit are the root unit: one all-gather before the
+    forward pass and one reduce-scatter after the backward (after the microbatch loop),
+    per dtype and set of other axes. Per unit and dtype: an all-gather in the forward pass, another in the backward with
     ``reshard_after_forward`` (optional: AD drops it for a unit whose input needs no
     gradient, such as the first), and one reduce-scatter of its gradient; with
     microbatches, each runs once per microbatch, inside the loop. A stacked unit that
@@ -129,12 +131,14 @@ def unit_items(
     units = unit_paths(model)
     if not units:
         return leaves, []
-    owner, others = {}, {}  # each unit parameter's unit, and the other axes it is split over
+    split = {leaf[0] for leaf in leaves if leaf[3]}
+    owner, others = {}, {}  # each split parameter's unit (the root: ()), and the other axes it is split over
     for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        if v.get_metadata().get(UNIT_KEY) is not None:
-            owner[path_str(tuple(p), "model")] = tuple(v.get_metadata()[UNIT_KEY])
+        name = path_str(tuple(p), "model")
+        if name in split:
+            owner[name] = tuple(v.get_metadata().get(UNIT_KEY) or ())
             axes = {a for entry in spec_tuple(v) or () for a in entry_axes(entry)} - {options.data_axis}
-            others[path_str(tuple(p), "model")] = tuple(sorted(axes))
+            others[name] = tuple(sorted(axes))
     k = options.microbatches
     # (unit, pass, dtype, other axes) -> elements: a buffer per dtype and per set of other
     # axes (a parameter split over model and one whole over it do not share one)
@@ -149,6 +153,15 @@ def unit_items(
     items = []
     for (unit, kind, dtype, _), elements in moved.items():
         size = _itemsize(dtype, communicated)
+        if not unit:  # the root unit: gathered once before the forward pass, reduced once after
+            buffer = f"{_hlo_type(dtype, size)}[{n},{elements // n}]"
+            if kind == "reduce":
+                items.append(ExpectedCollective("reduce-scatter", "root unit", elements * size, "gradients",
+                                                scopes=("substrax.grad_reduce",), buffer=buffer))  # fmt: skip
+            else:
+                items.append(ExpectedCollective("all-gather", "root unit", elements * size, "parameters",
+                                                scopes=("substrax.gather_params",), buffer=buffer))  # fmt: skip
+            continue
         layers = layered.get(unit, 1)
         buffer = f"{_hlo_type(dtype, size)}[{n},{elements // (n * layers)}]"
         name = path_str(unit, "model")
@@ -173,6 +186,32 @@ def unit_items(
                 )
             )  # fmt: skip
     return [leaf for leaf in leaves if leaf[0] not in owner], items
+
+
+def cross_replica_items(
+    leaves: list[tuple[str, tuple[int, ...], Any, bool]],
+    options: StepOptions,
+    sizes: dict[str, int],
+    precision: Any,
+    communicated: Any,
+) -> list[ExpectedCollective]:
+    """Hybrid sharding's once-per-step reduction across replicas: every split gradient's
+    slice (a ``1/|data|`` of it, in the policy's reduce dtype), summed over the replica
+    axis after the reduce-scatter over the data axis (explicit mode: one all-reduce, a
+    buffer per slice)."""
+    n = sizes[options.data_axis]
+    items = []
+    for path, shape, dtype, split in leaves:
+        if split:
+            floating = jnp.issubdtype(np.dtype(dtype), jnp.floating)
+            moved = precision.reduce_dtype if precision is not None and floating else dtype
+            items.append(
+                ExpectedCollective(
+                    "all-reduce", f"across {options.replica_axis!r}: {path}", math.prod(shape) // n * _itemsize(moved, communicated),
+                    "gradients", scopes=("substrax.grad_reduce",), axes=(options.replica_axis,),
+                )
+            )  # fmt: skip
+    return items
 
 
 def layer_items(
@@ -457,6 +496,9 @@ def check_communication(
             )
     leaves = parameter_leaves(model, optimizer, options.data_axis, sizes)
     units: list[ExpectedCollective] = []
+    across = []
+    if options.mode == "explicit" and sizes.get(options.replica_axis, 1) > 1:  # hybrid sharding
+        across = cross_replica_items(leaves, options, sizes, precision, widened)
     if options.mode == "explicit":  # a unit's parameters move together (substrax.explicit._units)
         leaves, units = unit_items(
             model, leaves, options, sizes[options.data_axis], precision, widened, layered, recomputed
@@ -471,7 +513,7 @@ def check_communication(
         precision=precision,
         communicated_dtype=widened,
     )
-    items = [*expected.items, *units, *metrics, *layer_items(layers, options.microbatches, sizes, recomputed)]
+    items = [*expected.items, *units, *across, *metrics, *layer_items(layers, options.microbatches, sizes, recomputed)]
     gathered = any(i.kind == "all-gather" for i in metrics)
     scoped = any(library_scope(p.op_name) for row in report.rows for p in row.parts)
     if options.mode == "explicit":

@@ -18,9 +18,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from substrax._collectives import to_varying, varying_axes
+from substrax._collectives import axes_of, to_varying, to_varying_over, varying_axes
 from substrax._layout import ParamSplit, check_declared_rank, declared_spec, entry_axes, spec_tuple
 from substrax._tree import PyTree, path_str
+from substrax.explicit._units import gather_grouped, scatter_grouped, varying_other
 from substrax.nn import _declared as declared
 
 __all__ = [
@@ -105,7 +106,7 @@ def check_reduced_over_other_axes(loss: Any, metrics: Any, data_axis: str) -> No
         for path, v in jax.tree_util.tree_flatten_with_path(metrics)[0]
     ]
     for name, value in named:
-        others = sorted(a for a in varying_axes(value) or () if a != data_axis)
+        others = sorted(a for a in varying_axes(value) or () if a not in axes_of(data_axis))
         if others:
             raise ValueError(
                 f"{name} still varies over mesh axis {others[0]!r}: a layer split over "
@@ -121,49 +122,87 @@ def param_vars(model: nnx.Module) -> dict[Path, nnx.Variable[Any]]:
 
 
 def gather_whole_varying(
-    model: nnx.Module, plans: Mapping[Path, ParamSplit], data_axis: str, dtype: Any = None
+    model: nnx.Module,
+    plans: Mapping[Path, ParamSplit],
+    data_axis: str,
+    dtype: Any = None,
+    grouped: bool = False,
+    rows: str | tuple[str, ...] | None = None,
 ) -> dict[Path, Any]:
     """Give every parameter its whole value, varying over ``data_axis``; return what it held.
 
     ``dtype``: cast floating parameters to it first, so a split one is gathered in it.
+    ``grouped``: the split ones gathered together (the root unit beside FSDP units: one
+    all-gather per dtype and set of other axes), else one all-gather each. ``rows``: the
+    axes the batch is split over (with a replica axis, every parameter varies over it
+    too, so the gradient is reduced across replicas once, by ``reduce_gradients``).
     """
-    held = {}
+    held, values, split = {}, {}, []
     for path, variable in param_vars(model).items():
         value = held[path] = variable.get_value()
         if dtype is not None and jnp.issubdtype(value.dtype, jnp.floating):
             value = value.astype(dtype)
         dim = plans[path].gather_dim
         if dim is not None:
-            with jax.named_scope("substrax.gather_params"):
-                whole = jax.lax.all_gather(value, data_axis, axis=dim, tiled=True)
-        elif data_axis in (varying_axes(value) or ()):
-            whole = value
-        else:
-            whole = to_varying(value, data_axis)
-        variable.set_value(whole)
+            split.append(path)
+            if not grouped:
+                with jax.named_scope("substrax.gather_params"):
+                    value = jax.lax.all_gather(value, data_axis, axis=dim, tiled=True)
+        elif data_axis not in (varying_axes(value) or ()):
+            value = to_varying(value, data_axis)
+        values[path] = value
+    if grouped and split:
+        dims = [plans[p].gather_dim for p in split]
+        wholes = gather_grouped([values[p] for p in split], dims, data_axis, "substrax.gather_params")
+        values.update(zip(split, wholes, strict=True))
+    for path, variable in param_vars(model).items():
+        variable.set_value(values[path] if rows is None else to_varying_over(values[path], rows))
     return held
 
 
 def reduce_gradients(
-    grads: nnx.State, plans: Mapping[Path, ParamSplit], data_axis: str, done: frozenset[Path] | set[Path] = frozenset()
+    grads: nnx.State,
+    plans: Mapping[Path, ParamSplit],
+    data_axis: str,
+    done: frozenset[Path] | set[Path] = frozenset(),
+    grouped: bool = False,
+    replicas: tuple[str, ...] = (),
 ) -> nnx.State:
     """The once-per-step reduction: psum the whole-updated gradients, psum_scatter the split ones.
 
-    ``done``: paths whose gradient is already reduced (an FSDP unit's, in its backward).
+    ``done``: paths whose gradient is already reduced over ``data_axis`` (an FSDP unit's,
+    in its backward). ``grouped``: the split ones reduce-scattered together (the root
+    unit, as ``gather_whole_varying`` gathers them), else one reduce-scatter each.
+    ``replicas``: the replica axes of hybrid sharding: the whole gradients are summed over
+    them with ``data_axis`` (one all-reduce), and every slice is then summed across them
+    in one all-reduce at its slice's size.
     """
     flat = [(tuple(p), v) for p, v in nnx.to_flat_state(grads)]
     whole = [i for i, (p, _) in enumerate(flat) if plans[p].update_dim is None and p not in done]
+    split = [i for i, (p, _) in enumerate(flat) if plans[p].update_dim is not None and p not in done]
+    over = (*replicas, data_axis) if replicas else data_axis
     with jax.named_scope("substrax.grad_reduce"):
-        summed = jax.lax.psum([flat[i][1].get_value() for i in whole], data_axis) if whole else []
-        out = dict(zip(whole, summed, strict=True))
-        for i, (path, variable) in enumerate(flat):
-            dim = plans[path].update_dim
-            if path in done:
-                out[i] = variable.get_value()
-            elif dim is not None:
+        summed = jax.lax.psum([flat[i][1].get_value() for i in whole], over) if whole else []
+    out = dict(zip(whole, summed, strict=True))
+    out.update({i: v.get_value() for i, (p, v) in enumerate(flat) if p in done})
+    if grouped and split:
+        n = jax.lax.axis_size(data_axis)
+        values = [flat[i][1].get_value() for i in split]
+        dims = [plans[flat[i][0]].update_dim for i in split]
+        shapes = [tuple(s // n if d == k else s for k, s in enumerate(v.shape)) for v, d in zip(values, dims)]
+        types = [varying_other(v, data_axis) for v in values]
+        out.update(zip(split, scatter_grouped(values, shapes, dims, data_axis, None, types, "substrax.grad_reduce")))
+    else:
+        with jax.named_scope("substrax.grad_reduce"):
+            for i in split:
                 out[i] = jax.lax.psum_scatter(
-                    variable.get_value(), data_axis, scatter_dimension=dim, tiled=True
+                    flat[i][1].get_value(), data_axis, scatter_dimension=plans[flat[i][0]].update_dim, tiled=True
                 )
+    sliced = sorted({*split, *(i for i, (p, _) in enumerate(flat) if p in done)})
+    if replicas and sliced:  # across replicas, once, at the slices' size
+        axis = replicas if len(replicas) > 1 else replicas[0]
+        with jax.named_scope("substrax.grad_reduce"):
+            out.update(zip(sliced, jax.lax.psum([out[i] for i in sliced], axis), strict=True))
     return nnx.from_flat_state([(p, v.replace(out[i])) for i, (p, v) in enumerate(flat)])
 
 
@@ -183,7 +222,7 @@ def without_axis_specs(specs: PyTree, axis: str) -> PyTree:
 
 
 @contextlib.contextmanager
-def per_device_random_streams(model: nnx.Module, data_axis: str) -> Iterator[None]:
+def per_device_random_streams(model: nnx.Module, data_axis: str | tuple[str, ...]) -> Iterator[None]:
     """Give each device its own random bits for one step: fold its index into every key.
 
     The model's ``nnx.Rngs`` are replicated, so without this every device would draw
@@ -202,7 +241,7 @@ def per_device_random_streams(model: nnx.Module, data_axis: str) -> Iterator[Non
             key.set_value(value)
 
 
-def settle_per_device_state(state: nnx.State, specs: Any, data_axis: str) -> nnx.State:
+def settle_per_device_state(state: nnx.State, specs: Any, data_axis: str | tuple[str, ...]) -> nnx.State:
     """The model's non-parameter state after the step, made one model's again.
 
     A layer that updates state from the shard it sees (BatchNorm's running statistics,
@@ -215,15 +254,12 @@ def settle_per_device_state(state: nnx.State, specs: Any, data_axis: str) -> nnx
     def settle(path: tuple[Any, ...], variable: nnx.Variable[Any], spec: Any) -> nnx.Variable[Any]:
         value = variable.get_value()
         axes = varying_axes(value)
-        if (
-            axes is None
-            or data_axis not in axes
-            or any(e is not None for e in (spec.get_value() if isinstance(spec, nnx.Variable) else spec))
-        ):
+        over = tuple(a for a in axes_of(data_axis) if axes is not None and a in axes)
+        if not over or any(e is not None for e in (spec.get_value() if isinstance(spec, nnx.Variable) else spec)):
             return variable
         if isinstance(variable, nnx.BatchStat) and jnp.issubdtype(value.dtype, jnp.inexact):
             with jax.named_scope("substrax.batch_stats"):
-                return variable.replace(jax.lax.pmean(value, data_axis))
+                return variable.replace(jax.lax.pmean(value, over if len(over) > 1 else over[0]))
         raise ValueError(
             f"{path_str(path, 'model')} ({type(variable).__name__}, {value.dtype}) came out of the "
             f"step different on each device, and it is replicated: substrax averages only "
@@ -235,7 +271,7 @@ def settle_per_device_state(state: nnx.State, specs: Any, data_axis: str) -> nnx
     return jax.tree.map_with_path(settle, state, specs, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def varying_carry(body: Callable[..., Any], carry: Any, piece: PyTree, data_axis: str) -> Any:
+def varying_carry(body: Callable[..., Any], carry: Any, piece: PyTree, data_axis: str | tuple[str, ...]) -> Any:
     """``carry`` with every leaf that ``body`` returns varying over ``data_axis`` cast to varying.
 
     ``lax.scan`` needs a carry of one type in and out; a BatchNorm without
@@ -244,16 +280,12 @@ def varying_carry(body: Callable[..., Any], carry: Any, piece: PyTree, data_axis
     with declared.silenced():  # a trace for shapes: the loop's own trace collects the declarations
         out = jax.eval_shape(body, carry, piece)[0]
     cast = [
-        data_axis in getattr(getattr(o, "manual_axis_type", None), "varying", ())
+        bool(set(axes_of(data_axis)) & set(getattr(getattr(o, "manual_axis_type", None), "varying", ())))
         for o in jax.tree.leaves(out)
     ]
     leaves, treedef = jax.tree.flatten(carry)
     return jax.tree.unflatten(
-        treedef,
-        [
-            to_varying(x, data_axis) if c and data_axis not in (varying_axes(x) or ()) else x
-            for x, c in zip(leaves, cast, strict=True)
-        ],
+        treedef, [to_varying_over(x, data_axis) if c else x for x, c in zip(leaves, cast, strict=True)]
     )
 
 

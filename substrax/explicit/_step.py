@@ -30,6 +30,7 @@ it (see ``substrax.explicit._grad``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -37,8 +38,9 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from substrax._collectives import axes_of
 from substrax._layout import UNIT_KEY, ParamSplit, gradient_spec, unit_paths
-from substrax._microbatch import check_microbatches, fold_microbatch_metrics
+from substrax._microbatch import check_microbatches, fold_microbatch_metrics, split_rows_over
 from substrax._options import StepOptions
 from substrax._placement import batch_partition_specs
 from substrax._precision import MixedPrecision
@@ -111,6 +113,9 @@ def explicit_train_step(
     each shard draws its own mask, and each microbatch draws its own; the losses then
     differ from the implicit step's, which draws one mask for the global batch.
 
+    The keyword options (``mesh`` ... ``precision``) are ``substrax.make_train_step``'s,
+    documented there once (``substrax.StepOptions``).
+
     Args:
       model: The NNX model to train.
       optimizer: The NNX optimizer for ``model``; updated in place.
@@ -118,29 +123,6 @@ def explicit_train_step(
         rows), or, with ``has_aux``, ``(model, shard) -> (loss, metrics)`` with
         ``metrics`` a flat mapping from name to this shard's value.
       batch: The global batch (see ``substrax.spmd.place_batch_on_shards``).
-      mesh: The mesh; ``None`` takes the one set by ``jax.set_mesh``.
-      data_axis: The mesh axis the batch is split over; the loss is averaged over it.
-        Other mesh axes (a ``model`` axis, say) see the same shard on every device.
-      batch_spec: How ``shard_map`` splits the batch: one ``PartitionSpec``, or a pytree
-        prefix of ``batch`` of ``PartitionSpec`` or ``NamedSharding`` leaves (the prefix
-        convention of ``place_batch_on_shards``). Default: every leaf on ``data_axis``.
-      has_aux: Whether ``loss_fn`` returns ``(loss, metrics)``.
-      reduce: With ``has_aux``, metric name to ``"mean"``, ``"sum"``, ``"max"``,
-        ``"min"``, ``"gather"`` (the per-example values of the global batch, in order)
-        or ``None`` (the per-device values stacked on a leading device axis; with
-        microbatches, then a microbatch axis). Unlisted metrics get ``"mean"``. See
-        ``reduce_metrics_collective``.
-      microbatches: Split each device's shard into this many equal microbatches (rows
-        in order) and accumulate their gradients locally: the step holds one
-        full-size gradient per device (under FSDP, the whole parameters too) and
-        reduces it once.
-      skip_nonfinite: Skip the update, in the graph, when the loss or a gradient is
-        not finite: the model and optimizer keep their values and the step returns
-        the non-finite loss (see ``substrax._update``).
-      precision: A ``substrax.MixedPrecision`` policy: parameters are cast to its
-        ``param_dtype`` before the all-gather (gathers move its bytes), gradients are
-        reduced and accumulated in its ``reduce_dtype`` and updated in the parameters'
-        own dtype (see ``substrax._precision``).
 
     Returns:
       The global batch's loss, replicated; with ``has_aux``, ``(loss, metrics)``.
@@ -183,8 +165,12 @@ def run_step(
     o = options
     data_axis, microbatches, reduce = o.data_axis, o.microbatches, o.reduce
     mesh = current_mesh(o.mesh, required_axes=(data_axis,))
-    specs = batch_partition_specs(batch, o.batch_spec, mesh, data_axis)
-    check_microbatches(microbatches, batch, specs, mesh, data_axis)
+    # the batch's rows: over data_axis, or over (replica, data) for hybrid sharding, where the
+    # loss, the metrics and the gradient are reduced over both and the state split over data only
+    specs = batch_partition_specs(batch, o.batch_spec, mesh, o.row_axes(mesh))
+    rows = split_rows_over(specs, data_axis, o.row_axes(mesh))
+    replicas = tuple(a for a in axes_of(rows) if a != data_axis)
+    check_microbatches(microbatches, batch, specs, mesh, rows)
     plans = parameter_plans(model, optimizer, mesh, data_axis)
     before = state_values((model, optimizer)) if o.skip_nonfinite else None
     graphdef, state = nnx.split(model)
@@ -200,7 +186,7 @@ def run_step(
     for axis in (a for a, n in mesh.shape.items() if n == 1):
         state_specs = without_axis_specs(state_specs, axis)
         rest_specs = without_axis_specs(rest_specs, axis)
-    one_device = mesh.shape[data_axis] == 1
+    one_device = math.prod(mesh.shape[a] for a in axes_of(rows)) == 1
     if one_device:
         plans = {p: ParamSplit(None, None) for p in plans}
     units = {} if one_device else unit_paths(model)
@@ -210,6 +196,9 @@ def run_step(
     # a unit's parameters stay split until the unit runs (substrax.explicit._units)
     gather_plans = {p: ParamSplit(None, None) if p in in_unit else plan for p, plan in plans.items()}
     shard_specs = without_axis_specs(specs, data_axis) if one_device else specs
+    if one_device:
+        for axis in replicas:
+            shard_specs = without_axis_specs(shard_specs, axis)
     grad_specs = nnx.from_flat_state(
         [
             (p, gradient_spec(v, plans[tuple(p)].update_dim, data_axis))
@@ -235,9 +224,10 @@ def run_step(
                 accumulate_dtype=reduce_dtype,
             )
         else:
-            held = gather_whole_varying(
-                model, gather_plans, data_axis, None if precision is None else precision.param_dtype
-            )
+            held = gather_whole_varying(  # with units, the rest is the root unit: gathered together
+                model, gather_plans, data_axis, None if precision is None else precision.param_dtype, bool(units),
+                rows=rows,
+            )  # fmt: skip
             running = units_running(
                 model,
                 units,
@@ -247,32 +237,34 @@ def run_step(
                 None if precision is None else precision.param_dtype,
                 reduce_dtype,
             )
-            with per_device_random_streams(model, data_axis), running:
+            with per_device_random_streams(model, rows), running:
                 loss, metrics, grads = local_value_and_grad(
                     model,
                     split_loss,
                     shard,
                     specs,
-                    data_axis=data_axis,
+                    data_axis=rows,
                     microbatches=microbatches,
                     accumulate_dtype=reduce_dtype,
                 )
             if precision is not None:  # reduced in the policy's dtype
                 grads = jax.tree.map(lambda g: g.astype(reduce_dtype), grads)
-            grads = reduce_gradients(grads, plans, data_axis, done=in_unit)
+            grads = reduce_gradients(
+                grads, plans, data_axis, done=in_unit, grouped=bool(units), replicas=replicas
+            )
         if precision is not None:  # the update runs in the parameters' own dtype
             grads = cast_like(grads, held)
-        check_reduced_over_other_axes(loss, metrics, data_axis)
+        check_reduced_over_other_axes(loss, metrics, rows)
         if microbatches > 1:
             metrics = fold_microbatch_metrics(metrics, reduce)
         if one_device:
             metrics = reduce_metrics_on_one_device(metrics, reduce)
         else:
             with jax.named_scope("substrax.metrics"):
-                metrics = reduce_metrics_collective(metrics, reduce, data_axis)
+                metrics = reduce_metrics_collective(metrics, reduce, rows)
         rest = nnx.state(model, nnx.Not(nnx.Param))
         if not one_device:
-            rest = settle_per_device_state(rest, rest_specs, data_axis)
+            rest = settle_per_device_state(rest, rest_specs, rows)
         return rest, grads, loss, metrics
 
     run = jax.shard_map(

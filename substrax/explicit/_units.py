@@ -28,15 +28,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.custom_derivatives import SymbolicZero
 
 from substrax._layout import UNIT_SCOPE as SCOPE
 from substrax._layout import note_layers
-from substrax._collectives import varying_axes
+from substrax._collectives import to_varying_over, varying_axes
 from substrax._tree import node_at, path_str
 from substrax.nn import _declared as declared
 
 
-__all__ = ["run_unit", "units_running"]
+__all__ = ["gather_grouped", "run_unit", "scatter_grouped", "units_running", "varying_other"]
 
 
 Path = tuple[Any, ...]
@@ -115,10 +116,10 @@ def _after(x: jax.Array, anchor: Any) -> jax.Array:
     Only on a leaf of ``anchor`` that varies over no mesh axis ``x`` does not: the
     dependency must not change ``x``'s type (``check_vma``).
     """
-    axes = _vma(x, "")
+    axes = varying_other(x, "")
     leaves = [
         a for a in jax.tree.leaves(anchor)
-        if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.inexact) and _vma(a, "") <= axes
+        if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.inexact) and varying_other(a, "") <= axes
     ]  # fmt: skip
     if not leaves:
         return x
@@ -136,18 +137,18 @@ def _groups(xs: list[jax.Array], types: list[Any]) -> list[list[int]]:
     return [[i for i, k in enumerate(keys) if k == key] for key in dict.fromkeys(keys)]
 
 
-def _vma(x: jax.Array, axis: str) -> frozenset[str]:
+def varying_other(x: jax.Array, axis: str) -> frozenset[str]:
     """The mesh axes other than ``axis`` that ``x`` varies over."""
     return (varying_axes(x) or frozenset()) - {axis}
 
 
-def _gather(shards: list[jax.Array], dims: list[int], axis: str) -> list[jax.Array]:
+def gather_grouped(shards: list[jax.Array], dims: list[int], axis: str, scope: str = SCOPE) -> list[jax.Array]:
     """Whole values of ``shards`` (split on ``dims`` over ``axis``): one all-gather per ``_groups`` group."""
     n = jax.lax.axis_size(axis)
     out: list[Any] = [None] * len(shards)
-    for idx in _groups(shards, [_vma(s, axis) for s in shards]):
+    for idx in _groups(shards, [varying_other(s, axis) for s in shards]):
         flat = jnp.concatenate([jnp.ravel(shards[i]) for i in idx])
-        with jax.named_scope(SCOPE):
+        with jax.named_scope(scope):
             stacked = jax.lax.all_gather(flat, axis, axis=0, tiled=False)  # (n, total)
         at = 0
         for i in idx:
@@ -160,10 +161,10 @@ def _gather(shards: list[jax.Array], dims: list[int], axis: str) -> list[jax.Arr
     return out
 
 
-def _scatter(grads: list[jax.Array], shapes: list[tuple[int, ...]], dims: list[int], axis: str,
-             dtype: Any, types: list[Any]) -> list[jax.Array]:  # fmt: skip
-    """The transpose of ``_gather``: each whole gradient reduce-scattered, one buffer per group
-    (``types``: the other axes each parameter's shard varies over)."""
+def scatter_grouped(grads: list[jax.Array], shapes: list[tuple[int, ...]], dims: list[int], axis: str,
+                    dtype: Any, types: list[Any], scope: str = SCOPE) -> list[jax.Array]:  # fmt: skip
+    """The transpose of ``gather_grouped``: each whole gradient reduce-scattered to a shard of
+    ``shapes``, one buffer per group (``types``: the other axes each one varies over)."""
     n = jax.lax.axis_size(axis)
     out: list[Any] = [None] * len(grads)
     moved = [g if dtype is None else g.astype(dtype) for g in grads]
@@ -173,7 +174,7 @@ def _scatter(grads: list[jax.Array], shapes: list[tuple[int, ...]], dims: list[i
             g, d, shape = moved[i], dims[i], shapes[i]
             split = g.reshape(*shape[:d], n, shape[d], *shape[d + 1 :])
             rows.append(jnp.moveaxis(split, d, 0).reshape(n, -1))
-        with jax.named_scope(SCOPE):
+        with jax.named_scope(scope):
             flat = jax.lax.psum_scatter(jnp.concatenate(rows, axis=1), axis, scatter_dimension=0, tiled=False)
         at = 0
         for i in idx:
@@ -181,6 +182,24 @@ def _scatter(grads: list[jax.Array], shapes: list[tuple[int, ...]], dims: list[i
             out[i] = flat[at : at + size].reshape(shapes[i])
             at += size
     return out
+
+
+def _picked(values: list[Any], keep: list[bool]) -> list[Any]:
+    return [v for v, k in zip(values, keep, strict=True) if k]
+
+
+def _merged(values: list[Any], keep: list[bool], picked: list[Any]) -> list[Any]:
+    """``values`` with the kept positions taken from ``picked``, in order."""
+    it = iter(picked)
+    return [next(it) if k else v for v, k in zip(values, keep, strict=True)]
+
+
+def _zeros(aval: Any) -> jax.Array:
+    """A zero cotangent of ``aval``'s shape, dtype and varying axes (a symbolic zero made real)."""
+    zero = jnp.zeros(aval.shape, aval.dtype)
+    manual = getattr(aval, "manual_axis_type", None)
+    axes = tuple(manual.varying) if manual is not None else tuple(getattr(aval, "vma", ()) or ())
+    return to_varying_over(zero, axes) if axes else zero
 
 
 def run_unit(module: nnx.Module, call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -194,7 +213,7 @@ def run_unit(module: nnx.Module, call: Any, args: tuple[Any, ...], kwargs: dict[
     dims = [run.dim_of(tuple(flat[i][0]), tuple(s.shape)) for i, s in zip(split_at, shards, strict=True)]
     shapes = [tuple(s.shape) for s in shards]
     shard_dtypes = [s.dtype for s in shards]
-    shard_types = [_vma(s, run.axis) for s in shards]
+    shard_types = [varying_other(s, run.axis) for s in shards]
     others = [flat[i][1].get_value() for i in other_at]
     in_leaves, in_tree = jax.tree.flatten((args, kwargs))
     arrays_at = [i for i, x in enumerate(in_leaves) if isinstance(x, jax.Array)]
@@ -224,11 +243,24 @@ def run_unit(module: nnx.Module, call: Any, args: tuple[Any, ...], kwargs: dict[
     @jax.custom_vjp
     def unit(shards: list[Any], others: list[Any], arrays: list[Any]) -> tuple[Any, list[Any]]:
         with declared.silenced():  # traced beside ``forward``, which records the layers' collectives
-            return apply(_gather(cast([_after(s, arrays) for s in shards]), dims, run.axis), others, arrays)
+            return apply(gather_grouped(cast([_after(s, arrays) for s in shards]), dims, run.axis), others, arrays)
 
     def forward(shards: list[Any], others: list[Any], arrays: list[Any]) -> tuple[Any, Any]:
-        wholes = _gather(cast([_after(s, arrays) for s in shards]), dims, run.axis)
-        out, vjp = jax.vjp(lambda w, o, a: apply(w, o, a), wholes, others, arrays, has_aux=False)
+        # each input arrives as CustomVJPPrimal(value, perturbed) (symbolic_zeros=True): the VJP
+        # is taken with respect to the perturbed ones only, so a unit whose input needs no
+        # gradient (the batch) transposes nothing of that path, as AD without a unit would not
+        shards = [p.value for p in shards]
+        layout["others"] = [p.perturbed for p in others]
+        layout["arrays"] = [p.perturbed for p in arrays]
+        o_vals, a_vals = [p.value for p in others], [p.value for p in arrays]
+
+        def call(w: list[Any], o: list[Any], a: list[Any]) -> tuple[Any, list[Any]]:
+            return apply(w, _merged(o_vals, layout["others"], o), _merged(a_vals, layout["arrays"], a))
+
+        wholes = gather_grouped(cast([_after(s, a_vals) for s in shards]), dims, run.axis)
+        o_in, a_in = _picked(o_vals, layout["others"]), _picked(a_vals, layout["arrays"])
+        out, vjp = jax.vjp(call, wholes, o_in, a_in)
+        layout["out"] = [jax.typeof(x) for x in jax.tree.leaves(out)]
         if not run.reshard:
             return out, (shards, vjp)
         ids = {id(w): i for i, w in enumerate(wholes)}
@@ -236,20 +268,27 @@ def run_unit(module: nnx.Module, call: Any, args: tuple[Any, ...], kwargs: dict[
         layout["where"] = where = [ids.get(id(x), -1) for x in leaves]
         return out, (shards, [None if w >= 0 else x for x, w in zip(leaves, where)])
 
-    layout: dict[str, Any] = {}  # where the residuals held the gathered parameters (a trace's static facts)
+    layout: dict[str, Any] = {}  # a trace's static facts: the residuals' layout, what is perturbed
 
     def backward(res: Any, ct: Any) -> tuple[Any, Any, Any]:
         shards, vjp = res
+        leaves, tree = jax.tree.flatten(ct, is_leaf=lambda c: isinstance(c, SymbolicZero))
+        ct = jax.tree.unflatten(tree, [_zeros(a) if isinstance(c, SymbolicZero) else c
+                                       for c, a in zip(leaves, layout["out"], strict=True)])  # fmt: skip
         if run.reshard:  # the parameters again, once the cotangent exists
             tree, where = layout["tree"], layout["where"]
-            wholes = _gather(cast([_after(s, ct) for s in shards]), dims, run.axis)
+            wholes = gather_grouped(cast([_after(s, ct) for s in shards]), dims, run.axis)
             vjp = jax.tree.unflatten(tree, [wholes[w] if w >= 0 else x for x, w in zip(vjp, where)])
         d_wholes, d_others, d_arrays = vjp(ct)
-        d_shards = _scatter(d_wholes, shapes, dims, run.axis, run.reduce_dtype, shard_types)
+        d_shards = scatter_grouped(d_wholes, shapes, dims, run.axis, run.reduce_dtype, shard_types)
         d_shards = [g.astype(dt) for g, dt in zip(d_shards, shard_dtypes, strict=True)]
-        return d_shards, d_others, d_arrays
+        return (
+            d_shards,
+            _merged([None] * len(layout["others"]), layout["others"], d_others),
+            _merged([None] * len(layout["arrays"]), layout["arrays"], d_arrays),
+        )
 
-    unit.defvjp(forward, backward)
+    unit.defvjp(forward, backward, symbolic_zeros=True)
     out, rest = unit(shards, others, [in_leaves[i] for i in arrays_at])
     rest_at = [i for i in other_at if not isinstance(flat[i][1], nnx.Param)]
     for i, value in zip(rest_at, rest, strict=True):

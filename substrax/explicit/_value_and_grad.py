@@ -10,8 +10,9 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from substrax._layout import ParamSplit, check_mesh_axes, gradient_spec, parameter_splits
-from substrax._microbatch import microbatched, split_microbatches
+from substrax._collectives import axes_of
+from substrax._layout import REPLICA_AXIS, ParamSplit, check_mesh_axes, gradient_spec, parameter_splits
+from substrax._microbatch import microbatched, split_microbatches, split_rows_over
 from substrax._placement import batch_partition_specs
 from substrax._precision import MixedPrecision
 from substrax._loss import loss_and_metrics
@@ -141,7 +142,10 @@ def explicit_value_and_grad(
       split over another axis (``model``) where the parameter is.
     """
     mesh = current_mesh(mesh, required_axes=(data_axis,))
-    specs = batch_partition_specs(batch, batch_spec, mesh, data_axis)
+    hybrid = (REPLICA_AXIS, data_axis) if REPLICA_AXIS in mesh.axis_names and REPLICA_AXIS != data_axis else data_axis
+    specs = batch_partition_specs(batch, batch_spec, mesh, hybrid)
+    rows = split_rows_over(specs, data_axis, hybrid)  # over (replica, data) for hybrid sharding
+    replicas = tuple(a for a in axes_of(rows) if a != data_axis)
     plans = {
         p: ParamSplit(plan.gather_dim, None)
         for p, plan in parameter_plans(model, None, mesh, data_axis).items()
@@ -152,15 +156,15 @@ def explicit_value_and_grad(
     def per_device(state: nnx.State, shard: PyTree) -> tuple[jax.Array, nnx.State]:
         model = nnx.merge(graphdef, state)
         held = gather_whole_varying(
-            model, plans, data_axis, None if precision is None else precision.param_dtype
+            model, plans, data_axis, None if precision is None else precision.param_dtype, rows=rows
         )
         run_loss = loss_fn if precision is None else precision.loss_fn(loss_fn, False)
         loss, _, grads = local_value_and_grad(
-            model, with_aux(run_loss, False), shard, specs, data_axis=data_axis, microbatches=1
+            model, with_aux(run_loss, False), shard, specs, data_axis=rows, microbatches=1
         )
         if precision is not None:
             grads = jax.tree.map(lambda g: g.astype(precision.reduce_dtype), grads)
-        grads = reduce_gradients(grads, plans, data_axis)
+        grads = reduce_gradients(grads, plans, data_axis, replicas=replicas)
         return loss, cast_like(grads, held)
 
     grad_specs = nnx.from_flat_state(

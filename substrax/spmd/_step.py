@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import jax
 from flax import nnx
 
+from substrax._collectives import axes_of
 from substrax._layout import check_mesh_axes
 from substrax._microbatch import (
     check_microbatches,
@@ -70,28 +72,16 @@ def spmd_train_step(
     every variable placed by ``substrax.shard_state`` is constrained to stay as placed,
     so a ZeRO-1 or FSDP layout survives the step.
 
+    The keyword options (``has_aux`` ... ``precision``) are ``substrax.make_train_step``'s,
+    documented there once (``substrax.StepOptions``); here ``reduce=None`` returns ``aux``
+    as ``loss_fn`` gave it (with microbatches, with a leading microbatch axis).
+
     Args:
       model: The NNX model to train.
       optimizer: The NNX optimizer wrapping the model.
       loss_fn: Function ``(model, batch) -> loss`` scalar; with ``has_aux``,
         ``(model, batch) -> (loss, aux)``.
       batch: The training batch (should be pre-sharded, see ``place_batch_on_shards``).
-      has_aux: Whether ``loss_fn`` also returns auxiliary values (metrics).
-      mesh: The mesh; ``None`` takes the one set by ``jax.set_mesh``, if any.
-      data_axis: The mesh axis the batch is split over.
-      batch_spec: How the batch is split (see ``substrax.explicit.batch_partition_specs``).
-      reduce: With ``has_aux``: ``None`` returns ``aux`` as ``loss_fn`` gave it; a
-        mapping reduces a flat metrics mapping by name as ``make_train_step`` does
-        (unlisted names get ``"mean"``).
-      microbatches: Split the batch into this many microbatches, each holding every
-        device's next rows, and accumulate their gradients in a ``lax.scan`` (see
-        ``make_train_step``). ``aux`` then gains a leading microbatch axis, unless
-        ``reduce`` reduces it.
-      skip_nonfinite: Skip the update, in the graph, when the loss or a gradient is
-        not finite: the model and optimizer keep their values and the step returns
-        the non-finite loss (see ``substrax._update``).
-      precision: A ``substrax.MixedPrecision`` policy: compute in its ``param_dtype``,
-        keep and update the state in its own dtype (see ``substrax._precision``).
 
     Returns:
       The loss value; with ``has_aux``, ``(loss, aux)``.
@@ -145,8 +135,9 @@ def run_step(
     specs = None
     if found is not None:
         check_mesh_axes(model, found, "model")
-        specs = batch_partition_specs(batch, o.batch_spec, found, o.data_axis)
-        check_microbatches(o.microbatches, batch, specs, found, o.data_axis)
+        rows = o.row_axes(found)  # data, or (replica, data) for hybrid sharding
+        specs = batch_partition_specs(batch, o.batch_spec, found, rows)
+        check_microbatches(o.microbatches, batch, specs, found, rows)
         batch = jax.lax.with_sharding_constraint(batch, specs)
     before = state_values((model, optimizer)) if o.skip_nonfinite else None
 
@@ -164,7 +155,7 @@ def run_step(
     if o.microbatches == 1:
         (loss, aux), grads = value_and_grad(model, batch)
     else:
-        ways = found.shape[o.data_axis]
+        ways = math.prod(found.shape[a] for a in axes_of(o.row_axes(found)))
         slices = split_global_microbatches(batch, specs, ways, o.microbatches)
         (loss, aux), grads = microbatched(value_and_grad, model, slices)
     applied = apply_update(model, optimizer, grads, loss, before)

@@ -60,8 +60,13 @@ def check(name: str):
 
 
 def local_value(arr: jax.Array) -> np.ndarray:
-    """A replicated global array's value, read from this process's first device."""
-    return np.asarray(arr.addressable_data(0))
+    """A global array's value, assembled from this process's shards (a replicated one's first
+    device holds it all; under hybrid sharding the process's devices hold one replica)."""
+    out = np.full(arr.shape, np.nan, dtype=arr.dtype)
+    for shard in arr.addressable_shards:
+        out[shard.index] = np.asarray(shard.data)
+    assert not np.isnan(out).any(), "this process's shards do not cover the array"
+    return out
 
 
 class MLP(nnx.Module):
@@ -194,6 +199,35 @@ def checks() -> None:
             np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
             got = params(model)
             assert got.keys() == ref_params.keys()
+            for name in ref_params:
+                np.testing.assert_allclose(got[name], ref_params[name], rtol=1e-5, atol=1e-5, err_msg=name)
+
+    # hybrid sharding: one replica per process, the state split over the process's 4 devices
+    hybrid = create_device_mesh({"replica": 2, "data": 4})
+    hybrid_rows = create_data_parallel_sharding(hybrid)  # rows over (replica, data)
+    for mode in substrax.MODES:
+
+        @check(f"hsdp_{mode}")
+        def _(mode: str = mode) -> None:
+            hosts = np.vectorize(lambda d: d.process_index)(hybrid.devices)
+            assert (hosts == hosts[:, :1]).all() and list(hosts[:, 0]) == [0, 1], hosts  # a replica per process
+            with jax.set_mesh(hybrid):
+                model = MLP()
+                optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
+            substrax.shard_state(model, optimizer, mesh=hybrid, layout="hsdp", min_size=1)
+            step = substrax.make_train_step(
+                weighted_mse, mode, mesh=hybrid, batch_spec={"rows": P(("replica", "data")), "batch_state": P()}
+            )
+            losses = []
+            for b in batches:
+                rows = jax.tree.map(lambda a: a[process_slice(ROWS)], b["rows"])
+                placed = place_batch_on_shards(
+                    {"rows": rows, "batch_state": b["batch_state"]},
+                    {"rows": hybrid_rows, "batch_state": NamedSharding(hybrid, P())},
+                )
+                losses.append(float(local_value(step(model, optimizer, placed))))
+            np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+            got = params(model)
             for name in ref_params:
                 np.testing.assert_allclose(got[name], ref_params[name], rtol=1e-5, atol=1e-5, err_msg=name)
 
