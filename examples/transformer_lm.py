@@ -67,7 +67,7 @@ from substrax.spmd import create_data_parallel_sharding, place_batch_on_shards
 
 VOCAB = 128  # ASCII; other bytes read as "?"
 HEADS = 4
-AXES = ("data", "model")  # the mesh axes --mesh may name
+AXES = ("replica", "data", "model")  # the mesh axes --mesh may name (replica: hybrid sharding)
 
 
 # --- the data: Python's standard library, as ASCII codes -----------------------------------
@@ -257,26 +257,29 @@ def parse_mesh(text: str) -> dict[str, int]:
 def mesh_shape(axes: dict[str, int], devices: int, batch: int, heads: int = HEADS) -> dict[str, int]:
     """``{"data": ..., "model": ...}`` for ``--mesh``'s axes on ``devices`` devices.
 
-    ``data`` left out takes the devices ``model`` leaves; ``model`` left out is no
-    ``model`` axis at all (the layers are then plain ones: their split over it is placed whole).
+    ``data`` left out takes the devices ``replica`` and ``model`` leave; ``model`` left out
+    is no ``model`` axis at all (the layers are then plain ones: their split over it is
+    placed whole); ``replica`` (outer: hybrid sharding, ``--layout hsdp``) likewise.
 
     Raises:
       ValueError: If the sizes' product is not ``devices``, ``model`` does not divide
-        ``heads``, or ``data`` does not divide ``batch``; says which.
+        ``heads``, or the rows' devices do not divide ``batch``; says which.
     """
-    model = axes.get("model", 1)
+    model, replica = axes.get("model", 1), axes.get("replica", 1)
     if "data" in axes:
         data = axes["data"]
-    elif devices % model:
-        raise ValueError(f"--mesh model={model}: {model} does not divide the {devices} devices")
+    elif devices % (model * replica):
+        extra = f" x replica={replica}" if replica > 1 else ""
+        raise ValueError(f"--mesh model={model}{extra}: {model * replica} does not divide the {devices} devices")
     else:
-        data = devices // model
-    shape = {"data": data, "model": model} if "model" in axes else {"data": data}
-    if data * model != devices:
+        data = devices // (model * replica)
+    shape = ({"replica": replica} if "replica" in axes else {}) | {"data": data}
+    shape |= {"model": model} if "model" in axes else {}
+    if replica * data * model != devices:
         given = ",".join(f"{k}={v}" for k, v in axes.items())
         raise ValueError(
-            f"--mesh {given}: {data} x {model} = {data * model} devices, but there are {devices}; "
-            f"the sizes' product must be the device count"
+            f"--mesh {given}: {replica} x {data} x {model} = {replica * data * model} devices, but there "
+            f"are {devices}; the sizes' product must be the device count"
         )
     if heads % model:
         raise ValueError(
@@ -284,8 +287,10 @@ def mesh_shape(axes: dict[str, int], devices: int, batch: int, heads: int = HEAD
             f"each model device runs whole heads (model size one of "
             f"{', '.join(str(n) for n in range(1, heads + 1) if heads % n == 0)})"
         )
-    if batch % data:
-        raise ValueError(f"--batch {batch} does not split over data={data} devices; make it a multiple")
+    if batch % (data * replica):
+        raise ValueError(
+            f"--batch {batch} does not split over replica x data = {replica * data} devices; make it a multiple"
+        )
     return shape
 
 
@@ -385,7 +390,8 @@ def main(argv: list[str] | None = None) -> list[float]:
         print(
             f"{params:,} parameters; {len(text):,} characters of Python {sys.version.split()[0]} stdlib; "
             f"{jax.process_count()} process(es), {jax.device_count()} {jax.default_backend()} devices "
-            f"as data={shape['data']} x model={shape.get('model', 1)}; {args.mode} step, {state_note}, "
+            + (f"as replica={shape['replica']} x " if "replica" in shape else "as ")
+            + f"data={shape['data']} x model={shape.get('model', 1)}; {args.mode} step, {state_note}, "
             f"global batch {args.batch} x {model.seq}"
             + (f" in {args.microbatches} microbatches" if args.microbatches != 1 else "")
             + (", bfloat16 compute" if precision is not None else ""),

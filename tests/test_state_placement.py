@@ -330,7 +330,7 @@ def test_layout_keyword_errors(mesh8: jax.sharding.Mesh) -> None:
     model = MLP()
     optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
     with pytest.raises(
-        ValueError, match=r"layout must be one of \('replicated', 'zero1', 'fsdp'\); got 'zero3'"
+        ValueError, match=r"layout must be one of \('replicated', 'zero1', 'fsdp', 'hsdp'\); got 'zero3'"
     ):
         substrax.shard_state(model, optimizer, mesh=mesh8, layout="zero3")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"layout='fsdp' and params=False disagree"):
