@@ -95,7 +95,7 @@ def make_train_step(
         (its step count too) keep the values they had, and the step returns the
         non-finite loss, so the caller sees it. On by default: no step leaves
         non-finite state. ``False`` applies every update. A skipped step warns
-        (``SkippedStepWarning``, with the count) when the next call runs.
+        (``SkippedStepWarning``, with the count) when its flag is read (eight at a time, and at ``sync``).
       precision: A ``substrax.MixedPrecision`` policy (bfloat16 compute and gathers,
         float32 state and update; see ``substrax._precision``), or ``None``.
       max_skips_in_a_row: Raise ``NonFiniteStepsError`` once this many steps in a row
