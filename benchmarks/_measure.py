@@ -42,6 +42,18 @@ def interleaved(
     return samples, block
 
 
+def load_example() -> Any:
+    """``examples/transformer_lm.py`` as a module: the benchmarks train the example's own model."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "transformer_lm.py"
+    spec = importlib.util.spec_from_file_location("transformer_lm", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def summary_us(seconds: Iterable[float]) -> dict[str, float]:
     """Median and 25th-75th percentile, in microseconds."""
     import numpy as np

@@ -25,23 +25,14 @@ A row whose step raised is printed ``n/a`` with its error; the script then exits
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import time
-from pathlib import Path
 from typing import Any
 
 import _measure as M  # benchmarks/_measure.py: run as `python benchmarks/NAME.py`
 
-REPO = Path(__file__).resolve().parents[1]
 MESHES = {"fsdp": {"data": 8}, "hsdp": {"replica": 2, "data": 4}}
 
 
-def load_example() -> Any:
-    spec = importlib.util.spec_from_file_location("transformer_lm", REPO / "examples" / "transformer_lm.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def run(sizes: dict[str, int]) -> list[dict[str, Any]]:
@@ -56,7 +47,7 @@ def run(sizes: dict[str, int]) -> list[dict[str, Any]]:
     from substrax.mesh import create_device_mesh
     from substrax.spmd import create_data_parallel_sharding, place_batch_on_shards
 
-    lm = load_example()
+    lm = M.load_example()
     rows: list[dict[str, Any]] = []
     for layout, shape in MESHES.items():
         mesh = create_device_mesh(shape)

@@ -46,19 +46,16 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import json
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import _measure as M  # benchmarks/_measure.py: run as `python benchmarks/NAME.py`
 
 Spelling = tuple[Callable[[], Any], Callable[[], Any] | None]  # the step call; its census call or None
-REPO = Path(__file__).resolve().parents[1]
 BOUNDS = ("bound", "bound_shard_map")
 MODES = ("implicit", "explicit")
 LAYOUTS = ("zero1", "fsdp")  # beside the replicated state every spelling uses
@@ -76,13 +73,6 @@ def mode_spellings(kinds: tuple[str, ...], layouts: tuple[str, ...] = ()) -> lis
     return names + [f"{kind}:{mode}:{layout}" for layout in layouts for kind in kinds[:2] for mode in MODES]
 
 
-def load_example() -> Any:
-    """``examples/transformer_lm.py`` as a module: the benchmark trains the example's own model."""
-    spec = importlib.util.spec_from_file_location("transformer_lm", REPO / "examples" / "transformer_lm.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def communication(take_census: Callable[[], Any] | None) -> tuple[int | None, bool | None]:
@@ -337,7 +327,7 @@ def run_worker(
             rows += measure({"model": f"mlp-w{width}", "width": width}, names, fresh_mlp, mse, host)
 
     if "transformer" in models:
-        lm = load_example()
+        lm = M.load_example()
         sizes = SMOKE_LM if smoke else {}
         host = next(lm.batches(lm.stdlib_text(), 32, sizes.get("seq", 32), seed=0))
         if smoke:  # the plain call and .bind, one mode each, and one unguarded
