@@ -181,3 +181,25 @@ def test_regression_compare_gradients_on_a_hybrid_mesh() -> None:
         model, mse, regression_batches(1, rows=32)[0], HYBRID, batch_spec={"x": P(("replica", "data")), "y": P(("replica", "data"))}
     )
     assert report.ok, str(report)
+
+
+@pytest.mark.parametrize("units", [None, nnx.Linear], ids=["plain", "units"])
+def test_regression_replicas_of_one_device_each(units) -> None:
+    """Found by the fuzzer (``Config(mode='explicit', layout='hsdp', devices=2, microbatches=4,
+    units='stack', scan='remat', seed=56)``): on ``(replica=2, data=1)`` the explicit step
+    gathered units over the one-device data axis inside the loop, and the census, reading a
+    data axis of size 1, expected nothing. Nothing is split over one device: no gather, no
+    unit; the gradient is reduced across the replicas, which the census expects."""
+    mesh = create_device_mesh({"replica": 2, "data": 1}, devices=jax.devices()[:2])
+    batches = regression_batches(2, rows=32)
+    want = _one_device(batches)
+    model, optimizer = _placed(mesh, "hsdp", units)
+    step = substrax.make_train_step(mse, "explicit", mesh=mesh, microbatches=2)
+    for b in batches:
+        step(model, optimizer, b)
+    got = params_of(model)
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    comparison = step.check_communication(model, optimizer, batches[0])
+    assert comparison.matches, str(comparison)
+    assert comparison.report.count("all-gather") == 0  # nothing gathered over one device

@@ -460,7 +460,8 @@ def check_communication(
     out = lowered.out_info[1]  # the step's (loss, metrics), as shapes and dtypes
     loss_dtype = out[0].dtype if options.has_aux else out.dtype
     sizes = _axis_sizes(options, model, optimizer)
-    if layout.axis_size == 1:  # a data axis of size 1: nothing moves over it
+    replicas = sizes.get(options.replica_axis, 1) if options.mode == "explicit" else 1
+    if layout.axis_size == 1 and replicas == 1:  # a data axis of size 1: nothing moves over it
         # over another axis (a tensor-parallel ``model``), the update still reduces what the
         # layers split there (a global norm, the non-finite flags): the update's own census
         update = (
@@ -495,11 +496,13 @@ def check_communication(
                 f"(the lowered program asks for the policy's; an accelerator moves those)"
             )
     leaves = parameter_leaves(model, optimizer, options.data_axis, sizes)
+    if layout.axis_size == 1:  # replicas of one device each: every gradient whole, reduced across them
+        leaves = [(path, shape, dtype, False) for path, shape, dtype, _ in leaves]
     units: list[ExpectedCollective] = []
     across = []
     if options.mode == "explicit" and sizes.get(options.replica_axis, 1) > 1:  # hybrid sharding
         across = cross_replica_items(leaves, options, sizes, precision, widened)
-    if options.mode == "explicit":  # a unit's parameters move together (substrax.explicit._units)
+    if options.mode == "explicit" and layout.axis_size > 1:  # a unit's parameters move together
         leaves, units = unit_items(
             model, leaves, options, sizes[options.data_axis], precision, widened, layered, recomputed
         )

@@ -187,9 +187,9 @@ def run_step(
         state_specs = without_axis_specs(state_specs, axis)
         rest_specs = without_axis_specs(rest_specs, axis)
     one_device = math.prod(mesh.shape[a] for a in axes_of(rows)) == 1
-    if one_device:
+    if mesh.shape[data_axis] == 1:  # nothing split over one device: no gather, no unit (replicas alone)
         plans = {p: ParamSplit(None, None) for p in plans}
-    units = {} if one_device else unit_paths(model)
+    units = {} if mesh.shape[data_axis] == 1 else unit_paths(model)
     in_unit = {  # the split parameters of the units; the rest are gathered and reduced as before
         tuple(p) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param)) if units and v.get_metadata().get(UNIT_KEY)
     }
