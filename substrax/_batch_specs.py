@@ -15,7 +15,6 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from substrax._collectives import axes_of
 from substrax._specs import check_fits, check_spec_axes, spec_axes
 from substrax._tree import KeyPath, PyTree, broadcast_prefix, path_str
 
@@ -139,7 +138,7 @@ def batch_partition_specs(batch: PyTree, batch_spec: Any, mesh: Any, data_axis: 
 def _rows_over(shape: tuple[int, ...], spec: PartitionSpec, data_axis: str | tuple[str, ...]) -> int | None:
     """The size of the dimension ``spec`` splits over ``data_axis`` (an axis, or a tuple of
     them for hybrid sharding): the leaf's rows (None if none)."""
-    wanted = set(axes_of(data_axis))
+    wanted = set(spec_axes(data_axis))
     for dim, entry in enumerate(spec):
         if wanted & set(spec_axes(entry)) and dim < len(shape):
             return shape[dim]

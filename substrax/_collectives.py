@@ -14,14 +14,13 @@ from typing import Any, TypeVar
 import jax
 import numpy as np
 
+from substrax._specs import spec_axes
 from substrax._tree import is_array, map_arrays
 
 __all__ = [
     "all_gather",
-    "axes_of",
     "require_axis",
     "to_varying_over",
-    "varies_over",
     "collect_from_devices",
     "reduce_max_collective",
     "reduce_mean_collective",
@@ -35,19 +34,9 @@ T = TypeVar("T")
 V = TypeVar("V")
 
 
-def axes_of(axis: str | tuple[str, ...]) -> tuple[str, ...]:
-    """A mesh axis, or a tuple of them (a batch split over ``("replica", "data")``), as a tuple."""
-    return tuple(axis) if isinstance(axis, tuple) else (axis,)
-
-
-def varies_over(x: Any, axis: str | tuple[str, ...]) -> bool:
-    """Whether ``x`` varies over every axis of ``axis`` inside ``shard_map``."""
-    return set(axes_of(axis)) <= (varying_axes(x) or frozenset())
-
-
 def to_varying_over(x: Any, axis: str | tuple[str, ...]) -> Any:
     """``x`` cast to varying over each axis of ``axis`` it does not vary over yet (no communication)."""
-    missing = tuple(a for a in axes_of(axis) if a not in (varying_axes(x) or ()))
+    missing = tuple(a for a in spec_axes(axis) if a not in (varying_axes(x) or ()))
     return to_varying(x, missing if len(missing) > 1 else missing[0]) if missing else x
 
 

@@ -275,3 +275,10 @@ def test_the_plain_call_donates_only_what_nobody_else_holds(mesh8: jax.sharding.
     assert not mu.is_deleted() and np.array_equal(np.asarray(mu), mu_before)
     assert ran() == {False, True}  # donated in between
     assert not optimizer.opt_state[0].mu["out"]["kernel"].get_value().is_deleted()
+
+
+def test_a_train_step_takes_its_options_whole() -> None:
+    with pytest.raises(TypeError, match="options must be a substrax.StepOptions; got 'implicit'"):
+        substrax.TrainStep(mse, "implicit")  # the keywords belong to make_train_step
+    step = substrax.TrainStep(mse, substrax.StepOptions(mode="explicit", microbatches=2))
+    assert (step.mode, step.microbatches) == ("explicit", 2)

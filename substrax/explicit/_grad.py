@@ -24,8 +24,9 @@ from typing import Any
 import jax
 from flax import nnx
 
-from substrax._collectives import axes_of, require_axis, varying_axes
+from substrax._collectives import require_axis, varying_axes
 from substrax._loss import loss_and_metrics
+from substrax._specs import spec_axes
 
 __all__ = ["data_parallel_value_and_grad", "varying_axes"]
 
@@ -73,7 +74,7 @@ def data_parallel_value_and_grad(
         require_axis(axis_name, "data_parallel_value_and_grad")
         loss, aux = loss_and_metrics(fun(*args, **kwargs), has_aux)
         axes = varying_axes(loss)
-        if axes is not None and not set(axes_of(axis_name)) <= axes:
+        if axes is not None and not set(spec_axes(axis_name)) <= axes:
             raise ValueError(
                 f"The per-device loss does not vary over axis {axis_name!r} (it varies over "
                 f"{sorted(axes) or 'no axis'}). Either the enclosing jax.shard_map runs with "

@@ -18,8 +18,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from substrax._collectives import axes_of, to_varying, to_varying_over, varying_axes
+from substrax._collectives import to_varying, to_varying_over, varying_axes
 from substrax._layout import ParamSplit, check_declared_rank, declared_spec, entry_axes, spec_tuple
+from substrax._specs import spec_axes
 from substrax._tree import PyTree, path_str
 from substrax.explicit._units import gather_grouped, scatter_grouped, varying_other
 from substrax.nn import _declared as declared
@@ -106,7 +107,7 @@ def check_reduced_over_other_axes(loss: Any, metrics: Any, data_axis: str) -> No
         for path, v in jax.tree_util.tree_flatten_with_path(metrics)[0]
     ]
     for name, value in named:
-        others = sorted(a for a in varying_axes(value) or () if a not in axes_of(data_axis))
+        others = sorted(a for a in varying_axes(value) or () if a not in spec_axes(data_axis))
         if others:
             raise ValueError(
                 f"{name} still varies over mesh axis {others[0]!r}: a layer split over "
@@ -254,7 +255,7 @@ def settle_per_device_state(state: nnx.State, specs: Any, data_axis: str | tuple
     def settle(path: tuple[Any, ...], variable: nnx.Variable[Any], spec: Any) -> nnx.Variable[Any]:
         value = variable.get_value()
         axes = varying_axes(value)
-        over = tuple(a for a in axes_of(data_axis) if axes is not None and a in axes)
+        over = tuple(a for a in spec_axes(data_axis) if axes is not None and a in axes)
         if not over or any(e is not None for e in (spec.get_value() if isinstance(spec, nnx.Variable) else spec)):
             return variable
         if isinstance(variable, nnx.BatchStat) and jnp.issubdtype(value.dtype, jnp.inexact):
@@ -280,7 +281,7 @@ def varying_carry(body: Callable[..., Any], carry: Any, piece: PyTree, data_axis
     with declared.silenced():  # a trace for shapes: the loop's own trace collects the declarations
         out = jax.eval_shape(body, carry, piece)[0]
     cast = [
-        bool(set(axes_of(data_axis)) & set(getattr(getattr(o, "manual_axis_type", None), "varying", ())))
+        bool(set(spec_axes(data_axis)) & set(getattr(getattr(o, "manual_axis_type", None), "varying", ())))
         for o in jax.tree.leaves(out)
     ]
     leaves, treedef = jax.tree.flatten(carry)

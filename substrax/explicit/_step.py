@@ -38,12 +38,12 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from substrax._collectives import axes_of
 from substrax._layout import UNIT_KEY, ParamSplit, gradient_spec, unit_paths
 from substrax._microbatch import check_microbatches, fold_microbatch_metrics, split_rows_over
 from substrax._options import StepOptions
 from substrax._placement import batch_partition_specs
 from substrax._precision import MixedPrecision
+from substrax._specs import spec_axes
 from substrax._tree import PyTree
 from substrax._update import apply_update, state_values
 from substrax.explicit._metrics import reduce_metrics_collective, reduce_metrics_on_one_device
@@ -167,9 +167,10 @@ def run_step(
     mesh = current_mesh(o.mesh, required_axes=(data_axis,))
     # the batch's rows: over data_axis, or over (replica, data) for hybrid sharding, where the
     # loss, the metrics and the gradient are reduced over both and the state split over data only
-    specs = batch_partition_specs(batch, o.batch_spec, mesh, o.row_axes(mesh))
-    rows = split_rows_over(specs, data_axis, o.row_axes(mesh))
-    replicas = tuple(a for a in axes_of(rows) if a != data_axis)
+    hybrid = o.row_axes(mesh)
+    specs = batch_partition_specs(batch, o.batch_spec, mesh, hybrid)
+    rows = split_rows_over(specs, data_axis, hybrid)
+    replicas = tuple(a for a in spec_axes(rows) if a != data_axis)
     check_microbatches(microbatches, batch, specs, mesh, rows)
     plans = parameter_plans(model, optimizer, mesh, data_axis)
     before = state_values((model, optimizer)) if o.skip_nonfinite else None
@@ -186,7 +187,7 @@ def run_step(
     for axis in (a for a, n in mesh.shape.items() if n == 1):
         state_specs = without_axis_specs(state_specs, axis)
         rest_specs = without_axis_specs(rest_specs, axis)
-    one_device = math.prod(mesh.shape[a] for a in axes_of(rows)) == 1
+    one_device = math.prod(mesh.shape[a] for a in spec_axes(rows)) == 1
     if mesh.shape[data_axis] == 1:  # nothing split over one device: no gather, no unit (replicas alone)
         plans = {p: ParamSplit(None, None) for p in plans}
     units = {} if mesh.shape[data_axis] == 1 else unit_paths(model)

@@ -10,12 +10,12 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from substrax._collectives import axes_of
 from substrax._layout import REPLICA_AXIS, ParamSplit, check_mesh_axes, gradient_spec, parameter_splits
 from substrax._microbatch import microbatched, split_microbatches, split_rows_over
 from substrax._placement import batch_partition_specs
 from substrax._precision import MixedPrecision
 from substrax._loss import loss_and_metrics
+from substrax._specs import spec_axes
 from substrax._tree import PyTree
 from substrax.explicit._grad import data_parallel_value_and_grad
 from substrax.explicit._shard import (
@@ -145,7 +145,7 @@ def explicit_value_and_grad(
     hybrid = (REPLICA_AXIS, data_axis) if REPLICA_AXIS in mesh.axis_names and REPLICA_AXIS != data_axis else data_axis
     specs = batch_partition_specs(batch, batch_spec, mesh, hybrid)
     rows = split_rows_over(specs, data_axis, hybrid)  # over (replica, data) for hybrid sharding
-    replicas = tuple(a for a in axes_of(rows) if a != data_axis)
+    replicas = tuple(a for a in spec_axes(rows) if a != data_axis)
     plans = {
         p: ParamSplit(plan.gather_dim, None)
         for p, plan in parameter_plans(model, None, mesh, data_axis).items()

@@ -9,7 +9,6 @@ from typing import Any, TypeVar
 import jax
 from flax import nnx
 
-from substrax._collectives import axes_of
 from substrax._layout import check_mesh_axes
 from substrax._microbatch import (
     check_microbatches,
@@ -21,6 +20,7 @@ from substrax._options import StepOptions
 from substrax._placement import batch_partition_specs
 from substrax._precision import MixedPrecision
 from substrax._loss import loss_and_metrics
+from substrax._specs import spec_axes
 from substrax._update import apply_update, state_values
 from substrax.mesh import current_mesh
 from substrax.spmd._metrics import reduce_metrics
@@ -155,7 +155,7 @@ def run_step(
     if o.microbatches == 1:
         (loss, aux), grads = value_and_grad(model, batch)
     else:
-        ways = math.prod(found.shape[a] for a in axes_of(o.row_axes(found)))
+        ways = math.prod(found.shape[a] for a in spec_axes(o.row_axes(found)))
         slices = split_global_microbatches(batch, specs, ways, o.microbatches)
         (loss, aux), grads = microbatched(value_and_grad, model, slices)
     applied = apply_update(model, optimizer, grads, loss, before)
