@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-import substrax._rules
+import substrax.mesh._rules
 from substrax.mesh import (
     MeshRules,
     create_device_mesh,
@@ -137,7 +137,7 @@ def test_create_named_sharding_errors(mesh42: jax.sharding.Mesh) -> None:
 
 
 def test_the_module_docstring_example_runs() -> None:
-    # substrax._rules is private, so tests/test_docs.py collects the examples of the names
+    # substrax.mesh._rules is private, so tests/test_docs.py collects the examples of the names
     # substrax.mesh re-exports but not this module's own docstring; run them all here.
-    failures, tried = doctest.testmod(substrax._rules, optionflags=doctest.NORMALIZE_WHITESPACE)
+    failures, tried = doctest.testmod(substrax.mesh._rules, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert tried >= 6 and failures == 0

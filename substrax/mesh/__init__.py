@@ -1,5 +1,8 @@
 """Device meshes: build them, describe them, and emulate devices on the CPU.
 
+Also re-exported here: ``MeshRules`` and its helpers (``substrax.mesh._rules``), and the
+sharding configurations and strategies of ``substrax.mesh.strategies``.
+
 ``jax.make_mesh`` on jax >= 0.11 gives every axis ``AxisType.Explicit``. Under Explicit
 axes a batch-sharded backward pass needs ``out_sharding=`` on every op whose sharding
 jax cannot infer, so the data-parallel steps here (which rely on the compiler to place
@@ -16,17 +19,37 @@ from typing import Any
 import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
-from substrax._rules import (
+from substrax.mesh._rules import (
     MeshRules,
     create_named_sharding,
     data_parallel_rules,
     fsdp_rules,
     partition_spec_for_names,
 )
+from substrax.mesh.strategies import (
+    DataParallelStrategy,
+    DimensionNames,
+    FSDPStrategy,
+    MultiDimensionalStrategy,
+    ParallelismConfig,
+    PipelineParallelStrategy,
+    ShardingConfig,
+    ShardingStrategy,
+    TensorParallelStrategy,
+)
 
 __all__ = [
+    "DataParallelStrategy",
     "DeviceMeshManager",
+    "DimensionNames",
+    "FSDPStrategy",
     "MeshRules",
+    "MultiDimensionalStrategy",
+    "ParallelismConfig",
+    "PipelineParallelStrategy",
+    "ShardingConfig",
+    "ShardingStrategy",
+    "TensorParallelStrategy",
     "create_data_parallel_mesh",
     "create_device_mesh",
     "create_hybrid_mesh",

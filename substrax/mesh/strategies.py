@@ -1,0 +1,624 @@
+"""Sharding strategies: name an array's dimensions, get the ``PartitionSpec`` a parallelism gives it.
+
+A planning layer, with the names of avitai/substrax's ``substrax.mesh.strategies``.
+``ShardingConfig`` says how many devices each kind of parallelism spans, and
+``ParallelismConfig`` the mesh that realises it. A strategy maps the logical names of an
+array's dimensions, such as ``("batch", "hidden")``, to a spec over one mesh axis, and
+``shard`` places an array by it; ``MultiDimensionalStrategy`` merges strategies on
+several axes. The training steps do not read these (their layouts are
+``substrax.shard_state``'s). ``ShardingConfig.from_device_count`` is a rule of thumb on the
+device count alone; ``substrax.plan`` gives a choice measured on the program.
+
+    >>> from substrax.mesh import DataParallelStrategy, TensorParallelStrategy
+    >>> DataParallelStrategy().partition_spec(("batch", "sequence", "hidden"))
+    P('data', None, None)
+    >>> TensorParallelStrategy().partition_spec(("batch", "hidden"))
+    P(None, 'model')
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from substrax._specs import spec_axes
+
+__all__ = [
+    "DataParallelStrategy",
+    "DimensionNames",
+    "FSDPStrategy",
+    "MultiDimensionalStrategy",
+    "ParallelismConfig",
+    "PipelineParallelStrategy",
+    "ShardingConfig",
+    "ShardingStrategy",
+    "TensorParallelStrategy",
+]
+
+DimensionNames = tuple[str, ...]
+
+
+def _size(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int; got {value!r} ({type(value).__name__}).")
+    if value < 1:
+        raise ValueError(f"{what} must be at least 1; got {value}.")
+    return value
+
+
+def _name(value: object, what: str) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a str; got {value!r} ({type(value).__name__}).")
+    if not value:
+        raise ValueError(f"{what} must be a non-empty str.")
+    return value
+
+
+def _dimension_names(names: object, who: str) -> DimensionNames:
+    if isinstance(names, str) or not isinstance(names, Sequence):
+        raise TypeError(
+            f"{who}: dimension_names must be a tuple of str, one per dimension, such as "
+            f"('batch', 'hidden'); got {names!r} ({type(names).__name__})."
+        )
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"{who}: dimension names are str; got {name!r} in {tuple(names)}.")
+    return tuple(names)
+
+
+def _one_dimension(names: DimensionNames, target: str, axis: str, who: str) -> PartitionSpec:
+    """The spec splitting the dimension named ``target`` over ``axis``, the others whole."""
+    if names.count(target) > 1:
+        raise ValueError(
+            f"{who}: {names} names {target!r} {names.count(target)} times, but mesh axis "
+            f"{axis!r} can split only one dimension of an array."
+        )
+    return PartitionSpec(*(axis if name == target else None for name in names))
+
+
+def _place(array: Any, mesh: Mesh, spec: PartitionSpec, who: str) -> jax.Array:
+    """``jax.device_put(array, NamedSharding(mesh, spec))``, the mesh and sizes checked first."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"{who}: mesh must be a jax.sharding.Mesh; got {type(mesh).__name__}.")
+    shape = np.shape(array)
+    for dim, entry in enumerate(spec):
+        for axis in spec_axes(entry):
+            if axis not in mesh.axis_names:
+                raise ValueError(
+                    f"{who}: mesh axis {axis!r} is not in the mesh, whose axes are "
+                    f"{tuple(mesh.axis_names)}; build the strategy with one of those."
+                )
+            if shape[dim] % mesh.shape[axis]:
+                raise ValueError(
+                    f"{who}: dimension {dim} of an array of shape {shape} has size {shape[dim]}, "
+                    f"which does not divide by {mesh.shape[axis]}, the size of mesh axis {axis!r}."
+                )
+    return jax.device_put(array, NamedSharding(mesh, spec))
+
+
+def _needs_a_dimension(array: Any, who: str, what: str) -> int:
+    ndim = np.ndim(array)
+    if ndim == 0:
+        raise ValueError(f"{who}: a 0-d array has no {what} to split; replicate it instead.")
+    return ndim
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShardingConfig:
+    """How many devices each kind of parallelism spans.
+
+    Attributes:
+      data_parallel_size: Devices the batch is split over.
+      tensor_parallel_size: Devices a layer's weights are split over.
+      pipeline_parallel_size: Pipeline stages.
+      fsdp_enabled: Whether parameters are also split over the data-parallel devices.
+      fsdp_min_weight_size: The smallest leading dimension FSDP splits.
+
+    Raises:
+      TypeError: If a size is not an int, or ``fsdp_enabled`` is not a bool.
+      ValueError: If a size is below 1.
+    """
+
+    data_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    fsdp_enabled: bool = False
+    fsdp_min_weight_size: int = 1024
+
+    def __post_init__(self) -> None:
+        for field in ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size"):
+            _size(getattr(self, field), f"ShardingConfig.{field}")
+        _size(self.fsdp_min_weight_size, "ShardingConfig.fsdp_min_weight_size")
+        if not isinstance(self.fsdp_enabled, bool):
+            raise TypeError(f"ShardingConfig.fsdp_enabled must be a bool; got {self.fsdp_enabled!r}.")
+
+    @property
+    def total_device_count(self) -> int:
+        """The devices the configuration spans: the product of the three sizes."""
+        return self.data_parallel_size * self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @classmethod
+    def from_device_count(cls, device_count: int) -> ShardingConfig:
+        """A rule of thumb for ``device_count`` devices: data parallel first, then tensor parallel.
+
+        Up to 4 devices are all data parallel. Beyond that, the tensor-parallel size is the
+        largest divisor of ``device_count`` at most 8 and at most ``sqrt(2 * device_count)``,
+        and the rest is data parallel, so every device is used (8 devices: 2 x 4, 16: 4 x 4,
+        64: 8 x 8, 7: 7 x 1). The program is not looked at: ``substrax.plan`` gives a choice
+        measured on it.
+
+        Raises:
+          TypeError: If ``device_count`` is not an int.
+          ValueError: If it is below 1.
+
+        >>> config = ShardingConfig.from_device_count(8)
+        >>> config.data_parallel_size, config.tensor_parallel_size
+        (2, 4)
+        """
+        count = _size(device_count, "ShardingConfig.from_device_count: device_count")
+        if count <= 4:
+            return cls(data_parallel_size=count)
+        limit = min(8, math.isqrt(2 * count))
+        tensor = max(d for d in range(1, limit + 1) if count % d == 0)
+        return cls(data_parallel_size=count // tensor, tensor_parallel_size=tensor)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParallelismConfig:
+    """A ``ShardingConfig`` and the mesh that realises it.
+
+    Attributes:
+      mesh_shape: Devices per mesh axis.
+      mesh_axis_names: One axis name per entry of ``mesh_shape``.
+      sharding_config: The parallelism sizes.
+
+    Raises:
+      TypeError: If a size is not an int, a name not a str, or ``sharding_config`` not a
+        ``ShardingConfig``.
+      ValueError: If the shape and the names differ in length, a size is below 1, or a
+        name is empty or repeats.
+    """
+
+    mesh_shape: tuple[int, ...]
+    mesh_axis_names: tuple[str, ...]
+    sharding_config: ShardingConfig
+
+    def __post_init__(self) -> None:
+        shape = tuple(_size(s, "ParallelismConfig.mesh_shape entries") for s in self.mesh_shape)
+        names = tuple(_name(n, "ParallelismConfig.mesh_axis_names entries") for n in self.mesh_axis_names)
+        if len(shape) != len(names):
+            raise ValueError(
+                f"ParallelismConfig: mesh_shape {shape} has {len(shape)} axes but mesh_axis_names "
+                f"{names} has {len(names)}; give one name per axis."
+            )
+        if len(set(names)) != len(names):
+            raise ValueError(f"ParallelismConfig: mesh_axis_names {names} repeat a name.")
+        if not isinstance(self.sharding_config, ShardingConfig):
+            raise TypeError(
+                f"ParallelismConfig.sharding_config must be a ShardingConfig; got "
+                f"{type(self.sharding_config).__name__}."
+            )
+        object.__setattr__(self, "mesh_shape", shape)
+        object.__setattr__(self, "mesh_axis_names", names)
+
+    @property
+    def is_valid(self) -> bool:
+        """Whether the mesh has as many devices as ``sharding_config.total_device_count``."""
+        return math.prod(self.mesh_shape) == self.sharding_config.total_device_count
+
+    @classmethod
+    def from_sharding_config(cls, config: ShardingConfig) -> ParallelismConfig:
+        """One axis per size above 1: ``data``, ``model`` (tensor), ``pipeline``, in that order.
+
+        A configuration of one device gets the mesh ``{"data": 1}``.
+
+        Raises:
+          TypeError: If ``config`` is not a ``ShardingConfig``.
+        """
+        if not isinstance(config, ShardingConfig):
+            raise TypeError(
+                f"ParallelismConfig.from_sharding_config: config must be a ShardingConfig; got "
+                f"{type(config).__name__}."
+            )
+        sizes = {
+            "data": config.data_parallel_size,
+            "model": config.tensor_parallel_size,
+            "pipeline": config.pipeline_parallel_size,
+        }
+        axes = {name: size for name, size in sizes.items() if size > 1} or {"data": 1}
+        return cls(mesh_shape=tuple(axes.values()), mesh_axis_names=tuple(axes), sharding_config=config)
+
+    def create_mesh(self, devices: Sequence[jax.Device] | None = None) -> Mesh:
+        """The mesh, built by ``create_device_mesh`` (Auto axes) over ``devices`` or all of them.
+
+        Raises:
+          ValueError: If the configuration is not valid (names both device counts), or there
+            are too few devices.
+        """
+        from substrax.mesh import create_device_mesh  # substrax.mesh imports this module
+
+        if not self.is_valid:
+            raise ValueError(
+                f"ParallelismConfig.create_mesh: mesh_shape {self.mesh_shape} holds "
+                f"{math.prod(self.mesh_shape)} devices, but the sharding config spans "
+                f"{self.sharding_config.total_device_count}."
+            )
+        return create_device_mesh(list(zip(self.mesh_axis_names, self.mesh_shape, strict=True)), devices)
+
+
+@runtime_checkable
+class ShardingStrategy(Protocol):
+    """What a strategy has: a mesh axis, a spec for named dimensions, and placement by it."""
+
+    @property
+    def axis_name(self) -> str:
+        """The mesh axis the strategy splits over."""
+        ...
+
+    def partition_spec(self, dimension_names: DimensionNames) -> PartitionSpec:
+        """The spec of an array whose dimensions have these logical names."""
+        ...
+
+    def shard(self, array: Any, mesh: Mesh) -> jax.Array:
+        """The array placed on ``mesh`` as the strategy splits it."""
+        ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DataParallelStrategy:
+    """Split the batch dimension over ``axis_name``; every other dimension stays whole.
+
+    Attributes:
+      axis_name: The mesh axis the batch is split over.
+      batch_dimension: The logical name of the batch dimension.
+    """
+
+    axis_name: str = "data"
+    batch_dimension: str = "batch"
+
+    def __post_init__(self) -> None:
+        _name(self.axis_name, "DataParallelStrategy.axis_name")
+        _name(self.batch_dimension, "DataParallelStrategy.batch_dimension")
+
+    def partition_spec(self, dimension_names: DimensionNames) -> PartitionSpec:
+        """``axis_name`` on the dimension named ``batch_dimension``, ``None`` elsewhere.
+
+        Raises:
+          TypeError: If ``dimension_names`` is not a sequence of str.
+          ValueError: If it names the batch dimension twice.
+        """
+        who = "DataParallelStrategy.partition_spec"
+        names = _dimension_names(dimension_names, who)
+        return _one_dimension(names, self.batch_dimension, self.axis_name, who)
+
+    def shard(self, array: Any, mesh: Mesh) -> jax.Array:
+        """The array placed with its first dimension (the batch) split over ``axis_name``.
+
+        Raises:
+          TypeError: If ``mesh`` is not a ``jax.sharding.Mesh``.
+          ValueError: If the array is 0-d, the mesh lacks ``axis_name``, or the first
+            dimension does not divide by the axis size.
+        """
+        who = "DataParallelStrategy.shard"
+        ndim = _needs_a_dimension(array, who, "batch dimension")
+        return _place(array, mesh, PartitionSpec(self.axis_name, *[None] * (ndim - 1)), who)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FSDPStrategy:
+    """Split a parameter's leading dimension over ``axis_name`` when it is large enough.
+
+    Attributes:
+      axis_name: The mesh axis parameters are split over (the data axis, in FSDP).
+      min_weight_size: The smallest leading dimension that is split.
+      sharded_dimensions: The logical names of leading dimensions ``partition_spec`` splits.
+    """
+
+    axis_name: str = "data"
+    min_weight_size: int = 1024
+    sharded_dimensions: frozenset[str] = frozenset({"out_features", "features", "hidden"})
+
+    def __post_init__(self) -> None:
+        _name(self.axis_name, "FSDPStrategy.axis_name")
+        _size(self.min_weight_size, "FSDPStrategy.min_weight_size")
+        dims = self.sharded_dimensions
+        if isinstance(dims, str) or not isinstance(dims, Iterable):
+            raise TypeError(f"FSDPStrategy.sharded_dimensions must be a set of str; got {dims!r}.")
+        names = frozenset(dims)
+        for name in names:
+            _name(name, "FSDPStrategy.sharded_dimensions entries")
+        object.__setattr__(self, "sharded_dimensions", names)
+
+    def should_shard(self, weight: Any) -> bool:
+        """Whether ``weight`` has a leading dimension of at least ``min_weight_size``."""
+        shape = np.shape(weight)
+        return bool(shape) and shape[0] >= self.min_weight_size
+
+    def partition_spec(self, dimension_names: DimensionNames) -> PartitionSpec:
+        """``axis_name`` on the first dimension if its name is in ``sharded_dimensions``.
+
+        Raises:
+          TypeError: If ``dimension_names`` is not a sequence of str.
+        """
+        names = _dimension_names(dimension_names, "FSDPStrategy.partition_spec")
+        if not names:
+            return PartitionSpec()
+        first = self.axis_name if names[0] in self.sharded_dimensions else None
+        return PartitionSpec(first, *[None] * (len(names) - 1))
+
+    def shard(self, array: Any, mesh: Mesh) -> jax.Array:
+        """The array split on its first dimension if ``should_shard``, else replicated.
+
+        A first dimension that does not divide by the axis size stays whole, as
+        ``substrax.shard_state`` leaves it.
+
+        Raises:
+          TypeError: If ``mesh`` is not a ``jax.sharding.Mesh``.
+          ValueError: If the array is split and the mesh lacks ``axis_name``.
+        """
+        shape = np.shape(array)
+        split = self.should_shard(array)
+        if split and isinstance(mesh, Mesh) and self.axis_name in mesh.axis_names:
+            split = shape[0] % mesh.shape[self.axis_name] == 0
+        spec = PartitionSpec(*[self.axis_name if split and dim == 0 else None for dim in range(len(shape))])
+        return _place(array, mesh, spec, "FSDPStrategy.shard")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TensorParallelStrategy:
+    """Split one feature dimension of each array over ``axis_name``.
+
+    Attributes:
+      axis_name: The mesh axis the features are split over.
+      shard_dimension: The logical name of the dimension to split. ``None`` splits
+        ``hidden`` where an array has it, else ``out_features``.
+    """
+
+    axis_name: str = "model"
+    shard_dimension: str | None = None
+
+    def __post_init__(self) -> None:
+        _name(self.axis_name, "TensorParallelStrategy.axis_name")
+        if self.shard_dimension is not None:
+            _name(self.shard_dimension, "TensorParallelStrategy.shard_dimension")
+
+    def partition_spec(self, dimension_names: DimensionNames) -> PartitionSpec:
+        """``axis_name`` on the dimension named ``shard_dimension`` (see above), ``None`` elsewhere.
+
+        Raises:
+          TypeError: If ``dimension_names`` is not a sequence of str.
+          ValueError: If it names that dimension twice.
+        """
+        who = "TensorParallelStrategy.partition_spec"
+        names = _dimension_names(dimension_names, who)
+        target = self.shard_dimension or ("hidden" if "hidden" in names else "out_features")
+        return _one_dimension(names, target, self.axis_name, who)
+
+    @property
+    def linear_weight_spec(self) -> PartitionSpec:
+        """The spec of a weight stored ``(out_features, in_features)``, as PyTorch stores it.
+
+        ``shard_dimension="in_features"`` splits the input features (row-parallel); any
+        other splits the output features (column-parallel).
+        """
+        if self.shard_dimension == "in_features":
+            return PartitionSpec(None, self.axis_name)
+        return PartitionSpec(self.axis_name, None)
+
+    @property
+    def attention_qkv_spec(self) -> PartitionSpec:
+        """The spec of a query, key or value kernel: its output features (the heads) split.
+
+        The kernel is stored ``(in_features, out_features)``, as NNX stores it.
+        """
+        return PartitionSpec(None, self.axis_name)
+
+    @property
+    def attention_output_spec(self) -> PartitionSpec:
+        """The spec of the attention output kernel: its input features (the heads) split.
+
+        The kernel is stored ``(in_features, out_features)``, as NNX stores it.
+        """
+        return PartitionSpec(self.axis_name, None)
+
+    def shard(self, array: Any, mesh: Mesh) -> jax.Array:
+        """A 2-d array placed by ``linear_weight_spec``; any other split on its last dimension.
+
+        Raises:
+          TypeError: If ``mesh`` is not a ``jax.sharding.Mesh``.
+          ValueError: If the array is 0-d, the mesh lacks ``axis_name``, or the split
+            dimension does not divide by the axis size.
+        """
+        who = "TensorParallelStrategy.shard"
+        ndim = _needs_a_dimension(array, who, "feature dimension")
+        if ndim == 2:
+            return _place(array, mesh, self.linear_weight_spec, who)
+        return _place(array, mesh, PartitionSpec(*[None] * (ndim - 1), self.axis_name), who)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PipelineParallelStrategy:
+    """Give whole layers to ``num_stages`` stages; arrays inside a stage are not split.
+
+    Attributes:
+      axis_name: The mesh axis of the stages.
+      num_stages: How many stages.
+    """
+
+    axis_name: str = "pipeline"
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        _name(self.axis_name, "PipelineParallelStrategy.axis_name")
+        _size(self.num_stages, "PipelineParallelStrategy.num_stages")
+
+    def assign_layers(self, num_layers: int) -> tuple[int, ...]:
+        """How many of ``num_layers`` layers each stage holds: even, the first stages one more.
+
+        Raises:
+          TypeError: If ``num_layers`` is not an int.
+          ValueError: If it is below 1.
+
+        >>> PipelineParallelStrategy(num_stages=4).assign_layers(10)
+        (3, 3, 2, 2)
+        """
+        layers = _size(num_layers, "PipelineParallelStrategy.assign_layers: num_layers")
+        base, extra = divmod(layers, self.num_stages)
+        return tuple(base + (stage < extra) for stage in range(self.num_stages))
+
+    @property
+    def forward_communication_pattern(self) -> tuple[tuple[int, int], ...]:
+        """The ``(from, to)`` stage pairs of the forward pass: each stage to the next."""
+        return tuple((stage, stage + 1) for stage in range(self.num_stages - 1))
+
+    @property
+    def backward_communication_pattern(self) -> tuple[tuple[int, int], ...]:
+        """The ``(from, to)`` stage pairs of the backward pass: each stage to the previous."""
+        return tuple((stage + 1, stage) for stage in range(self.num_stages - 1))
+
+    def partition_spec(self, dimension_names: DimensionNames) -> PartitionSpec:
+        """``None`` for every dimension: a pipeline places layers, not array dimensions.
+
+        Raises:
+          TypeError: If ``dimension_names`` is not a sequence of str.
+        """
+        names = _dimension_names(dimension_names, "PipelineParallelStrategy.partition_spec")
+        return PartitionSpec(*[None] * len(names))
+
+    def shard(self, array: Any, mesh: Mesh) -> jax.Array:
+        """The array replicated over ``mesh``.
+
+        Raises:
+          TypeError: If ``mesh`` is not a ``jax.sharding.Mesh``.
+        """
+        return _place(array, mesh, PartitionSpec(*[None] * np.ndim(array)), "PipelineParallelStrategy.shard")
+
+
+_SHARE_AN_AXIS = (DataParallelStrategy, FSDPStrategy)
+
+
+def _rank(strategy: object) -> int:
+    """Which claim on a dimension wins: tensor parallel, then FSDP, then the first other."""
+    if isinstance(strategy, TensorParallelStrategy):
+        return 0
+    return 1 if isinstance(strategy, FSDPStrategy) else 2
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MultiDimensionalStrategy:
+    """Strategies on several mesh axes, merged into one spec per array.
+
+    Only a ``DataParallelStrategy`` and an ``FSDPStrategy`` may share a mesh axis.
+
+    Attributes:
+      strategies: The strategies, by name.
+      config: The parallelism configuration they realise (kept; the strategies' axes are
+        not checked against its mesh).
+
+    Raises:
+      TypeError: If a strategy does not follow ``ShardingStrategy``, or ``config`` is not a
+        ``ParallelismConfig``.
+      ValueError: If two strategies conflict on one axis ("Conflicting strategies"; names both).
+
+    >>> combined = MultiDimensionalStrategy(
+    ...     strategies={"data": DataParallelStrategy(), "model": TensorParallelStrategy()},
+    ...     config=ParallelismConfig.from_sharding_config(ShardingConfig.from_device_count(8)),
+    ... )
+    >>> combined.partition_spec(("batch", "hidden"))
+    P('data', 'model')
+    """
+
+    strategies: Mapping[str, ShardingStrategy]
+    config: ParallelismConfig
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.strategies, Mapping):
+            raise TypeError(
+                f"MultiDimensionalStrategy.strategies must be a mapping from name to strategy; got "
+                f"{type(self.strategies).__name__}."
+            )
+        for key, strategy in self.strategies.items():
+            if not isinstance(strategy, ShardingStrategy):
+                raise TypeError(
+                    f"MultiDimensionalStrategy.strategies[{key!r}] is a {type(strategy).__name__}, "
+                    f"which lacks axis_name, partition_spec or shard (see ShardingStrategy)."
+                )
+        if not isinstance(self.config, ParallelismConfig):
+            raise TypeError(
+                f"MultiDimensionalStrategy.config must be a ParallelismConfig; got "
+                f"{type(self.config).__name__}."
+            )
+        object.__setattr__(self, "strategies", dict(self.strategies))
+        seen: dict[str, tuple[str, object]] = {}
+        for key, strategy in self.strategies.items():
+            axis = strategy.axis_name
+            if axis not in seen:
+                seen[axis] = (key, strategy)
+                continue
+            other_key, other = seen[axis]
+            kinds = f"{other_key!r} ({type(other).__name__}) and {key!r} ({type(strategy).__name__})"
+            may_share = isinstance(other, _SHARE_AN_AXIS) and isinstance(strategy, _SHARE_AN_AXIS)
+            if type(other) is type(strategy):
+                raise ValueError(
+                    f"Conflicting strategies: {kinds} are of one kind on mesh axis {axis!r}; keep one."
+                )
+            if not may_share:
+                raise ValueError(
+                    f"Conflicting strategies: {kinds} both use mesh axis {axis!r}; only data "
+                    f"parallelism and FSDP may share an axis."
+                )
+
+    def partition_spec(self, dimension_names: DimensionNames) -> PartitionSpec:
+        """Every strategy's spec for these names, merged by ``resolve_sharding_conflicts``.
+
+        Raises:
+          TypeError: If ``dimension_names`` is not a sequence of str.
+          ValueError: As ``resolve_sharding_conflicts``.
+        """
+        names = _dimension_names(dimension_names, "MultiDimensionalStrategy.partition_spec")
+        proposed = {key: s.partition_spec(names) for key, s in self.strategies.items()}
+        return self.resolve_sharding_conflicts(proposed, ndim=len(names))
+
+    def resolve_sharding_conflicts(
+        self, proposed_specs: Mapping[str, PartitionSpec], *, ndim: int
+    ) -> PartitionSpec:
+        """Merge specs dimension by dimension; where several split one, one claim wins.
+
+        A ``TensorParallelStrategy``'s claim wins, then an ``FSDPStrategy``'s, then the first
+        in ``proposed_specs`` (whose keys name strategies of ``strategies``; an unknown key
+        ranks with the others).
+
+        Raises:
+          ValueError: If a spec has more than ``ndim`` entries, or the merged spec splits
+            two dimensions over one mesh axis (names the axis and the dimensions).
+        """
+        merged: list[Any] = [None] * ndim
+        ranks = [3] * ndim
+        for key, spec in proposed_specs.items():
+            entries = tuple(spec)
+            if len(entries) > ndim:
+                raise ValueError(
+                    f"MultiDimensionalStrategy: the spec {spec} of {key!r} has {len(entries)} "
+                    f"entries for an array of {ndim} dimensions."
+                )
+            rank = _rank(self.strategies.get(key))
+            for dim, entry in enumerate(entries):
+                if spec_axes(entry) and rank < ranks[dim]:
+                    merged[dim], ranks[dim] = entry, rank
+        used: dict[str, int] = {}
+        for dim, entry in enumerate(merged):
+            for axis in spec_axes(entry):
+                if axis in used:
+                    raise ValueError(
+                        f"MultiDimensionalStrategy: mesh axis {axis!r} would split dimensions "
+                        f"{used[axis]} and {dim} of {PartitionSpec(*merged)}; a mesh axis splits "
+                        f"one dimension of an array."
+                    )
+                used[axis] = dim
+        return PartitionSpec(*merged)
