@@ -92,7 +92,7 @@ def run(
     from jax.sharding import PartitionSpec as P
 
     import substrax
-    from substrax._collectives import to_varying
+    from substrax._metrics.collectives import to_varying
     from substrax.mesh import create_device_mesh
     from substrax.nn import ColumnParallelLinear, ParallelSelfAttention, RowParallelLinear
     from substrax.spmd import create_data_parallel_sharding, place_batch_on_shards

@@ -18,12 +18,12 @@ here rebinds the attribute ``substrax.census`` from that package to the function
 
 import importlib
 
-from substrax import explicit, mesh, nn, spmd
+from substrax import explicit, gradcheck, mesh, nn, spmd
 from substrax._layout import LAYOUTS, Layout, LeafPlacement, layout_of, shard_state
-from substrax._precision import MixedPrecision
-from substrax._skips import NonFiniteStepsError, SkippedStepWarning
-from substrax._options import StepOptions
-from substrax._train_step import MODES, BoundTrainStep, TrainStep, make_train_step
+from substrax._shared.options import StepOptions
+from substrax._shared.precision import MixedPrecision
+from substrax._shared.skips import NonFiniteStepsError, SkippedStepWarning
+from substrax._train.chooser import MODES, BoundTrainStep, TrainStep, make_train_step
 from substrax.census import CensusReport, Comparison, Expected, census, compare, expected_communication
 
 __version__ = "0.1.0"
@@ -62,6 +62,7 @@ __all__ = [
     "compare",
     "expected_communication",
     "explicit",
+    "gradcheck",
     "layout_of",
     "make_train_step",
     "mesh",

@@ -23,7 +23,7 @@ from flax import nnx
 
 import substrax
 from substrax import NonFiniteStepsError, SkippedStepWarning
-from substrax._skips import LAG
+from substrax._shared.skips import LAG
 from substrax.spmd import create_data_parallel_sharding, place_batch_on_shards
 
 

@@ -18,7 +18,7 @@ from flax import nnx
 
 import substrax
 from substrax import checkpoint
-from substrax._collectives import gather_invariant
+from substrax._metrics.collectives import gather_invariant
 from substrax.mesh import create_device_mesh
 
 SHAPES = [(8, 1), (4, 2), (2, 4), (1, 8)]

@@ -38,18 +38,18 @@ from jax.sharding import NamedSharding, PartitionSpec
 from substrax._layout import (
     UNIT_KEY,
     UNIT_SCOPE,
-    unit_paths,
     entry_axes,
     gradient_spec,
     layout_of,
     parameter_splits,
     spec_tuple,
     split_dim_of,
+    unit_paths,
     without_axis,
 )
-from substrax._options import StepOptions
+from substrax._shared.options import StepOptions
+from substrax._shared.update import apply_update, state_values
 from substrax._tree import path_str
-from substrax._update import apply_update, state_values
 from substrax.census._expected import ExpectedCollective, _hlo_type, _itemsize, expected_communication
 from substrax.census._report import CensusReport, Comparison, census, compare
 from substrax.census._rows import library_scope

@@ -24,9 +24,9 @@ from typing import Any
 import jax
 from flax import nnx
 
-from substrax._collectives import require_axis, varying_axes
-from substrax._loss import loss_and_metrics
-from substrax._specs import spec_axes
+from substrax._batch.axes import spec_axes
+from substrax._metrics.collectives import require_axis, varying_axes
+from substrax._shared.loss import loss_and_metrics
 
 __all__ = ["data_parallel_value_and_grad", "varying_axes"]
 

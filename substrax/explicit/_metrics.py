@@ -14,14 +14,14 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from substrax._collectives import (
+from substrax._metrics.collectives import (
     all_gather,
     reduce_max_collective,
     reduce_mean_collective,
     reduce_min_collective,
     reduce_sum_collective,
 )
-from substrax._reductions import METRIC_REDUCTIONS, check_reduce_fn
+from substrax._metrics.reductions import METRIC_REDUCTIONS, check_reduce_fn
 from substrax._tree import is_array
 
 __all__ = ["reduce_metrics_collective", "reduce_metrics_on_one_device"]

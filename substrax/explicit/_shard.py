@@ -18,9 +18,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from substrax._collectives import to_varying, to_varying_over, varying_axes
+from substrax._batch.axes import spec_axes
 from substrax._layout import ParamSplit, check_declared_rank, declared_spec, entry_axes, spec_tuple
-from substrax._specs import spec_axes
+from substrax._metrics.collectives import to_varying, to_varying_over, varying_axes
 from substrax._tree import PyTree, path_str
 from substrax.explicit._units import gather_grouped, scatter_grouped, varying_other
 from substrax.nn import _declared as declared

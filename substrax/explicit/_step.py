@@ -13,7 +13,7 @@ then reduces it once, in plain sight:
 
 The ``shard_map`` ends there: it returns the gradients (split where the state is) and
 the model's other state. The optimizer update runs after it, on the global arrays,
-under the same jit (``substrax._update``): element-wise math stays on each device's
+under the same jit (``substrax._shared.update``): element-wise math stays on each device's
 slice, and XLA adds only what a transformation needs: one scalar per split tensor
 (combined into one all-reduce) for
 ``clip_by_global_norm``'s norm under a split layout, and under ZeRO-1 the all-gather
@@ -38,14 +38,14 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from substrax._batch.axes import spec_axes
+from substrax._batch.placement import batch_partition_specs
 from substrax._layout import UNIT_KEY, ParamSplit, gradient_spec, unit_paths
-from substrax._microbatch import check_microbatches, fold_microbatch_metrics, split_rows_over
-from substrax._options import StepOptions
-from substrax._placement import batch_partition_specs
-from substrax._precision import MixedPrecision
-from substrax._specs import spec_axes
+from substrax._shared.microbatch import check_microbatches, fold_microbatch_metrics, split_rows_over
+from substrax._shared.options import StepOptions
+from substrax._shared.precision import MixedPrecision
+from substrax._shared.update import apply_update, state_values
 from substrax._tree import PyTree
-from substrax._update import apply_update, state_values
 from substrax.explicit._metrics import reduce_metrics_collective, reduce_metrics_on_one_device
 from substrax.explicit._shard import (
     cast_like,
@@ -100,7 +100,7 @@ def explicit_train_step(
     The ``shard_map`` covers the forward pass, the backward pass and the gradient
     reduction; the optimizer update then runs on the global arrays (split or not) under
     the same jit, so every optax transformation, ``clip_by_global_norm`` and
-    ``adafactor`` included, gives the one-device result (``substrax._update``).
+    ``adafactor`` included, gives the one-device result (``substrax._shared.update``).
 
     ``nnx.BatchStat`` state that a layer updates from the shard it sees (BatchNorm's
     running statistics) is averaged over ``data_axis`` after the step, so every device

@@ -32,10 +32,9 @@ from jax.custom_derivatives import SymbolicZero
 
 from substrax._layout import UNIT_SCOPE as SCOPE
 from substrax._layout import note_layers
-from substrax._collectives import to_varying_over, varying_axes
+from substrax._metrics.collectives import to_varying_over, varying_axes
 from substrax._tree import node_at, path_str
 from substrax.nn import _declared as declared
-
 
 __all__ = ["gather_grouped", "run_unit", "scatter_grouped", "units_running", "varying_other"]
 

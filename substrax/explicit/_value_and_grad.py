@@ -10,12 +10,12 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from substrax._batch.axes import spec_axes
+from substrax._batch.placement import batch_partition_specs
 from substrax._layout import REPLICA_AXIS, ParamSplit, check_mesh_axes, gradient_spec, parameter_splits
-from substrax._microbatch import microbatched, split_microbatches, split_rows_over
-from substrax._placement import batch_partition_specs
-from substrax._precision import MixedPrecision
-from substrax._loss import loss_and_metrics
-from substrax._specs import spec_axes
+from substrax._shared.loss import loss_and_metrics
+from substrax._shared.microbatch import microbatched, split_microbatches, split_rows_over
+from substrax._shared.precision import MixedPrecision
 from substrax._tree import PyTree
 from substrax.explicit._grad import data_parallel_value_and_grad
 from substrax.explicit._shard import (

@@ -27,7 +27,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from substrax._specs import spec_axes
+from substrax._batch.axes import spec_axes
 
 __all__ = [
     "DataParallelStrategy",

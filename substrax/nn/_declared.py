@@ -32,8 +32,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from substrax._collectives import to_varying as _cast_varying
-from substrax._collectives import varying_axes
+from substrax._metrics.collectives import to_varying as _cast_varying
+from substrax._metrics.collectives import varying_axes
 from substrax._tree import path_str
 
 __all__ = ["KINDS", "Declared", "declare_backward", "declare_forward", "naming", "recording", "silenced", "to_varying"]

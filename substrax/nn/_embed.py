@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes
 
-from substrax._collectives import gather_invariant
+from substrax._metrics.collectives import gather_invariant
 from substrax.nn._declared import SCOPE, declare_forward, to_varying
 from substrax.nn._linear import Initializer, sharded_param, split_over
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes
 
-from substrax._collectives import varying_axes
+from substrax._metrics.collectives import varying_axes
 from substrax.nn._declared import SCOPE, declare_backward, declare_forward, to_varying
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]

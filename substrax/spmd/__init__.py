@@ -13,7 +13,13 @@ the gradient of a replicated parameter already arrives summed over the axis.
 metrics inside shard_map.
 """
 
-from substrax._collectives import (
+from substrax._batch.placement import (
+    check_replicated_equal,
+    create_data_parallel_sharding,
+    place_batch_on_shards,
+)
+from substrax._layout._place import place_nnx_state_on_shards
+from substrax._metrics.collectives import (
     all_gather,
     collect_from_devices,
     reduce_max_collective,
@@ -21,8 +27,6 @@ from substrax._collectives import (
     reduce_min_collective,
     reduce_sum_collective,
 )
-from substrax._nnx_placement import place_nnx_state_on_shards
-from substrax._placement import check_replicated_equal, create_data_parallel_sharding, place_batch_on_shards
 from substrax.spmd._metrics import reduce_custom, reduce_max, reduce_mean, reduce_min, reduce_sum
 from substrax.spmd._step import spmd_train_step
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from substrax._reductions import METRIC_REDUCTIONS, check_reduce_fn
+from substrax._metrics.reductions import METRIC_REDUCTIONS, check_reduce_fn
 from substrax._tree import is_array, map_arrays
 
 __all__ = ["reduce_custom", "reduce_max", "reduce_mean", "reduce_metrics", "reduce_min", "reduce_sum"]

@@ -9,19 +9,19 @@ from typing import Any, TypeVar
 import jax
 from flax import nnx
 
+from substrax._batch.axes import spec_axes
+from substrax._batch.placement import batch_partition_specs
 from substrax._layout import check_mesh_axes
-from substrax._microbatch import (
+from substrax._shared.loss import loss_and_metrics
+from substrax._shared.microbatch import (
     check_microbatches,
     microbatched,
     split_global_microbatches,
     unfold_global_gather,
 )
-from substrax._options import StepOptions
-from substrax._placement import batch_partition_specs
-from substrax._precision import MixedPrecision
-from substrax._loss import loss_and_metrics
-from substrax._specs import spec_axes
-from substrax._update import apply_update, state_values
+from substrax._shared.options import StepOptions
+from substrax._shared.precision import MixedPrecision
+from substrax._shared.update import apply_update, state_values
 from substrax.mesh import current_mesh
 from substrax.spmd._metrics import reduce_metrics
 

@@ -17,8 +17,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from substrax._placement import place_batch_on_shards
-from substrax._precision import MixedPrecision
+from substrax._batch.placement import place_batch_on_shards
+from substrax._shared.precision import MixedPrecision
 from substrax._tree import PyTree, broadcast_prefix, map_arrays
 from substrax.explicit._step import BatchSpec, explicit_value_and_grad
 

@@ -1,6 +1,6 @@
 """Runs of skipped steps, said out loud: a warning while steps are skipped, an error after too many.
 
-The non-finite guard (``substrax._update``) skips a step in the graph; only the host can
+The non-finite guard (``substrax._shared.update``) skips a step in the graph; only the host can
 say so. ``SkipWatch`` reads the flags ``LAG`` steps at a time, in one transfer (reading
 each step's flag alone cost ~80 µs of host time per call, more than the whole step of a
 small model, and made the host wait for the device every call), warns on the 1st, 2nd,

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 from jax.sharding import Mesh
 
-from substrax.explicit._report import GradientRow, Reference
+from substrax.gradcheck._report import GradientRow, Reference
 
 # How closely a gradient must follow ``c * reference`` for its error to be called the factor c.
 _FIT_RTOL = 1e-3

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import jax
 import numpy as np
 
-from substrax._specs import spec_axes
+from substrax._batch.axes import spec_axes
 from substrax._tree import is_array, map_arrays
 
 __all__ = [

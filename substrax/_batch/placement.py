@@ -10,8 +10,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
-from substrax._batch_specs import batch_partition_specs, warn_float64
-from substrax._specs import check_fits, check_spec_axes
+from substrax._batch.axes import check_fits, check_spec_axes
+from substrax._batch.leaves import batch_partition_specs, warn_float64
 from substrax._tree import KeyPath, PyTree, broadcast_prefix, is_array, path_str
 
 __all__ = [

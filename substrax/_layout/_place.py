@@ -10,7 +10,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
-from substrax._specs import check_fits, check_spec_axes
+from substrax._batch.axes import check_fits, check_spec_axes
 from substrax._tree import is_array, path_str
 
 __all__ = ["FilterSharding", "place_nnx_state_on_shards"]

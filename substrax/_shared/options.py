@@ -11,10 +11,10 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from substrax._microbatch import check_microbatches
-from substrax._precision import MixedPrecision
-from substrax._reductions import METRIC_REDUCTIONS
-from substrax._skips import DEFAULT_MAX_SKIPS
+from substrax._metrics.reductions import METRIC_REDUCTIONS
+from substrax._shared.microbatch import check_microbatches
+from substrax._shared.precision import MixedPrecision
+from substrax._shared.skips import DEFAULT_MAX_SKIPS
 
 __all__ = ["MODES", "Mode", "StepOptions"]
 

@@ -2,7 +2,7 @@
 
 ``TrainStep`` only picks a step function (``spmd_train_step`` or
 ``explicit_train_step``) and runs it fast: it splits the model and optimizer once
-(``substrax._split.SplitState``), runs a ``jax.jit`` pure function of their arrays, and writes the new
+(``substrax._train.split.SplitState``), runs a ``jax.jit`` pure function of their arrays, and writes the new
 arrays back. Layouts and microbatches live in the step functions, not here.
 """
 
@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping
-from types import TracebackType
-from typing import Any, NamedTuple, Self
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -19,11 +18,12 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from substrax import _layout
-from substrax._batch_specs import check_batch_leaves
-from substrax._options import MODES, Mode, StepOptions
-from substrax._precision import MixedPrecision
-from substrax._skips import DEFAULT_MAX_SKIPS, SkipWatch
-from substrax._split import SplitState
+from substrax._batch.leaves import check_batch_leaves
+from substrax._shared.options import MODES, Mode, StepOptions
+from substrax._shared.precision import MixedPrecision
+from substrax._shared.skips import DEFAULT_MAX_SKIPS, SkipWatch
+from substrax._train.bound import BoundTrainStep
+from substrax._train.split import SplitState
 from substrax._tree import PyTree
 from substrax.census import Comparison
 from substrax.census._step import check_communication
@@ -35,7 +35,19 @@ from substrax.spmd import _step as implicit_step
 
 __all__ = ["MODES", "BoundTrainStep", "TrainStep", "make_train_step"]
 
-_STEPS = {"implicit": implicit_step, "explicit": explicit_step}  # each: run_step, check_placement
+
+
+class _ModeSteps(NamedTuple):
+    """What the chooser calls of one mode: its step on ``StepOptions`` and its placement check."""
+
+    run_step: Callable[[nnx.Module, nnx.Optimizer, Callable[..., Any], PyTree, StepOptions], tuple[Any, Any]]
+    check_placement: Callable[[nnx.Module], None]
+
+
+_STEPS: dict[Mode, _ModeSteps] = {
+    "implicit": _ModeSteps(implicit_step.run_step, implicit_step.check_placement),
+    "explicit": _ModeSteps(explicit_step.run_step, explicit_step.check_placement),
+}
 
 
 def make_train_step(
@@ -97,7 +109,7 @@ def make_train_step(
         non-finite state. ``False`` applies every update. A skipped step warns
         (``SkippedStepWarning``, with the count) when its flag is read (eight at a time, and at ``sync``).
       precision: A ``substrax.MixedPrecision`` policy (bfloat16 compute and gathers,
-        float32 state and update; see ``substrax._precision``), or ``None``.
+        float32 state and update; see ``substrax._shared.precision``), or ``None``.
       max_skips_in_a_row: Raise ``NonFiniteStepsError`` once this many steps in a row
         were skipped (default 10); ``None`` never raises.
       replica_axis: On a mesh with this axis, hybrid sharding: the batch's rows are
@@ -331,90 +343,3 @@ class TrainStep:
           result.
         """
         return BoundTrainStep(self, model, optimizer, donate=donate)
-
-
-class BoundTrainStep:
-    """A ``TrainStep`` bound to one model and optimizer: ``loss = fast(batch)``.
-
-    It owns their state while it runs. Each call consumes the state's arrays (donates
-    them to the jitted step, or deletes them after it) and keeps the new ones, so
-    ``model`` and ``optimizer`` hold deleted arrays (reading one raises jax's "Array
-    has been deleted" error, not a stale value) until ``sync()`` writes the current
-    state back into them. Used as a context manager, it syncs on exit::
-
-        with step.bind(model, optimizer) as fast:
-            for batch in loader:
-                loss = fast(batch)
-        evaluate(model)  # trained
-    """
-
-    def __init__(
-        self, step: TrainStep, model: nnx.Module, optimizer: nnx.Optimizer, *, donate: bool = True
-    ) -> None:
-        self.model = model
-        self.optimizer = optimizer
-        self._step = step
-        self._split = step._split(model, optimizer, donate=donate)
-        self._arrays: list[jax.Array] | None = None  # None: the model holds the state (read it)
-        self._donate = donate
-        self._placed: Any = False  # the first batch's placement holds for the loop
-        self._skips = SkipWatch(step.options.max_skips_in_a_row)
-
-    def __call__(self, batch: PyTree) -> Any:
-        """Run one step; returns the loss (or ``(loss, metrics)``)."""
-        if self._placed is False:
-            self._placed = self._step.placed_specs(batch)
-        consumed = self._arrays if self._arrays is not None else self._read_model()
-        self._arrays, out, applied = self._step._run_split(self._split.jitted, consumed, batch, self._placed)
-        if not self._donate:
-            for array in consumed:  # what donation would have done: no stale copy stays readable
-                array.delete()
-        self._skips.push(applied)
-        return out
-
-    def _read_model(self) -> list[jax.Array]:
-        """The state as ``model`` and ``optimizer`` hold it (after ``sync``, with any value set since)."""
-        if not self._split.valid_for(self.model, self.optimizer):
-            raise ValueError(
-                "The model or optimizer changed structure inside a bind block (a module, variable "
-                "or item replaced or added, or shard_state run); a set_value is fine. Leave the "
-                "block (or sync) and bind again: step.bind(model, optimizer)."
-            )
-        return self._split.arrays()
-
-    def lower(self, batch: PyTree) -> Any:
-        """Lower this step for ``batch``, to read its HLO (see ``TrainStep.lower``)."""
-        arrays = self._arrays if self._arrays is not None else self._read_model()
-        return self._step._lower(self._split, arrays, batch)
-
-    def check_communication(self, batch: PyTree) -> Comparison:
-        """This step's census against its layout's rule (see ``TrainStep.check_communication``); syncs first."""
-        self.sync()
-        return self._step.check_communication(self.model, self.optimizer, batch)
-
-    def census(self, batch: PyTree) -> Comparison:
-        """``check_communication``, under the name it had first (a ``Comparison``; see ``TrainStep.census``)."""
-        return self.check_communication(batch)
-
-    def sync(self) -> None:
-        """Write the current state into ``model`` and ``optimizer``, and judge the last step's flag.
-
-        The next call reads them again (a value set since, ``set_value``, is used) and
-        consumes them; sync after it to read the model.
-        """
-        if self._arrays is not None:
-            self._split.write(self._arrays)
-            self._arrays = None
-        self._skips.flush()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if exc_type is None:
-            self.sync()
-        elif self._arrays is not None:  # the state goes back; the error in flight is the one to see
-            self._split.write(self._arrays)
-            self._arrays = None

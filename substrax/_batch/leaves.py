@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from substrax._specs import check_fits, check_spec_axes, spec_axes
+from substrax._batch.axes import check_fits, check_spec_axes, spec_axes
 from substrax._tree import KeyPath, PyTree, broadcast_prefix, path_str
 
 __all__ = ["batch_partition_specs", "check_batch_leaves", "check_same_rows", "warn_float64"]

@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from substrax._specs import spec_axes
+from substrax._batch.axes import spec_axes
 from substrax._tree import PyTree, path_str
 
 __all__ = ["check_microbatches", "fold_microbatch_metrics", "microbatched", "split_microbatches"]

@@ -10,12 +10,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from substrax._precision import MixedPrecision
+from substrax._shared.precision import MixedPrecision
 from substrax._tree import PyTree, map_arrays
-from substrax.explicit._diagnosis import scale_and_diagnosis
-from substrax.explicit._gradients import data_parallel_gradients, reference_gradient
-from substrax.explicit._layers import layer_axis_names, per_shard_statistics, per_shard_statistics_text
-from substrax.explicit._report import (
+from substrax.explicit._step import BatchSpec
+from substrax.gradcheck._diagnosis import scale_and_diagnosis
+from substrax.gradcheck._gradients import data_parallel_gradients, reference_gradient
+from substrax.gradcheck._layers import layer_axis_names, per_shard_statistics, per_shard_statistics_text
+from substrax.gradcheck._report import (
     GradientReport,
     GradientRow,
     flatten_method,
@@ -23,7 +24,6 @@ from substrax.explicit._report import (
     leaf_rows,
     widen_to_policy_error,
 )
-from substrax.explicit._step import BatchSpec
 
 __all__ = ["GradientReport", "GradientRow", "compare_gradients"]
 

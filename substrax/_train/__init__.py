@@ -1,0 +1,1 @@
+"""The mode chooser (``TrainStep``), its bound loop spelling and the split it keeps between calls."""

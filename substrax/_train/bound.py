@@ -1,0 +1,105 @@
+"""The loop spelling of a ``TrainStep``: bound to one model and optimizer, the state kept as arrays."""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Self
+
+import jax
+from flax import nnx
+
+from substrax._shared.skips import SkipWatch
+from substrax._tree import PyTree
+from substrax.census import Comparison
+
+if TYPE_CHECKING:
+    from substrax._train.chooser import TrainStep
+
+__all__ = ["BoundTrainStep"]
+
+
+class BoundTrainStep:
+    """A ``TrainStep`` bound to one model and optimizer: ``loss = fast(batch)``.
+
+    It owns their state while it runs. Each call consumes the state's arrays (donates
+    them to the jitted step, or deletes them after it) and keeps the new ones, so
+    ``model`` and ``optimizer`` hold deleted arrays (reading one raises jax's "Array
+    has been deleted" error, not a stale value) until ``sync()`` writes the current
+    state back into them. Used as a context manager, it syncs on exit::
+
+        with step.bind(model, optimizer) as fast:
+            for batch in loader:
+                loss = fast(batch)
+        evaluate(model)  # trained
+    """
+
+    def __init__(
+        self, step: TrainStep, model: nnx.Module, optimizer: nnx.Optimizer, *, donate: bool = True
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self._step = step
+        self._split = step._split(model, optimizer, donate=donate)
+        self._arrays: list[jax.Array] | None = None  # None: the model holds the state (read it)
+        self._donate = donate
+        self._placed: Any = False  # the first batch's placement holds for the loop
+        self._skips = SkipWatch(step.options.max_skips_in_a_row)
+
+    def __call__(self, batch: PyTree) -> Any:
+        """Run one step; returns the loss (or ``(loss, metrics)``)."""
+        if self._placed is False:
+            self._placed = self._step.placed_specs(batch)
+        consumed = self._arrays if self._arrays is not None else self._read_model()
+        self._arrays, out, applied = self._step._run_split(self._split.jitted, consumed, batch, self._placed)
+        if not self._donate:
+            for array in consumed:  # what donation would have done: no stale copy stays readable
+                array.delete()
+        self._skips.push(applied)
+        return out
+
+    def _read_model(self) -> list[jax.Array]:
+        """The state as ``model`` and ``optimizer`` hold it (after ``sync``, with any value set since)."""
+        if not self._split.valid_for(self.model, self.optimizer):
+            raise ValueError(
+                "The model or optimizer changed structure inside a bind block (a module, variable "
+                "or item replaced or added, or shard_state run); a set_value is fine. Leave the "
+                "block (or sync) and bind again: step.bind(model, optimizer)."
+            )
+        return self._split.arrays()
+
+    def lower(self, batch: PyTree) -> Any:
+        """Lower this step for ``batch``, to read its HLO (see ``TrainStep.lower``)."""
+        arrays = self._arrays if self._arrays is not None else self._read_model()
+        return self._step._lower(self._split, arrays, batch)
+
+    def check_communication(self, batch: PyTree) -> Comparison:
+        """This step's census against its layout's rule (see ``TrainStep.check_communication``); syncs first."""
+        self.sync()
+        return self._step.check_communication(self.model, self.optimizer, batch)
+
+    def census(self, batch: PyTree) -> Comparison:
+        """``check_communication``, under the name it had first (a ``Comparison``; see ``TrainStep.census``)."""
+        return self.check_communication(batch)
+
+    def sync(self) -> None:
+        """Write the current state into ``model`` and ``optimizer``, and judge the last step's flag.
+
+        The next call reads them again (a value set since, ``set_value``, is used) and
+        consumes them; sync after it to read the model.
+        """
+        if self._arrays is not None:
+            self._split.write(self._arrays)
+            self._arrays = None
+        self._skips.flush()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc_type is None:
+            self.sync()
+        elif self._arrays is not None:  # the state goes back; the error in flight is the one to see
+            self._split.write(self._arrays)
+            self._arrays = None
