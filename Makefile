@@ -18,11 +18,17 @@ demo: $(STAMP)
 	$(PY) -m substrax.demo
 
 # The suite on WORKERS processes (pytest-xdist), each test file whole on one of them: on 2
-# cores most of a file's time is compiling, which one process does on one core.
+# cores most of a file's time is compiling, which one process does on one core. `make test`
+# leaves out the tests marked slow (the fuzzers' random samples, the two longest notebooks);
+# `make test-slow` runs just those, and .ci/run runs both.
 WORKERS ?= 2
 
+.PHONY: test-slow
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile -m "not slow"
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile -m slow
 
 # The documentation site (docs/, mkdocs.yml) into build/site, warnings as errors; the docs
 # extra is installed into .venv beside the dev one, again whenever .venv is refreshed.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Callable
 
 import jax
@@ -9,6 +11,26 @@ import jax
 from substrax.mesh import use_cpu_devices
 
 use_cpu_devices(8)  # before anything touches a backend
+
+
+def _one_compilation_cache_per_run() -> None:
+    """Many tests compile the same small program under another name; compile each once a run.
+
+    jax's persistent cache keys an executable by its HLO, so a program a second test builds
+    again is read back, not compiled. The directory is new for each run (the pytest process
+    makes it; its xdist workers inherit it), so a run never reads what an older one wrote;
+    ``SUBSTRAX_TEST_CACHE=DIR`` keeps one across runs. Subprocesses (notebooks, launched
+    processes) compile for themselves.
+    """
+    directory = os.environ.get("SUBSTRAX_TEST_CACHE")
+    if not directory:
+        directory = os.environ["SUBSTRAX_TEST_CACHE"] = tempfile.mkdtemp(prefix="substrax-jax-cache-")
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+_one_compilation_cache_per_run()
 
 import numpy as np  # noqa: E402
 import optax  # noqa: E402

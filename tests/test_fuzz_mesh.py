@@ -19,7 +19,7 @@ optimizer='adam', heads=4, causal=True, blocks=2, width=32, seed=236)``). In exp
 the step's census must match, with each layer's collectives over ``model`` expected from
 what the layers declare (``substrax.nn.declare_forward``, ...).
 
-``make test`` runs a fixed-seed sample (profile ``fuzz-ci`` of ``test_fuzz.py``);
+``make test`` runs ``CURATED``, ``make test-slow`` a fixed-seed sample (profile ``mesh-ci``);
 ``make fuzz`` (``SUBSTRAX_FUZZ=full``) ``SUBSTRAX_FUZZ_EXAMPLES`` random draws. A failing
 draw is printed as the ``MeshConfig`` that reproduces it.
 """
@@ -254,6 +254,7 @@ def test_curated_mesh_configs(config: MeshConfig) -> None:
     check(config)
 
 
+@pytest.mark.slow  # make test-slow (in .ci/run); make fuzz draws more
 def test_mesh_fuzz() -> None:
     """Draws (profile ``mesh-ci``, or ``mesh-full`` with ``SUBSTRAX_FUZZ=full``); every
     draw is printed, the failing ones listed at the end as ``MeshConfig``s."""

@@ -65,7 +65,15 @@ def _run(path: Path):
     return nb
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+# The two longest run in make test-slow (.ci/run runs it): two processes, and every layout compiled.
+SLOW = {"04_several_processes", "05_layouts_and_communication"}
+
+
+@pytest.mark.parametrize(
+    "path",
+    [pytest.param(p, marks=pytest.mark.slow) if p.stem in SLOW else p for p in NOTEBOOKS],
+    ids=[p.stem for p in NOTEBOOKS],
+)
 def test_notebook_runs(path: Path) -> None:
     code = [cell for cell in nbformat.read(path, as_version=4).cells if cell.cell_type == "code"]
     assert code, f"{path.name} has no code cells"

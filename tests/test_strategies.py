@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import doctest
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -618,6 +619,7 @@ def test_a_strategy_of_ones_own_is_combined() -> None:
     assert combined.partition_spec(("batch", "heads", "head_dim")) == P("data", "model", None)
 
 
-def test_the_docstring_examples_run() -> None:
-    failures, tried = doctest.testmod(substrax.mesh.strategies, optionflags=doctest.NORMALIZE_WHITESPACE)
-    assert tried >= 8 and failures == 0
+@pytest.mark.parametrize("module", ["substrax.mesh.strategies", "substrax.mesh._configs"])
+def test_the_docstring_examples_run(module: str) -> None:
+    failures, tried = doctest.testmod(importlib.import_module(module), optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert tried >= 2 and failures == 0

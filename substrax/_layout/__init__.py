@@ -36,24 +36,21 @@ from substrax._layout._owners import (
     optimizer_mirrors,
     parameter_splits,
 )
-from substrax._layout._report import LAYOUTS, REPLICA_AXIS, Layout, LayoutKind, LeafPlacement, LeftWhole, layout_of
-from substrax._layout._shard import epoch, shard_state
-from substrax._layout._units import (
-    RESHARD_KEY,
-    UNIT_KEY,
-    UNIT_SCOPE,
-    UnitsSpec,
-    mark_units,
-    note_layers,
-    recording_layers,
-    unit_paths,
+from substrax._layout._report import (
+    LAYOUTS,
+    REPLICA_AXIS,
+    Layout,
+    LayoutKind,
+    LeafPlacement,
+    LeftWhole,
+    layout_of,
 )
+from substrax._layout._shard import epoch, shard_state
 from substrax._layout._specs import (
     check_declared_rank,
     check_mesh_axes,
     choose_split_dim,
     declared_spec,
-    entry_axes,
     gradient_spec,
     optional_axes,
     spec_tuple,
@@ -61,11 +58,19 @@ from substrax._layout._specs import (
     with_axis,
     without_axis,
 )
+from substrax._layout._units import (
+    RESHARD_KEY,
+    UNIT_KEY,
+    UnitsSpec,
+    mark_units,
+    note_layers,
+    recording_layers,
+    unit_paths,
+)
 
 __all__ = [
     "RESHARD_KEY",
     "UNIT_KEY",
-    "UNIT_SCOPE",
     "UnitsSpec",
     "mark_units",
     "note_layers",
@@ -83,7 +88,6 @@ __all__ = [
     "check_optimizer_of",
     "choose_split_dim",
     "declared_spec",
-    "entry_axes",
     "epoch",
     "follow_dim",
     "gradient_spec",

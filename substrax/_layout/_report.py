@@ -11,10 +11,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from substrax._batch.axes import spec_axes
 from substrax._layout._owners import flat_state
-from substrax._layout._specs import entry_axes, spec_tuple, split_dim_of, without_axis
+from substrax._layout._specs import spec_tuple, split_dim_of, without_axis
 from substrax._tree import adopt_assigned_arrays, path_str
-from substrax.mesh import current_mesh
+from substrax.mesh import current_mesh, current_mesh_with
 
 __all__ = ["LAYOUTS", "REPLICA_AXIS", "Layout", "LayoutKind", "LeafPlacement", "LeftWhole", "layout_of"]
 
@@ -202,11 +203,8 @@ def layout_of(
         ]
         with_axis = [m for m in meshes if axis in m.axis_names]
         if not with_axis:
-            try:
-                with_axis = [current_mesh(mesh, required_axes=(axis,))]
-            except ValueError:
-                if mesh is not None:
-                    raise
+            found = current_mesh_with(axis, mesh)
+            with_axis = [found] if found is not None else []
         axis_size = with_axis[0].shape[axis] if with_axis else 1
         sizes = dict(with_axis[0].shape) if with_axis else {}
     else:
@@ -230,7 +228,7 @@ def layout_of(
             others = tuple(
                 (d, a, sizes.get(a, 1))
                 for d, entry in enumerate(without_axis(spec_tuple(variable), len(shape), axis))
-                for a in entry_axes(entry)
+                for a in spec_axes(entry)
             )
             rows.append(
                 LeafPlacement(

@@ -13,13 +13,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from substrax._batch.axes import spec_axes
 from substrax._layout._owners import flat_state, follow_dim, optimizer_followers, optimizer_mirrors
 from substrax._layout._report import LAYOUTS, REPLICA_AXIS, Layout, LayoutKind, LeftWhole, layout_of
 from substrax._layout._specs import (
     check_declared_rank,
     choose_split_dim,
     declared_spec,
-    entry_axes,
     spec_tuple,
     split_dim_of,
     with_axis,
@@ -191,7 +191,7 @@ def shard_state(
     def base_of(variable: nnx.Variable[Any]) -> tuple[Any, ...]:
         """The variable's own splits over the mesh's other axes (one over an axis it lacks: none)."""
         spec = without_axis(declared[id(variable)], np.ndim(variable.get_value()), axis)
-        kept = [tuple(a for a in entry_axes(e) if a in found.axis_names) for e in spec]
+        kept = [tuple(a for a in spec_axes(e) if a in found.axis_names) for e in spec]
         return tuple(None if not k else k[0] if len(k) == 1 else k for k in kept)
 
     unit_list = find_units(model, units, reshard_after_forward)
@@ -222,7 +222,7 @@ def shard_state(
             spec: list[Any] = [None] * len(leaf_shape)
             for d, entry in enumerate(split):
                 on = follow_dim(shape, leaf_shape, d if entry is not None else None)
-                ways = math.prod(found.shape[a] for a in entry_axes(entry))
+                ways = math.prod(found.shape[a] for a in spec_axes(entry))
                 if on is not None and leaf_shape[on] % ways == 0:
                     spec[on] = entry
             _place(opt_vars[follower], tuple(spec), found)
@@ -238,7 +238,7 @@ def shard_state(
     for variables in (model_vars, opt_vars):
         for variable in variables.values():
             said = declared[id(variable)]
-            lacking = any(a not in found.axis_names for e in said or () for a in entry_axes(e))
+            lacking = any(a not in found.axis_names for e in said or () for a in spec_axes(e))
             if lacking or variable.get_metadata().get("declared_sharding") is not None:
                 variable.set_metadata(declared_sharding=said if lacking else None)
     split = {p for p, v in model_vars.items() if isinstance(v, nnx.Param) and layout in ("fsdp", "hsdp")

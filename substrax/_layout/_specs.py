@@ -10,13 +10,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from substrax._batch.axes import spec_axes
 from substrax._tree import path_str
 
 __all__ = [
     "check_mesh_axes",
     "choose_split_dim",
     "declared_spec",
-    "entry_axes",
     "gradient_spec",
     "optional_axes",
     "spec_tuple",
@@ -47,7 +47,7 @@ def without_axes(spec: tuple[Any, ...], axes: tuple[str, ...]) -> tuple[Any, ...
     """``spec`` with ``axes`` dropped from every entry and trailing ``None`` entries trimmed."""
     entries = []
     for entry in spec:
-        kept = tuple(a for a in entry_axes(entry) if a not in axes)
+        kept = tuple(a for a in spec_axes(entry) if a not in axes)
         entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
     while entries and entries[-1] is None:
         entries.pop()
@@ -79,16 +79,11 @@ def split_dim_of(spec: tuple[Any, ...] | None, axis: str) -> int | None:
     return None
 
 
-def entry_axes(entry: Any) -> tuple[str, ...]:
-    """The mesh axes one ``PartitionSpec`` entry names: ``None``, a name or a tuple of names."""
-    return () if entry is None else tuple(entry) if isinstance(entry, tuple) else (entry,)
-
-
 def without_axis(spec: tuple[Any, ...] | None, ndim: int, axis: str) -> tuple[Any, ...]:
     """``spec`` padded to ``ndim`` entries, with ``axis`` dropped: what the layer itself declared."""
     entries = []
     for entry in tuple(spec or ()) + (None,) * (ndim - len(spec or ())):
-        kept = tuple(a for a in entry_axes(entry) if a != axis)
+        kept = tuple(a for a in spec_axes(entry) if a != axis)
         entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
     return tuple(entries)
 
@@ -97,7 +92,7 @@ def with_axis(base: tuple[Any, ...], dim: int | None, axis: str) -> tuple[Any, .
     """``base`` with ``axis`` put first on dimension ``dim`` (unchanged when ``dim`` is None)."""
     if dim is None:
         return base
-    kept = (axis, *entry_axes(base[dim]))
+    kept = (axis, *spec_axes(base[dim]))
     return (*base[:dim], kept[0] if len(kept) == 1 else kept, *base[dim + 1 :])
 
 
@@ -155,7 +150,7 @@ def check_mesh_axes(tree: Any, mesh: Any, owner: str) -> None:
     for path, variable in nnx.to_flat_state(nnx.state(tree)):
         spec = declared_spec(variable) or ()
         check_declared_rank(variable, spec, path_str(tuple(path), owner))
-        names = [a for e in spec for a in entry_axes(e)]
+        names = [a for e in spec for a in spec_axes(e)]
         missing = tuple(dict.fromkeys(a for a in names if a not in mesh.axis_names))
         if not missing:
             continue

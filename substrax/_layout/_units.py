@@ -18,22 +18,20 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from substrax._tree import node_at, path_str
+from substrax._tree import KeyPath, node_at, path_str
 
 __all__ = [
-    "RESHARD_KEY", "UNIT_KEY", "UNIT_SCOPE", "UnitsSpec", "find_units", "mark_units", "note_layers",
+    "RESHARD_KEY", "UNIT_KEY", "UnitsSpec", "find_units", "mark_units", "note_layers",
     "recording_layers", "stacked_modules", "unit_paths",
 ]
 
 UNIT_KEY = "fsdp_unit"
-UNIT_SCOPE = "substrax.unit"  # the jax.named_scope a unit's gathers and reduce-scatters run under
 RESHARD_KEY = "fsdp_reshard_after_forward"
 
-Path = tuple[Any, ...]
-UnitsSpec = type | tuple[type, ...] | Callable[[Path, nnx.Module], bool] | None
+UnitsSpec = type | tuple[type, ...] | Callable[[KeyPath, nnx.Module], bool] | None
 
 
-def _matcher(units: UnitsSpec) -> Callable[[Path, Any], bool]:
+def _matcher(units: UnitsSpec) -> Callable[[KeyPath, Any], bool]:
     if isinstance(units, type) or (isinstance(units, tuple) and all(isinstance(u, type) for u in units)):
         return lambda _, node: isinstance(node, units)  # type: ignore[arg-type]
     if callable(units):
@@ -43,7 +41,7 @@ def _matcher(units: UnitsSpec) -> Callable[[Path, Any], bool]:
     )
 
 
-def find_units(model: nnx.Module, units: UnitsSpec, reshard_after_forward: bool) -> list[Path]:
+def find_units(model: nnx.Module, units: UnitsSpec, reshard_after_forward: bool) -> list[KeyPath]:
     """The paths of the submodules ``units`` matches (none for ``units=None``).
 
     Raises:
@@ -53,7 +51,7 @@ def find_units(model: nnx.Module, units: UnitsSpec, reshard_after_forward: bool)
     """
     if not isinstance(reshard_after_forward, bool):
         raise TypeError(f"reshard_after_forward must be True or False; got {reshard_after_forward!r}.")
-    found: list[Path] = []
+    found: list[KeyPath] = []
     if units is not None:
         match = _matcher(units)
         for path, node in nnx.iter_graph(model):
@@ -75,7 +73,7 @@ def find_units(model: nnx.Module, units: UnitsSpec, reshard_after_forward: bool)
     return found
 
 
-def stacked_modules(model: nnx.Module, units: list[Path]) -> set[Path]:
+def stacked_modules(model: nnx.Module, units: list[KeyPath]) -> set[KeyPath]:
     """The modules that read as stacks of layers (``nnx.vmap``): each unit, and each module
     holding two or more parameters itself, whose parameters all have two or more dimensions
     and share the first, the layer axis, which FSDP leaves whole.
@@ -84,7 +82,7 @@ def stacked_modules(model: nnx.Module, units: list[Path]) -> set[Path]:
     dimensions differ. A module that only reads as a stack, such as two square kernels,
     is split on another dimension: the same memory.)
     """
-    owners: dict[Path, list[tuple[int, ...]]] = {}
+    owners: dict[KeyPath, list[tuple[int, ...]]] = {}
     for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         owners.setdefault(tuple(path)[:-1], []).append(np.shape(variable.get_value()))
     candidates = {p: s for p, s in owners.items() if len(s) >= 2}
@@ -94,7 +92,9 @@ def stacked_modules(model: nnx.Module, units: list[Path]) -> set[Path]:
             if shapes and all(len(s) >= 2 for s in shapes) and len({s[0] for s in shapes}) == 1}  # fmt: skip
 
 
-def mark_units(model: nnx.Module, found: list[Path], reshard_after_forward: bool, split: set[Path]) -> None:
+def mark_units(
+    model: nnx.Module, found: list[KeyPath], reshard_after_forward: bool, split: set[KeyPath]
+) -> None:
     """Write on each split parameter its unit (one of ``found``), or clear it outside every unit.
 
     ``split``: the paths of the parameters the layout splits (only those are gathered).
@@ -107,9 +107,9 @@ def mark_units(model: nnx.Module, found: list[Path], reshard_after_forward: bool
             variable.set_metadata(**{UNIT_KEY: None, RESHARD_KEY: None})
 
 
-def unit_paths(model: nnx.Module) -> dict[Path, bool]:
+def unit_paths(model: nnx.Module) -> dict[KeyPath, bool]:
     """Each unit's path and its ``reshard_after_forward``, read from the parameters' metadata."""
-    found: dict[Path, bool] = {}
+    found: dict[KeyPath, bool] = {}
     for _, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         meta = variable.get_metadata()
         if meta.get(UNIT_KEY) is not None:
@@ -117,13 +117,13 @@ def unit_paths(model: nnx.Module) -> dict[Path, bool]:
     return found
 
 
-_LAYERS: contextvars.ContextVar[dict[Path, int] | None] = contextvars.ContextVar("substrax_unit_layers", default=None)
+_LAYERS: contextvars.ContextVar[dict[KeyPath, int] | None] = contextvars.ContextVar("substrax_unit_layers", default=None)
 
 
 @contextlib.contextmanager
-def recording_layers() -> Iterator[dict[Path, int]]:
+def recording_layers() -> Iterator[dict[KeyPath, int]]:
     """Collect, while a step is traced, the units run one layer at a time (path -> layers)."""
-    found: dict[Path, int] = {}
+    found: dict[KeyPath, int] = {}
     token = _LAYERS.set(found)
     try:
         yield found
@@ -131,7 +131,7 @@ def recording_layers() -> Iterator[dict[Path, int]]:
         _LAYERS.reset(token)
 
 
-def note_layers(path: Path, layers: int) -> None:
+def note_layers(path: KeyPath, layers: int) -> None:
     """Record (inside ``recording_layers``) that the unit at ``path`` ran as ``layers`` calls of one layer."""
     found = _LAYERS.get()
     if found is not None:

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from substrax._batch.axes import spec_axes
+from substrax._metrics.reductions import REDUCTION_OPS
 from substrax._tree import is_array, map_arrays
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "require_axis",
     "to_varying_over",
     "collect_from_devices",
+    "reduce_collective",
     "reduce_max_collective",
     "reduce_mean_collective",
     "reduce_min_collective",
@@ -62,78 +64,54 @@ def _collective(op: Any, metrics: T, axis_name: str, where: str) -> T:
     return map_arrays(lambda x: op(x, axis_name), metrics)
 
 
-def reduce_mean_collective(metrics: T, axis_name: str = "batch") -> T:
-    """Compute the mean of metrics using collective operations.
+def reduce_collective(name: str, metrics: T, axis_name: str) -> T:
+    """``metrics`` with every array leaf reduced across ``axis_name`` by the reduction ``name``.
 
-    Only valid inside a pmap or shard_map context.
-
-    Args:
-      metrics: The metrics to reduce: a mapping, or any pytree of them.
-      axis_name: The name of the axis to reduce across.
-
-    Returns:
-      ``metrics`` with every array leaf averaged across the axis (``lax.pmean``).
+    The body of every ``reduce_*_collective``: ``name`` is a key of ``REDUCTION_OPS``
+    (``"mean"``: ``lax.pmean``, ``"sum"``: ``lax.psum``, ``"max"``: ``lax.pmax``,
+    ``"min"``: ``lax.pmin``). Only valid inside a pmap or shard_map context; ``metrics``
+    is a mapping or any pytree of them, and a leaf that is not an array passes through.
 
     Raises:
       ValueError: If ``axis_name`` is not bound by an enclosing shard_map or pmap.
     """
-    return _collective(jax.lax.pmean, metrics, axis_name, "reduce_mean_collective")
+    return _collective(REDUCTION_OPS[name].collective, metrics, axis_name, f"reduce_{name}_collective")
+
+
+def reduce_mean_collective(metrics: T, axis_name: str = "batch") -> T:
+    """Compute the mean of metrics using collective operations.
+
+    Every array leaf averaged across ``axis_name`` (``lax.pmean``); other leaves pass through.
+    Only inside shard_map or pmap: an axis not bound there raises a ValueError.
+    """
+    return reduce_collective("mean", metrics, axis_name)
 
 
 def reduce_sum_collective(metrics: T, axis_name: str = "batch") -> T:
     """Compute the sum of metrics using collective operations.
 
-    Only valid inside a pmap or shard_map context.
-
-    Args:
-      metrics: The metrics to reduce: a mapping, or any pytree of them.
-      axis_name: The name of the axis to reduce across.
-
-    Returns:
-      ``metrics`` with every array leaf summed across the axis (``lax.psum``).
-
-    Raises:
-      ValueError: If ``axis_name`` is not bound by an enclosing shard_map or pmap.
+    Every array leaf summed across ``axis_name`` (``lax.psum``); other leaves pass through.
+    Only inside shard_map or pmap: an axis not bound there raises a ValueError.
     """
-    return _collective(jax.lax.psum, metrics, axis_name, "reduce_sum_collective")
+    return reduce_collective("sum", metrics, axis_name)
 
 
 def reduce_max_collective(metrics: T, axis_name: str = "batch") -> T:
     """Compute the elementwise maximum of metrics across devices.
 
-    Only valid inside a pmap or shard_map context.
-
-    Args:
-      metrics: The metrics to reduce: a mapping, or any pytree of them.
-      axis_name: The name of the axis to reduce across.
-
-    Returns:
-      ``metrics`` with every array leaf replaced by its maximum across the axis
-      (``lax.pmax``).
-
-    Raises:
-      ValueError: If ``axis_name`` is not bound by an enclosing shard_map or pmap.
+    Every array leaf's maximum across ``axis_name`` (``lax.pmax``); other leaves pass through.
+    Only inside shard_map or pmap: an axis not bound there raises a ValueError.
     """
-    return _collective(jax.lax.pmax, metrics, axis_name, "reduce_max_collective")
+    return reduce_collective("max", metrics, axis_name)
 
 
 def reduce_min_collective(metrics: T, axis_name: str = "batch") -> T:
     """Compute the elementwise minimum of metrics across devices.
 
-    Only valid inside a pmap or shard_map context.
-
-    Args:
-      metrics: The metrics to reduce: a mapping, or any pytree of them.
-      axis_name: The name of the axis to reduce across.
-
-    Returns:
-      ``metrics`` with every array leaf replaced by its minimum across the axis
-      (``lax.pmin``).
-
-    Raises:
-      ValueError: If ``axis_name`` is not bound by an enclosing shard_map or pmap.
+    Every array leaf's minimum across ``axis_name`` (``lax.pmin``); other leaves pass through.
+    Only inside shard_map or pmap: an axis not bound there raises a ValueError.
     """
-    return _collective(jax.lax.pmin, metrics, axis_name, "reduce_min_collective")
+    return reduce_collective("min", metrics, axis_name)
 
 
 # jax >= 0.12 spells an all_gather whose result is equal on every device `to="invarying"`;

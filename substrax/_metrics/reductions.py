@@ -2,14 +2,33 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from substrax._tree import describe, is_array
 
-REDUCTIONS = ("mean", "sum", "max", "min")
+
+@dataclass(frozen=True)
+class Reduction:
+    """One named reduction: over an array's elements, and across a named mesh axis."""
+
+    local: Callable[[Any], Any]  # every element of one array: jnp.mean, ...
+    collective: Callable[[Any, Any], Any]  # each device's value across an axis: lax.pmean, ...
+
+
+# The metric reductions by name: the one table both paths read.
+REDUCTION_OPS: dict[str, Reduction] = {
+    "mean": Reduction(jnp.mean, jax.lax.pmean),
+    "sum": Reduction(jnp.sum, jax.lax.psum),
+    "max": Reduction(jnp.max, jax.lax.pmax),
+    "min": Reduction(jnp.min, jax.lax.pmin),
+}
+REDUCTIONS = tuple(REDUCTION_OPS)
 # What a training step's metric may ask for: the four, or its per-example values whole.
 METRIC_REDUCTIONS = (*REDUCTIONS, "gather")
 

@@ -27,6 +27,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from substrax._layout import spec_tuple
+from substrax._shared import scopes
 
 __all__ = ["all_finite", "apply_update", "pin_layout", "state_values"]
 
@@ -88,10 +89,10 @@ def apply_update(
     See the module docstring for what the update communicates.
     """
     finite = None
-    with jax.named_scope("substrax.update"):
+    with jax.named_scope(scopes.UPDATE):
         optimizer.update(model, grads)
     if before is not None:
-        with jax.named_scope("substrax.finite"):
+        with jax.named_scope(scopes.FINITE):
             finite = jnp.isfinite(loss).all() & all_finite(grads)
             after = nnx.state((model, optimizer))
             leaves, treedef = jax.tree.flatten(after)

@@ -78,7 +78,10 @@ class BoundTrainStep:
         return self._step.check_communication(self.model, self.optimizer, batch)
 
     def census(self, batch: PyTree) -> Comparison:
-        """``check_communication``, under the name it had first (a ``Comparison``; see ``TrainStep.census``)."""
+        """Alias of ``BoundTrainStep.check_communication``, kept for code written against an earlier version.
+
+        It returns a ``Comparison``, not a ``CensusReport`` (see ``TrainStep.census``).
+        """
         return self.check_communication(batch)
 
     def sync(self) -> None:

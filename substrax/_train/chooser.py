@@ -317,7 +317,7 @@ class TrainStep:
         return check_communication(lowered, model, optimizer, self.options, layers=layers, layered=layered)
 
     def census(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree) -> Comparison:
-        """``check_communication``, under the name it had first.
+        """Alias of ``TrainStep.check_communication``, kept for code written against an earlier version.
 
         It returns a ``Comparison`` (the check), not the ``CensusReport`` that
         ``substrax.census`` returns; the census is the comparison's ``.report``.

@@ -17,8 +17,10 @@ The package, one concept a module, each importing only those listed above it (an
 - ``_match``: the matching rule of ``compare`` and the sentences of its differences;
 - ``_report``: ``census`` and ``compare``, and what they return: ``CensusReport`` and
   ``Comparison`` (``CensusReport.check`` compares, so both live here);
-- ``_step``: a training step's expected communication and its check, from plain values
-  (the lowered step, its state, its options).
+- ``_items``: a training step's expected communication, kind by kind (parameters,
+  FSDP units, replicas, the layers' declarations, metrics, batch statistics);
+- ``_step``: a training step's check, from plain values (the lowered step, its state,
+  its options): ``_items``'s items and the update's own census, compared with its census.
 
 ``substrax.census`` is the function, not this package: ``substrax/__init__.py`` imports
 ``census`` from here, which rebinds the attribute after the package has loaded (a later

@@ -13,11 +13,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from substrax._shared import scopes
 from substrax.census._expected import REDUCTIONS, Expected, ExpectedCollective
 from substrax.census._hlo import KINDS, Operand
 from substrax.census._rows import Collective, Part, buffers_text
 from substrax.census._text import short_op, shorten
-from substrax.nn._declared import SCOPE as MODEL_SCOPE  # substrax.nn's layers: the model's own collectives
 
 __all__ = ["Match", "kind_key", "match", "ordered_keys"]
 
@@ -157,7 +157,7 @@ class _Matcher:
         difference."""
         if part.row.axes and self.declared_axes & set(part.row.axes):
             return False
-        if part.scope == MODEL_SCOPE:
+        if part.scope == scopes.TENSOR_PARALLEL:
             return not self.declared_axes
         return part.scope is None and part.phase is not None
 

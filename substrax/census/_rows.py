@@ -15,6 +15,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from substrax._shared import scopes
 from substrax.census import _hlo
 from substrax.census._hlo import Operand
 from substrax.census._text import short_op, shorten
@@ -126,7 +127,7 @@ class Collective:
         return len(self.groups[0]) if self.groups else None
 
 
-LIBRARY_SCOPE = re.compile(r"\bsubstrax\.[A-Za-z_][\w]*")
+LIBRARY_SCOPE = re.compile(r"\b" + re.escape(scopes.PREFIX) + r"[A-Za-z_][\w]*")
 """A ``jax.named_scope`` of the library's steps in an operation's name, e.g. ``substrax.grad_reduce``."""
 
 _BACKWARD = re.compile(r"(?:^|[/(])transpose\(")

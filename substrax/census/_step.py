@@ -30,250 +30,42 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from substrax._layout import (
-    UNIT_KEY,
-    UNIT_SCOPE,
-    entry_axes,
-    gradient_spec,
-    layout_of,
-    parameter_splits,
-    spec_tuple,
-    split_dim_of,
-    unit_paths,
-    without_axis,
-)
+from substrax._layout import gradient_spec, layout_of
+from substrax._shared import scopes
 from substrax._shared.options import StepOptions
 from substrax._shared.update import apply_update, state_values
-from substrax._tree import path_str
-from substrax.census._expected import ExpectedCollective, _hlo_type, _itemsize, expected_communication
+from substrax._tree import KeyPath
+from substrax.census._expected import ExpectedCollective, expected_communication
+from substrax.census._items import (
+    _metric_items,
+    batch_stat_items,
+    cross_replica_items,
+    layer_items,
+    parameter_leaves,
+    unit_items,
+    update_dims,
+)
 from substrax.census._report import CensusReport, Comparison, census, compare
 from substrax.census._rows import library_scope
 from substrax.census._text import short_op
-from substrax.nn._declared import SCOPE as MODEL_SCOPE
+from substrax.mesh import current_mesh_with
 from substrax.nn._declared import Declared
 
 __all__ = ["check_communication", "layer_items", "parameter_leaves", "update_dims", "update_items"]
 
-Path = tuple[Any, ...]
 
 # The scope each expected buffer of the explicit step is compiled under (substrax.explicit._step, substrax.explicit._shard).
 _EXPLICIT_SCOPES = {
-    "gradients": "substrax.grad_reduce",
-    "parameters": "substrax.gather_params",
-    "loss": "substrax.loss",
-    "metrics": "substrax.metrics",
-    "batch stats": "substrax.batch_stats",
+    "gradients": scopes.GRAD_REDUCE,
+    "parameters": scopes.GATHER_PARAMS,
+    "loss": scopes.LOSS,
+    "metrics": scopes.METRICS,
+    "batch stats": scopes.BATCH_STATS,
 }
-
-
-def update_dims(model: nnx.Module, optimizer: nnx.Optimizer[Any], axis: str) -> dict[Path, int | None]:
-    """Per parameter path: the dimension the optimizer updates a slice on, ``None`` if whole.
-
-    The parameter's own split dimension (FSDP), else that of the optimizer state
-    mirroring it (ZeRO-1): the dimension its gradient is reduce-scattered on
-    (``substrax._layout.parameter_splits``, the reading the explicit step uses).
-    """
-    return {path: split.update_dim for path, split in parameter_splits(model, optimizer, axis).items()}
-
-
-def parameter_leaves(
-    model: nnx.Module, optimizer: nnx.Optimizer[Any], axis: str, sizes: dict[str, int] | None = None
-) -> list[tuple[str, tuple[int, ...], Any, bool]]:
-    """``(path, shape, dtype, split)`` per parameter, as ``expected_communication`` takes them.
-
-    ``split``: the parameter, or the optimizer state mirroring it, is split over ``axis``.
-    ``shape``: what one device of an ``axis`` group holds of it: the global shape with
-    every dimension the layer splits over another mesh axis (``model``) divided by that
-    axis's size, from ``sizes`` (the mesh's axis sizes).
-    """
-    dims = update_dims(model, optimizer, axis)
-    leaves = []
-    for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        value = variable.get_value()
-        shape = tuple(
-            n // math.prod((sizes or {}).get(a, 1) for a in entry_axes(entry))
-            for n, entry in zip(
-                value.shape, without_axis(spec_tuple(variable), value.ndim, axis), strict=True
-            )
-        )
-        leaves.append((path_str(tuple(path), "model"), shape, value.dtype, dims[tuple(path)] is not None))
-    return leaves
-
-
-def unit_items(
-    model: nnx.Module,
-    leaves: list[tuple[str, tuple[int, ...], Any, bool]],
-    options: StepOptions,
-    n: int,
-    precision: Any,
-    communicated: Any,
-    layered: dict[Path, int] | None = None,
-    recomputed: bool = False,
-) -> tuple[list[tuple[str, tuple[int, ...], Any, bool]], list[ExpectedCollective]]:
-    """The leaves outside every FSDP unit, and each unit's expected buffers (explicit mode).
-
-    The split parameters outside every unit are the root unit: one all-gather before the
-    forward pass and one reduce-scatter after the backward (after the microbatch loop),
-    per dtype and set of other axes. Per unit and dtype: an all-gather in the forward pass, another in the backward with
-    ``reshard_after_forward`` (optional: AD drops it for a unit whose input needs no
-    gradient, such as the first), and one reduce-scatter of its gradient; with
-    microbatches, each runs once per microbatch, inside the loop. A stacked unit that
-    ran one layer at a time (``nnx.scan``; ``layered``: unit path -> layers, recorded
-    while the step was traced) moves one layer's buffer per iteration, inside the loop.
-    ``recomputed`` (the program recomputes under remat): each forward gather may run again.
-    """
-    layered = layered or {}
-    units = unit_paths(model)
-    if not units:
-        return leaves, []
-    split = {leaf[0] for leaf in leaves if leaf[3]}
-    owner, others = {}, {}  # each split parameter's unit (the root: ()), and the other axes it is split over
-    for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        name = path_str(tuple(p), "model")
-        if name in split:
-            owner[name] = tuple(v.get_metadata().get(UNIT_KEY) or ())
-            axes = {a for entry in spec_tuple(v) or () for a in entry_axes(entry)} - {options.data_axis}
-            others[name] = tuple(sorted(axes))
-    k = options.microbatches
-    # (unit, pass, dtype, other axes) -> elements: a buffer per dtype and per set of other
-    # axes (a parameter split over model and one whole over it do not share one)
-    moved: dict[tuple[Path, str, str, tuple[str, ...]], int] = {}
-    for path, shape, dtype, _ in leaves:
-        if path in owner:
-            for kind, want in (("gather", None if precision is None else precision.param_dtype),
-                               ("reduce", None if precision is None else precision.reduce_dtype)):  # fmt: skip
-                floating = jnp.issubdtype(np.dtype(dtype), jnp.floating)
-                key = (owner[path], kind, np.dtype(want if want is not None and floating else dtype).name, others[path])
-                moved[key] = moved.get(key, 0) + math.prod(shape)
-    items = []
-    for (unit, kind, dtype, _), elements in moved.items():
-        size = _itemsize(dtype, communicated)
-        if not unit:  # the root unit: gathered once before the forward pass, reduced once after
-            buffer = f"{_hlo_type(dtype, size)}[{n},{elements // n}]"
-            if kind == "reduce":
-                items.append(ExpectedCollective("reduce-scatter", "root unit", elements * size, "gradients",
-                                                scopes=("substrax.grad_reduce",), buffer=buffer))  # fmt: skip
-            else:
-                items.append(ExpectedCollective("all-gather", "root unit", elements * size, "parameters",
-                                                scopes=("substrax.gather_params",), buffer=buffer))  # fmt: skip
-            continue
-        layers = layered.get(unit, 1)
-        buffer = f"{_hlo_type(dtype, size)}[{n},{elements // (n * layers)}]"
-        name = path_str(unit, "model")
-        common = dict(scopes=(UNIT_SCOPE,), buffer=buffer, in_loop=k > 1 or layers > 1)
-        if kind == "reduce":
-            items.append(ExpectedCollective("reduce-scatter", f"unit {name}", elements * size * k, "gradients", **common))
-            continue
-        items.append(ExpectedCollective("all-gather", f"unit {name} forward", elements * size * k, "parameters", **common))
-        if recomputed:  # under nnx.remat the forward pass runs again in the backward, gather and all
-            items.append(
-                ExpectedCollective(
-                    "all-gather", f"unit {name} forward, recomputed", elements * size * k, "parameters",
-                    optional=True, why="run again only where the unit is under remat (nnx.remat)", **common,
-                )
-            )  # fmt: skip
-        if units[unit]:  # reshard_after_forward: gathered again for the backward pass
-            items.append(
-                ExpectedCollective(
-                    "all-gather", f"unit {name} backward", elements * size * k, "parameters", optional=True,
-                    why="AD needs no backward gather for a unit whose input takes no gradient (the first)",
-                    **common,
-                )
-            )  # fmt: skip
-    return [leaf for leaf in leaves if leaf[0] not in owner], items
-
-
-def cross_replica_items(
-    leaves: list[tuple[str, tuple[int, ...], Any, bool]],
-    options: StepOptions,
-    sizes: dict[str, int],
-    precision: Any,
-    communicated: Any,
-) -> list[ExpectedCollective]:
-    """Hybrid sharding's once-per-step reduction across replicas: every split gradient's
-    slice (a ``1/|data|`` of it, in the policy's reduce dtype), summed over the replica
-    axis after the reduce-scatter over the data axis (explicit mode: one all-reduce, a
-    buffer per slice)."""
-    n = sizes[options.data_axis]
-    items = []
-    for path, shape, dtype, split in leaves:
-        if split:
-            floating = jnp.issubdtype(np.dtype(dtype), jnp.floating)
-            moved = precision.reduce_dtype if precision is not None and floating else dtype
-            items.append(
-                ExpectedCollective(
-                    "all-reduce", f"across {options.replica_axis!r}: {path}", math.prod(shape) // n * _itemsize(moved, communicated),
-                    "gradients", scopes=("substrax.grad_reduce",), axes=(options.replica_axis,),
-                )
-            )  # fmt: skip
-    return items
-
-
-def layer_items(
-    layers: Sequence[Declared], microbatches: int, sizes: dict[str, int] | None = None, recomputed: bool = False
-) -> list[ExpectedCollective]:
-    """One expected buffer per collective a layer declared (``substrax.nn.declare_forward``, ...).
-
-    ``layers``: what ``substrax.nn._declared.recording`` collected while the step was
-    traced: each layer's collectives per execution, forward and backward. They run as
-    often as the program's loops run the layer (``per_run``: once per microbatch inside
-    the accumulation loop, once per layer of a scanned stack). Each must
-    run over its axis, unless ``sizes`` (the mesh's axis sizes) gives that axis one
-    device: groups of one device span no axis the census can name. ``recomputed`` (the
-    program recomputes under remat): each forward collective may run again, in the backward.
-    """
-    again = [i for i in layers if i.phase == "forward"] if recomputed else []
-    return [
-        ExpectedCollective(
-            i.kind,
-            f"{i.layer} {i.phase}: {i.why}",
-            i.bytes,
-            "model",
-            scopes=(None, MODEL_SCOPE),  # substrax.nn's own scope, or none (a layer of yours; AD's transposes)
-            buffer=i.buffer,
-            phase=i.phase,
-            axes=() if (sizes or {}).get(i.axis) == 1 else (i.axis,),
-            in_loop=microbatches > 1,
-            per_run=True,
-        )
-        for i in layers
-    ] + [
-        ExpectedCollective(
-            i.kind,
-            f"{i.layer} forward, recomputed: {i.why}",
-            i.bytes,
-            "model",
-            scopes=(None, MODEL_SCOPE),
-            buffer=i.buffer,
-            phase="backward",
-            axes=() if (sizes or {}).get(i.axis) == 1 else (i.axis,),
-            in_loop=microbatches > 1,
-            per_run=True,
-            optional=True,
-            why="run again only where the layer is under remat (nnx.remat)",
-        )
-        for i in again
-    ]
-
-
-def _metric_items(outputs: Any, has_aux: bool) -> list[ExpectedCollective]:
-    """One buffer per metric: a scalar all-reduced, per-example (or per-device) values all-gathered."""
-    if not has_aux:
-        return []
-    _, metrics = outputs
-    items = []
-    for name, value in metrics.items():
-        dtype = np.dtype(value.dtype)
-        nbytes = math.prod(value.shape) * dtype.itemsize
-        kind = "all-gather" if value.shape else "all-reduce"
-        buffer = f"{_short_type(dtype)}[{','.join(map(str, value.shape))}]"
-        items.append(ExpectedCollective(kind, f"metric {name!r}", nbytes, "metrics", buffer=buffer))
-    return items
 
 
 def _mesh_context(options: StepOptions) -> contextlib.AbstractContextManager[Any]:
@@ -292,11 +84,8 @@ def _mesh_of(
         mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None
         if isinstance(mesh, jax.sharding.Mesh) and options.data_axis in mesh.axis_names:
             return mesh
-    try:
-        found = jax.sharding.get_mesh()
-    except ValueError:
-        return None
-    return found if isinstance(found, jax.sharding.Mesh) and options.data_axis in found.axis_names else None
+    found = current_mesh_with(options.data_axis)
+    return found if isinstance(found, jax.sharding.Mesh) else None
 
 
 def _axis_sizes(options: StepOptions, model: nnx.Module, optimizer: nnx.Optimizer[Any]) -> dict[str, int]:
@@ -323,7 +112,7 @@ def update_census(
     treedef = jax.tree.structure(state)
     arrays = jax.tree.leaves(state)
 
-    def placed(path: Path, variable: nnx.Variable[Any]) -> nnx.Variable[Any]:
+    def placed(path: KeyPath, variable: nnx.Variable[Any]) -> nnx.Variable[Any]:
         value = variable.get_value()
         spec = gradient_spec(variable, dims[path], axis)
         return variable.replace(
@@ -375,39 +164,8 @@ def update_items(
 
 def _operation(op_name: str) -> str:
     """An operation's name from its library scope on (``substrax.update/...``), else its last steps."""
-    at = op_name.find("substrax.")
+    at = op_name.find(scopes.PREFIX)
     return op_name[at:] if at >= 0 else short_op(op_name)
-
-
-def batch_stat_items(model: nnx.Module, axis: str) -> list[ExpectedCollective]:
-    """The explicit step's average of each replicated floating ``nnx.BatchStat`` (optional)."""
-    items = []
-    for path, variable in nnx.to_flat_state(nnx.state(model, nnx.BatchStat)):
-        value = variable.get_value()
-        if not hasattr(value, "shape") or not jnp.issubdtype(value.dtype, jnp.inexact):
-            continue
-        if split_dim_of(spec_tuple(variable), axis) is not None:
-            continue
-        dtype = np.dtype(value.dtype)
-        items.append(
-            ExpectedCollective(
-                "all-reduce",
-                path_str(tuple(path), "model"),
-                math.prod(value.shape) * dtype.itemsize,
-                "batch stats",
-                optional=True,
-                buffer=f"{_short_type(dtype)}[{','.join(map(str, value.shape))}]",
-                why="a statistic is averaged only when the step leaves it different on each device "
-                "(BatchNorm in training mode without axis_name)",
-            )
-        )
-    return items
-
-
-def _short_type(dtype: np.dtype[Any]) -> str:
-    return {"f": "f", "i": "s", "u": "u", "c": "c", "b": "pred"}.get(dtype.kind, "?") + (
-        "" if dtype.kind == "b" else str(dtype.itemsize * 8)
-    )
 
 
 def _scoped(
@@ -426,7 +184,7 @@ def check_communication(
     options: StepOptions,
     *,
     layers: Sequence[Declared] = (),
-    layered: dict[Path, int] | None = None,
+    layered: dict[KeyPath, int] | None = None,
 ) -> Comparison:
     """Compile a lowered step, take its census, and compare it with what the step should communicate.
 
@@ -529,8 +287,8 @@ def check_communication(
             {
                 "gradients": (None,),
                 "parameters": (None,),
-                "loss": (None, "substrax.loss"),
-                "metrics": (None, "substrax.metrics"),
+                "loss": (None, scopes.LOSS),
+                "metrics": (None, scopes.METRICS),
             },
         )
     scalars = [i for i in metrics if i.kind == "all-reduce"]

@@ -26,6 +26,7 @@ from flax import nnx
 
 from substrax._batch.axes import spec_axes
 from substrax._metrics.collectives import require_axis, varying_axes
+from substrax._shared import scopes
 from substrax._shared.loss import loss_and_metrics
 
 __all__ = ["data_parallel_value_and_grad", "varying_axes"]
@@ -82,7 +83,7 @@ def data_parallel_value_and_grad(
                 f"its own shard's gradient (pass check_vma=True), or the loss does not read "
                 f"a batch split over {axis_name!r} (check in_specs)."
             )
-        with jax.named_scope("substrax.loss"):
+        with jax.named_scope(scopes.LOSS):
             loss = jax.lax.pmean(loss, axis_name)
         return (loss, aux) if has_aux else loss
 

@@ -9,30 +9,14 @@ in size).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-import jax.numpy as jnp
-
-from substrax._metrics.collectives import (
-    all_gather,
-    reduce_max_collective,
-    reduce_mean_collective,
-    reduce_min_collective,
-    reduce_sum_collective,
-)
-from substrax._metrics.reductions import METRIC_REDUCTIONS, check_reduce_fn
+from substrax._metrics.collectives import all_gather, reduce_collective
+from substrax._metrics.reductions import METRIC_REDUCTIONS, REDUCTION_OPS, check_reduce_fn
 from substrax._tree import is_array
 
 __all__ = ["reduce_metrics_collective", "reduce_metrics_on_one_device"]
-
-_LOCAL_THEN_COLLECTIVE: dict[str, tuple[Callable[[Any], Any], Callable[[Any, str], Any]]] = {
-    "mean": (jnp.mean, reduce_mean_collective),
-    "sum": (jnp.sum, reduce_sum_collective),
-    "max": (jnp.max, reduce_max_collective),
-    "min": (jnp.min, reduce_min_collective),
-}
-
 
 def reduce_metrics_collective(
     metrics: Mapping[str, Any],
@@ -74,8 +58,7 @@ def reduce_metrics_collective(
         elif op is None or op == "gather":
             reduced[name] = all_gather(value, axis_name, tiled=op == "gather")
         else:
-            local, collective = _LOCAL_THEN_COLLECTIVE[op]
-            reduced[name] = collective(local(value), axis_name)
+            reduced[name] = reduce_collective(op, REDUCTION_OPS[op].local(value), axis_name)
     return reduced
 
 
@@ -94,5 +77,5 @@ def reduce_metrics_on_one_device(
         elif op is None:
             reduced[name] = value[None]
         else:
-            reduced[name] = _LOCAL_THEN_COLLECTIVE[op][0](value)
+            reduced[name] = REDUCTION_OPS[op].local(value)
     return reduced

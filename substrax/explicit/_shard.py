@@ -19,9 +19,10 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from substrax._batch.axes import spec_axes
-from substrax._layout import ParamSplit, check_declared_rank, declared_spec, entry_axes, spec_tuple
+from substrax._layout import ParamSplit, check_declared_rank, declared_spec, spec_tuple
 from substrax._metrics.collectives import to_varying, to_varying_over, varying_axes
-from substrax._tree import PyTree, path_str
+from substrax._shared import scopes
+from substrax._tree import KeyPath, PyTree, path_str
 from substrax.explicit._units import gather_grouped, scatter_grouped, varying_other
 from substrax.nn import _declared as declared
 
@@ -39,7 +40,6 @@ __all__ = [
     "without_axis_specs",
 ]
 
-Path = tuple[Any, ...]
 
 
 def check_layers_take_blocks(model: nnx.Module, data_axis: str) -> None:
@@ -59,7 +59,7 @@ def check_layers_take_blocks(model: nnx.Module, data_axis: str) -> None:
             if not isinstance(variable, nnx.Param):
                 continue
             spec = spec_tuple(variable) or ()
-            others = [a for e in spec for a in entry_axes(e) if a != data_axis]
+            others = [a for e in spec for a in spec_axes(e) if a != data_axis]
             if others:
                 raise ValueError(
                     f"{path_str((*path, name), 'model')} is sharded as {PartitionSpec(*spec)}, over mesh "
@@ -118,18 +118,18 @@ def check_reduced_over_other_axes(loss: Any, metrics: Any, data_axis: str) -> No
             )
 
 
-def param_vars(model: nnx.Module) -> dict[Path, nnx.Variable[Any]]:
+def param_vars(model: nnx.Module) -> dict[KeyPath, nnx.Variable[Any]]:
     return {tuple(p): v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
 def gather_whole_varying(
     model: nnx.Module,
-    plans: Mapping[Path, ParamSplit],
+    plans: Mapping[KeyPath, ParamSplit],
     data_axis: str,
     dtype: Any = None,
     grouped: bool = False,
     rows: str | tuple[str, ...] | None = None,
-) -> dict[Path, Any]:
+) -> dict[KeyPath, Any]:
     """Give every parameter its whole value, varying over ``data_axis``; return what it held.
 
     ``dtype``: cast floating parameters to it first, so a split one is gathered in it.
@@ -147,14 +147,14 @@ def gather_whole_varying(
         if dim is not None:
             split.append(path)
             if not grouped:
-                with jax.named_scope("substrax.gather_params"):
+                with jax.named_scope(scopes.GATHER_PARAMS):
                     value = jax.lax.all_gather(value, data_axis, axis=dim, tiled=True)
         elif data_axis not in (varying_axes(value) or ()):
             value = to_varying(value, data_axis)
         values[path] = value
     if grouped and split:
         dims = [plans[p].gather_dim for p in split]
-        wholes = gather_grouped([values[p] for p in split], dims, data_axis, "substrax.gather_params")
+        wholes = gather_grouped([values[p] for p in split], dims, data_axis, scopes.GATHER_PARAMS)
         values.update(zip(split, wholes, strict=True))
     for path, variable in param_vars(model).items():
         variable.set_value(values[path] if rows is None else to_varying_over(values[path], rows))
@@ -163,9 +163,9 @@ def gather_whole_varying(
 
 def reduce_gradients(
     grads: nnx.State,
-    plans: Mapping[Path, ParamSplit],
+    plans: Mapping[KeyPath, ParamSplit],
     data_axis: str,
-    done: frozenset[Path] | set[Path] = frozenset(),
+    done: frozenset[KeyPath] | set[KeyPath] = frozenset(),
     grouped: bool = False,
     replicas: tuple[str, ...] = (),
 ) -> nnx.State:
@@ -182,7 +182,7 @@ def reduce_gradients(
     whole = [i for i, (p, _) in enumerate(flat) if plans[p].update_dim is None and p not in done]
     split = [i for i, (p, _) in enumerate(flat) if plans[p].update_dim is not None and p not in done]
     over = (*replicas, data_axis) if replicas else data_axis
-    with jax.named_scope("substrax.grad_reduce"):
+    with jax.named_scope(scopes.GRAD_REDUCE):
         summed = jax.lax.psum([flat[i][1].get_value() for i in whole], over) if whole else []
     out = dict(zip(whole, summed, strict=True))
     out.update({i: v.get_value() for i, (p, v) in enumerate(flat) if p in done})
@@ -192,9 +192,9 @@ def reduce_gradients(
         dims = [plans[flat[i][0]].update_dim for i in split]
         shapes = [tuple(s // n if d == k else s for k, s in enumerate(v.shape)) for v, d in zip(values, dims)]
         types = [varying_other(v, data_axis) for v in values]
-        out.update(zip(split, scatter_grouped(values, shapes, dims, data_axis, None, types, "substrax.grad_reduce")))
+        out.update(zip(split, scatter_grouped(values, shapes, dims, data_axis, None, types, scopes.GRAD_REDUCE)))
     else:
-        with jax.named_scope("substrax.grad_reduce"):
+        with jax.named_scope(scopes.GRAD_REDUCE):
             for i in split:
                 out[i] = jax.lax.psum_scatter(
                     flat[i][1].get_value(), data_axis, scatter_dimension=plans[flat[i][0]].update_dim, tiled=True
@@ -202,7 +202,7 @@ def reduce_gradients(
     sliced = sorted({*split, *(i for i, (p, _) in enumerate(flat) if p in done)})
     if replicas and sliced:  # across replicas, once, at the slices' size
         axis = replicas if len(replicas) > 1 else replicas[0]
-        with jax.named_scope("substrax.grad_reduce"):
+        with jax.named_scope(scopes.GRAD_REDUCE):
             out.update(zip(sliced, jax.lax.psum([out[i] for i in sliced], axis), strict=True))
     return nnx.from_flat_state([(p, v.replace(out[i])) for i, (p, v) in enumerate(flat)])
 
@@ -259,7 +259,7 @@ def settle_per_device_state(state: nnx.State, specs: Any, data_axis: str | tuple
         if not over or any(e is not None for e in (spec.get_value() if isinstance(spec, nnx.Variable) else spec)):
             return variable
         if isinstance(variable, nnx.BatchStat) and jnp.issubdtype(value.dtype, jnp.inexact):
-            with jax.named_scope("substrax.batch_stats"):
+            with jax.named_scope(scopes.BATCH_STATS):
                 return variable.replace(jax.lax.pmean(value, over if len(over) > 1 else over[0]))
         raise ValueError(
             f"{path_str(path, 'model')} ({type(variable).__name__}, {value.dtype}) came out of the "
@@ -290,7 +290,7 @@ def varying_carry(body: Callable[..., Any], carry: Any, piece: PyTree, data_axis
     )
 
 
-def cast_like(grads: nnx.State, held: Mapping[Path, Any]) -> nnx.State:
+def cast_like(grads: nnx.State, held: Mapping[KeyPath, Any]) -> nnx.State:
     """``grads`` with each leaf cast to the dtype of the parameter ``held`` at its path."""
     return nnx.from_flat_state(
         [(p, v.replace(v.get_value().astype(held[tuple(p)].dtype))) for p, v in nnx.to_flat_state(grads)]

@@ -41,6 +41,7 @@ from jax.sharding import PartitionSpec
 from substrax._batch.axes import spec_axes
 from substrax._batch.placement import batch_partition_specs
 from substrax._layout import UNIT_KEY, ParamSplit, gradient_spec, unit_paths
+from substrax._shared import scopes
 from substrax._shared.microbatch import check_microbatches, fold_microbatch_metrics, split_rows_over
 from substrax._shared.options import StepOptions
 from substrax._shared.precision import MixedPrecision
@@ -261,7 +262,7 @@ def run_step(
         if one_device:
             metrics = reduce_metrics_on_one_device(metrics, reduce)
         else:
-            with jax.named_scope("substrax.metrics"):
+            with jax.named_scope(scopes.METRICS):
                 metrics = reduce_metrics_collective(metrics, reduce, rows)
         rest = nnx.state(model, nnx.Not(nnx.Param))
         if not one_device:

@@ -30,16 +30,15 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.custom_derivatives import SymbolicZero
 
-from substrax._layout import UNIT_SCOPE as SCOPE
 from substrax._layout import note_layers
 from substrax._metrics.collectives import to_varying_over, varying_axes
-from substrax._tree import node_at, path_str
+from substrax._shared import scopes
+from substrax._tree import KeyPath, node_at, path_str
 from substrax.nn import _declared as declared
 
 __all__ = ["gather_grouped", "run_unit", "scatter_grouped", "units_running", "varying_other"]
 
 
-Path = tuple[Any, ...]
 
 
 _WRAPPED: dict[type, type] = {}
@@ -57,8 +56,8 @@ def _unit_class(cls: type) -> type:
 
 
 @contextlib.contextmanager
-def units_running(model: nnx.Module, units: dict[Path, bool], data_axis: str, plans: dict[Path, Any],
-                  split: set[Path], param_dtype: Any = None, reduce_dtype: Any = None) -> Iterator[None]:  # fmt: skip
+def units_running(model: nnx.Module, units: dict[KeyPath, bool], data_axis: str, plans: dict[KeyPath, Any],
+                  split: set[KeyPath], param_dtype: Any = None, reduce_dtype: Any = None) -> Iterator[None]:  # fmt: skip
     """Inside the step's ``shard_map``: every unit of ``model`` (a merged copy) runs through ``run_unit``.
 
     ``split``: the units' parameters that stay split until their unit runs.
@@ -82,14 +81,14 @@ def units_running(model: nnx.Module, units: dict[Path, bool], data_axis: str, pl
 
 
 class _UnitRun:
-    def __init__(self, path: Path, reshard: bool, axis: str, plans: dict[Path, Any], split: set[Path],
-                 param_dtype: Any, reduce_dtype: Any) -> None:  # fmt: skip
+    def __init__(self, path: KeyPath, reshard: bool, axis: str, plans: dict[KeyPath, Any],
+                 split: set[KeyPath], param_dtype: Any, reduce_dtype: Any) -> None:  # fmt: skip
         self.path, self.reshard, self.axis = path, reshard, axis
         self.dims = {p[len(path) :]: plans[p].gather_dim for p in split if p[: len(path)] == path}
-        self.shapes: dict[Path, tuple[int, ...]] = {}  # each split parameter's local shape, as placed
+        self.shapes: dict[KeyPath, tuple[int, ...]] = {}  # each split parameter's local shape, as placed
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
 
-    def dim_of(self, rel: Path, shape: tuple[int, ...]) -> int:
+    def dim_of(self, rel: KeyPath, shape: tuple[int, ...]) -> int:
         """The split dimension of the parameter at ``rel`` whose value (or one layer of it) has ``shape``.
 
         Inside ``nnx.scan`` over a stacked unit each call sees one layer: the placed
@@ -141,7 +140,9 @@ def varying_other(x: jax.Array, axis: str) -> frozenset[str]:
     return (varying_axes(x) or frozenset()) - {axis}
 
 
-def gather_grouped(shards: list[jax.Array], dims: list[int], axis: str, scope: str = SCOPE) -> list[jax.Array]:
+def gather_grouped(
+    shards: list[jax.Array], dims: list[int], axis: str, scope: str = scopes.UNIT
+) -> list[jax.Array]:
     """Whole values of ``shards`` (split on ``dims`` over ``axis``): one all-gather per ``_groups`` group."""
     n = jax.lax.axis_size(axis)
     out: list[Any] = [None] * len(shards)
@@ -161,7 +162,7 @@ def gather_grouped(shards: list[jax.Array], dims: list[int], axis: str, scope: s
 
 
 def scatter_grouped(grads: list[jax.Array], shapes: list[tuple[int, ...]], dims: list[int], axis: str,
-                    dtype: Any, types: list[Any], scope: str = SCOPE) -> list[jax.Array]:  # fmt: skip
+                    dtype: Any, types: list[Any], scope: str = scopes.UNIT) -> list[jax.Array]:  # fmt: skip
     """The transpose of ``gather_grouped``: each whole gradient reduce-scattered to a shard of
     ``shapes``, one buffer per group (``types``: the other axes each one varies over)."""
     n = jax.lax.axis_size(axis)

@@ -13,10 +13,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 from substrax._batch.axes import spec_axes
 from substrax._batch.placement import batch_partition_specs
 from substrax._layout import REPLICA_AXIS, ParamSplit, check_mesh_axes, gradient_spec, parameter_splits
+from substrax._shared import scopes
 from substrax._shared.loss import loss_and_metrics
 from substrax._shared.microbatch import microbatched, split_microbatches, split_rows_over
 from substrax._shared.precision import MixedPrecision
-from substrax._tree import PyTree
+from substrax._tree import KeyPath, PyTree
 from substrax.explicit._grad import data_parallel_value_and_grad
 from substrax.explicit._shard import (
     cast_like,
@@ -32,7 +33,6 @@ __all__ = ["BatchSpec", "explicit_value_and_grad", "local_value_and_grad", "para
 
 M = TypeVar("M", bound=nnx.Module)
 BatchSpec = PartitionSpec | NamedSharding | PyTree
-Path = tuple[Any, ...]
 
 
 def with_aux(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., tuple[Any, Any]]:
@@ -48,7 +48,7 @@ def with_aux(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., tuple[
 
 def parameter_plans(
     model: nnx.Module, optimizer: nnx.Optimizer[Any] | None, mesh: Any, data_axis: str
-) -> dict[Path, ParamSplit]:
+) -> dict[KeyPath, ParamSplit]:
     """Each parameter's ``ParamSplit`` over ``data_axis`` (``substrax._layout.parameter_splits``).
 
     The gradient is reduce-scattered on ``update_dim`` and all-reduced where it is
@@ -107,7 +107,7 @@ def local_value_and_grad(
     )
     if one_device:
         return loss, metrics, grads
-    with jax.named_scope("substrax.loss"):
+    with jax.named_scope(scopes.LOSS):
         return jax.lax.psum(loss, data_axis), metrics, grads
 
 

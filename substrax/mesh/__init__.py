@@ -56,6 +56,7 @@ __all__ = [
     "create_model_parallel_mesh",
     "create_named_sharding",
     "current_mesh",
+    "current_mesh_with",
     "data_parallel_rules",
     "fsdp_rules",
     "get_mesh_info",
@@ -257,14 +258,16 @@ def create_hybrid_mesh(
 
 
 def get_mesh_info(mesh: Mesh) -> dict[str, Any]:
-    """Describe a mesh by its device count and axis sizes (the shape other libraries use).
+    """Alias of ``mesh_info`` in its shorter form, kept for code written against an earlier version.
+
+    It describes a mesh by its device count and axis sizes only (the shape other
+    libraries use), where ``mesh_info`` says more (axis types, platform, processes).
 
     Args:
       mesh: The mesh.
 
     Returns:
       ``{"total_devices": int, "axes": {name: size}}``, the axes in mesh order.
-      ``mesh_info`` says more (axis types, platform, processes).
     """
     return {"total_devices": int(mesh.devices.size), "axes": dict(mesh.shape)}
 
@@ -304,10 +307,7 @@ def current_mesh(
       ValueError: If there is no mesh, or an axis is missing; names the mesh's axes.
     """
     if mesh is None:
-        try:
-            found: Mesh | AbstractMesh = jax.sharding.get_mesh()
-        except ValueError:  # inside jax.jit only the abstract mesh is known
-            found = jax.sharding.get_abstract_mesh()
+        found = _set_mesh()
         mesh = found if found.axis_names else None
     if mesh is None:
         raise ValueError(
@@ -321,6 +321,30 @@ def current_mesh(
                 f"pass one of those as the axis name, or build the mesh with {axis!r}."
             )
     return mesh
+
+
+def current_mesh_with(axis: str, mesh: Mesh | AbstractMesh | None = None) -> Mesh | AbstractMesh | None:
+    """The mesh with ``axis``: ``mesh``, or the one set by ``jax.set_mesh`` when it has ``axis``.
+
+    Where ``current_mesh`` raises, this returns None: no mesh is set, or the one set
+    lacks ``axis``. A ``mesh`` given is checked as ``current_mesh`` checks it (a
+    ValueError when it lacks ``axis``). Outside ``jax.jit`` the concrete mesh; inside,
+    or when only ``jax.sharding.use_abstract_mesh`` set one, the abstract mesh.
+    """
+    if mesh is not None:
+        return current_mesh(mesh, required_axes=(axis,))
+    found = _set_mesh()
+    if axis not in found.axis_names:  # an abstract mesh set alone
+        found = jax.sharding.get_abstract_mesh()
+    return found if axis in found.axis_names else None
+
+
+def _set_mesh() -> Mesh | AbstractMesh:
+    """The mesh set by ``jax.set_mesh`` (an empty one when none is set)."""
+    try:
+        return jax.sharding.get_mesh()
+    except ValueError:  # inside jax.jit only the abstract mesh is known
+        return jax.sharding.get_abstract_mesh()
 
 
 def use_cpu_devices(num_devices: int) -> None:

@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from substrax.mesh import current_mesh_with
+from substrax.nn._declared import copy_to_model_axis
 from substrax.nn._linear import (
     BIAS_INIT,
     KERNEL_INIT,
@@ -18,7 +20,6 @@ from substrax.nn._linear import (
     gather_sequence,
     split_over,
 )
-from substrax.nn._declared import to_varying
 
 __all__ = ["ParallelSelfAttention"]
 
@@ -97,8 +98,8 @@ class ParallelSelfAttention(nnx.Module):
                 f"ParallelSelfAttention: qkv_features={qkv_features} is not a multiple of "
                 f"num_heads={num_heads}."
             )
-        mesh = jax.sharding.get_abstract_mesh()
-        if model_axis in mesh.axis_names:
+        mesh = current_mesh_with(model_axis)
+        if mesh is not None:
             _check_heads(num_heads, mesh.shape[model_axis], model_axis)
         common: dict[str, Any] = {
             "use_bias": use_bias,
@@ -143,7 +144,7 @@ class ParallelSelfAttention(nnx.Module):
         elif self.sequence_parallel:  # the whole sequence, gathered once for the three projections
             x = gather_sequence(self, x, self.model_axis, x.ndim - 2)
         else:  # one cast for the three projections: one psum of x's gradient, not three
-            x = to_varying(self, x, self.model_axis)
+            x = copy_to_model_axis(self, x, self.model_axis)
 
         def split_heads(y: jax.Array) -> jax.Array:
             return y.reshape(*y.shape[:-1], heads, self.head_dim)

@@ -32,13 +32,20 @@ import jax
 import numpy as np
 from flax import nnx
 
-from substrax._metrics.collectives import to_varying as _cast_varying
-from substrax._metrics.collectives import varying_axes
+from substrax._metrics.collectives import to_varying, varying_axes
+from substrax._shared import scopes
 from substrax._tree import path_str
 
-__all__ = ["KINDS", "Declared", "declare_backward", "declare_forward", "naming", "recording", "silenced", "to_varying"]
-
-SCOPE = "substrax.tensor_parallel"  # the named scope of every collective of this package
+__all__ = [
+    "KINDS",
+    "Declared",
+    "copy_to_model_axis",
+    "declare_backward",
+    "declare_forward",
+    "naming",
+    "recording",
+    "silenced",
+]
 
 
 @dataclass(frozen=True)
@@ -202,11 +209,14 @@ def declare_backward(
     return tap(value)
 
 
-def to_varying(layer: nnx.Module, x: Any, axis: str) -> Any:
+def copy_to_model_axis(layer: nnx.Module, x: Any, axis: str) -> Any:
     """``x`` typed varying over ``axis`` (Megatron's *f*): no communication forward, the
-    gradient ``psum``-ed over ``axis`` backward. ``x`` itself if it already varies there."""
+    gradient ``psum``-ed over ``axis`` backward. ``x`` itself if it already varies there.
+
+    ``substrax._metrics.collectives.to_varying`` does the cast; this declares the backward
+    all-reduce it brings (for the census) and runs it under the layers' named scope."""
     if axis in (varying_axes(x) or ()):
         return x
     x = declare_backward(layer, "all-reduce", axis, x, "the input's gradient, summed")
-    with jax.named_scope(SCOPE):
-        return _cast_varying(x, axis)
+    with jax.named_scope(scopes.TENSOR_PARALLEL):
+        return to_varying(x, axis)

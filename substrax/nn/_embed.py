@@ -10,7 +10,8 @@ from flax import nnx
 from flax.nnx.nn import dtypes
 
 from substrax._metrics.collectives import gather_invariant
-from substrax.nn._declared import SCOPE, declare_forward, to_varying
+from substrax._shared import scopes
+from substrax.nn._declared import copy_to_model_axis, declare_forward
 from substrax.nn._linear import Initializer, sharded_param, split_over
 
 __all__ = ["ParallelEmbedding"]
@@ -97,7 +98,7 @@ class ParallelEmbedding(nnx.Module):
             return jnp.take(table, ids, axis=0)
         axis = self.model_axis
         if self.split == "features":
-            with jax.named_scope(SCOPE):
+            with jax.named_scope(scopes.TENSOR_PARALLEL):
                 found = gather_invariant(jnp.take(table, ids, axis=0), axis, axis=ids.ndim, tiled=True)
             declare_forward(self, "all-gather", axis, found, "the embeddings' features, gathered")
             return found
@@ -107,7 +108,7 @@ class ParallelEmbedding(nnx.Module):
         found = jnp.take(table, jnp.where(mine, local, 0), axis=0)
         found = jnp.where(mine[..., None], found, 0)
         declare_forward(self, "all-reduce", axis, found, "each device's rows of the lookups, summed")
-        with jax.named_scope(SCOPE):
+        with jax.named_scope(scopes.TENSOR_PARALLEL):
             return jax.lax.psum(found, axis)
 
     def attend(self, query: jax.Array) -> jax.Array:
@@ -122,7 +123,7 @@ class ParallelEmbedding(nnx.Module):
         (query, table), split = self._table(query)
         if not split:
             return jnp.dot(query, table.T)
-        query = to_varying(self, query, self.model_axis)  # its gradient is psum-ed
+        query = copy_to_model_axis(self, query, self.model_axis)  # its gradient is psum-ed
         if self.split == "vocab":
             return jnp.dot(query, table.T)
         cols = table.shape[1]
@@ -130,5 +131,5 @@ class ParallelEmbedding(nnx.Module):
         query = jax.lax.dynamic_slice_in_dim(query, start, cols, axis=query.ndim - 1)
         logits = jnp.dot(query, table.T)
         declare_forward(self, "all-reduce", self.model_axis, logits, "the partial logits, summed")
-        with jax.named_scope(SCOPE):
+        with jax.named_scope(scopes.TENSOR_PARALLEL):
             return jax.lax.psum(logits, self.model_axis)

@@ -15,7 +15,9 @@ from flax import nnx
 from flax.nnx.nn import dtypes
 
 from substrax._metrics.collectives import varying_axes
-from substrax.nn._declared import SCOPE, declare_backward, declare_forward, to_varying
+from substrax._shared import scopes
+from substrax.mesh import current_mesh_with
+from substrax.nn._declared import copy_to_model_axis, declare_backward, declare_forward
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
@@ -34,8 +36,7 @@ def sharded_param(value: jax.Array, spec: tuple[str | None, ...], axis: str) -> 
     is declared optional (metadata ``optional_axes``): on a mesh without it the
     steps place the parameter whole, and the layer computes as a plain one.
     """
-    mesh = jax.sharding.get_abstract_mesh()
-    place = nnx.using_eager_sharding() and axis in mesh.axis_names
+    place = nnx.using_eager_sharding() and current_mesh_with(axis) is not None
     return nnx.Param(value, out_sharding=spec, eager_sharding=place, optional_axes=(axis,))
 
 
@@ -94,7 +95,7 @@ def add_bias(y: jax.Array, bias: jax.Array | None) -> jax.Array:
 def gather_sequence(layer: nnx.Module, x: jax.Array, axis: str, dim: int) -> jax.Array:
     """``x``'s blocks on ``dim`` all-gathered (tiled) over ``axis``: the whole sequence, declared
     with its backward reduce-scatter."""
-    with jax.named_scope(SCOPE):
+    with jax.named_scope(scopes.TENSOR_PARALLEL):
         whole = jax.lax.all_gather(x, axis, axis=dim, tiled=True)
     declare_forward(layer, "all-gather", axis, whole, "the sequence, gathered")
     return declare_backward(layer, "reduce-scatter", axis, whole, "its gradient, scattered back")
@@ -262,10 +263,10 @@ class ColumnParallelLinear(_Linear):
         if not split:
             return add_bias(matmul(x, kernel, self.precision), bias)
         if not self.sequence_parallel:  # x's gradient is psum-ed over axis
-            return add_bias(matmul(to_varying(self, x, axis), kernel, self.precision), bias)
+            return add_bias(matmul(copy_to_model_axis(self, x, axis), kernel, self.precision), bias)
         dim = _sequence_dim(x, self.sequence_axis, "ColumnParallelLinear")
         if self.collective_matmul:
-            with jax.named_scope(SCOPE):
+            with jax.named_scope(scopes.TENSOR_PARALLEL):
                 y = ring_matmul(self, x, kernel, axis, dim, self.precision)
         else:
             y = matmul(gather_sequence(self, x, axis, dim), kernel, self.precision)
@@ -356,7 +357,7 @@ class RowParallelLinear(_Linear):
         x, kernel, bias = self._promoted(x)
         y = matmul(x, kernel, self.precision)
         if split:
-            with jax.named_scope(SCOPE):
+            with jax.named_scope(scopes.TENSOR_PARALLEL):
                 if self.sequence_parallel:
                     dim = _sequence_dim(y, self.sequence_axis, "RowParallelLinear")
                     declare_forward(self, "reduce-scatter", axis, y, "the partial products, summed and scattered")

@@ -8,14 +8,14 @@ needs. Every array leaf with at least one dimension is reduced over all its elem
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from substrax._metrics.reductions import METRIC_REDUCTIONS, check_reduce_fn
+from substrax._metrics.reductions import METRIC_REDUCTIONS, REDUCTION_OPS, check_reduce_fn
 from substrax._tree import is_array, map_arrays
 
 __all__ = ["reduce_custom", "reduce_max", "reduce_mean", "reduce_metrics", "reduce_min", "reduce_sum"]
@@ -23,76 +23,50 @@ __all__ = ["reduce_custom", "reduce_max", "reduce_mean", "reduce_metrics", "redu
 T = TypeVar("T")
 V = TypeVar("V")
 
-_REDUCE: dict[str, Callable[[Any], jnp.ndarray]] = {
-    "mean": jnp.mean,
-    "sum": jnp.sum,
-    "max": jnp.max,
-    "min": jnp.min,
-}
+
+def _reduce_elements(name: str, metrics: T) -> T:
+    """``metrics`` with every array leaf of at least one dimension reduced by ``name`` (``REDUCTION_OPS``).
+
+    The body of every ``reduce_*`` here: for global arrays in SPMD contexts (``nnx.jit``
+    and a mesh), at any depth of ``metrics``; every other leaf passes through unchanged.
+    """
+    return map_arrays(REDUCTION_OPS[name].local, metrics, min_ndim=1)
 
 
 def reduce_mean(metrics: T) -> T:
     """Compute the mean of metrics using standard JAX operations.
 
-    Works with global arrays in SPMD contexts (``nnx.jit`` + mesh). Every array leaf
-    with at least one dimension is reduced, at any depth of ``metrics``; every other
-    leaf passes through unchanged.
-
-    Args:
-      metrics: The metrics to reduce: a mapping, or any pytree of them.
-
-    Returns:
-      ``metrics`` with every array leaf mean-reduced.
+    For global arrays (``nnx.jit`` and a mesh): every array leaf with at least one
+    dimension mean-reduced, at any depth; other leaves pass through.
     """
-    return map_arrays(jnp.mean, metrics, min_ndim=1)
+    return _reduce_elements("mean", metrics)
 
 
 def reduce_sum(metrics: T) -> T:
     """Compute the sum of metrics using standard JAX operations.
 
-    Works with global arrays in SPMD contexts (``nnx.jit`` + mesh). Every array leaf
-    with at least one dimension is reduced, at any depth of ``metrics``; every other
-    leaf passes through unchanged.
-
-    Args:
-      metrics: The metrics to reduce: a mapping, or any pytree of them.
-
-    Returns:
-      ``metrics`` with every array leaf summed.
+    For global arrays (``nnx.jit`` and a mesh): every array leaf with at least one
+    dimension summed, at any depth; other leaves pass through.
     """
-    return map_arrays(jnp.sum, metrics, min_ndim=1)
+    return _reduce_elements("sum", metrics)
 
 
 def reduce_max(metrics: T) -> T:
     """Compute the maximum of metrics using standard JAX operations.
 
-    Works with global arrays in SPMD contexts (``nnx.jit`` + mesh). Every array leaf
-    with at least one dimension is reduced, at any depth of ``metrics``; every other
-    leaf passes through unchanged.
-
-    Args:
-      metrics: The metrics to reduce: a mapping, or any pytree of them.
-
-    Returns:
-      ``metrics`` with every array leaf reduced to its maximum.
+    For global arrays (``nnx.jit`` and a mesh): every array leaf with at least one
+    dimension reduced to its maximum, at any depth; other leaves pass through.
     """
-    return map_arrays(jnp.max, metrics, min_ndim=1)
+    return _reduce_elements("max", metrics)
 
 
 def reduce_min(metrics: T) -> T:
     """Compute the minimum of metrics using standard JAX operations.
 
-    Works with global arrays in SPMD contexts (``nnx.jit`` + mesh). Every array leaf
-    with at least one dimension is reduced, at any depth of ``metrics``; every other
-    leaf passes through unchanged.
-
-    Args:
-      metrics: The metrics to reduce: a mapping, or any pytree of them.
-
-    Returns:
-      ``metrics`` with every array leaf reduced to its minimum.
+    For global arrays (``nnx.jit`` and a mesh): every array leaf with at least one
+    dimension reduced to its minimum, at any depth; other leaves pass through.
     """
-    return map_arrays(jnp.min, metrics, min_ndim=1)
+    return _reduce_elements("min", metrics)
 
 
 def reduce_custom(
@@ -124,7 +98,7 @@ def reduce_custom(
     for name, value in metrics.items():
         op = ops[name]
         if op is not None and is_array(value) and jnp.ndim(value) > 0:  # type: ignore[arg-type]
-            reduced[name] = _REDUCE[op](value)
+            reduced[name] = REDUCTION_OPS[op].local(value)
         else:
             reduced[name] = value
     return reduced
@@ -171,8 +145,8 @@ def reduce_metrics(
     reduced: dict[str, V | jnp.ndarray] = {}
     for name, value in metrics.items():
         op = ops[name]
-        if op is not None and op in _REDUCE and is_array(value):
-            reduced[name] = _REDUCE[op](value)
+        if op is not None and op in REDUCTION_OPS and is_array(value):
+            reduced[name] = REDUCTION_OPS[op].local(value)
         elif op == "gather":
             reduced[name] = _replicated(value, mesh)
         else:

@@ -22,22 +22,11 @@ from substrax._shared.microbatch import (
 from substrax._shared.options import StepOptions
 from substrax._shared.precision import MixedPrecision
 from substrax._shared.update import apply_update, state_values
-from substrax.mesh import current_mesh
+from substrax.mesh import current_mesh, current_mesh_with
 from substrax.spmd._metrics import reduce_metrics
 
 PyTree = Any
 M = TypeVar("M", bound=nnx.Module)
-
-
-def _mesh_or_none(mesh: Any, data_axis: str) -> Any:
-    """The mesh the step splits the batch over: ``mesh``, or the current one when it has ``data_axis``."""
-    if mesh is not None:
-        return current_mesh(mesh, required_axes=(data_axis,))
-    try:
-        found = current_mesh(None)
-    except ValueError:
-        return None
-    return found if data_axis in found.axis_names else None
 
 
 def check_placement(model: nnx.Module) -> None:
@@ -129,7 +118,7 @@ def run_step(
       ``(out, applied)``: what ``spmd_train_step`` returns, and ``apply_update``'s flag.
     """
     o = options
-    found = _mesh_or_none(o.mesh, o.data_axis)
+    found = current_mesh_with(o.data_axis, o.mesh)  # the mesh the batch is split over
     if found is None and (o.batch_spec is not None or o.microbatches > 1):
         current_mesh(o.mesh, required_axes=(o.data_axis,))  # raises, naming what is missing
     specs = None
