@@ -20,6 +20,7 @@ import importlib
 
 from substrax import explicit, gradcheck, mesh, nn, spmd
 from substrax._layout import LAYOUTS, Layout, LeafPlacement, layout_of, shard_state
+from substrax._plan import Plan, PlanRow, plan
 from substrax._shared.options import StepOptions
 from substrax._shared.precision import MixedPrecision
 from substrax._shared.skips import NonFiniteStepsError, SkippedStepWarning
@@ -53,6 +54,8 @@ __all__ = [
     "LeafPlacement",
     "MixedPrecision",
     "NonFiniteStepsError",
+    "Plan",
+    "PlanRow",
     "SkippedStepWarning",
     "StepOptions",
     "TrainStep",
@@ -67,6 +70,7 @@ __all__ = [
     "make_train_step",
     "mesh",
     "nn",
+    "plan",
     "shard_state",
     "spmd",
 ]

@@ -39,7 +39,7 @@ from substrax._shared import scopes
 from substrax._shared.options import StepOptions
 from substrax._shared.update import apply_update, state_values
 from substrax._tree import KeyPath
-from substrax.census._expected import ExpectedCollective, expected_communication
+from substrax.census._expected import Expected, ExpectedCollective, expected_communication
 from substrax.census._items import (
     _metric_items,
     batch_stat_items,
@@ -55,7 +55,7 @@ from substrax.census._text import short_op
 from substrax.mesh import current_mesh_with
 from substrax.nn._declared import Declared
 
-__all__ = ["check_communication", "layer_items", "parameter_leaves", "update_dims", "update_items"]
+__all__ = ["check_communication", "expected_step", "layer_items", "parameter_leaves", "update_dims", "update_items"]
 
 
 # The scope each expected buffer of the explicit step is compiled under (substrax.explicit._step, substrax.explicit._shard).
@@ -211,11 +211,38 @@ def check_communication(
     the update reduces over another (a ``model`` axis beside it).
     """
     compiled = lowered.compile()
-    with _mesh_context(options):
-        layout = layout_of(model, optimizer, mesh=options.mesh, axis=options.data_axis)
     report = census(compiled, mesh=options.mesh)
     recomputed = any("rematted_computation" in (p.op_name or "") for row in report.rows for p in row.parts)
-    out = lowered.out_info[1]  # the step's (loss, metrics), as shapes and dtypes
+    scoped = any(library_scope(p.op_name) for row in report.rows for p in row.parts)
+    expected, notes = expected_step(
+        lowered.out_info[1], model, optimizer, options,
+        layers=layers, layered=layered, recomputed=recomputed, scoped=scoped,
+    )  # fmt: skip
+    found = compare(report, expected, attribute_model=True)
+    return dataclasses.replace(found, notes=found.notes + tuple(notes)) if notes else found
+
+
+def expected_step(
+    out: Any,
+    model: nnx.Module,
+    optimizer: nnx.Optimizer[Any],
+    options: StepOptions,
+    *,
+    layers: Sequence[Declared] = (),
+    layered: dict[KeyPath, int] | None = None,
+    recomputed: bool = False,
+    scoped: bool = True,
+) -> tuple[Expected, tuple[str, ...]]:
+    """What a step should communicate, built without compiling it (see ``check_communication``).
+
+    ``out``: the step's ``(loss, metrics)`` as shapes and dtypes (``lowered.out_info[1]``);
+    ``recomputed``: the program recomputes under remat (its recomputed collectives are
+    optional); ``scoped``: the program names the library's scopes. Returns the expected
+    communication and notes on what it could not read (the update compiled alone failed, a
+    policy's narrow collectives widened on the CPU).
+    """
+    with _mesh_context(options):
+        layout = layout_of(model, optimizer, mesh=options.mesh, axis=options.data_axis)
     loss_dtype = out[0].dtype if options.has_aux else out.dtype
     sizes = _axis_sizes(options, model, optimizer)
     replicas = sizes.get(options.replica_axis, 1) if options.mode == "explicit" else 1
@@ -229,9 +256,8 @@ def check_communication(
             [], layout=layout.kind, mode=options.mode, microbatches=options.microbatches, loss_bytes=0,
             update=update,
         )  # fmt: skip
-        expected = expected.with_items(layer_items(layers, options.microbatches, sizes, recomputed))
         # what the model issues itself (BatchNorm's psum over a size-1 axis_name) is attributed
-        return compare(report, expected, attribute_model=True)
+        return expected.with_items(layer_items(layers, options.microbatches, sizes, recomputed)), ()
     metrics = _metric_items(out, options.has_aux)
     notes = []
     try:
@@ -276,7 +302,6 @@ def check_communication(
     )
     items = [*expected.items, *units, *across, *metrics, *layer_items(layers, options.microbatches, sizes, recomputed)]
     gathered = any(i.kind == "all-gather" for i in metrics)
-    scoped = any(library_scope(p.op_name) for row in report.rows for p in row.parts)
     if options.mode == "explicit":
         items += batch_stat_items(model, options.data_axis)
         if scoped:  # each buffer under the scope the step writes it in
@@ -309,6 +334,4 @@ def check_communication(
         ]
     if not scoped:  # a step that names no scope (or compiled none of its collectives): anywhere
         items = [dataclasses.replace(i, scopes=()) for i in items]
-    expected = dataclasses.replace(expected, items=tuple(items))
-    found = compare(report, expected, attribute_model=True)
-    return dataclasses.replace(found, notes=found.notes + tuple(notes)) if notes else found
+    return dataclasses.replace(expected, items=tuple(items)), tuple(notes)

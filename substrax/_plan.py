@@ -1,0 +1,265 @@
+"""A plan before compiling: each configuration's communication and state per device, from a trace.
+
+``plan`` places a copy of the model and optimizer in each candidate layout (and units, mesh,
+mode), traces and lowers its step (no compile), and builds what that step should
+communicate with the rule ``TrainStep.check_communication`` holds the compiled program to
+(``substrax.census._step.expected_step``). In explicit mode the library writes every
+collective, so the bytes are the compiled census's; see the guide's "Planning" section for
+what is predicted and what XLA decides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from substrax import _layout
+from substrax._shared.options import Mode
+from substrax._train.chooser import make_train_step
+from substrax._tree import PyTree
+from substrax.census._step import expected_step
+from substrax.nn import _declared as declared
+
+__all__ = ["Plan", "PlanRow", "plan"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRow:
+    """One configuration's predicted communication and state, per device and per step.
+
+    Attributes:
+      mode: ``"implicit"`` or ``"explicit"``.
+      layout: ``"replicated"``, ``"zero1"``, ``"fsdp"`` or ``"hsdp"``.
+      units: The units given to ``shard_state`` (``repr``), ``"-"`` for none.
+      mesh: The mesh's shape, ``"data=4,model=2"``.
+      bytes: ``(kind, axes) -> bytes`` of the collectives the step must run.
+      optional_bytes: Bytes of collectives the compiler may leave out (the loss's all-reduce
+        beside equal metrics, recomputed gathers under remat).
+      state_bytes: Parameters and optimizer state one device holds (exact: their placement).
+      batch_bytes: The batch one device holds.
+      gathered_bytes: Parameters one device holds gathered at once inside the step (FSDP:
+        every split parameter; explicit mode with units, the largest unit).
+      activation_bytes: What the forward pass of one device's (micro)batch keeps for the
+        backward pass (``jax.vjp``'s residuals, less the parameters among them).
+      notes: What the prediction could not read.
+    """
+
+    mode: str
+    layout: str
+    units: str
+    mesh: str
+    bytes: dict[tuple[str, str], int]
+    optional_bytes: int
+    state_bytes: int
+    batch_bytes: int
+    gathered_bytes: int = 0
+    activation_bytes: int = 0
+    notes: tuple[str, ...] = ()
+
+    @property
+    def least_peak_bytes(self) -> int:
+        """A lower bound of the step's peak per device: the state and batch in, the state out
+        (not donated) and the gathered parameters."""
+        return 2 * self.state_bytes + self.batch_bytes + self.gathered_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        """An upper estimate of the peak: ``least_peak_bytes`` and every activation autodiff
+        keeps (XLA fuses many away; in every configuration the tests compile, the compiled
+        peak lay between the two)."""
+        return self.least_peak_bytes + self.activation_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes every required collective moves, per device per step."""
+        return sum(self.bytes.values())
+
+    def seconds(self, bandwidth: float) -> float:
+        """Communication time at ``bandwidth`` bytes per second (collectives not overlapped)."""
+        return self.total_bytes / bandwidth
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The rows of ``plan``, one per configuration; ``print`` shows them as a table."""
+
+    rows: tuple[PlanRow, ...]
+
+    def best(self, memory: int | None = None, *, bandwidth: float | None = None) -> PlanRow:
+        """The row with the fewest bytes (or seconds at ``bandwidth``) whose state fits ``memory``.
+
+        ``memory``: bytes per device the step's upper peak estimate (``PlanRow.peak_bytes``)
+        may take (the compiled peak stayed under it in every configuration the tests compile).
+        Raises ``ValueError`` naming the smallest requirement when no row fits.
+        """
+        fits = [r for r in self.rows if memory is None or r.peak_bytes <= memory]
+        if not fits:
+            least = min(self.rows, key=lambda r: r.peak_bytes)
+            raise ValueError(
+                f"No configuration fits {memory:,} bytes per device: the smallest, {_label(least)}, needs "
+                f"{least.peak_bytes:,} (peak_bytes). Add devices (a larger data axis), split more "
+                f"(layout='fsdp', units=...), or raise memory=."
+            )
+        cost = (lambda r: r.seconds(bandwidth)) if bandwidth else (lambda r: r.total_bytes)
+        return min(fits, key=cost)
+
+    def __str__(self) -> str:
+        kinds = sorted({k for r in self.rows for k in r.bytes})
+        head = ["mode", "layout", "units", "mesh", *(f"{k} ({a})" for k, a in kinds), "total B", "state B", "peak B (least-most)"]
+        body = [
+            [r.mode, r.layout, r.units, r.mesh, *(f"{r.bytes.get(k, 0):,}" for k in kinds),
+             f"{r.total_bytes:,}", f"{r.state_bytes:,}", f"{r.least_peak_bytes:,}-{r.peak_bytes:,}"]
+            for r in self.rows
+        ]  # fmt: skip
+        widths = [max(len(str(c)) for c in col) for col in zip(head, *body, strict=True)]
+        lines = [" | ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)) for row in [head, *body]]
+        return "\n".join([lines[0], "-+-".join("-" * w for w in widths), *lines[1:]])
+
+
+def _label(row: PlanRow) -> str:
+    units = "" if row.units == "-" else f", units={row.units}"
+    return f"{row.mode} {row.layout}{units} on {row.mesh}"
+
+
+def _shard_bytes(tree: Any) -> int:
+    """Bytes one device holds of ``tree``'s arrays (the largest shard of each)."""
+    return sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize if hasattr(x, "sharding") else x.nbytes
+        for x in jax.tree.leaves(tree)
+        if hasattr(x, "dtype") and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+    )
+
+
+def _mesh_label(mesh: Mesh) -> str:
+    return ",".join(f"{a}={n}" for a, n in mesh.shape.items())
+
+
+def plan(
+    loss_fn: Callable[[Any, PyTree], Any],
+    model: nnx.Module,
+    optimizer: nnx.Optimizer[Any],
+    batch: PyTree,
+    *,
+    mesh: Mesh | Sequence[Mesh],
+    mode: Mode | Sequence[Mode] = "explicit",
+    layouts: Iterable[str] | None = None,
+    units: Iterable[Any] = (None,),
+    **step_options: Any,
+) -> Plan:
+    """Each configuration's collective bytes and state per device, without compiling a step.
+
+    Args:
+      loss_fn: As ``make_train_step`` takes it.
+      model: The model; left as it is (each configuration places a copy).
+      optimizer: Its optimizer; left as it is.
+      batch: One global batch, as the step would get it.
+      mesh: A mesh, or several (each a candidate).
+      mode: ``"implicit"``, ``"explicit"``, or both.
+      layouts: The layouts to try; default every one the mesh allows (``"hsdp"`` with a
+        ``replica`` axis).
+      units: ``shard_state``'s ``units`` to try under FSDP and HSDP (``None``: none).
+      **step_options: ``make_train_step``'s other keywords (``microbatches``, ``has_aux``, ...).
+
+    Returns:
+      A ``Plan``; ``print`` it for the table, ``.best(memory=...)`` to choose.
+
+    In explicit mode the required bytes are what the compiled step's census counts (a test
+    holds them equal for every layout); what the model issues itself (BatchNorm over
+    ``axis_name``) and the per-layer collectives of a scanned stack's tensor-parallel layers
+    are not predicted. In implicit mode XLA chooses: the rows give the layout's rule.
+    """
+    meshes = [mesh] if isinstance(mesh, Mesh) else list(mesh)
+    modes = [mode] if isinstance(mode, str) else list(mode)
+    rows = []
+    for m in meshes:
+        replica = step_options.get("replica_axis", "replica")
+        names = layouts or [k for k in _layout.LAYOUTS if k != "hsdp" or replica in m.axis_names]
+        for kind in names:
+            for unit in units if kind in ("fsdp", "hsdp") else (None,):
+                for md in modes:
+                    rows.append(_row(loss_fn, model, optimizer, batch, m, md, kind, unit, step_options))
+    return Plan(tuple(rows))
+
+
+def _row(
+    loss_fn: Any, model: Any, optimizer: Any, batch: Any, mesh: Mesh, mode: str, kind: str, unit: Any, opts: dict
+) -> PlanRow:
+    graphdef, state = nnx.split((model, optimizer))
+    m, o = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))  # new variables over the same arrays
+    place = {"replica_axis": opts["replica_axis"]} if "replica_axis" in opts else {}
+    _layout.shard_state(m, o, mesh=mesh, layout=kind, units=unit, data_axis=opts.get("data_axis", "data"), **place)
+    step = make_train_step(loss_fn, mode, mesh=mesh, **opts)
+    with declared.recording() as layers, _layout.recording_layers() as layered:
+        lowered = step.lower(m, o, batch)
+    expected, notes = expected_step(lowered.out_info[1], m, o, step.options, layers=layers, layered=layered)
+    k = step.options.microbatches
+    by_kind: dict[tuple[str, str], int] = {}
+    optional = 0
+    gathers = [_one_run(i) for i in expected.items if i.kind == "all-gather" and i.category == "parameters"]
+    gathered = 0
+    if kind in ("fsdp", "hsdp"):  # units gather one at a time in explicit mode; XLA gathers all
+        gathered = max(gathers, default=0) if unit is not None and mode == "explicit" else sum(gathers)
+    for item in expected.items:
+        size = item.bytes * (k if item.per_run and item.in_loop else 1)
+        if item.optional:
+            optional += size
+            continue
+        key = (item.kind, ",".join(item.axes) or step.options.data_axis)
+        by_kind[key] = by_kind.get(key, 0) + size
+    rows = math.prod(mesh.shape[a] for a in _axes(step.options.row_axes(mesh)))
+    batch_bytes = sum(np.asarray(x).nbytes // (rows if np.ndim(x) else 1) for x in jax.tree.leaves(batch))
+    return PlanRow(
+        mode=mode,
+        layout=kind,
+        units="-" if unit is None else getattr(unit, "__name__", repr(unit)),
+        mesh=_mesh_label(mesh),
+        bytes=by_kind,
+        optional_bytes=optional,
+        state_bytes=_shard_bytes(nnx.state((m, o))),
+        batch_bytes=batch_bytes,
+        gathered_bytes=gathered,
+        activation_bytes=_activation_bytes(loss_fn, m, batch, rows * k, step.options.has_aux),
+        notes=notes,
+    )
+
+
+def _axes(rows: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (rows,) if isinstance(rows, str) else rows
+
+
+def _activation_bytes(loss_fn: Any, model: nnx.Module, batch: PyTree, ways: int, has_aux: bool) -> int:
+    """Residuals ``jax.vjp`` keeps of one device's (micro)batch, less those shaped like a parameter."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    part = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // ways, *x.shape[1:]), x.dtype) if np.ndim(x) else x, batch)
+
+    def loss(p: Any, b: Any) -> Any:
+        out = loss_fn(nnx.merge(graphdef, p, rest), b)
+        return out[0] if has_aux else out
+
+    kept = jax.tree.leaves(jax.eval_shape(lambda p, b: jax.vjp(loss, p, b)[1], params, part))
+    shapes = [(tuple(x.shape), x.dtype) for x in jax.tree.leaves(params)]
+    total = 0
+    for x in kept:
+        key = (tuple(x.shape), x.dtype)
+        if key in shapes:
+            shapes.remove(key)
+        else:
+            total += math.prod(x.shape) * np.dtype(x.dtype).itemsize
+    return total
+
+
+def _one_run(item: Any) -> int:
+    """One run's bytes of a gather: its buffer's (a unit's, once per microbatch and layer)."""
+    found = re.fullmatch(r"([a-z]+)(\d+)\[([\d,]*)\]", item.buffer)
+    if not item.in_loop or found is None:
+        return item.bytes
+    bits = int(found.group(2))
+    return math.prod(int(d) for d in found.group(3).split(",") if d) * bits // 8

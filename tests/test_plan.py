@@ -1,0 +1,121 @@
+"""``substrax.plan``: each configuration's bytes and memory, predicted from a trace, held to the
+compiled step (its census and ``memory_analysis()``) on every layout, with units, hybrid
+sharding and a 2-D mesh, at two model sizes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import optax
+import pytest
+import test_tensor_parallel as tp
+from conftest import MLP, mse, regression_batches
+from flax import nnx
+
+import substrax
+from substrax.mesh import create_device_mesh
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    mesh: tuple[tuple[str, int], ...]
+    layout: str
+    units: bool = False
+    width: int = 64  # the MLP's; 0: the tensor-parallel block of test_tensor_parallel
+    microbatches: int = 1
+
+    def __str__(self) -> str:
+        mesh = ",".join(f"{a}={n}" for a, n in self.mesh)
+        units = "+units" if self.units else ""
+        model = f"w{self.width}" if self.width else "tp-block"
+        return f"{self.layout}{units}-{mesh}-{model}-k{self.microbatches}"
+
+
+DATA8 = (("data", 8),)
+HYBRID = (("replica", 2), ("data", 4))
+TWO_D = (("data", 4), ("model", 2))
+CASES = [
+    *(Case(DATA8, layout, width=w) for layout in ("replicated", "zero1", "fsdp") for w in (64, 128)),
+    Case(DATA8, "fsdp", units=True),
+    Case(DATA8, "fsdp", units=True, width=128, microbatches=2),
+    Case(HYBRID, "hsdp"),
+    Case(HYBRID, "hsdp", units=True),
+    Case(TWO_D, "replicated", width=0),
+    Case(TWO_D, "fsdp", width=0),
+]
+
+
+def _build(case: Case):
+    if not case.width:
+        model, optimizer = tp._build()
+        return model, optimizer, tp.loss_fn, tp.BATCHES[0]
+    model = MLP(case.width, case.width, seed=0)
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    return model, optimizer, mse, regression_batches(1, 64, din=case.width)[0]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_the_plan_equals_the_compiled_explicit_step(case: Case) -> None:
+    mesh = create_device_mesh(dict(case.mesh))
+    model, optimizer, loss_fn, batch = _build(case)
+    before = [np.asarray(x) for x in jax.tree.leaves(nnx.state(model))]
+    units = (nnx.Linear,) if case.units else (None,)
+    planned = substrax.plan(
+        loss_fn, model, optimizer, batch, mesh=mesh, layouts=(case.layout,), units=units,
+        microbatches=case.microbatches,
+    )  # fmt: skip
+    (row,) = planned.rows
+    # the model the user gave is left as it was: each configuration placed a copy
+    assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(before, jax.tree.leaves(nnx.state(model))))
+    assert all(not hasattr(x, "sharding") or x.sharding.is_fully_replicated for x in jax.tree.leaves(nnx.state(model)))
+
+    model, optimizer, loss_fn, batch = _build(case)
+    substrax.shard_state(model, optimizer, mesh=mesh, layout=case.layout, units=units[0])
+    step = substrax.make_train_step(loss_fn, "explicit", mesh=mesh, microbatches=case.microbatches)
+    checked = step.check_communication(model, optimizer, batch)
+    assert checked.matches, checked
+    compiled = checked.report
+    # bytes: exactly the census's, kind by kind
+    for kind in {k for k, _ in row.bytes} | set(compiled.kinds):
+        planned_kind = sum(b for (k, _), b in row.bytes.items() if k == kind)
+        assert planned_kind <= compiled.bytes_per_step(kind) <= planned_kind + row.optional_bytes, (kind, row)
+    assert row.total_bytes <= compiled.bytes_per_step() <= row.total_bytes + row.optional_bytes
+    # memory: the arguments exactly; the compiled peak between the plan's two bounds
+    memory = step.lower(model, optimizer, batch).compile().memory_analysis()
+    assert row.state_bytes + row.batch_bytes == memory.argument_size_in_bytes
+    peak = (
+        memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes
+        - memory.alias_size_in_bytes
+    )  # fmt: skip
+    assert row.least_peak_bytes <= peak <= row.peak_bytes, (row.least_peak_bytes, peak, row.peak_bytes)
+
+
+def _mlp_plan(**kwargs) -> substrax.Plan:
+    model = MLP(64, 64, seed=0)
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    batch = regression_batches(1, 64, din=64)[0]
+    return substrax.plan(mse, model, optimizer, batch, mesh=create_device_mesh({"data": 8}), **kwargs)
+
+
+def test_best_takes_the_fewest_bytes_that_fit_and_names_the_least_requirement() -> None:
+    planned = _mlp_plan(mode=("explicit", "implicit"))
+    assert [(r.mode, r.layout) for r in planned.rows] == [
+        (m, k) for k in ("replicated", "zero1", "fsdp") for m in ("explicit", "implicit")
+    ]
+    assert planned.best().layout == "replicated"  # fewest bytes: one all-reduce
+    fsdp = next(r for r in planned.rows if r.layout == "fsdp")
+    replicated = next(r for r in planned.rows if r.layout == "replicated")
+    assert fsdp.peak_bytes < replicated.peak_bytes
+    assert planned.best(memory=fsdp.peak_bytes).layout in ("zero1", "fsdp")
+    assert planned.best(memory=fsdp.peak_bytes).peak_bytes <= fsdp.peak_bytes
+    least = min(planned.rows, key=lambda r: r.peak_bytes)
+    with pytest.raises(
+        ValueError,
+        match=rf"No configuration fits 1,000 bytes per device: the smallest, {least.mode} {least.layout} on "
+        rf"data=8, needs {least.peak_bytes:,} \(peak_bytes\)",
+    ):
+        planned.best(memory=1000)
+    table = str(planned)
+    assert table.splitlines()[0].startswith("mode") and "all-gather (data)" in table and len(table.splitlines()) == 8
