@@ -1,19 +1,8 @@
 """substrax: data-parallel training in JAX and Flax NNX, with the collectives in view.
 
-Two paths to the same step:
-
-- ``substrax.spmd`` (implicit): the batch sharded over a mesh, one ``nnx.jit`` step,
-  and XLA inserts the gradient all-reduce.
-- ``substrax.explicit``: the same step under ``jax.shard_map``, the loss ``pmean``-ed
-  before ``grad``, metrics reduced with collectives; ``compare_gradients`` checks both
-  against a one-device reference.
-
-``make_train_step(loss_fn, mode)`` picks one with a word. ``shard_state`` splits the
-model's and optimizer's state over the data axis (ZeRO-1, FSDP); both modes train it.
-``substrax.mesh`` builds the meshes both use; ``substrax.nn`` holds tensor-parallel
-layers for a second (``model``) mesh axis, which both modes and ``shard_state`` follow. ``census(compiled)`` counts the collectives
-of a compiled program; it comes from the package ``substrax/census/``, and importing it
-here rebinds the attribute ``substrax.census`` from that package to the function.
+``make_train_step(loss_fn, mode)`` picks the implicit (``substrax.spmd``) or explicit
+(``substrax.explicit``) step; ``shard_state`` splits the state. See the guides.
+``census(compiled)`` rebinds ``substrax.census`` from the package to the function.
 """
 
 import importlib

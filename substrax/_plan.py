@@ -1,11 +1,8 @@
 """A plan before compiling: each configuration's communication and state per device, from a trace.
 
-``plan`` places a copy of the model and optimizer in each candidate layout (and units, mesh,
-mode), traces and lowers its step (no compile), and builds what that step should
-communicate with the rule ``TrainStep.check_communication`` holds the compiled program to
-(``substrax.census._step.expected_step``). In explicit mode the library writes every
-collective, so the bytes are the compiled census's; see the guide's "Planning" section for
-what is predicted and what XLA decides.
+``plan`` places a copy of the state in each candidate configuration, lowers its step (no
+compile) and applies ``TrainStep.check_communication``'s rule (``expected_step``). See
+the planning guide.
 """
 
 from __future__ import annotations
@@ -41,14 +38,11 @@ class PlanRow:
       units: The units given to ``shard_state`` (``repr``), ``"-"`` for none.
       mesh: The mesh's shape, ``"data=4,model=2"``.
       bytes: ``(kind, axes) -> bytes`` of the collectives the step must run.
-      optional_bytes: Bytes of collectives the compiler may leave out (the loss's all-reduce
-        beside equal metrics, recomputed gathers under remat).
-      state_bytes: Parameters and optimizer state one device holds (exact: their placement).
+      optional_bytes: Bytes of collectives the compiler may leave out.
+      state_bytes: Parameters and optimizer state one device holds (exact).
       batch_bytes: The batch one device holds.
-      gathered_bytes: Parameters one device holds gathered at once inside the step (FSDP:
-        every split parameter; explicit mode with units, the largest unit).
-      activation_bytes: What the forward pass of one device's (micro)batch keeps for the
-        backward pass (``jax.vjp``'s residuals, less the parameters among them).
+      gathered_bytes: Parameters one device holds gathered at once inside the step.
+      activation_bytes: What one device's forward pass keeps for the backward (``jax.vjp``'s residuals).
       notes: What the prediction could not read.
     """
 
@@ -156,6 +150,9 @@ def plan(
 ) -> Plan:
     """Each configuration's collective bytes and state per device, without compiling a step.
 
+    Explicit-mode bytes are the compiled census's; implicit-mode rows give the layout's rule
+    (XLA chooses). What is not predicted: see the planning guide.
+
     Args:
       loss_fn: As ``make_train_step`` takes it.
       model: The model; left as it is (each configuration places a copy).
@@ -170,11 +167,6 @@ def plan(
 
     Returns:
       A ``Plan``; ``print`` it for the table, ``.best(memory=...)`` to choose.
-
-    In explicit mode the required bytes are what the compiled step's census counts (a test
-    holds them equal for every layout); what the model issues itself (BatchNorm over
-    ``axis_name``) and the per-layer collectives of a scanned stack's tensor-parallel layers
-    are not predicted. In implicit mode XLA chooses: the rows give the layout's rule.
     """
     meshes = [mesh] if isinstance(mesh, Mesh) else list(mesh)
     modes = [mode] if isinstance(mode, str) else list(mode)

@@ -1,9 +1,6 @@
 """``make demo``: train one small MLP both ways on 8 emulated CPU devices.
 
-Prints the two loss curves side by side, the gradient-equality report and each mode's
-step time, plain and bound (``TrainStep.bind``); then the same model in every layout
-(replicated, ZeRO-1, FSDP) and mode: the state bytes each device holds, the census of
-each step against its layout's rule, and that the losses agree. Run with
+Then the same model in every layout and mode. Run with
 ``python -m substrax.demo [--steps N] [--devices K]``.
 """
 

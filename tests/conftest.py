@@ -89,3 +89,4 @@ def assert_params_close(got: dict, want: dict, *, rtol: float = 2e-5, atol: floa
 @pytest.fixture(scope="session")
 def mesh8() -> jax.sharding.Mesh:
     return create_device_mesh({"data": 8})
+

@@ -6,7 +6,10 @@ import re
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow  # make test-slow (in .ci/run): the whole demo, as make demo runs it
 def test_demo_trains_both_modes_to_the_same_loss() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "substrax.demo", "--steps", "30"], capture_output=True, text=True, timeout=300

@@ -66,6 +66,7 @@ def _shard_map_grads(loss_fn, mesh, *, average_after: bool, check_vma: bool = Tr
     return grads
 
 
+@pytest.mark.slow  # make test-slow (in .ci/run); the axis-size diagnosis of an MLP stays in make test
 def test_default_attention_passes_and_an_average_after_grad_names_the_axis_size(
     mesh8: jax.sharding.Mesh,
 ) -> None:

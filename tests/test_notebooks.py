@@ -65,8 +65,9 @@ def _run(path: Path):
     return nb
 
 
-# The two longest run in make test-slow (.ci/run runs it): two processes, and every layout compiled.
-SLOW = {"04_several_processes", "05_layouts_and_communication"}
+# The three longest run in make test-slow (.ci/run runs it): two processes, every layout
+# compiled, tensor parallelism on three meshes.
+SLOW = {"04_several_processes", "05_layouts_and_communication", "06_tensor_parallelism"}
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,4 @@
-"""A step's batch: its leaves checked as jax will read them, and one PartitionSpec each.
-
-``check_batch_leaves`` refuses a Python list of numbers and names a float64 leaf jax
-will cast; ``batch_partition_specs`` says how a step splits each leaf over the mesh,
-checking that every leaf split over the data axis has the same number of rows.
-"""
+"""A step's batch: its leaves checked as jax will read them, and one PartitionSpec each."""
 
 from __future__ import annotations
 
@@ -44,10 +39,7 @@ def _cast_silently() -> bool:
 def check_batch_leaves(batch: PyTree, root: str = "batch") -> None:
     """Refuse a Python list of numbers in ``batch``; warn on a float64 leaf jax will cast.
 
-    A Python list is a pytree node to jax, not an array: ``{"x": [[1.0, 2.0], ...]}``
-    is a tree of separate scalars, which no sharding can split into rows. A float64
-    NumPy array becomes float32 without a word when jax's 64-bit mode is off. Inside
-    ``jax.jit`` the cast has already happened and no warning is possible.
+    See the batches guide.
 
     Raises:
       TypeError: If a leaf of ``batch`` is a (nested) Python list of numbers; names its
@@ -92,11 +84,9 @@ def batch_partition_specs(batch: PyTree, batch_spec: Any, mesh: Any, data_axis: 
 
     Args:
       batch: The global batch (arrays or tracers).
-      batch_spec: One PartitionSpec or NamedSharding for every leaf, a pytree prefix of
-        ``batch`` of them (the convention of ``place_batch_on_shards``), or ``None``
-        for ``PartitionSpec(data_axis)`` on every leaf with at least one dimension and
-        ``PartitionSpec()`` (replicated) on every 0-d leaf, which has no rows to split
-        (a batch-level scalar; inside ``jax.jit`` the step cannot see how it was placed).
+      batch_spec: One PartitionSpec or NamedSharding, a pytree prefix of ``batch`` of them,
+        or ``None``: ``PartitionSpec(data_axis)`` on every leaf with a dimension and
+        ``PartitionSpec()`` on every 0-d leaf.
       mesh: The mesh.
       data_axis: The batch axis, or a tuple of them (rows over ``("replica", "data")``).
 
@@ -136,8 +126,7 @@ def batch_partition_specs(batch: PyTree, batch_spec: Any, mesh: Any, data_axis: 
 
 
 def _rows_over(shape: tuple[int, ...], spec: PartitionSpec, data_axis: str | tuple[str, ...]) -> int | None:
-    """The size of the dimension ``spec`` splits over ``data_axis`` (an axis, or a tuple of
-    them for hybrid sharding): the leaf's rows (None if none)."""
+    """The leaf's rows: the size of the dimension ``spec`` splits over ``data_axis`` (None if none)."""
     wanted = set(spec_axes(data_axis))
     for dim, entry in enumerate(spec):
         if wanted & set(spec_axes(entry)) and dim < len(shape):
@@ -148,20 +137,12 @@ def _rows_over(shape: tuple[int, ...], spec: PartitionSpec, data_axis: str | tup
 def check_same_rows(
     path_leaves: Sequence[tuple[KeyPath, Any]], specs: Sequence[PartitionSpec], data_axis: str
 ) -> None:
-    """Raise a ValueError unless every leaf split over ``data_axis`` has the same number of rows.
-
-    Leaves split over the data axis are the examples' fields: each device takes the same
-    block of rows from each. A leaf with fewer rows (one label per device, say) would be
-    split into fewer rows per device than the others and silently broadcast against them.
+    """Raise a ValueError, naming each leaf and its rows, unless the leaves split over ``data_axis`` agree.
 
     Args:
       path_leaves: ``(path, leaf)`` for every leaf of the batch.
       specs: The PartitionSpec of each leaf.
       data_axis: The batch axis.
-
-    Raises:
-      ValueError: If two leaves split over ``data_axis`` differ in their number of rows;
-        names every such leaf with its row count.
     """
     rows = [
         (path, n)

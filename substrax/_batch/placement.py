@@ -29,11 +29,10 @@ def create_data_parallel_sharding(mesh: Mesh, data_axis: str = "data", replica_a
       mesh: The device mesh to use for sharding.
       data_axis: The name of the mesh axis to use for data parallelism.
       replica_axis: On a mesh that also has this axis (hybrid sharding), the rows are
-        split over it and ``data_axis`` together, replicas outer.
+        split over ``(replica_axis, data_axis)``, replicas outer.
 
     Returns:
-      A NamedSharding over ``mesh`` with spec ``PartitionSpec(data_axis)``, or
-      ``PartitionSpec((replica_axis, data_axis))`` on a hybrid mesh.
+      ``NamedSharding(mesh, PartitionSpec(data_axis))`` (or the hybrid spec).
 
     Raises:
       ValueError: If ``data_axis`` is not an axis of ``mesh``; names the mesh's axes.
@@ -55,12 +54,7 @@ def _fingerprint(leaf: Any) -> np.ndarray:
 def _host_leaves(
     batch: PyTree, sharding: Sharding | PyTree, refusal: str
 ) -> tuple[list[tuple[KeyPath, Any]], list[Sharding], Any]:
-    """``(path, leaf)`` for every leaf of ``batch``, each leaf's sharding, and the tree's structure.
-
-    Raises:
-      ValueError: If the sharding tree does not fit the batch.
-      TypeError: If a leaf is a traced value: ``refusal`` says what the caller does instead.
-    """
+    """``(path, leaf)`` for every leaf of ``batch``, each leaf's sharding, and the tree's structure."""
     path_leaves, shardings, treedef = broadcast_prefix(
         sharding, batch, lambda s: isinstance(s, Sharding), what="sharding"
     )
@@ -73,12 +67,9 @@ def _host_leaves(
 def check_replicated_equal(batch: PyTree, sharding: Sharding | PyTree) -> None:
     """Check that every leaf bound for a replicated sharding is equal on every process.
 
-    ``place_batch_on_shards`` puts each process's own value of a replicated leaf on that
-    process's devices, so processes that loaded different values (an unseeded random
-    draw, a per-process counter) would silently hold different "replicated" arrays.
-    This compares a hash of each such leaf's bytes, shape and dtype across processes,
-    with one ``process_allgather`` for the whole batch. Every process must call it, with
-    the same tree. On a single process it returns at once.
+    Hashes each such leaf and compares across processes in one ``process_allgather`` (see
+    the processes guide). Every process must call it with the same tree; on a single
+    process it returns at once.
 
     Args:
       batch: The batch this process loaded, as for ``place_batch_on_shards``.
@@ -86,9 +77,8 @@ def check_replicated_equal(batch: PyTree, sharding: Sharding | PyTree) -> None:
         checked when its sharding is fully replicated (``PartitionSpec()``).
 
     Raises:
-      ValueError: If a replicated leaf differs between processes; the message names the
-        leaf's path and the processes whose value differs from process 0's. Also if the
-        sharding tree does not fit the batch.
+      ValueError: If a replicated leaf differs between processes (naming the leaf and the
+        processes that differ from process 0), or the sharding tree does not fit the batch.
       TypeError: If a leaf is a traced value (the call is inside ``jax.jit``).
     """
     if jax.process_count() == 1:
@@ -122,34 +112,26 @@ def place_batch_on_shards(
 ) -> PyTree:
     """Turn this process's batch into global arrays, each subtree on its sharding.
 
-    Array leaves, whether ``jax.Array``, a NumPy array as a host data loader yields it,
-    or a NumPy scalar, go to ``jax.make_array_from_process_local_data`` in one call. On a
-    single process that is one batched ``jax.device_put``. On several processes each
-    process passes the slice of the global batch it loaded, and jax stitches the slices
-    into one global array in process order; a leaf on a replicated sharding must be
-    equal on every process (``substrax.spmd.check_replicated_equal`` checks it). Any
-    other leaf, such as a string, is returned as it is. Call it on the host batches a
-    loader yields, outside ``jax.jit``. A float64 NumPy leaf that jax will cast to
-    float32 (64-bit mode off) is named in a ``UserWarning``.
+    Array leaves (``jax.Array``, NumPy arrays and scalars) are placed in one
+    ``jax.make_array_from_process_local_data`` call, outside ``jax.jit``; other leaves are
+    returned as they are. On several processes each passes its own rows, stitched in process
+    order. A float64 leaf jax will cast is named in a ``UserWarning``. See the batches guide.
 
     Args:
       batch: The batch this process loaded.
-      sharding: One sharding for every array leaf, or a pytree prefix of ``batch`` whose
-        leaves are shardings, each applying to its subtree: rows sharded on the batch
-        axis and a batch-level field without one replicated, for example.
-      check_replicated: Whether to check, with ``check_replicated_equal``, that every
-        leaf on a fully replicated sharding is equal on every process before placing
-        it (one small cross-process gather; nothing on a single process).
+      sharding: One sharding for every array leaf, or a pytree prefix of ``batch`` of
+        shardings, each for its subtree (rows split, a batch-level field replicated).
+      check_replicated: Whether to check (``check_replicated_equal``) that every leaf on a
+        fully replicated sharding is equal on every process first.
 
     Returns:
       The batch with every array leaf replaced by the global array on its sharding.
 
     Raises:
-      ValueError: If a leaf has fewer dimensions than its sharding partitions (a scalar
-        under a sharding that splits the batch axis), if a split dimension does not
-        divide by its mesh axes, or if the sharding tree does not fit the batch; the
-        message names the leaf's path or the subtree; with ``check_replicated``, if a
-        replicated leaf differs between processes, naming the leaf and the processes.
+      ValueError: If a leaf has fewer dimensions than its sharding splits, a split
+        dimension does not divide by its mesh axes, or the sharding tree does not fit the
+        batch (naming the path); with ``check_replicated``, if a replicated leaf differs
+        between processes (naming it and the processes).
       TypeError: If a leaf is a traced value (the call is inside ``jax.jit``).
     """
     path_leaves, shardings, treedef = _host_leaves(

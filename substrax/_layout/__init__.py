@@ -1,31 +1,8 @@
 """Layouts of a model's and optimizer's state over the data axis: replicated, ZeRO-1, FSDP.
 
-``shard_state`` places the state; every step reads the placement back from the
-variables' ``out_sharding`` metadata (flax's own, what ``nnx.get_partition_spec``
-reads), which survives ``nnx.split``/``nnx.merge`` and so is visible inside a traced
-step, where the arrays' shardings are not.
-
-- **replicated**: every device holds every parameter and all optimizer state.
-- **ZeRO-1** (``params=False``): parameters replicated; the optimizer state that
-  mirrors a parameter (Adam's moments, momentum) split over the data axis. Each device
-  updates its slice of every split parameter; the new parameters are gathered.
-- **FSDP** (``params=True``, ZeRO-3): parameters and their optimizer state split.
-  A split parameter is gathered whole right before use and its gradient comes back
-  reduce-scattered.
-
-The split rule: a parameter with at least ``min_size`` elements is split on its
-largest dimension that the axis size divides (the first such on a tie); a smaller or
-indivisible parameter, a scalar, and anything that is not an ``nnx.Param`` (BatchNorm
-statistics, random keys, the step count) stays replicated.
-
-Optimizer state belongs to the parameter whose path its path ends with (the longest
-such). State of the parameter's shape (Adam's moments, momentum, ``MultiSteps``'
-accumulated gradients) is split like the parameter's state. State of another shape
-that keeps the parameter's split dimension (adafactor's factored row or column
-statistics: the parameter's shape with one dimension dropped) is split on that
-dimension; any other state (a ``(1,)`` placeholder, a statistic that dropped the split
-dimension, a counter, a leaf of no parameter such as muon's coefficients) is
-replicated. Nothing the optimizer holds for the model is refused.
+``shard_state`` places the state and records it in each variable's ``out_sharding``
+metadata, which every step reads back (it survives ``nnx.split``/``nnx.merge``). Which
+parameter and optimizer leaf is split where: see the layouts guide.
 """
 
 from substrax._layout._owners import (

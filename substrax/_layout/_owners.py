@@ -1,8 +1,4 @@
-"""Which optimizer state belongs to which parameter, and where each parameter is updated.
-
-See ``substrax._layout`` for the rule (a leaf belongs to the parameter whose path its
-path ends with; it mirrors it when it has its shape, and follows it otherwise).
-"""
+"""Which optimizer state belongs to which parameter (the layouts guide's rule), and where each is updated."""
 
 from __future__ import annotations
 
@@ -81,12 +77,7 @@ def _pure_shapes(tree: Any) -> dict[tuple[Any, ...], tuple[int, ...]]:
 def _expected_opt_state(
     model: nnx.Module, optimizer: nnx.Optimizer[Any]
 ) -> dict[tuple[Any, ...], tuple[int, ...]] | None:
-    """The optimizer-state paths and shapes ``optimizer.tx`` gives ``model``; None if not computable.
-
-    ``tx.init`` runs abstractly (``jax.eval_shape``) on the model's parameters as plain
-    arrays, as ``nnx.Optimizer.update`` hands them to optax: no memory, no compute, and
-    no variable (nor its sharding metadata) is created.
-    """
+    """The opt-state paths and shapes ``optimizer.tx`` gives ``model`` (``jax.eval_shape``), or None."""
     tx = getattr(optimizer, "tx", None)
     if tx is None or not hasattr(tx, "init"):
         return None
@@ -99,15 +90,10 @@ def _expected_opt_state(
 
 
 def check_optimizer_of(model: nnx.Module, optimizer: nnx.Optimizer[Any]) -> None:
-    """Raise a ValueError unless ``optimizer``'s state is what its transformation gives ``model``.
+    """Raise a ValueError unless ``optimizer``'s state is what its ``tx`` gives ``model``.
 
-    ``optimizer.tx`` is initialized abstractly on ``model``'s parameters (no memory, no
-    compute) and its state's paths and shapes compared with ``optimizer.opt_state``'s.
-    Nothing is checked when the initialization cannot run abstractly.
-
-    Raises:
-      ValueError: If they differ (the optimizer was built for another model); names
-        the first leaf that differs, with both shapes.
+    ``tx`` is initialized abstractly (nothing checked when that cannot run); the message
+    names the first leaf that differs, with both shapes.
     """
     want = _expected_opt_state(model, optimizer)
     if want is None:
@@ -140,14 +126,9 @@ def check_optimizer_of(model: nnx.Module, optimizer: nnx.Optimizer[Any]) -> None
 def optimizer_mirrors(
     model: nnx.Module, optimizer: nnx.Optimizer[Any]
 ) -> dict[tuple[Any, ...], tuple[tuple[Any, ...], ...]]:
-    """Each model parameter's path, with the paths of the optimizer leaves that mirror it.
+    """Each parameter's path, with the paths of the optimizer leaves of its shape that mirror it.
 
-    A leaf of ``optimizer.opt_state`` mirrors a parameter when its path ends with the
-    parameter's path and it has the parameter's shape (Adam's ``mu`` and ``nu``,
-    momentum's trace, ``MultiSteps``' accumulated gradients). Other optimizer state
-    (adafactor's factored statistics and placeholders, counters, coefficients) mirrors
-    none and is not listed; ``optimizer_followers`` lists the parameter's leaves of
-    other shapes.
+    Leaves of other shapes are ``optimizer_followers``'; see the layouts guide for the rule.
 
     Raises:
       ValueError: If ``optimizer`` was built for another model (``check_optimizer_of``);

@@ -89,16 +89,12 @@ def place_nnx_state_on_shards(state: nnx.State, mesh: Mesh, filter_sharding: Fil
     Args:
       state: An ``nnx.State`` (from ``nnx.state(model)`` or ``nnx.split``).
       mesh: The mesh to place it on.
-      filter_sharding: Where each variable goes. ``None`` uses the sharding metadata
-        the variables were declared with (``nnx.with_partitioning``), as
-        ``nnx.get_partition_spec`` reads it; variables without any are replicated. One
-        ``PartitionSpec`` or ``Sharding`` places every variable so. A mapping, or a
-        sequence of pairs, from an NNX filter (``nnx.Param``,
-        ``nnx.PathContains("kernel")``, ``...``) to a ``PartitionSpec`` or ``Sharding``,
-        or an ``nnx.StateSharding`` of such pairs: the first filter that matches a
-        variable decides, and unmatched variables are replicated. An ``nnx.State`` of
-        shardings with ``state``'s paths, such as ``nnx.get_named_sharding(state, mesh)``
-        returns: each variable goes on the sharding at its path.
+      filter_sharding: ``None``: the variables' declared sharding metadata
+        (``nnx.get_partition_spec``), others replicated. One ``PartitionSpec`` or
+        ``Sharding``: every variable. A mapping or sequence of pairs (or an
+        ``nnx.StateSharding``) from an NNX filter to a spec or sharding: the first match
+        decides, others replicated. An ``nnx.State`` of shardings at ``state``'s paths
+        (``nnx.get_named_sharding(state, mesh)``).
 
     Returns:
       The state, same structure, with every variable's array placed by

@@ -35,8 +35,7 @@ class LeafPlacement:
       dtype: Its dtype's name.
       split_dim: The dimension split over the data axis, or ``None`` when replicated.
       axis_size: The data axis's size.
-      other_splits: ``(dim, axis, size)`` for each split over another mesh axis (a
-        tensor-parallel ``model`` axis), declared by the layer.
+      other_splits: ``(dim, axis, size)`` per split over another mesh axis (a layer's).
       data_axis: The data axis's name.
     """
 
@@ -94,16 +93,13 @@ class Layout:
     """Which leaf of a model's and optimizer's state went where; ``str()`` prints a table.
 
     Attributes:
-      kind: ``"replicated"``, ``"zero1"``, ``"fsdp"`` or ``"hsdp"`` (FSDP within a
-        replica, on a mesh with a ``replica`` axis).
+      kind: ``"replicated"``, ``"zero1"``, ``"fsdp"`` or ``"hsdp"``.
       axis: The data axis.
       axis_size: Its size.
       rows: One ``LeafPlacement`` per array of the state.
-      asked: The layout ``shard_state`` was asked for (``kind`` is ``"replicated"`` when
-        it could split nothing); ``None`` from ``layout_of``.
+      asked: The layout ``shard_state`` was asked for; ``None`` from ``layout_of``.
       min_size: ``shard_state``'s ``min_size``; ``None`` from ``layout_of``.
-      left_whole: The parameters ``shard_state`` left whole under a splitting layout,
-        and why (``LeftWhole``); empty from ``layout_of``.
+      left_whole: The parameters a splitting layout left whole, and why (``LeftWhole``).
     """
 
     kind: LayoutKind

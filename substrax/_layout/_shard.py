@@ -1,4 +1,4 @@
-"""``shard_state``: place a model's and optimizer's state over the data axis (see ``substrax._layout``)."""
+"""``shard_state``: place a model's and optimizer's state over the data axis (see the layouts guide)."""
 
 from __future__ import annotations
 
@@ -91,62 +91,44 @@ def shard_state(
 ) -> Layout:
     """Place ``model``'s and ``optimizer``'s state over ``data_axis``, in place: FSDP, ZeRO-1 or replicated.
 
-    See the module docstring of ``substrax._layout`` for what each device then holds
-    and which parameter is split on which dimension. Both modes of
-    ``make_train_step`` train on the result as placed and keep it so.
-
-    A variable a layer declares split over another mesh axis (``substrax.nn``'s
-    tensor-parallel layers, over ``model``) keeps that split, and the layout goes on
-    another dimension. On a mesh that lacks the axis it is placed whole there (the layer
-    then computes as a plain one); its declaration is kept (metadata
-    ``declared_sharding``), so a later ``shard_state`` on a mesh with the axis splits it
-    again.
+    Both modes of ``make_train_step`` train on the result and keep it. A layer's own split
+    over another axis (``substrax.nn``) is kept, the layout going on another dimension. See
+    the layouts guide (which leaf is split where, the optimizer state, "Units", "Hybrid
+    sharding") and the tensor-parallelism guide.
 
     Args:
       model: The model; its ``nnx.Param`` variables are placed.
-      optimizer: The model's ``nnx.Optimizer``; the state of each parameter is placed
-        with it (see the module docstring), everything else replicated.
+      optimizer: The model's ``nnx.Optimizer``; each parameter's state is placed with it,
+        the rest replicated.
       mesh: The mesh; ``None`` takes the one set by ``jax.set_mesh``.
-      layout: ``"fsdp"`` (the default) splits parameters and their optimizer state;
-        ``"zero1"`` only the optimizer state; ``"replicated"`` splits nothing (every
-        array placed whole on every device of the mesh); ``"hsdp"`` (hybrid sharding)
-        is FSDP over ``data_axis`` within a replica, replicated over ``replica_axis``,
-        which the mesh must have (see the layouts guide, "Hybrid sharding").
+      layout: ``"fsdp"`` (the default: parameters and their state split), ``"zero1"`` (the
+        optimizer state only), ``"replicated"``, or ``"hsdp"`` (FSDP within a replica,
+        replicated over ``replica_axis``, which the mesh must have).
       data_axis: The data axis to split over.
       min_size: Parameters with fewer elements stay replicated.
-      params: The older spelling of ``layout``: ``True`` is ``"fsdp"``, ``False``
-        ``"zero1"``.
-      axis: The older spelling of ``data_axis``.
-      units: FSDP units (``layout="fsdp"``): a module type, a tuple of them, or a
-        function ``(path, module) -> bool``; each matching submodule's split parameters
-        are gathered together right before it runs and released after (explicit mode;
-        see the layouts guide, "Units"). ``None``: each parameter gathered on its own
-        before the forward pass.
+      params: Older spelling of ``layout``: ``True`` is ``"fsdp"``, ``False`` ``"zero1"``.
+      axis: Older spelling of ``data_axis``.
+      units: FSDP units: a module type, a tuple of them, or ``(path, module) -> bool``;
+        each unit's parameters are gathered together right before it runs (explicit
+        mode). ``None``: each parameter gathered before the forward pass.
       reshard_after_forward: With ``units``: gather a unit again for its backward pass
         (``True``, the least memory) or keep it from the forward pass (``False``).
       replica_axis: ``layout="hsdp"``'s outer axis, over which the state is replicated.
 
     Returns:
       The ``Layout``: which leaf went where, the bytes per device, and the parameters
-      left whole and why (``Layout.left_whole``, counted in its summary line).
+      left whole and why (``Layout.left_whole``).
 
     Raises:
       TypeError: If ``optimizer`` is not an ``nnx.Optimizer`` or ``min_size`` not an int.
-      ValueError: If ``units`` is given with a layout other than ``"fsdp"``, matches the
-        model itself, or matches a module inside another; if ``layout`` is unknown or contradicts ``params``, ``axis``
-        contradicts ``data_axis``, the mesh lacks the axis, ``min_size`` is negative, the optimizer is
-        not the model's (its state is not what its transformation gives this model:
-        ``check_optimizer_of``); each message names the axis or leaf. Optimizer state that mirrors no
-        parameter (adafactor's factored statistics, counters) is placed, never refused.
+      ValueError: If ``units`` comes with a layout other than ``"fsdp"``, matches the model
+        itself or a module inside another; ``layout`` is unknown or contradicts ``params``;
+        ``axis`` contradicts ``data_axis``; the mesh lacks the axis; ``min_size`` is
+        negative; or the optimizer is not the model's. Each names the axis or leaf.
 
     Warns:
-      UserWarning: Once per call, naming every parameter of at least ``min_size``
-        elements, and at least as many as the axis has devices, that a splitting layout
-        leaves whole because no dimension of it is a multiple of the axis size (a
-        ``(33, 63)`` kernel on 8 devices). The others left whole are in the summary
-        line only: below ``min_size`` (what it asks for), too few elements to split, or
-        split over another axis on every dimension the layout could take (a layer's
-        own split, kept).
+      UserWarning: Once per call, naming each parameter of at least ``min_size`` elements
+        that a splitting layout leaves whole because no dimension divides by the axis size.
     """
     if not isinstance(optimizer, nnx.Optimizer):
         raise TypeError(f"shard_state takes the model's nnx.Optimizer; got {type(optimizer).__name__}.")

@@ -34,12 +34,7 @@ def declared_spec(variable: nnx.Variable[Any]) -> tuple[Any, ...] | None:
 
 
 def optional_axes(variable: nnx.Variable[Any]) -> tuple[str, ...]:
-    """The axes of its spec a mesh may lack (metadata ``optional_axes``): it is then whole over them.
-
-    ``substrax.nn``'s layers declare their model axis so: on a mesh without it they
-    compute as plain layers. A spec of your own declares none, and an axis it names
-    that the mesh lacks is refused (``check_mesh_axes``).
-    """
+    """The axes of its spec a mesh may lack (metadata ``optional_axes``): it is then whole over them."""
     return tuple(variable.get_metadata().get("optional_axes") or ())
 
 
@@ -105,7 +100,7 @@ def gradient_spec(variable: nnx.Variable[Any], update_dim: int | None, axis: str
 def choose_split_dim(
     shape: tuple[int, ...], axis_size: int, min_size: int, taken: tuple[Any, ...] = ()
 ) -> int | None:
-    """The dimension a parameter of ``shape`` is split on (see the module docstring), or None.
+    """The dimension a parameter of ``shape`` is split on, or None (see the layouts guide).
 
     ``taken``: the parameter's spec over other axes; a dimension split there is skipped.
     """
@@ -120,13 +115,7 @@ def choose_split_dim(
 
 
 def check_declared_rank(variable: nnx.Variable[Any], spec: tuple[Any, ...], name: str) -> None:
-    """Refuse a layer's declared split with fewer entries than its array has dimensions.
-
-    ``substrax.nn``'s layers (variables with ``optional_axes``) declare one entry per
-    dimension. Stacked with ``nnx.vmap`` (or ``nnx.scan``) without
-    ``transform_metadata={nnx.PARTITION_NAME: None}``, the array gains a leading layer axis
-    and the declaration does not, so the split would land one dimension off.
-    """
+    """Refuse a layer's declared split with fewer entries than its array's dimensions (a stack's)."""
     ndim = np.ndim(variable.get_value())
     if optional_axes(variable) and spec and len(spec) < ndim:
         raise ValueError(
@@ -141,11 +130,8 @@ def check_declared_rank(variable: nnx.Variable[Any], spec: tuple[Any, ...], name
 def check_mesh_axes(tree: Any, mesh: Any, owner: str) -> None:
     """Fit each variable's spec to ``mesh``, in place; refuse one naming an axis it lacks.
 
-    An axis the mesh lacks is dropped from the spec where the variable declares it
-    optional (``optional_axes``: ``substrax.nn``'s model axis), so the step places it
-    whole; the spec as written is kept as metadata ``declared_sharding``, as
-    ``substrax.shard_state`` keeps it, for a later mesh with the axis. Any other is
-    refused, naming the variable's path and the axis.
+    An ``optional_axes`` axis is dropped (kept as ``declared_sharding``); any other is refused,
+    naming the path and the axis. See the tensor-parallelism guide.
     """
     for path, variable in nnx.to_flat_state(nnx.state(tree)):
         spec = declared_spec(variable) or ()

@@ -1,11 +1,7 @@
 """FSDP units: the submodules whose split parameters are gathered together, just in time.
 
-``shard_state(..., layout="fsdp", units=...)`` names them, as FSDP2's ``fully_shard``
-does: each submodule matching ``units`` is one unit. The choice is written on the unit's
-split parameters (metadata ``fsdp_unit``: the unit's path; ``fsdp_reshard_after_forward``),
-so it survives ``nnx.split``/``nnx.merge`` into a traced step; it changes when
-parameters move, never where they live, so a checkpoint is the same with or without
-units. The explicit step runs each unit as ``substrax.explicit._units`` says.
+``shard_state(..., units=...)`` writes the unit on its split parameters' metadata
+(``fsdp_unit``, ``fsdp_reshard_after_forward``). See the layouts guide, "Units".
 """
 
 from __future__ import annotations

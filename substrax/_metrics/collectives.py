@@ -1,9 +1,4 @@
-"""Collectives over a named mesh axis, applied to every array leaf of a metrics tree.
-
-These run inside ``jax.shard_map`` (or ``jax.pmap``), where each device holds its own
-value and ``axis_name`` names the axis to reduce over. Every array leaf, 0-d included,
-is reduced at any depth; any other leaf (a string, a Python number) passes through.
-"""
+"""Collectives over a named mesh axis (in ``shard_map`` or ``pmap``), on every array leaf of a tree."""
 
 from __future__ import annotations
 
@@ -43,11 +38,7 @@ def to_varying_over(x: Any, axis: str | tuple[str, ...]) -> Any:
 
 
 def require_axis(axis_name: str | tuple[str, ...], where: str) -> None:
-    """Raise a ValueError unless ``axis_name`` is bound by an enclosing ``shard_map`` or ``pmap``.
-
-    jax's own failure for an unbound or mistyped axis is a bare ``AssertionError`` or
-    ``NameError`` deep in its tracing; this names the axis and the ones that are bound.
-    """
+    """Raise a ValueError naming ``axis_name`` and the bound axes unless it is bound (not jax's error)."""
     try:
         jax.lax.axis_size(axis_name)
     except NameError:
@@ -65,12 +56,7 @@ def _collective(op: Any, metrics: T, axis_name: str, where: str) -> T:
 
 
 def reduce_collective(name: str, metrics: T, axis_name: str) -> T:
-    """``metrics`` with every array leaf reduced across ``axis_name`` by the reduction ``name``.
-
-    The body of every ``reduce_*_collective``: ``name`` is a key of ``REDUCTION_OPS``
-    (``"mean"``: ``lax.pmean``, ``"sum"``: ``lax.psum``, ``"max"``: ``lax.pmax``,
-    ``"min"``: ``lax.pmin``). Only valid inside a pmap or shard_map context; ``metrics``
-    is a mapping or any pytree of them, and a leaf that is not an array passes through.
+    """``metrics`` (any pytree), every array leaf reduced across ``axis_name`` by ``REDUCTION_OPS[name]``.
 
     Raises:
       ValueError: If ``axis_name`` is not bound by an enclosing shard_map or pmap.
@@ -79,37 +65,37 @@ def reduce_collective(name: str, metrics: T, axis_name: str) -> T:
 
 
 def reduce_mean_collective(metrics: T, axis_name: str = "batch") -> T:
-    """Compute the mean of metrics using collective operations.
+    """Average every array leaf across ``axis_name`` (``lax.pmean``); other leaves pass through.
 
-    Every array leaf averaged across ``axis_name`` (``lax.pmean``); other leaves pass through.
-    Only inside shard_map or pmap: an axis not bound there raises a ValueError.
+    Raises:
+      ValueError: If ``axis_name`` is not bound by an enclosing shard_map or pmap.
     """
     return reduce_collective("mean", metrics, axis_name)
 
 
 def reduce_sum_collective(metrics: T, axis_name: str = "batch") -> T:
-    """Compute the sum of metrics using collective operations.
+    """Sum every array leaf across ``axis_name`` (``lax.psum``); other leaves pass through.
 
-    Every array leaf summed across ``axis_name`` (``lax.psum``); other leaves pass through.
-    Only inside shard_map or pmap: an axis not bound there raises a ValueError.
+    Raises:
+      ValueError: If ``axis_name`` is not bound by an enclosing shard_map or pmap.
     """
     return reduce_collective("sum", metrics, axis_name)
 
 
 def reduce_max_collective(metrics: T, axis_name: str = "batch") -> T:
-    """Compute the elementwise maximum of metrics across devices.
+    """Every array leaf's elementwise maximum across ``axis_name`` (``lax.pmax``); others pass through.
 
-    Every array leaf's maximum across ``axis_name`` (``lax.pmax``); other leaves pass through.
-    Only inside shard_map or pmap: an axis not bound there raises a ValueError.
+    Raises:
+      ValueError: If ``axis_name`` is not bound by an enclosing shard_map or pmap.
     """
     return reduce_collective("max", metrics, axis_name)
 
 
 def reduce_min_collective(metrics: T, axis_name: str = "batch") -> T:
-    """Compute the elementwise minimum of metrics across devices.
+    """Every array leaf's elementwise minimum across ``axis_name`` (``lax.pmin``); others pass through.
 
-    Every array leaf's minimum across ``axis_name`` (``lax.pmin``); other leaves pass through.
-    Only inside shard_map or pmap: an axis not bound there raises a ValueError.
+    Raises:
+      ValueError: If ``axis_name`` is not bound by an enclosing shard_map or pmap.
     """
     return reduce_collective("min", metrics, axis_name)
 
@@ -137,10 +123,7 @@ else:  # pragma: no cover - older jax than pyproject allows
 
 
 def varying_axes(x: Any) -> frozenset[str] | None:
-    """The mesh axes ``x`` varies over inside ``shard_map``, or None where jax can't say.
-
-    With ``check_vma=False`` every value reports no varying axes.
-    """
+    """The mesh axes ``x`` varies over inside ``shard_map`` (none under ``check_vma=False``), or None."""
     aval = jax.typeof(x)
     manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.12
     if manual is not None:
@@ -150,30 +133,21 @@ def varying_axes(x: Any) -> frozenset[str] | None:
 
 
 def to_varying(x: Any, axis_name: str) -> Any:
-    """Cast a value equal on every device to varying over ``axis_name``: no communication.
-
-    ``grad`` with respect to the result runs no collective (the transpose of the cast is
-    the ``psum`` a replicated parameter's gradient would otherwise get), so each device
-    keeps its own shard's gradient until the caller reduces it.
-    """
+    """Cast a value equal on every device to varying over ``axis_name`` (no communication, none in grad)."""
     if hasattr(jax.lax, "pcast"):
         return jax.lax.pcast(x, axis_name, to="varying")
     return jax.lax.pvary(x, axis_name)  # type: ignore[attr-defined]  # jax 0.11
 
 
 def all_gather(metrics: T, axis_name: str = "batch", *, tiled: bool = False) -> T:
-    """Gather metrics from all devices.
-
-    Only valid inside a pmap or shard_map context. The result is equal on every device,
-    so under ``shard_map(check_vma=True)`` it may leave through ``out_specs=P()``.
+    """Gather metrics from all devices, inside ``shard_map`` or ``pmap``; the result is equal on every device.
 
     Args:
       metrics: The metrics to gather: a mapping, or any pytree of them.
       axis_name: The name of the axis to gather across.
-      tiled: ``False`` stacks the devices' values on a new leading axis (a scalar
-        becomes a vector with one entry per device); ``True`` concatenates them along
-        the existing leading axis (per-example values of the shards become the global
-        batch's, in order).
+      tiled: ``False`` stacks the devices' values on a new leading axis; ``True``
+        concatenates them on the existing one (the shards' per-example values become
+        the global batch's, in order).
 
     Returns:
       ``metrics`` with every array leaf gathered across the axis.
@@ -185,18 +159,14 @@ def all_gather(metrics: T, axis_name: str = "batch", *, tiled: bool = False) -> 
 
 
 def collect_from_devices(metrics: Mapping[str, V]) -> dict[str, list[jax.Array] | V]:
-    """Collect metrics from all devices.
-
-    Call outside of a pmapped function to split per-device values from the leading
-    device axis.
+    """Split per-device values (outside ``pmap``/``shard_map``) from their leading device axis into lists.
 
     Args:
-      metrics: The metrics from all devices, with the first dimension corresponding to
-        the device axis.
+      metrics: The metrics from all devices, the first dimension the device axis.
 
     Returns:
-      A dictionary of metrics, with array values split into per-device lists; a value
-      that is not an array, or has no leading axis, is kept as it is.
+      A dictionary of metrics, arrays split into per-device lists; a value that is not an
+      array, or has no leading axis, is kept as it is.
     """
     collected: dict[str, list[jax.Array] | V] = {}
     for name, value in metrics.items():

@@ -48,14 +48,9 @@ def check_reduce_fn(
       allowed: The operations this caller supports, besides ``None``.
       none_means: What ``None`` does here, for the error message.
 
-    Returns:
-      Every metric's name to its operation.
-
     Raises:
-      ValueError: If ``metrics`` is not a flat mapping; if ``reduce_fn`` names a metric
-        that ``metrics`` lacks (a typo there would leave the real one averaged); if an
-        operation is not one of ``allowed`` or ``None``; if ``"gather"`` is asked of a
-        0-d value. Each message names the metric.
+      ValueError: Naming the metric: ``metrics`` not flat, ``reduce_fn`` naming a metric
+        ``metrics`` lacks, an operation not ``allowed``, or ``"gather"`` of a 0-d value.
     """
     if not isinstance(metrics, Mapping):
         raise ValueError(f"Metrics must be a flat mapping from name to value; got {describe(metrics)}.")

@@ -1,10 +1,4 @@
-"""Microbatches: split each device's rows into k equal slices, in order; both modes.
-
-A leaf whose first dimension is split over the mesh (its rows) is cut into ``k``
-consecutive slices on every device; a batch-level leaf (``PartitionSpec()``) is seen
-whole by every microbatch. Metrics come back with a leading microbatch axis, and
-``fold_microbatch_metrics`` puts per-example (``"gather"``) values back in row order.
-"""
+"""Microbatches: each device's rows in k equal slices, in order; both modes (see the microbatches guide)."""
 
 from __future__ import annotations
 
@@ -157,14 +151,10 @@ def microbatched(
 ) -> tuple[tuple[jax.Array, Any], nnx.State]:
     """``value_and_grad`` over microbatches in one ``lax.scan``: the mean loss and gradient.
 
-    The one loop both steps use. ``value_and_grad(model, piece) -> ((loss, aux), grads)``
-    runs on each slice of ``slices`` (stacked on a leading axis, from
-    ``split_microbatches`` or ``split_global_microbatches``); the model's other state
-    (BatchNorm statistics) carries from one slice to the next and is written back to
-    ``model``. ``prepare_carry(body, carry, first_slice)`` may retype the loop's carry
-    before it runs (the explicit step marks what the body makes per-device).
-    ``accumulate_dtype``: the dtype the gradients are summed in (default: the
-    parameters' own; a mixed-precision policy's ``reduce_dtype``).
+    ``value_and_grad(model, piece) -> ((loss, aux), grads)`` runs on each slice of
+    ``slices``; the model's other state carries between slices and is written back.
+    ``prepare_carry`` may retype the carry; ``accumulate_dtype`` is what gradients are
+    summed in (default: the parameters' own).
 
     Returns:
       ``((mean loss, aux stacked on a leading microbatch axis), mean gradient)``.

@@ -1,9 +1,4 @@
-"""The options of a training step, written and checked once.
-
-``make_train_step``, ``TrainStep``, ``spmd_train_step`` and ``explicit_train_step``
-each take these as keywords and build one ``StepOptions``; the steps read it. A new
-option is one field here and one keyword in each public signature.
-"""
+"""The options of a training step, written and checked once: one field, one keyword per signature."""
 
 from __future__ import annotations
 
@@ -24,7 +19,7 @@ MODES: tuple[Mode, ...] = ("implicit", "explicit")
 
 @dataclasses.dataclass(frozen=True)
 class StepOptions:
-    """How a data-parallel step runs; see ``make_train_step`` for each field.
+    """How a data-parallel step runs: one field per keyword of ``make_train_step``, documented there.
 
     Attributes:
       mode: ``"implicit"`` or ``"explicit"`` (read by the chooser only).
@@ -35,10 +30,9 @@ class StepOptions:
       reduce: Metric name to reduction, or ``None``.
       microbatches: Microbatches per step.
       skip_nonfinite: Whether a non-finite step skips its update.
-      precision: A ``MixedPrecision`` policy, or ``None`` (compute in the parameters' dtype).
+      precision: A ``MixedPrecision`` policy, or ``None``.
       max_skips_in_a_row: Skipped steps in a row after which ``TrainStep`` raises, or ``None``.
-      replica_axis: On a mesh with this axis (HSDP), the batch's rows are split over it
-        and ``data_axis`` together (``row_axes``); the state is replicated over it.
+      replica_axis: The replica axis of hybrid sharding (rows split over it too: ``row_axes``).
 
     Raises:
       ValueError: If ``mode`` is unknown, ``reduce`` is given without ``has_aux`` or

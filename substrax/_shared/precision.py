@@ -1,17 +1,6 @@
 """Mixed precision in the manner of PyTorch FSDP's ``MixedPrecision``: low-precision compute, float32 state.
 
-Parameters and optimizer state stay in their own dtype (float32) and the update runs
-there. The forward and backward passes see the parameters cast to ``param_dtype``;
-in explicit mode under a split layout the cast happens before the all-gather, so the
-gathers move ``param_dtype`` bytes. Floating batch leaves are cast too, except those
-named in ``keep_batch`` (targets, masks). Gradients are cast to ``reduce_dtype``
-before their reduction (``psum`` / ``psum_scatter``) and accumulated over
-microbatches in it, then cast back to the parameters' dtype for the update. The loss
-and floating metrics come back in float32.
-
-Implicit mode differentiates the float32 parameters through the cast, so its gradients
-(and their sum over microbatches) are float32; where XLA reduces (before or after the
-cast back) is its choice, which the census shows. ``reduce_dtype`` is explicit mode's.
+See the precision guide.
 """
 
 from __future__ import annotations

@@ -1,8 +1,4 @@
-"""The ``jax.named_scope`` names the library's collectives run under, one constant each.
-
-The steps write them (``with jax.named_scope(scopes.GRAD_REDUCE):``); the census reads
-them back from the compiled program to say which part of the step an operation belongs to.
-"""
+"""The ``jax.named_scope`` names of the library's collectives: written by the steps, read by the census."""
 
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
 """Runs of skipped steps, said out loud: a warning while steps are skipped, an error after too many.
 
-The non-finite guard (``substrax._shared.update``) skips a step in the graph; only the host can
-say so. ``SkipWatch`` reads the flags ``LAG`` steps at a time, in one transfer (reading
-each step's flag alone cost ~80 µs of host time per call, more than the whole step of a
-small model, and made the host wait for the device every call), warns on the 1st, 2nd,
-4th, 8th ... skip of a run, and raises ``NonFiniteStepsError`` when ``limit`` steps in a
-row were skipped. The batches are fixed, so what a run reports does not depend on timing.
+``SkipWatch`` reads the guard's flags ``LAG`` steps at a time, warns on the 1st, 2nd,
+4th, 8th ... skip of a run, and raises ``NonFiniteStepsError`` after ``limit`` in a row.
+See the nonfinite guide.
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
 """The optimizer update both steps run, on the global arrays, guarded against non-finite steps.
 
-Both modes hand the update whole (global) arrays under ``jax.jit``, split or not: the
-implicit step because it never leaves the global view, the explicit step because its
-``shard_map`` ends with the gradient reduction and returns the gradients as global
-arrays. So every optax transformation sees what it sees on one device: an
-element-wise one (``adam``, ``sgd``) stays local to each device's slice, and one that
-reads whole tensors (``clip_by_global_norm``, ``lamb``, ``adafactor``) gets from XLA
-exactly the communication it needs (for a global norm, one scalar partial sum per
-split tensor, which XLA combines into one all-reduce instruction). No
-optimizer can be given the slice's view by mistake.
-
-The guard: when the step's loss or any gradient element is not finite (a NaN in the
-batch, an overflow), the whole update is skipped in the graph: parameters, optimizer
-state (its step count too) and the model's other state (BatchNorm statistics) keep the
-values they had before the step, and the step returns its non-finite loss, which is
-how the caller learns of it. ``skip_nonfinite=False`` turns the guard off.
+Every optax transformation sees what it sees on one device (see the layouts guide, "The
+optimizer update"); a non-finite loss or gradient skips the whole update in the graph
+(see the nonfinite guide).
 """
 
 from __future__ import annotations
@@ -72,21 +60,18 @@ def apply_update(
 ) -> jax.Array | None:
     """``optimizer.update(model, grads)`` on global arrays, skipped when the step is not finite.
 
+    Every variable placed by ``shard_state`` is then pinned to its placement.
+
     Args:
-      model: The model, holding its global parameters and the other state the step
-        computed (BatchNorm statistics).
+      model: The model, with its global parameters and the step's other state.
       optimizer: Its optimizer.
       grads: The whole step's gradient, global arrays (split or replicated).
       loss: The step's global loss.
-      before: ``state_values((model, optimizer))`` taken before the step, to keep when
-        the loss or a gradient is not finite; ``None`` applies the update whatever it
-        holds (``skip_nonfinite=False``).
+      before: ``state_values((model, optimizer))`` from before the step, kept when the step
+        is not finite; ``None`` applies the update whatever it holds.
 
     Returns:
       Whether the update was applied (a 0-d bool), or ``None`` without the guard.
-
-    Every variable placed by ``substrax.shard_state`` is then pinned to its placement.
-    See the module docstring for what the update communicates.
     """
     finite = None
     with jax.named_scope(scopes.UPDATE):

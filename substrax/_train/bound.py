@@ -21,11 +21,8 @@ __all__ = ["BoundTrainStep"]
 class BoundTrainStep:
     """A ``TrainStep`` bound to one model and optimizer: ``loss = fast(batch)``.
 
-    It owns their state while it runs. Each call consumes the state's arrays (donates
-    them to the jitted step, or deletes them after it) and keeps the new ones, so
-    ``model`` and ``optimizer`` hold deleted arrays (reading one raises jax's "Array
-    has been deleted" error, not a stale value) until ``sync()`` writes the current
-    state back into them. Used as a context manager, it syncs on exit::
+    It owns their state while it runs: ``model`` and ``optimizer`` hold deleted arrays until
+    ``sync()`` writes the state back (leaving the ``with`` block syncs). See the modes guide.
 
         with step.bind(model, optimizer) as fast:
             for batch in loader:

@@ -1,10 +1,4 @@
-"""One entry point for both modes: flip one word, keep the call.
-
-``TrainStep`` only picks a step function (``spmd_train_step`` or
-``explicit_train_step``) and runs it fast: it splits the model and optimizer once
-(``substrax._train.split.SplitState``), runs a ``jax.jit`` pure function of their arrays, and writes the new
-arrays back. Layouts and microbatches live in the step functions, not here.
-"""
+"""One entry point for both modes, ``make_train_step``: flip one word, keep the call (see the modes guide)."""
 
 from __future__ import annotations
 
@@ -67,72 +61,43 @@ def make_train_step(
 ) -> TrainStep:
     """Build a jitted data-parallel step ``(model, optimizer, batch) -> loss``, in either mode.
 
-    ``"implicit"`` differentiates the global batch's loss under ``jax.jit`` and lets XLA
-    insert the gradient reduction (``substrax.spmd.spmd_train_step``). ``"explicit"``
-    runs the step under ``jax.shard_map``, ``pmean``-ing the loss before ``grad`` and
-    writing every collective out (``substrax.explicit.explicit_train_step``). Both
-    train a replicated model or one placed by ``substrax.shard_state`` (ZeRO-1, FSDP),
-    and keep its layout. Both take the same batch and return the same loss, metrics and
-    parameters to round-off, except with dropout (explicit mode draws a mask per
-    device, and per microbatch) and with BatchNorm-style state (explicit mode
-    normalizes each device's shard, unless the layer has ``axis_name=data_axis``).
+    The one place the step's options are documented; the why is in the guides (modes,
+    metrics, microbatches, nonfinite, precision, layouts). Both modes give the same loss,
+    metrics and parameters to round-off, except with dropout and BatchNorm (see the modes
+    guide, "Where the modes differ").
 
     Args:
       loss_fn: ``(model, batch) -> loss``, or ``(loss, metrics)`` with ``has_aux``; a
         mean over the batch's examples. In explicit mode it sees one device's shard.
-      mode: ``"implicit"`` or ``"explicit"``.
-      mesh: The mesh. ``None`` uses the one set by ``jax.set_mesh`` around the call;
-        given, the step sets it itself.
+      mode: ``"implicit"`` (XLA inserts the reduction) or ``"explicit"`` (``shard_map``).
+      mesh: The mesh (the step sets it); ``None`` uses the one ``jax.set_mesh`` sets around the call.
       data_axis: The mesh axis the batch is split over.
-      batch_spec: How the batch is split over the mesh: one ``PartitionSpec``, or a
-        prefix tree of them (rows on ``data_axis``, a batch-level value ``P()``).
-        Default: a leaf already placed on a ``NamedSharding`` of the mesh (by
-        ``place_batch_on_shards``) keeps its spec, any other is split over
-        ``data_axis``.
-      has_aux: Whether ``loss_fn`` returns ``(loss, metrics)``, ``metrics`` a flat
-        mapping from name to value.
-      reduce: With ``has_aux``, metric name to ``"mean"``, ``"sum"``, ``"max"``,
-        ``"min"``, ``"gather"`` (per-example values of the global batch, in order) or
-        ``None``. Unlisted metrics get ``"mean"``. Both modes give the same values,
-        except ``None``: implicit keeps the global value, explicit stacks per-device
-        values.
-      microbatches: Split each device's rows into this many equal microbatches (in
-        order), accumulate their gradients, and apply the optimizer once with the
-        gradient of the whole batch's mean loss. Explicit mode reduces the gradient
-        once per step, after the loop; each device holds a full-size gradient
-        accumulator (under FSDP, the whole parameters too) for the step. Metrics are
-        reduced over the whole batch.
-      skip_nonfinite: When the loss or any gradient element is NaN or infinite, skip
-        the update in the graph: the model, its BatchNorm statistics and the optimizer
-        (its step count too) keep the values they had, and the step returns the
-        non-finite loss, so the caller sees it. On by default: no step leaves
-        non-finite state. ``False`` applies every update. A skipped step warns
-        (``SkippedStepWarning``, with the count) when its flag is read (eight at a time, and at ``sync``).
-      precision: A ``substrax.MixedPrecision`` policy (bfloat16 compute and gathers,
-        float32 state and update; see ``substrax._shared.precision``), or ``None``.
-      max_skips_in_a_row: Raise ``NonFiniteStepsError`` once this many steps in a row
-        were skipped (default 10); ``None`` never raises.
-      replica_axis: On a mesh with this axis, hybrid sharding: the batch's rows are
-        split over it and ``data_axis`` together, the state (``layout="hsdp"``) split
-        over ``data_axis`` within a replica and replicated across; the gradient is
-        reduce-scattered over ``data_axis``, then all-reduced over ``replica_axis`` at
-        its slice's size, once per step (see the layouts guide, "Hybrid sharding").
+      batch_spec: A ``PartitionSpec`` or a prefix tree of them. Default: a leaf placed on
+        the mesh keeps its spec, any other is split over ``data_axis``.
+      has_aux: Whether ``loss_fn`` returns ``(loss, metrics)``, metrics a flat mapping.
+      reduce: With ``has_aux``, metric name to ``"mean"`` (the default), ``"sum"``,
+        ``"max"``, ``"min"``, ``"gather"`` or ``None``; see the metrics guide.
+      microbatches: Split each device's rows into this many, accumulating the gradient;
+        the optimizer applies once (see the microbatches guide).
+      skip_nonfinite: Skip an update whose loss or gradient is not finite, leaving all
+        state as it was and returning the loss; warns ``SkippedStepWarning`` (default on).
+      precision: A ``substrax.MixedPrecision`` policy, or ``None`` (see the precision guide).
+      max_skips_in_a_row: Raise ``NonFiniteStepsError`` after this many skipped steps in a
+        row (default 10); ``None`` never raises.
+      replica_axis: On a mesh with this axis, hybrid sharding: rows split over it and
+        ``data_axis``, ``"hsdp"`` state replicated across it (layouts guide, "Hybrid sharding").
 
     Returns:
-      A ``TrainStep``: call it as ``step(model, optimizer, batch)``; it updates
-      ``model`` and ``optimizer`` in place and returns the loss (or
-      ``(loss, metrics)``). ``step.bind(model, optimizer)`` gives the spelling that
-      also skips writing the state back after every step.
+      A ``TrainStep``: ``step(model, optimizer, batch)`` updates both in place and returns
+      the loss (or ``(loss, metrics)``); ``step.bind(model, optimizer)`` for a loop.
 
     Raises:
-      ValueError: At once: if ``mode`` is not ``"implicit"`` or ``"explicit"``,
-        ``reduce`` is given without ``has_aux`` or names an unknown operation, ``mesh``
-        lacks ``data_axis``, or ``microbatches`` is below 1. When called: if the batch
-        cannot be split over ``data_axis`` (or ``batch_spec``) or into
-        ``microbatches``, if ``loss_fn``'s output does not match ``has_aux``, if
-        ``reduce`` names a metric ``loss_fn`` does not return, and, in explicit mode,
-        if the model's state is sharded other than by ``shard_state``; each message
-        names the leaf, metric or parameter.
+      ValueError: At once: an unknown ``mode``, ``reduce`` without ``has_aux`` or with an
+        unknown operation, a ``mesh`` without ``data_axis``, ``microbatches`` below 1.
+        When called: a batch that does not split over ``data_axis`` (or ``batch_spec``)
+        or into ``microbatches``, an output that does not match ``has_aux``, a ``reduce``
+        metric not returned, or (explicit) state sharded other than by ``shard_state``;
+        each names the leaf, metric or parameter.
       TypeError: If ``microbatches`` is not an int.
     """
     options = StepOptions(
@@ -166,7 +131,7 @@ class TrainStep:
 
     Args:
       loss_fn: As ``make_train_step`` takes it.
-      options: Every other setting, whole (``StepOptions``; ``make_train_step`` documents each).
+      options: Every other setting (``StepOptions``; see ``make_train_step``).
     """
 
     def __init__(self, loss_fn: Callable[[Any, PyTree], Any], options: StepOptions) -> None:
@@ -193,14 +158,9 @@ class TrainStep:
     skip_nonfinite = property(lambda self: self.options.skip_nonfinite, doc="``StepOptions.skip_nonfinite``.")
 
     def placed_specs(self, batch: PyTree) -> _PlacedSpecs | None:
-        """How ``batch`` is already laid out, when no ``batch_spec`` was given.
+        """The batch's specs as placed on the mesh (others split over ``data_axis``).
 
-        A leaf placed on a ``NamedSharding`` of a mesh with ``data_axis`` keeps its spec
-        (a prefix placement of ``place_batch_on_shards``: rows on the data axis, a
-        batch-level value replicated); any other leaf gets ``PartitionSpec(data_axis)``,
-        or ``PartitionSpec()`` when it is 0-d. Refuses a Python list in ``batch`` and
-        warns about a float64 leaf jax would cast (``check_batch_leaves``).
-        ``None`` when ``batch_spec`` was given or nothing is placed so.
+        ``None`` when ``batch_spec`` is set or every leaf has the default spec.
         """
         check_batch_leaves(batch)  # outside the trace: a list is refused, a float64 leaf named
         if self.batch_spec is not None:
@@ -219,12 +179,10 @@ class TrainStep:
         return _PlacedSpecs(treedef, tuple(specs))
 
     def step(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree) -> Any:
-        """The un-jitted step, for use inside your own ``nnx.jit``.
+        """The un-jitted step, for use inside your own ``nnx.jit`` (``bind`` is the ``jax.jit`` spelling).
 
-        Under a plain ``jax.jit`` the in-place update of ``model`` and ``optimizer``
-        would not leave the traced function; ``bind`` is the ``jax.jit`` spelling.
-        Inside a trace the batch's placement is not visible: without ``batch_spec``
-        every leaf is split over ``data_axis``.
+        Inside a trace the batch's placement is not visible: without ``batch_spec`` every leaf
+        is split over ``data_axis``.
         """
         return self._run(model, optimizer, batch)[0]
 
@@ -275,11 +233,8 @@ class TrainStep:
     def __call__(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree) -> Any:
         """Run one step, updating ``model`` and ``optimizer`` in place.
 
-        The first call splits ``model`` and ``optimizer`` into their graph and arrays
-        and keeps the split; later calls on the same two objects reuse it, after
-        checking, attribute by attribute, that no module, variable or setting was
-        replaced or added (``model.eval()``, a new layer) and that
-        ``substrax.shard_state`` did not run since; any such change re-splits.
+        The split of the two objects is kept and checked each call; a changed structure (or a
+        ``shard_state`` since) re-splits. See the modes guide, "The three spellings of a step".
         """
         split = self._cached
         if split is None or not split.valid_for(model, optimizer):
@@ -294,22 +249,15 @@ class TrainStep:
         return out
 
     def lower(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree) -> Any:
-        """Lower the jitted step for these arguments, to read its HLO; traced afresh each call.
-
-        ``step.lower(model, optimizer, batch).compile().as_text()`` shows the
-        collectives XLA compiled in (``all-reduce`` and others).
-        """
+        """Lower the jitted step for these arguments (traced afresh), e.g. ``.compile().as_text()``."""
         split = self._split(model, optimizer, donate=False)
         return self._lower(split, split.arrays(), batch)
 
     def check_communication(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree) -> Comparison:
         """Every collective of this step compiled for these arguments, held against its layout's rule.
 
-        ``print(step.check_communication(model, optimizer, batch))`` shows the census (one
-        row per collective), the expected and compiled bytes per source and kind, and each
-        difference; ``.matches`` says whether they agree, and ``.report`` is the census
-        itself (the ``CensusReport`` that ``substrax.census`` gives of the compiled step).
-        See ``substrax.compare`` for the rule.
+        Returns a ``Comparison``: print it; ``.matches`` and ``.report`` (the ``CensusReport``).
+        See the census guide and ``substrax.compare``.
         """
         # what the layers declare they communicate, and which units ran one layer at a time
         with declared.recording() as layers, _layout.recording_layers() as layered:
@@ -317,29 +265,19 @@ class TrainStep:
         return check_communication(lowered, model, optimizer, self.options, layers=layers, layered=layered)
 
     def census(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree) -> Comparison:
-        """Alias of ``TrainStep.check_communication``, kept for code written against an earlier version.
-
-        It returns a ``Comparison`` (the check), not the ``CensusReport`` that
-        ``substrax.census`` returns; the census is the comparison's ``.report``.
-        """
+        """Alias of ``check_communication`` (a ``Comparison``; the ``CensusReport`` is its ``.report``)."""
         return self.check_communication(model, optimizer, batch)
 
     def bind(self, model: nnx.Module, optimizer: nnx.Optimizer, *, donate: bool = True) -> BoundTrainStep:
         """The loop spelling: split ``model`` and ``optimizer`` once, step on their arrays.
 
-        Unlike the plain call it does not write the state back after every step (nor
-        check the model's graph): see ``BoundTrainStep``.
-
         Args:
           model: The model to train.
           optimizer: Its optimizer.
-          donate: Whether each call donates the state's arrays to the step, so XLA
-            updates them in place (the state then takes its memory once, not twice).
-            ``False`` frees them after the step instead: on the CPU the explicit step
-            ran faster so at large widths (README, Benchmarks).
+          donate: Whether each call donates the state's arrays to the step (updated in place);
+            ``False`` frees them after the step instead (see the modes guide).
 
         Returns:
-          A ``BoundTrainStep``; see it for when ``model`` and ``optimizer`` see the
-          result.
+          A ``BoundTrainStep``; see it for when ``model`` and ``optimizer`` see the result.
         """
         return BoundTrainStep(self, model, optimizer, donate=donate)

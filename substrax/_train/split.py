@@ -1,22 +1,7 @@
 """A model and optimizer split once into a graph and a list of arrays, kept valid between steps.
 
-``TrainStep`` runs a jitted pure function of the arrays and writes the new ones back;
-``SplitState`` is what it keeps between calls. Two rules make the cache safe (see the
-modes guide, "What the step caches"):
-
-- a change of structure (a module, a variable or a container item replaced, added or
-  removed; ``shard_state`` since) is detected by object identity and re-splits;
-- a new value (``variable.set_value(0.0)``, ``v[...] = x``) is read at the next call and,
-  when only its dtype or placement differs from the value it replaces, cast and placed
-  like it, so the step does not compile again.
-
-An array assigned where the optimizer held a variable
-(``opt.opt_state.hyperparams["learning_rate"] = jnp.asarray(0.0)``) is adopted as an
-``nnx.OptArray``, the wrapper ``nnx.Optimizer`` gives its state (``adopt_assigned_arrays``).
-
-The plain call donates the arrays to the step when nothing but the variables and the
-split holds them (``SplitState.unshared``, by reference count): an array the user kept
-(``before = model.layer.kernel[...]``, ``nnx.state(model)``) is never deleted under them.
+``SplitState`` is what ``TrainStep`` keeps between calls; see the modes guide, "The three
+spellings of a step", for what re-splits, what is read anew and when arrays are donated.
 """
 
 from __future__ import annotations

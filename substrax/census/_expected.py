@@ -1,9 +1,4 @@
-"""The communication a data-parallel step should compile to: ``expected_communication``.
-
-The layout's rule for the gradients and parameters (replicated, ZeRO-1, FSDP), the loss
-and the metrics, as ``ExpectedCollective`` buffers gathered in one ``Expected``;
-``substrax.census.compare`` holds a census against it.
-"""
+"""The communication a data-parallel step should compile to: ``expected_communication``."""
 
 from __future__ import annotations
 
@@ -52,23 +47,18 @@ class ExpectedCollective:
 
     Attributes:
       kind: the collective, e.g. ``"reduce-scatter"``.
-      what: what it is: the parameter's path, ``"loss"``, ``"metrics"``, ``"metric 'x'"``,
-        a statistic's path; for update and model buffers, ``"<source>: <operation>"``.
+      what: the parameter's path, ``"loss"``, ``"metrics"``, ``"metric 'x'"``, a statistic's
+        path; for update and model buffers, ``"<source>: <operation>"``.
       bytes: its bytes per device per step (a parameter's full, unsplit size).
-      source: one of ``SOURCES``; ``""`` reads it from ``what`` (``"loss"``, ``"metric..."``,
-        else ``"gradients"``).
-      scopes: the library scopes it may be compiled under (``"substrax.grad_reduce"``, ...;
-        ``None``: under none); ``()``: anywhere.
-      optional: the step is right with or without it; ``why`` says when it is absent.
+      source: one of ``SOURCES``; ``""`` reads it from ``what`` (loss, metrics, else gradients).
+      scopes: the library scopes it may be compiled under; ``None``: under none; ``()``: anywhere.
+      optional: the step is right with or without it (``why`` says when it is absent).
       buffer: its element type and shape (``"f32[4,16]"``), ``""`` when not known.
       why: for an optional buffer, why the compiler may leave it out.
-      phase: ``"forward"`` or ``"backward"`` for a model buffer (it prefers a compiled
-        buffer of that phase), ``None`` otherwise.
+      phase: ``"forward"`` or ``"backward"`` for a model buffer, else ``None``.
       axes: the mesh axes its device groups span (``("model",)``); ``()``: any.
-      in_loop: it runs once per microbatch, inside the accumulation loop (``bytes``
-        counts every run), where the library's own collectives may not.
-      per_run: ``bytes`` is one run's (a layer's declared collective): the loops the
-        program runs it in (a scan over stacked layers, the microbatches) say how often.
+      in_loop: it runs once per microbatch, inside the loop (``bytes`` counts every run).
+      per_run: ``bytes`` is one run's; the program's loops say how often it runs.
     """
 
     kind: str
@@ -104,13 +94,11 @@ class Expected:
     """The communication a data-parallel step should compile to, per device and per step.
 
     Attributes:
-      layout: ``"replicated"``, ``"zero1"``, ``"fsdp"`` or ``"hsdp"`` (as ``"fsdp"`` over the
-        data axis; the cross-replica reduction is added by the step's check).
+      layout: ``"replicated"``, ``"zero1"``, ``"fsdp"`` or ``"hsdp"`` (as ``"fsdp"``; the
+        cross-replica reduction is added by the step's check).
       mode: ``"implicit"`` or ``"explicit"``.
-      microbatches: the gradient-accumulation steps; every collective of the library still
-        runs once per step, outside the accumulation loop.
-      items: the buffers: one per parameter and collective, the loss, the metrics, and
-        what else the step was found to need (``SOURCES``).
+      microbatches: the gradient-accumulation steps (the library's collectives run once).
+      items: the buffers (``ExpectedCollective``), by source (``SOURCES``).
     """
 
     layout: str
@@ -165,18 +153,7 @@ def expected_communication(
     update: Sequence[ExpectedCollective] | None = None,
     precision: Any = None,
 ) -> Expected:
-    """The collectives a data-parallel step of ``layout`` should compile to.
-
-    The rule, per device and per step (bytes are full, unsplit sizes):
-
-    - ``"replicated"``: one all-reduce of every gradient;
-    - ``"zero1"`` (optimizer state split): a reduce-scatter of each split leaf's gradient,
-      an all-gather of its updated parameter, an all-reduce of the other gradients;
-    - ``"fsdp"`` (parameters split): an all-gather of each split parameter, a
-      reduce-scatter of its gradient, an all-reduce of the other gradients;
-    - every layout: an all-reduce of the loss (``loss_bytes``) and of the reduced
-      metrics (``extra_reduce_bytes``);
-    - ``microbatches > 1``: the same bytes, every collective outside the loop.
+    """The collectives a data-parallel step of ``layout`` should compile to (census guide, "The expectation").
 
     Args:
       leaves: one ``(path, shape, dtype, split)`` per trainable parameter; ``split`` says
@@ -187,19 +164,12 @@ def expected_communication(
       microbatches: the gradient-accumulation steps, at least 1.
       extra_reduce_bytes: the bytes of the metrics the step reduces.
       loss_bytes: the bytes of the reduced loss (a float32 scalar: 4; 0: none).
-      communicated_dtype: optional; the floating type the compiler moves narrower floating
-        leaves in. XLA CPU moves bfloat16 and float16 collectives in float32 (measured, jax
-        0.12: a bfloat16 psum or all_gather compiles to an f32 one), so pass ``"float32"``
-        to predict a CPU program; leave it ``None`` for the leaves' own types.
-      update: optional; what the optimizer update communicates, found by compiling it
-        (``substrax.census._step.update_items``). Given, it replaces the rule's own
-        guess for the update: ZeRO-1's all-gather of each updated parameter.
-      precision: optional; a ``substrax.MixedPrecision`` policy the step runs under. Its
-        ``param_dtype`` is what a floating parameter is gathered in (FSDP), its
-        ``reduce_dtype`` what a floating gradient is reduced in; the update (ZeRO-1's
-        gather of updated parameters) stays in the parameter's own dtype. The explicit
-        step writes exactly this; the implicit one leaves the choice to XLA, so pass it
-        for explicit steps.
+      communicated_dtype: optional; the floating type narrower leaves are moved in; pass
+        ``"float32"`` to predict a CPU program (XLA CPU moves bfloat16 as float32).
+      update: optional; the optimizer update's own communication (``update_items``),
+        replacing the rule's guess (ZeRO-1's all-gather of each updated parameter).
+      precision: optional; a ``substrax.MixedPrecision`` policy: parameters gathered in its
+        ``param_dtype``, gradients reduced in its ``reduce_dtype`` (as the explicit step does).
 
     Returns:
       An ``Expected``.

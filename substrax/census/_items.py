@@ -1,13 +1,4 @@
-"""The expected communication of a step, kind by kind, read from its state and outputs.
-
-Each function builds one kind of ``ExpectedCollective`` without reading the step's own
-program: the parameters as ``expected_communication`` takes them (``parameter_leaves``,
-``update_dims``), the FSDP units' buffers (``unit_items``), hybrid sharding's reduction
-across replicas (``cross_replica_items``), what ``substrax.nn``'s layers declared
-(``layer_items``), the metrics (``_metric_items``) and the explicit step's averages of
-``nnx.BatchStat`` values (``batch_stat_items``). ``substrax.census._step`` puts them
-together and compares them with the census (``check_communication``).
-"""
+"""The expected communication of a step, kind by kind: parameters, units, replicas, layers, metrics."""
 
 from __future__ import annotations
 

@@ -1,10 +1,4 @@
-"""The matching rule of ``compare``: compiled buffers against expected ones, and the differences.
-
-The compiled buffers (``Collective.parts``) are matched to the expected ones one to one,
-then combined, then (with ``attribute_model``) attributed to the model's own forward or
-backward pass; what is left over or missing is a difference, said in a sentence that
-names the buffers. See ``substrax.census.compare`` for the rule in full.
-"""
+"""The matching rule of ``compare``: compiled buffers against expected ones (census guide, "The rule")."""
 
 from __future__ import annotations
 
@@ -129,8 +123,7 @@ class _Matcher:
         return (part.bytes_per_step if item.in_loop else part.bytes) == item.bytes
 
     def _combined(self) -> None:
-        """Buffers XLA combined or cut differently: the required buffers still unmatched of one
-        kind and scope, all of them, against at most ``_PIECES`` compiled ones of the same total."""
+        """Buffers XLA combined or cut: one kind and scope's unmatched ones against <= ``_PIECES``."""
         groups: dict[tuple[str, tuple[str | None, ...]], list[int]] = {}
         for i in self._order():
             item = self.items[i]
@@ -151,10 +144,7 @@ class _Matcher:
             self.notes.append(f"{whats} ({total:,} B) compiled combined differently, as {pieces}")
 
     def _model_like(self, part: Part) -> bool:
-        """The model's own, attributed from the program: under no library scope, or under a
-        ``substrax.nn`` layer's; but not over an axis the layers' declared buffers run on, nor
-        under the layers' scope when they declared any: there, a buffer no layer declared is a
-        difference."""
+        """The model's own: under no library scope or a layer's, but not where layers declared."""
         if part.row.axes and self.declared_axes & set(part.row.axes):
             return False
         if part.scope == scopes.TENSOR_PARALLEL:
@@ -300,11 +290,7 @@ class _Matcher:
 
 
 def _shape_distance(buffer: str, compiled: Operand) -> int:
-    """How far a compiled buffer is from the expected one's shape (``buffer``, as written).
-
-    0: the same; 1: its dimensions in another order; 2: the same ones but for unit
-    dimensions; 3: other (or nothing to compare with).
-    """
+    """How far a compiled buffer is from ``buffer``: 0 same, 1 reordered, 2 but unit dims, 3 other."""
     if buffer == str(compiled):
         return 0
     dims = [int(d) for d in re.findall(r"\d+", buffer.partition("[")[2])] if "[" in buffer else None
@@ -316,10 +302,7 @@ def _shape_distance(buffer: str, compiled: Operand) -> int:
 
 
 def _subset_sum(values: Sequence[int], target: int, budget: list[int]) -> tuple[int, ...] | None:
-    """Indices of at most ``_PIECES`` of ``values`` that add up to ``target`` (the fewest), or ``None``.
-
-    ``budget[0]`` partial sums may be tried; it is decreased by those tried (none left: ``None``).
-    """
+    """Indices of the fewest (<= ``_PIECES``) ``values`` summing to ``target`` in ``budget[0]`` tries."""
     reach: dict[int, tuple[int, ...]] = {0: ()}
     for k, v in enumerate(values):
         if v <= 0 or v > target:

@@ -1,10 +1,4 @@
-"""The census's two answers: ``census`` gives a ``CensusReport``, ``compare`` a ``Comparison``.
-
-``census(compiled)`` reads the program's optimized HLO (``substrax.census._hlo``) into
-``Collective`` rows (``substrax.census._rows``); ``compare`` holds a report against the
-expected communication of a step (``substrax.census._expected``) by the matching rule of
-``substrax.census._match``.
-"""
+"""The census's two answers: ``census`` gives a ``CensusReport``, ``compare`` a ``Comparison``."""
 
 from __future__ import annotations
 
@@ -106,11 +100,9 @@ def census(
     """Count and size every collective of a compiled program.
 
     Args:
-      compiled: a ``jax.stages.Compiled`` (``jax.jit(f).lower(*args).compile()``), a
-        ``jax.stages.Lowered`` (compiled here), or the text of an optimized HLO module
-        (``compiled.as_text()``). Unoptimized text has no collectives to count yet.
-      mesh: optional; the mesh (or ``{axis name: size}``) the program runs on, to name
-        the axes each collective spans from its replica groups.
+      compiled: a ``jax.stages.Compiled``, a ``jax.stages.Lowered`` (compiled here), or the
+        text of an optimized HLO module (unoptimized text has no collectives yet).
+      mesh: optional; the mesh (or ``{axis name: size}``), to name each collective's axes.
 
     Returns:
       A ``CensusReport`` with one row per collective instruction.
@@ -150,21 +142,15 @@ def _mesh_shape(mesh: Any) -> tuple[tuple[str, int], ...] | None:
 
 @dataclass(frozen=True)
 class Comparison:
-    """A census held against the expected communication.
-
-    Unpacks as ``matches, differences = compare(report, expected)``.
+    """A census held against the expected communication; unpacks as ``matches, differences``.
 
     Attributes:
       matches: whether the compiled program communicates as expected.
-      differences: one sentence per difference, naming the buffers involved (element
-        type, shape, bytes, instruction and the JAX operation they came from).
-      notes: what was accepted and why: optional buffers not compiled, buffers compiled
-        combined, the implicit-mode bound.
+      differences: one sentence per difference, naming the buffers involved.
+      notes: what was accepted and why (optional buffers absent, combined buffers, ...).
       report: the census.
-      expected: the expected communication, with the model's own buffers added when
-        ``attribute_model`` found any (source ``"model"``).
-      matched: each expected buffer with the compiled buffers it was matched to (none for
-        one not compiled).
+      expected: the expected communication, with the model's own buffers (``"model"``) added.
+      matched: each expected buffer with the compiled buffers matched to it.
       model: the compiled buffers attributed to the model's own forward or backward pass.
       unexpected: the compiled buffers nothing accounts for.
     """
@@ -186,44 +172,14 @@ class Comparison:
 
 
 def compare(report: CensusReport, expected: Expected, *, attribute_model: bool = False) -> Comparison:
-    """Hold a census against the expected communication of a step.
-
-    The compiled buffers (``Collective.parts``: each operand of a combined all-reduce on
-    its own, with its own JAX operation) are matched to the expected buffers:
-
-    1. One to one, by collective and bytes, within the scopes an expected buffer allows
-       (``ExpectedCollective.scopes``: the step's ``jax.named_scope``\\ s, such as
-       ``substrax.grad_reduce``), required buffers first. ``"implicit"`` mode compares
-       all-reduce and reduce-scatter as one kind (XLA's partitioner may compile a
-       reduce-scatter as an all-reduce and a slice). A gradient prefers a buffer of the
-       backward pass, the loss and metrics one of the forward pass.
-    2. What is left, combined: the required buffers still unmatched of one kind and scope,
-       all together, against at most four compiled ones of the same total bytes (XLA
-       concatenates buffers, or cuts one; a note says which).
-    3. With ``attribute_model``, a compiled buffer still unmatched, under no library scope,
-       whose operation ran inside the differentiated loss (``jvp(...)`` or
-       ``transpose(jvp(...))`` in its name: BatchNorm's ``pmean`` of its statistics with
-       ``axis_name`` and its transpose; in implicit mode, the all-reduce XLA makes of any
-       reduction over the batch the model computes, and what its partitioner moves inside
-       the forward and backward pass for the layout (measured: BatchNorm's 16-element
-       vectors all-gathered under ZeRO-1 and FSDP)) is the model's own: it is added
-       to the expectation as a ``"model"`` buffer, counted and listed, and may run in a
-       loop (once per microbatch).
-
-    Then the differences: an expected buffer not compiled (unless optional); a compiled
-    buffer nothing accounts for (an unscoped one outside the loss, or one under a library
-    scope that no buffer of that scope expects); a buffer the library communicates inside
-    a ``while`` loop (with microbatches it belongs after the loop). In ``"implicit"``
-    mode with a ``"zero1"`` or ``"fsdp"`` layout, a program that differs only in which
-    buffers it moves still matches if it communicates no more bytes in all than expected
-    (the partitioner may move activations instead of gradients: measured on 8 CPU devices
-    with large weights and a small batch); a note says what it chose.
+    """Hold a census against the expected communication of a step (see the census guide, "The rule").
 
     Args:
       report: a census (``census(compiled)``).
       expected: ``expected_communication(...)`` for the step.
-      attribute_model: count the model's own collectives as above
-        (``TrainStep.check_communication`` does); ``False`` makes every unmatched buffer a difference.
+      attribute_model: count the model's own collectives (as
+        ``TrainStep.check_communication`` does); ``False`` makes every unmatched buffer a
+        difference.
 
     Returns:
       A ``Comparison``; ``str()`` of it shows the census, expected against compiled

@@ -1,12 +1,4 @@
-"""The rows of a census: one ``Collective`` per collective instruction, and the parts of each.
-
-``collectives(module, mesh)`` makes each collective instruction the HLO reader
-(``substrax.census._hlo``) finds a row: its buffers, the bytes it moves (counted as
-nccl-tests count "size"), the replica groups and mesh axes it spans, the loops around
-it, and the JAX operation of each of its buffers (``Collective.parts``), whose name
-carries the ``jax.named_scope`` it ran under (``library_scope``) and the transformation
-around it (``phase_of``).
-"""
+"""The rows of a census: one ``Collective`` per collective instruction, and its ``Part``s (buffers)."""
 
 from __future__ import annotations
 
@@ -34,26 +26,16 @@ class Collective:
       computation: the HLO computation that holds the instruction.
       operands: the operand buffers (a combined all-reduce has several).
       results: the result buffers (for ``all-gather-start``, the gathered ones only).
-      bytes: the buffer it works on, per device and per execution, as nccl-tests count
-        "size": all-reduce, reduce-scatter, all-to-all, collective-broadcast: the operands;
-        all-gather: the result; collective-permute, send: the first operand; recv: the
-        received buffer.
+      bytes: per device and execution, as nccl-tests count "size": the operands; an
+        all-gather's result; a permute's or send's first operand; a recv's buffer.
       replica_groups: the replica groups as the HLO writes them (``""`` when absent).
-      groups: the device groups, as logical device ids (positions in the mesh), or
-        ``None`` when the HLO does not give them in a form read here.
-      axes: the mesh axes the groups span, or ``None`` when unknown. Named from ``mesh=``
-        when it was given and the groups match some of its axes; otherwise the names the
-        HLO uses (``shard_map`` writes the mesh's names, the sharding propagation of
-        ``jax.jit`` writes ``axis_0``, ...).
+      groups: the device groups as logical device ids, or ``None`` when not readable.
+      axes: the mesh axes the groups span (from ``mesh=``, else the HLO's names), or ``None``.
       source_target_pairs: a collective-permute's ``(source, target)`` pairs.
-      trip_counts: the trip count of each ``while`` loop around it, outermost first;
-        ``None`` where the compiler does not state it; ``()`` outside loops.
-      op_name: the JAX operation it came from (the HLO metadata), ``""`` when absent. A
-        collective XLA combined from several writes them all, e.g.
-        ``"jit(step)/shard_map/(substrax.grad_reduce/psum:jvp(substrax.loss)/psum)"``.
-      buffer_op_names: the JAX operation of each buffer of ``parts``, in order: for a
-        combined collective, read from the ``get-tuple-element`` instructions that take
-        its results apart (each keeps its own operation's metadata).
+      trip_counts: the trip count of each ``while`` loop around it, outermost first
+        (``None`` where not stated); ``()`` outside loops.
+      op_name: the JAX operation it came from (all of them for a combined one), or ``""``.
+      buffer_op_names: the JAX operation of each buffer of ``parts``, in order.
     """
 
     kind: str

@@ -1,24 +1,8 @@
 """A training step's census held against the communication its layout calls for.
 
-The expected communication of a step is built from four parts, each found without
-reading the step's own program:
-
-- the layout's rule for the gradients and parameters (``expected_communication``), from
-  the state's placement;
-- the loss and the metrics, from the step's outputs;
-- what the optimizer update communicates (and the step's non-finite guard, when on):
-  the update is lowered and compiled alone, on arguments placed as the step hands them
-  over (parameters and optimizer state as placed, gradients split where the optimizer
-  updates slices), and its own census is taken (``update_items``);
-- in explicit mode, the average of each ``nnx.BatchStat`` the step may make
-  (optional: only a statistic that came out different per device is averaged).
-
-``compare(..., attribute_model=True)`` then adds the collectives the model's own forward
-and backward pass issue (BatchNorm with ``axis_name``; in implicit mode, the model's
-reductions over the batch), read from the program's operation names.
-
-It takes plain values, the lowered step, its model, optimizer and ``StepOptions``, and
-knows nothing of ``TrainStep``, which calls it (``TrainStep.check_communication``).
+The expectation comes from the state's placement, the step's outputs, the optimizer
+update compiled alone (``update_items``), explicit mode's BatchNorm averages and the
+layers' declarations; see the census guide. ``TrainStep.check_communication`` calls it.
 """
 
 from __future__ import annotations
@@ -188,27 +172,9 @@ def check_communication(
 ) -> Comparison:
     """Compile a lowered step, take its census, and compare it with what the step should communicate.
 
-    ``lowered``: the step lowered for ``model``, ``optimizer`` and a batch
-    (``TrainStep.lower``); ``options``: the step's options (mode, mesh, data axis,
-    ``has_aux``, microbatches, the non-finite guard).
-
-    The expected communication (see the module docstring): the layout's rule for the
-    gradients and parameters (``substrax.expected_communication``), the loss, the
-    metrics, the optimizer update's own census, and in explicit mode the optional
-    average of each BatchNorm statistic, and what ``substrax.nn``'s layers said they
-    communicate while ``lowered`` was traced (``layers``; explicit mode: each layer's
-    collectives over the model axis, forward and backward; ``layer_items``), with the
-    FSDP units that ran one layer at a time (``layered``; ``unit_items``). Over an
-    axis those run on, a buffer no layer said is a difference. The explicit step's collectives are matched
-    under the ``jax.named_scope`` each is written in (``substrax.grad_reduce``, ...),
-    so a buffer the library adds twice is a difference. Collectives the model's forward
-    or backward pass issues are attributed to the model and listed
-    (``compare(..., attribute_model=True)``). The all-reduces of the loss and of scalar
-    metrics are optional when the step has scalar metrics (XLA reduces equal values once,
-    and derives a multiple of one reduction from it), and in implicit mode when it
-    gathers per-example values (XLA may compute the loss from the gathered vector). On a
-    data axis of size 1 it expects nothing over that axis, but what the layers declare and
-    the update reduces over another (a ``model`` axis beside it).
+    ``lowered`` is the step lowered for ``model``, ``optimizer`` and a batch; ``options`` its
+    ``StepOptions``; ``layers`` and ``layered`` what the layers declared and the FSDP units
+    that ran one layer at a time while it was traced. See the census guide.
     """
     compiled = lowered.compile()
     report = census(compiled, mesh=options.mesh)

@@ -22,8 +22,7 @@ _ON_HOST = 1 << 16  # elements: a smaller array held by this process alone is ch
 
 
 def _mix(h: Any) -> Any:
-    """murmur3's 32-bit finalizer (of a NumPy or a JAX ``uint32`` array): each input bit flips
-    each output bit with probability 1/2."""
+    """murmur3's 32-bit finalizer (NumPy or JAX ``uint32``): each input bit flips each output bit."""
     h = h ^ (h >> 16)
     h = h * _U32(0x85EBCA6B)
     h = h ^ (h >> 13)
@@ -106,12 +105,9 @@ def _to_host(x: jax.Array) -> np.ndarray:
 def inspect_arrays(arrays: Sequence[jax.Array]) -> tuple[np.ndarray, np.ndarray]:
     """Whether each array is finite (a floating one), and its checksum: ``bool[n]``, ``uint32[n, 2]``.
 
-    The checksum is two 32-bit sums of each element's bits hashed with its position:
-    integer sums wrap exactly in any order, so the same values give the same checksum
-    in every layout and on any number of processes. A large or multi-process array is
-    read where its shards live, by one jitted reduction (compiled once per shape, dtype
-    and sharding: the layers of a deep model share a few); a small one of this process
-    alone is copied to the host and read by NumPy, the same sums without a compile.
+    Two wrapping 32-bit sums of each element's hashed bits and position: the same in every
+    layout and process count. Read where the shards live (one jitted reduction), or by NumPy
+    for a small array of this process.
     """
     finite, sums = np.ones(len(arrays), bool), np.zeros((len(arrays), 2), _U32)
     pending = {}

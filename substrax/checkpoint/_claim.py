@@ -1,10 +1,4 @@
-"""The claim of a run on its checkpoint directory: the file ``substrax.lock``.
-
-``claim_directory`` creates it (host, pid, run, command, since when, a token), or takes
-over one whose process is gone from this host, with a warning; a live claim, or one
-of another host, refuses (``DirectoryInUseError``). ``release_claim`` deletes it if it
-still holds the token.
-"""
+"""The claim of a run on its checkpoint directory, the file ``substrax.lock`` (see the checkpoints guide)."""
 
 from __future__ import annotations
 
@@ -30,12 +24,7 @@ LOCK_FILE = "substrax.lock"  # a run's claim on its checkpoint directory
 
 
 def _process_state(pid: int) -> tuple[bool, int | None] | None:
-    """``(alive, start)`` of process ``pid`` on this host, or ``None`` when it is gone.
-
-    ``alive`` is false for a zombie (dead, not yet reaped). ``start`` is when it started,
-    in clock ticks after boot, where ``/proc`` tells it: a later process given the same
-    pid has another.
-    """
+    """``(alive, start)`` of ``pid`` here (not alive: a zombie; start: ticks after boot), or None."""
     if os.path.exists("/proc/self/stat"):
         try:
             with open(f"/proc/{pid}/stat") as f:

@@ -1,14 +1,8 @@
 """Saves still in flight when the script ends: finished while Python can still start threads.
 
-A manager's save writes in the background, on orbax's threads, which start more threads
-as they go. Python 3.12 refuses new threads once it begins to exit, before it joins the
-threads left running (and so before ``atexit``, and even ``threading``'s own exit hooks):
-a save left in flight then fails, and the threads waiting for its steps hang on orbax's
-signal barrier (300 s), leaving ``N.orbax-checkpoint-tmp`` behind. So the managers left
-open are closed (their saves committed) as the script's own code ends: ``sys.monitoring``
-watches the ``__main__`` module's code, and ``finish`` runs when it returns or raises.
-Where that code is not running (an embedded interpreter) ``threading``'s exit hook
-closes them instead, which may fail at once, in one line naming the step.
+Python 3.12 refuses new threads once it begins to exit, so managers left open are closed
+as the ``__main__`` module's code returns or raises (``sys.monitoring``), else by
+``threading``'s exit hook. See the checkpoints guide.
 """
 
 from __future__ import annotations

@@ -1,9 +1,4 @@
-"""A saved step's integrity: the record of checksums saved with it, and the read that checks it.
-
-``checksum_record`` is what ``save`` writes beside the arrays; ``read_step`` reads a step back
-into the state's shardings and holds it against that record, and says in one line
-what is damaged (``DamagedCheckpointError``) when it does not check out.
-"""
+"""A saved step's integrity: its record of checksums (``checksum_record``), and ``read_step``."""
 
 from __future__ import annotations
 
@@ -77,9 +72,7 @@ def read_step(
 ) -> tuple[list[jax.Array], list[dict[str, Any]] | None]:
     """The arrays of ``step`` (the slots' order and shardings) checked against its checksums, and its record.
 
-    Orbax's log lines and tracebacks about a damaged step go to the logger
-    ``substrax.checkpoint`` at DEBUG; the error says what is damaged in one line, and its
-    ``__cause__`` is orbax's error, when orbax raised one.
+    Orbax's noise goes to the ``substrax.checkpoint`` logger at DEBUG; orbax's error is the ``__cause__``.
 
     Raises:
       ValueError: If the step's arrays do not match the slots.

@@ -31,22 +31,10 @@ def _directory(directory: str | os.PathLike[str]) -> str:
 class CheckpointManager(ManagerUpkeep):
     """The checkpoints of one training run in ``directory``: keep the last few, save every n steps.
 
-    A layer over ``orbax.checkpoint.CheckpointManager`` (``self.orbax``), which does the
-    writing: sharded writes (each process writes only the shards it holds),
-    asynchronous saves, atomic commits, and rotating old steps out. Every process calls
-    every method, in the same order. On top of orbax, the manager
-
-    - claims ``directory`` for this run (the file ``substrax.lock``, held by process 0:
-      host, pid, run, since when) until ``close``; a claim whose process is gone from
-      this host is taken over with a warning, so a killed run does not block its resume;
-    - refuses to save a state that is not finite, so ``max_to_keep`` never rotates the
-      finite steps out for a diverged one, and does not save again the state it last
-      saved or restored (steps skipped as non-finite leave it unchanged);
-    - records a checksum of every array it saves, and checks them on ``restore``;
-    - moves a step rotated out to a hidden trash directory before deleting it, so
-      ``all_steps`` never lists a half-deleted step;
-    - saves the step at hand after a SIGTERM, and ends the process (exit code 143);
-    - left open, is closed as the script's code ends, committing its save in flight.
+    A layer over ``orbax.checkpoint.CheckpointManager`` (``self.orbax``). Every process calls
+    every method, in the same order. What it adds (a claim on the directory, no non-finite or
+    repeated saves, checksums, save on SIGTERM, commit at exit): see the checkpoints guide,
+    "Nothing saved is lost to a fault".
 
     Example::
 
@@ -74,24 +62,14 @@ class CheckpointManager(ManagerUpkeep):
           directory: Where the steps are kept, one subdirectory each; a local path, or a
             URL orbax understands (``gs://...``; no claim is taken there).
           max_to_keep: How many of the latest steps to keep; ``None`` keeps all.
-          save_interval_steps: ``save`` writes a step that is a multiple of this, the
-            first step it is given when ``directory`` holds none, and the step after a
-            SIGTERM (``save_on_sigterm``); it skips the others unless forced.
-          async_save: Whether ``save`` returns once the arrays are copied off the
-            devices, writing them in the background (``wait`` blocks until written).
-            The state may be stepped (its arrays donated) as soon as ``save`` returns.
-          save_on_sigterm: Catch SIGTERM while the manager is open: the next ``save``
-            saves its step whatever the interval, waits until it is written, and raises
-            ``SystemExit(143)``; ``close`` raises it too when no save came first. A
-            second SIGTERM acts at once, as it would without the manager. Taken only in
-            the main thread. On a multi-process run with JAX's preemption service on
-            (JAX's default) the notice is JAX's preemption sync point instead (the
-            service catches SIGTERM and picks a step every process reaches). With it
-            off (``substrax.launch`` turns it off) each process catches SIGTERM itself,
-            and every ``save`` asks all processes whether one got it (a one-value
-            all-gather, so every process must call ``save`` at the same steps, and each
-            call waits for the step before it to finish): a SIGTERM to any process saves
-            the same step on all of them and ends them all.
+          save_interval_steps: ``save`` writes a multiple of this, the first step of an empty
+            ``directory``, and the step after a SIGTERM; it skips the others unless forced.
+          async_save: ``save`` returns once the arrays are off the devices (they may then be
+            donated) and writes in the background; ``wait`` blocks until written.
+          save_on_sigterm: After a SIGTERM, the next ``save`` saves its step, waits and raises
+            ``SystemExit(143)`` (``close`` does, if no save comes). Main thread only; on
+            several processes every ``save`` must be called at the same steps. See the
+            checkpoints guide, "SIGTERM saves and exits".
           read_only: Open only to read: no claim, no SIGTERM handler; ``save`` refuses.
 
         Raises:
@@ -135,17 +113,8 @@ class CheckpointManager(ManagerUpkeep):
     ) -> bool:
         """Save the state of ``model`` and ``optimizer`` as ``step``, if the interval says so.
 
-        The state is checked first, each array read where its shards live (a small one
-        of this process on the host): a NaN or an infinity in any floating array refuses
-        the save, so the steps kept stay finite. A checksum of each array is recorded
-        with the step, for ``restore`` to check.
-
-        A state equal to the last one this manager saved or restored (every checksum,
-        shape and dtype alike; the optimizer's ``step`` count included) is not saved
-        again, forced or not, and no step is rotated out for it: a train step that skips
-        non-finite updates leaves the state as it was, and ``max_to_keep`` copies of one
-        state would push out the distinct steps before it. The first such save of a run
-        of them warns, in one line naming the step skipped and the step whose state it is.
+        A state that is not finite is refused; a state equal to the last one saved or restored
+        is not saved again (one warning per run of them). See the checkpoints guide.
 
         Args:
           step: The training step the state is at (usually the number of steps taken).
@@ -162,8 +131,7 @@ class CheckpointManager(ManagerUpkeep):
           ValueError: If a variable's array has been deleted (the model of a bound step
             that was not synced), naming it; or the manager is read-only.
           NonFiniteStateError: If an array holds a NaN or an infinity, naming the step,
-            the first such arrays and the newest step kept (a save in flight is
-            finished first); nothing is saved, no step is deleted.
+            the first such arrays and the newest step kept; nothing is saved or deleted.
           SystemExit: With code 143 after a SIGTERM (``save_on_sigterm``), once this
             step is written.
         """
@@ -205,21 +173,11 @@ class CheckpointManager(ManagerUpkeep):
     def restore(self, model: nnx.Module, optimizer: nnx.Optimizer, step: int | None = None) -> int:
         """Fill ``model`` and ``optimizer`` from a saved step, in the layout they have now.
 
-        Each array is read into the sharding (and dtype) of the array it replaces, so a
-        checkpoint saved from one layout (replicated, ZeRO-1, FSDP; any number of
-        processes) is restored into another; each process reads only the slices its
-        devices hold. A model never placed (its arrays not committed to a device) gets
-        uncommitted arrays back, which a step moves to its mesh. Restore before
-        ``make_train_step(...).bind``: a bound step keeps its own arrays. Waits for a save
-        in progress first.
-
-        Every array read is checked against the checksum recorded when it was saved (a
-        step saved before checksums were recorded is restored unchecked, with a
-        warning). The model and optimizer are filled only from a step that checks out.
-        With ``step=None``, a damaged latest step is skipped for the newest one that
-        checks out, with a warning naming the damage; a manager that is not read-only
-        also moves the damaged steps out of the listing, to ``.substrax-damaged/``, so
-        the run saves those step numbers again.
+        Any saved layout restores into any current one; every array is checked against its
+        checksum. Restore before ``make_train_step(...).bind``. Waits for a save in progress.
+        With ``step=None`` a damaged latest step is skipped (with a warning) for the newest
+        whole one, and a manager that is not read-only moves it to ``.substrax-damaged/``.
+        See the checkpoints guide.
 
         Args:
           model: The model to fill, built as the saved one was (the values are replaced).
@@ -230,12 +188,10 @@ class CheckpointManager(ManagerUpkeep):
           The step restored.
 
         Raises:
-          ValueError: If there is no checkpoint (or no such step), or the checkpoint's
-            arrays do not match the state's: a variable missing from either, or of
-            another shape; each message names the variable.
+          ValueError: If there is no checkpoint (or no such step), or a variable is missing
+            from either side or of another shape, naming it.
           DamagedCheckpointError: If ``step`` (or, with ``step=None``, every step) is
-            damaged: in one line, the step and the damage (a file missing or cut short,
-            an array whose values differ from those saved).
+            damaged, naming the step and the damage.
         """
         self.wait()
         slots = slots_of(model, optimizer)
@@ -267,7 +223,7 @@ class CheckpointManager(ManagerUpkeep):
         ) from damaged[0]
 
     def _fill(self, slots: list[Any], arrays: list[jax.Array], step: int, record: Any) -> None:
-        """Fill the slots from ``step``'s arrays; its state is then the one kept (see ``save``)."""
+        """Fill the slots from ``step``'s arrays; that state is then the one kept."""
         for slot, array in zip(slots, arrays, strict=True):
             slot.fill(array)
         self._kept, self._repeated = ((step, record) if record is not None else None), None
@@ -278,7 +234,7 @@ class CheckpointManager(ManagerUpkeep):
         self._sweep()
 
     def close(self) -> None:
-        """Wait for saves in progress, delete the steps rotated out, release the claim and orbax's threads.
+        """Wait for saves, delete the steps rotated out, release the claim and orbax's threads.
 
         Raises:
           SystemExit: With code 143 if a SIGTERM came while the manager was open (and no
@@ -314,9 +270,7 @@ def save(
 ) -> None:
     """Save ``model`` and ``optimizer`` as ``step`` in ``directory``, and wait until it is committed.
 
-    Every process calls it; each writes the shards it holds. Earlier steps in
-    ``directory`` are kept. For a training loop, ``CheckpointManager`` saves in the
-    background and deletes old steps.
+    Every process calls it. Earlier steps are kept; for a training loop use ``CheckpointManager``.
 
     Args:
       directory: Where the steps are kept, one subdirectory each.
@@ -342,9 +296,8 @@ def restore(
 ) -> int:
     """Fill ``model`` and ``optimizer`` from ``directory``, in the layout they have now.
 
-    See ``CheckpointManager.restore``: any saved layout restores into any current one,
-    and every array is checked against its checksum. It only reads: it takes no claim,
-    so it reads a directory a run is writing, and leaves damaged steps where they are.
+    As ``CheckpointManager.restore``, but read-only: no claim (it reads a directory a run
+    is writing), and damaged steps stay where they are.
 
     Args:
       directory: Where the steps are kept.

@@ -1,9 +1,4 @@
-"""A run told to stop: SIGTERM, noted by one handler for every manager that listens, or JAX's preemption service.
-
-The handler only notes the signal (``Sigterm.pending``); the manager's next ``save``
-saves its step and ends the process with ``SIGTERM_EXIT``. A second SIGTERM does at once
-what SIGTERM did before the handler.
-"""
+"""A run told to stop: SIGTERM, noted by one handler for every manager, or JAX's preemption service."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
 """Orbax's noise around a damaged step, kept off the console: the one line ``restore`` says is enough.
 
-Reading a damaged step, orbax logs errors (``ERROR:absl:Failed to json parse ...``), and the
-reads it abandons when the first fails end later, on TensorStore's threads, against an
-event loop already closed: each prints ``RuntimeError: Event loop is closed`` or
-``Exception ignored in: <coroutine ...>`` with its traceback, up to hundreds of lines.
-``orbax_logs`` holds orbax's log records while a read runs, to pass on if the read succeeds
-or log at DEBUG (logger ``substrax.checkpoint``) if it finds damage; ``leftovers_dropped``
-sends those late tracebacks to the same logger at DEBUG instead of stderr.
+``orbax_logs`` holds orbax's log records during a read (passed on, or logged at DEBUG to
+``substrax.checkpoint`` on damage); ``leftovers_dropped`` sends the late tracebacks of
+abandoned reads there too.
 """
 
 from __future__ import annotations

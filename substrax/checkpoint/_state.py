@@ -1,9 +1,7 @@
 """The state a checkpoint holds: every variable of a model and its optimizer, as orbax writes and reads it.
 
-A ``Slot`` is one variable: its key in the nested dict orbax writes (``("model", *path)``
-or ``("optimizer", *path)``), its name as the user reads it, and its array, written and
-read back in the sharding the variable has now. A bound step (``BoundState``) stands for
-both the model and the optimizer.
+A ``Slot`` is one variable (its key ``("model" | "optimizer", *path)``, its name, its
+array); a bound step (``BoundState``) stands for both the model and the optimizer.
 """
 
 from __future__ import annotations

@@ -1,13 +1,4 @@
-"""What a ``CheckpointManager`` holds, keeps and lets go, beside its saves and restores.
-
-``ManagerUpkeep``, the base of ``substrax.checkpoint._manager.CheckpointManager``: the
-claim on the directory and the SIGTERM heard (``_hold``), orbax's manager opened
-(``_open_orbax``); the retention of steps: those orbax rotates out, moved to a trash
-and deleted in the background (``_sweep``), the damaged ones a restore skipped, moved
-aside (``_skipped``), and a state equal to the one last kept, not saved again
-(``_repeats``); a save in flight when the run is told to stop (``_termination_notice``,
-``_exit_on_notice``) and a manager left open as the script ends (``_close_at_exit``).
-"""
+"""What a ``CheckpointManager`` holds, keeps and lets go: claim, SIGTERM, trash, skipped steps, exit."""
 
 from __future__ import annotations
 
@@ -203,10 +194,7 @@ class ManagerUpkeep:
         )
 
     def _sweep(self, *, block: bool = False) -> None:
-        """Delete the steps orbax moved to the trash, in the background (``block``: before returning).
-
-        Call only when no save is finishing: orbax moves steps to the trash as a save commits.
-        """
+        """Delete orbax's trash in the background (``block``: before returning); not while a save commits."""
         if self.read_only or not self._local or not self._primary:
             return
         trash = os.path.join(self.directory, _TRASH)
@@ -226,11 +214,7 @@ class ManagerUpkeep:
             self._sweeper.join()
 
     def _close_at_exit(self, raised: bool) -> None:
-        """Close a manager left open as the script ends, finishing its save in flight (said in one line).
-
-        After an exception on several processes the save is left unfinished: the others
-        may not reach the barrier that commits it.
-        """
+        """Close a manager left open at the script's end, finishing its save (unless it raised)."""
         if self._closed:
             return
         saving = self.orbax.is_saving_in_progress()

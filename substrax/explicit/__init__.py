@@ -1,10 +1,7 @@
 """The data-parallel step under ``jax.shard_map``, with every collective in plain sight.
 
-``explicit_train_step`` is the twin of ``substrax.spmd.spmd_train_step``; the helpers
-it is built from (``data_parallel_value_and_grad``, ``reduce_metrics_collective``) are
-for writing your own shard_map steps. ``compare_gradients`` and ``GradientReport`` live in
-``substrax.gradcheck``; the names here are kept as aliases (read lazily: the checker imports
-this package, never the reverse at import time).
+``explicit_train_step`` and the helpers it is built from, for your own shard_map steps.
+``compare_gradients`` and ``GradientReport`` are aliases of ``substrax.gradcheck``'s (read lazily).
 """
 
 from typing import Any

@@ -1,19 +1,9 @@
 """The data-parallel gradient inside ``jax.shard_map``: average the loss, then differentiate.
 
-Inside ``shard_map(..., check_vma=True)`` a parameter given ``in_specs=P()`` is
-replicated (invariant over the axis), and the batch shard is varying. Reading a
-replicated value in varying code inserts an implicit ``pvary``, whose transpose is a
-``psum``: the gradient of a replicated parameter arrives already summed over the axis.
-So the loss must be averaged *before* ``grad``:
-
-    grad(lambda w: pmean(loss(w, shard), axis))    # the full-batch gradient
-    pmean(grad(loss)(w, shard), axis)               # wrong: axis-size times too large
-
-Under ``check_vma=False`` there is no ``pvary`` and no automatic ``psum``, and the rule
-flips: each device's ``grad`` of the averaged loss is only the gradient of its own shard
-(the devices disagree), and ``pmean(grad(loss))`` is the right spelling. substrax pins
-``check_vma=True`` and the first spelling; ``data_parallel_value_and_grad`` refuses to
-run where it can see the batch is not marked as varying over the axis.
+Under ``check_vma=True`` a replicated parameter's gradient arrives already ``psum``-ed,
+so ``grad(lambda w: pmean(loss(w, shard), axis))`` is the full-batch gradient and
+``pmean(grad(loss))`` is axis-size times too large (under ``check_vma=False`` the rule
+flips). See the modes guide, "The gradient rule: ``pmean`` before ``grad``".
 """
 
 from __future__ import annotations
@@ -41,18 +31,13 @@ def data_parallel_value_and_grad(
 ) -> Callable[..., tuple[Any, Any]]:
     """``nnx.value_and_grad`` of ``fun``'s loss averaged over ``axis_name``.
 
-    Call the result inside ``jax.shard_map(..., check_vma=True)`` with the parameters
-    (or NNX model) replicated and the batch split over ``axis_name``. The loss each
-    device computes on its shard is ``pmean``-ed over the axis before differentiating,
-    so the value is the global loss and the gradient of every replicated parameter is
-    the full-batch gradient, equal on every device. Do not average the gradient again:
-    it would be wrong by the axis size (see the module docstring for why, and for the
-    ``check_vma=False`` trap).
+    Call the result inside ``jax.shard_map(..., check_vma=True)`` with the parameters (or
+    model) replicated and the batch split: the value is the global loss and each replicated
+    parameter's gradient the full-batch one, equal on every device. Do not average it again.
 
     Args:
-      fun: ``(*args) -> loss`` on this device's shard, or ``(loss, aux)`` with
-        ``has_aux``; ``loss`` is a scalar. NNX modules and plain arrays are both fine
-        as differentiated arguments.
+      fun: ``(*args) -> loss`` on this device's shard (a scalar), or ``(loss, aux)`` with
+        ``has_aux``; NNX modules and plain arrays may both be differentiated.
       axis_name: The mesh axis the batch is split over.
       argnums: Which positional arguments to differentiate.
       has_aux: Whether ``fun`` returns ``(loss, aux)``. ``aux`` is returned per device,
@@ -64,11 +49,9 @@ def data_parallel_value_and_grad(
 
     Raises:
       ValueError: At trace time: if ``axis_name`` is not bound by an enclosing
-        ``shard_map``; if ``fun``'s output does not match ``has_aux`` or its loss is not
-        a scalar; or if the per-device loss is not marked as varying over
-        ``axis_name``: the enclosing ``shard_map`` runs with ``check_vma=False`` (where
-        this rule gives each device its own shard's gradient) or the loss does not depend on a
-        shard split over that axis.
+        ``shard_map``; ``fun``'s output does not match ``has_aux`` or its loss is not a
+        scalar; or the per-device loss is not varying over ``axis_name`` (a ``shard_map``
+        with ``check_vma=False``, or a loss that does not depend on the split batch).
     """
 
     def averaged(*args: Any, **kwargs: Any) -> Any:

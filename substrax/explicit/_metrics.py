@@ -1,11 +1,4 @@
-"""Metric reductions inside ``shard_map`` (the explicit path's view of a batch).
-
-Each device computes a metric on its own shard; the collectives turn those into the
-value the implicit path computes on the global batch. A metric's elements are first
-reduced on the device, then across the axis, so ``"max"`` of a per-example vector is
-the global maximum, and ``"mean"`` of shard means is the global mean (shards are equal
-in size).
-"""
+"""Metric reductions inside ``shard_map`` (the explicit path's view of a batch); see the metrics guide."""
 
 from __future__ import annotations
 
@@ -25,18 +18,15 @@ def reduce_metrics_collective(
 ) -> dict[str, Any]:
     """Reduce per-device metrics across ``axis_name`` so every device holds the result.
 
-    Only valid inside ``shard_map`` or ``pmap``. Every result is equal on every device,
-    so it may leave ``shard_map(check_vma=True)`` through ``out_specs=P()``.
+    Only inside ``shard_map`` or ``pmap``; the results are equal on every device (they may
+    leave ``shard_map(check_vma=True)`` through ``out_specs=P()``).
 
     Args:
       metrics: Metric name to this device's value (a scalar, or per-example values).
-      reduce: Metric name to operation; a name it does not list gets ``"mean"``.
-        ``"mean"``, ``"sum"``, ``"max"``, ``"min"``: reduce the value's elements on
-        the device, then across devices (``pmean``, ``psum``, ``pmax``, ``pmin``).
-        ``"gather"``: concatenate per-example values across devices in batch order
-        (``all_gather(tiled=True)``); the global batch's values. ``None``: stack the
-        devices' values unreduced on a new leading device axis
-        (``all_gather(tiled=False)``), ready for ``collect_from_devices``.
+      reduce: Metric name to ``"mean"`` (the default for unlisted names), ``"sum"``,
+        ``"max"``, ``"min"`` (on the device, then across devices), ``"gather"`` (per-example
+        values in batch order) or ``None`` (stacked on a new leading device axis, for
+        ``collect_from_devices``); see the metrics guide.
       axis_name: The mesh axis to reduce across.
 
     Returns:

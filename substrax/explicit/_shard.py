@@ -1,10 +1,7 @@
 """What each device holds inside the explicit step's ``shard_map``, and what it hands back.
 
-The parameters come in as placed and leave whole and varying over the data axis
-(gathered where FSDP split them); the gradients are reduced once (psum, or
-psum_scatter where the update is split); the model's other state is made one model's
-again (``nnx.BatchStat`` averaged, anything else refused); random streams get the
-device's index for the step. See ``substrax.explicit._step`` for the step these serve.
+Parameters in as placed, whole and varying inside; gradients reduced once; other state
+made one model's again; random streams per device. See the modes guide.
 """
 
 from __future__ import annotations
@@ -72,12 +69,7 @@ def check_layers_take_blocks(model: nnx.Module, data_axis: str) -> None:
 
 
 def check_placement(model: nnx.Module) -> None:
-    """Refuse a variable split on the devices in a way its metadata does not say (outside jit).
-
-    The step reads the layout from the variables' ``out_sharding`` metadata, which
-    ``substrax.shard_state`` writes; an array placed by hand without it would be read
-    as replicated.
-    """
+    """Refuse a variable split on the devices as its ``out_sharding`` metadata does not say (outside jit)."""
     for path, variable in nnx.to_flat_state(nnx.state(model)):
         check_declared_rank(variable, declared_spec(variable) or (), path_str(tuple(path), "model"))
         sharding = getattr(variable.get_value(), "sharding", None)
@@ -224,12 +216,7 @@ def without_axis_specs(specs: PyTree, axis: str) -> PyTree:
 
 @contextlib.contextmanager
 def per_device_random_streams(model: nnx.Module, data_axis: str | tuple[str, ...]) -> Iterator[None]:
-    """Give each device its own random bits for one step: fold its index into every key.
-
-    The model's ``nnx.Rngs`` are replicated, so without this every device would draw
-    the same dropout mask for its shard. The keys are restored afterwards (only the
-    streams' counts advance, equally on every device), so the state stays replicated.
-    """
+    """Fold each device's index into every ``nnx.Rngs`` key for one step; keys restored after."""
     keys = [v for _, v in nnx.iter_graph(model) if isinstance(v, nnx.RngKey)]
     saved = [key.get_value() for key in keys]
     index = jax.lax.axis_index(data_axis)
@@ -243,14 +230,7 @@ def per_device_random_streams(model: nnx.Module, data_axis: str | tuple[str, ...
 
 
 def settle_per_device_state(state: nnx.State, specs: Any, data_axis: str | tuple[str, ...]) -> nnx.State:
-    """The model's non-parameter state after the step, made one model's again.
-
-    A layer that updates state from the shard it sees (BatchNorm's running statistics,
-    ``nnx.BatchStat``) computes it per device: that, and only that, is averaged over
-    ``data_axis`` (one ``pmean``). Any other replicated state that came out varying over
-    the axis would be a different model per device, and is refused at trace time by
-    path: ``check_vma`` types every value, so the check cannot miss one.
-    """
+    """Average ``nnx.BatchStat`` over ``data_axis``; refuse other replicated state that varies."""
 
     def settle(path: tuple[Any, ...], variable: nnx.Variable[Any], spec: Any) -> nnx.Variable[Any]:
         value = variable.get_value()

@@ -1,31 +1,9 @@
 """The explicit data-parallel step: the same step as ``spmd_train_step``, under ``jax.shard_map``.
 
-Every collective of the gradient computation is written here. Each device sees its shard of the batch;
-the loss is ``pmean``-ed over the data axis before ``grad``. The parameters are cast to
-varying over the axis first (``to_varying``: no communication), so ``grad`` itself
-runs no collective and each device holds its shard's share of the gradient; the step
-then reduces it once, in plain sight:
-
-- a replicated parameter's gradient is ``psum``-ed (one all-reduce);
-- a split one (``substrax.shard_state``) is ``psum_scatter``-ed (a reduce-scatter):
-  each device gets the slice its optimizer state updates. Under FSDP the parameter
-  was ``all_gather``-ed right before use.
-
-The ``shard_map`` ends there: it returns the gradients (split where the state is) and
-the model's other state. The optimizer update runs after it, on the global arrays,
-under the same jit (``substrax._shared.update``): element-wise math stays on each device's
-slice, and XLA adds only what a transformation needs: one scalar per split tensor
-(combined into one all-reduce) for
-``clip_by_global_norm``'s norm under a split layout, and under ZeRO-1 the all-gather
-of the updated slices into the replicated parameters. Each library collective sits
-under a ``jax.named_scope`` (``substrax.grad_reduce``, ``substrax.gather_params``,
-``substrax.loss``, ``substrax.metrics``, ``substrax.batch_stats``,
-``substrax.update``, ``substrax.finite``) that the census reads back.
-
-With ``microbatches=k`` the gradient part runs in a ``lax.scan`` over k slices of each
-device's shard and accumulates the local gradients; the reduction above still runs
-once, after the loop. ``check_vma=True`` is pinned, since the gradient rule depends on
-it (see ``substrax.explicit._grad``).
+Every collective of the gradient computation is written here: the loss ``pmean``-ed
+before ``grad``, each gradient reduced once (``psum``, or ``psum_scatter`` for split
+state), after the microbatch loop; the optimizer update runs after the ``shard_map`` on
+the global arrays. See the modes guide, "Explicit: ``substrax.explicit``".
 """
 
 from __future__ import annotations
@@ -92,30 +70,10 @@ def explicit_train_step(
     """Execute a data-parallel training step with every collective written out.
 
     The explicit twin of ``substrax.spmd.spmd_train_step``, called the same way inside
-    ``nnx.jit``. The body runs under ``jax.shard_map`` with ``check_vma=True``: each
-    device sees its shard of the batch and the state as placed (replicated, or split
-    over ``data_axis`` by ``substrax.shard_state``). The module docstring of
-    ``substrax.explicit._step`` lists the collectives each layout runs. Every device
-    ends the step with the same model (or its slice of it), in the layout it began.
-
-    The ``shard_map`` covers the forward pass, the backward pass and the gradient
-    reduction; the optimizer update then runs on the global arrays (split or not) under
-    the same jit, so every optax transformation, ``clip_by_global_norm`` and
-    ``adafactor`` included, gives the one-device result (``substrax._shared.update``).
-
-    ``nnx.BatchStat`` state that a layer updates from the shard it sees (BatchNorm's
-    running statistics) is averaged over ``data_axis`` after the step, so every device
-    keeps the same model; any other replicated state that comes out different per
-    device is refused at trace time, by path. Such a layer normalizes with its shard's
-    statistics; give ``nnx.BatchNorm`` ``axis_name=data_axis`` to use the global batch's.
-    With ``microbatches=k`` it normalizes with each microbatch's statistics and its
-    running averages take k updates per step. Random streams (``nnx.Rngs``, as
-    ``nnx.Dropout`` uses) get the device's index folded into their keys for the step, so
-    each shard draws its own mask, and each microbatch draws its own; the losses then
-    differ from the implicit step's, which draws one mask for the global batch.
-
-    The keyword options (``mesh`` ... ``precision``) are ``substrax.make_train_step``'s,
-    documented there once (``substrax.StepOptions``).
+    ``nnx.jit``; each device sees its shard of the batch and the state as placed, and ends
+    with the same model in the same layout. BatchNorm statistics are averaged over
+    ``data_axis``; random streams draw per device (see the modes guide, "Where the modes
+    differ"). The keyword options are ``substrax.make_train_step``'s, documented there.
 
     Args:
       model: The NNX model to train.
@@ -129,14 +87,13 @@ def explicit_train_step(
       The global batch's loss, replicated; with ``has_aux``, ``(loss, metrics)``.
 
     Raises:
-      ValueError: If there is no mesh or it lacks ``data_axis``, if ``batch_spec`` does
-        not fit the batch, if a leaf cannot be split over its axes, if ``loss_fn``'s
-        output does not match ``has_aux``, if ``reduce`` is given without ``has_aux``,
-        names a metric ``loss_fn`` does not return or an unknown operation, if a model
-        variable is declared sharded over an axis other than ``data_axis``, if
-        ``microbatches`` does not divide the rows per device, or if replicated state
-        other than ``nnx.BatchStat`` comes out different per device; each message
-        names the axis, leaf, parameter or metric.
+      ValueError: If there is no mesh or it lacks ``data_axis``, ``batch_spec`` does not
+        fit the batch, a leaf cannot be split over its axes, the output does not match
+        ``has_aux``, ``reduce`` comes without ``has_aux`` or names a metric not returned or
+        an unknown operation, a variable is declared sharded over an axis other than
+        ``data_axis``, ``microbatches`` does not divide the rows per device, or replicated
+        state other than ``nnx.BatchStat`` comes out different per device; each names the
+        axis, leaf, parameter or metric.
     """
     options = StepOptions(
         mesh=mesh,

@@ -1,21 +1,6 @@
 """FSDP units in the explicit step: a unit's split parameters gathered just in time, then released.
 
-A unit is a submodule ``substrax.shard_state(..., units=...)`` named
-(``substrax._layout._units``). Inside the step's
-``shard_map`` each unit keeps its parameters split; calling it runs ``run_unit``, a
-custom VJP:
-
-- forward: one all-gather per dtype of the unit's split parameters (and per set of
-  other axes they are split over: a tensor-parallel layer's ``model``) (once its input
-  exists, so it cannot run ahead of the layer before), the module on the whole
-  parameters, and the module's residuals kept without the gathered parameters;
-- backward: the parameters gathered again (once the cotangent exists;
-  ``reshard_after_forward=False`` keeps them from the forward pass instead), the
-  module's VJP, and the unit's gradient reduce-scattered as one buffer per dtype.
-
-So a step holds one unit's parameters whole at a time, and its temporary memory grows
-with a layer's activations, not a layer's parameters. Everything is written under the
-scope ``substrax.unit``, which the census reads back.
+``run_unit`` is a custom VJP, under the scope ``substrax.unit``; see the layouts guide, "Units".
 """
 
 from __future__ import annotations
@@ -109,11 +94,7 @@ class _UnitRun:
 
 
 def _after(x: jax.Array, anchor: Any) -> jax.Array:
-    """``x``, computed only once ``anchor`` exists: a data dependency XLA keeps (a barrier it drops on CPU).
-
-    Only on a leaf of ``anchor`` that varies over no mesh axis ``x`` does not: the
-    dependency must not change ``x``'s type (``check_vma``).
-    """
+    """``x``, computed once ``anchor`` exists (by a leaf varying over no axis ``x`` does not)."""
     axes = varying_other(x, "")
     leaves = [
         a for a in jax.tree.leaves(anchor)
@@ -126,11 +107,7 @@ def _after(x: jax.Array, anchor: Any) -> jax.Array:
 
 
 def _groups(xs: list[jax.Array], types: list[Any]) -> list[list[int]]:
-    """``xs``'s indices by ``types``: one buffer per dtype and set of other axes a value varies over.
-
-    A parameter split over a second axis (``model``) and one whole over it cannot share
-    a buffer: the joined buffer would vary over that axis (``check_vma``) for both.
-    """
+    """``xs``'s indices by ``types``: a buffer per dtype and set of other axes (``check_vma``)."""
     keys = [(x.dtype, t) for x, t in zip(xs, types, strict=True)]
     return [[i for i, k in enumerate(keys) if k == key] for key in dict.fromkeys(keys)]
 
@@ -203,7 +180,7 @@ def _zeros(aval: Any) -> jax.Array:
 
 
 def run_unit(module: nnx.Module, call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Call ``module`` (a unit) on ``args``, its split parameters gathered just in time (module docstring)."""
+    """Call ``module`` (a unit) on ``args``, its split parameters gathered just in time (layouts guide)."""
     run: _UnitRun = vars(module)["_substrax_unit"]
     graphdef, state = nnx.split(module)
     flat = list(nnx.to_flat_state(state))

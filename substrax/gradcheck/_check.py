@@ -42,57 +42,35 @@ def compare_gradients(
 ) -> GradientReport:
     """Compare the data-parallel gradients of ``loss_fn`` with a one-device reference.
 
-    The gradient of the loss on the global batch, with respect to the model's
-    ``nnx.Param`` variables, is computed on one device (the reference), by the implicit
-    path (``nnx.grad`` under ``jax.jit`` with the batch sharded), by the explicit path
-    (under ``shard_map``, the loss ``pmean``-ed before ``grad``) and, when given, by
-    ``candidate``. An element passes when ``|grad - ref| <= atol + rtol * |ref|``, with
-    ``rtol`` set by the parameter's dtype (``1e-4`` for float32) and ``atol`` the
-    dtype's factor (``1e-5`` for float32) times the largest magnitude in the whole
-    reference gradient: a leaf whose exact gradient is zero holds only round-off, and
-    passes. A gradient off by a constant factor is reported with that factor.
-
-    The reference and the implicit path run with ``data_axis`` (and any axis a layer
-    names, as ``nnx.BatchNorm(axis_name=...)`` does) bound with size 1, so such a layer
-    reduces over the whole batch there, as it does over the shards under ``shard_map``.
-    BatchNorm in training mode without ``axis_name=data_axis`` normalizes each device's
-    shard with its own statistics in the explicit path, which then legitimately differs
-    from the reference; the diagnosis names the layer and says so.
+    The implicit path, the explicit path and ``candidate`` (if given) are each held against
+    the reference, element by element, to a tolerance set by the dtype. See the
+    gradient-checks guide (tolerances, BatchNorm, mixed precision).
 
     Args:
       model: The NNX model; it is not changed.
-      loss_fn: ``(model, batch) -> scalar loss``: a mean over the batch's examples, so
-        the explicit path's per-shard loss averages to the global one. It must not draw
-        random numbers (active dropout): turn them off for the check.
+      loss_fn: ``(model, batch) -> scalar loss``, a mean over the batch's examples; it
+        must not draw random numbers (turn dropout off).
       batch: The global batch: host arrays, or global jax Arrays (one process).
       mesh: The mesh to run the implicit and explicit paths on.
       data_axis: The mesh axis the batch is split over.
-      candidate: Your own data-parallel gradient, ``(model, batch) -> grads`` where
-        ``grads`` is an ``nnx.State`` of the ``nnx.Param`` gradients (what
-        ``nnx.grad(...)(model)`` returns). It is called with the model replicated over
-        ``mesh``, the batch placed on it, inside ``jax.set_mesh(mesh)``.
-      batch_spec: How the batch is split: one ``PartitionSpec`` or ``NamedSharding``, or
-        a prefix tree of them; default every leaf on ``data_axis``.
+      candidate: Your own gradient, ``(model, batch) -> grads`` (an ``nnx.State`` of the
+        ``nnx.Param`` gradients), called with the model replicated over ``mesh``, the batch
+        placed on it, inside ``jax.set_mesh(mesh)``.
+      batch_spec: A ``PartitionSpec`` or ``NamedSharding``, or a prefix tree of them;
+        default every leaf on ``data_axis``.
       has_aux: Whether ``loss_fn`` returns ``(loss, metrics)``; the metrics are ignored.
-      precision: A ``substrax.MixedPrecision`` policy: the implicit and explicit paths
-        run under it (as the steps do) against the reference in the parameters' own
-        dtype, to the tolerance of the policy's ``param_dtype`` (bfloat16: ``rtol``
-        3e-2, ``atol`` 1e-2 of the largest reference magnitude: about four roundings
-        to bfloat16's 8-bit mantissa), widened per leaf to 4 times the policy's own
-        error there, measured as the one-device gradient under the policy against
-        the reference (a policy's round-off grows with the terms an element sums).
+      precision: A ``substrax.MixedPrecision`` policy to run the two paths under, checked
+        to the policy's wider tolerance.
 
     Returns:
       A ``GradientReport``; ``str(report)`` is a table with a row per parameter and,
-      for a method that fails, its diagnosis (a factor equal to an axis size is named
-      as such).
+      for a method that fails, its diagnosis.
 
     Raises:
-      ValueError: If ``loss_fn`` draws random numbers from the model's ``nnx.Rngs``
-        (dropout on: each path would draw different masks; names the streams), if a
-        candidate's gradient does not have exactly the model's parameters (names the
-        missing and extra paths), or as the explicit step does for a batch that cannot
-        be split or a loss that is not a scalar.
+      ValueError: If ``loss_fn`` draws random numbers from the model's ``nnx.Rngs`` (names
+        the streams), a candidate's gradient does not have exactly the model's parameters
+        (names the paths), or as the explicit step does for a batch that cannot be split
+        or a loss that is not a scalar.
     """
     if has_aux:
         loss_with_aux = loss_fn

@@ -1,9 +1,4 @@
-"""What is wrong with a gradient that fails: a constant factor (an axis size, named), or worse.
-
-``scale_and_diagnosis`` fits ``grad ≈ c * reference`` by least squares; a gradient that
-follows the fit to round-off is off by the factor ``c``, and a factor equal to the size
-of a mesh axis is named with its usual causes.
-"""
+"""What is wrong with a failing gradient: a constant factor ``c`` (an axis size, named), or worse."""
 
 from __future__ import annotations
 

@@ -1,11 +1,4 @@
-"""Each method's gradient for ``compare_gradients``: the one-device reference, the implicit
-path, the explicit one and a candidate.
-
-The reference and the implicit path run with the axes the model's layers reduce over
-bound with size 1 (``_bound_axes``); the explicit path runs under ``shard_map``, which
-binds every mesh axis. A loss that draws random numbers is refused: each path would
-draw its own.
-"""
+"""Each method's gradient for ``compare_gradients``: the reference, implicit, explicit, a candidate."""
 
 from __future__ import annotations
 
@@ -33,11 +26,7 @@ def _rng_counts(state: nnx.State) -> dict[str, int]:
 
 
 def _refuse_random_draws(before: dict[str, int], after: dict[str, int]) -> None:
-    """Raise a ValueError if the loss drew random numbers (dropout) from the model's streams.
-
-    Each path would draw its own masks (the explicit one a different mask per device),
-    so their gradients could not agree, and the comparison would report noise.
-    """
+    """Raise a ValueError if the loss drew random numbers (dropout) from the model's streams."""
     drawn = [path for path, count in before.items() if after.get(path) != count]
     if drawn:
         raise ValueError(
@@ -51,13 +40,7 @@ def _refuse_random_draws(before: dict[str, int], after: dict[str, int]) -> None:
 
 
 def _bound_axes(fn: Callable[..., Any], axes: Sequence[str]) -> Callable[..., Any]:
-    """``fn`` with each of ``axes`` bound as a size-1 axis, so a collective over it is the identity.
-
-    A layer that reduces over a named axis (``nnx.BatchNorm(axis_name="data")``) fails
-    where no ``shard_map`` binds that axis: on one device, and under ``jax.jit``. Bound
-    with size 1, its ``pmean`` returns its input, which there is already the whole batch's
-    statistic. Every input is unmapped; the outputs gain, then lose, a leading size-1 axis.
-    """
+    """``fn`` with each of ``axes`` bound with size 1, so a collective over it is the identity."""
 
     def bound(*args: Any) -> Any:
         run = fn
@@ -74,8 +57,7 @@ def _grad_and_state(
     axes: Sequence[str],
     precision: MixedPrecision | None = None,
 ) -> Callable[[nnx.State, PyTree], tuple[nnx.State, nnx.State]]:
-    """``(state, batch) -> (grads, state after the loss)``, with ``axes`` bound (``_bound_axes``);
-    under ``precision`` as the implicit step runs it."""
+    """``(state, batch) -> (grads, state after)``, ``axes`` bound, under ``precision``."""
 
     def grad_and_state(state: nnx.State, batch: PyTree) -> tuple[nnx.State, nnx.State]:
         model = nnx.merge(graphdef, state)

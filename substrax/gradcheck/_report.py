@@ -1,9 +1,4 @@
-"""What ``compare_gradients`` finds: each parameter's gradient, by each method, against the reference.
-
-The reference is flattened once (``flatten_reference``), each leaf with its tolerance;
-each method's gradient is flattened in its order (``flatten_method``) and compared leaf
-by leaf (``leaf_rows``), a ``GradientRow`` per parameter in the ``GradientReport``.
-"""
+"""What ``compare_gradients`` finds: a ``GradientRow`` per parameter, each method against the reference."""
 
 from __future__ import annotations
 
@@ -46,11 +41,9 @@ class GradientReport:
 
     Attributes:
       ok: Whether every method's gradient matches the reference within tolerance.
-      max_abs_diff: The largest absolute difference from the reference, over every
-        method and parameter.
+      max_abs_diff: The largest absolute difference from the reference, over all.
       rows: One ``GradientRow`` per parameter path.
-      methods: The methods compared with the reference (``"implicit"``,
-        ``"explicit"`` and, when given, ``"candidate"``).
+      methods: The methods compared (``"implicit"``, ``"explicit"``, ``"candidate"``).
       scale: Per method, the least-squares factor ``c`` fitting ``grad ≈ c * reference``.
       diagnosis: Per method that fails, what is wrong and its usual causes.
     """

@@ -1,15 +1,8 @@
 """Run one training script as several JAX processes: locally, or on a cluster.
 
-On this machine::
-
-    python -m substrax.launch --num-processes 2 --devices-per-process 4 train.py --steps 100
-
-starts two processes of ``python train.py --steps 100``, each with 4 emulated CPU
-devices, joined into one 8-device JAX system. The script calls ``initialize()`` first
-thing; on a cluster (SLURM, Open MPI, Kubernetes, Cloud TPU) the same call joins the
-cluster's processes instead, and run alone it does nothing. The training step does not
-change: each process loads its rows of the global batch (``process_slice``) and
-``substrax.spmd.place_batch_on_shards`` assembles the global array.
+``python -m substrax.launch --num-processes 2 --devices-per-process 4 train.py`` starts
+two processes joined into one 8-device JAX system; the script calls ``initialize()``
+first thing, and loads its rows with ``process_slice``. See the processes guide.
 """
 
 from __future__ import annotations
@@ -27,43 +20,15 @@ __all__ = ["free_port", "initialize", "launch", "process_slice"]
 def initialize(*, distributed: bool | None = None) -> None:
     """Join this process to its peers, if it has any; call it first thing in the script.
 
-    It must run before anything touches a JAX backend (before the first array). What
-    it does depends on where the script runs, checked in this order:
-
-    1. Started by ``python -m substrax.launch`` (the ``SUBSTRAX_*`` variables are set):
-       runs on the CPU (``jax_platforms="cpu"``) with ``--devices-per-process`` emulated
-       devices, uses gloo for cross-process CPU collectives, and calls
-       ``jax.distributed.initialize`` with the launcher's coordinator on 127.0.0.1, its
-       process count and this process's id. It also shortens JAX's heartbeat (30 s)
-       and shutdown-barrier (``--shutdown-timeout``) waits, turns off JAX's preemption
-       service (which would swallow the launcher's SIGTERM even where nothing saves; an
-       open ``substrax.checkpoint.CheckpointManager`` catches SIGTERM itself, and its
-       ``save`` has every process save the same step and exit 143), makes an uncaught
-       exception (code 1) or a ``sys.exit`` with a non-zero code (that code) end the
-       process at once instead of waiting for its peers at the shutdown barrier, and
-       ends the process if the launcher dies. It tells the launcher (a file in the
-       launcher's status directory) that it joined, and at exit that the script ended,
-       so the launcher can warn of a script that never calls ``initialize()`` and name
-       a process that left its peers early.
-    2. ``distributed=True``, or ``distributed=None`` and one of these holds:
-       ``JAX_COORDINATOR_ADDRESS`` is set; SLURM runs more than one task
-       (``SLURM_NTASKS`` > 1 inside an ``srun`` step, with ``SLURM_JOB_ID``,
-       ``SLURM_STEP_NODELIST``, ``SLURM_PROCID`` and ``SLURM_LOCALID`` set); Open MPI
-       runs more than one rank (``OMPI_COMM_WORLD_SIZE`` > 1); a Kubernetes indexed
-       Job's pod (``KUBERNETES_SERVICE_HOST`` and ``JOB_COMPLETION_INDEX``); a
-       multi-host Cloud TPU (``TPU_WORKER_HOSTNAMES`` lists several hosts, or
-       ``MEGASCALE_COORDINATOR_ADDRESS`` is set): calls ``jax.distributed.initialize()``
-       with no arguments, so JAX finds the coordinator, process count and id itself.
-       Where JAX can find its peers but none of these is set (a Cloud TPU VM whose
-       hosts are listed only in its metadata, say), pass ``distributed=True``.
-    3. Otherwise (or ``distributed=False``): nothing. JAX runs as one process on all
-       its local devices.
-
-    A second call, once JAX's distributed system is up, does nothing.
+    It must run before anything touches a JAX backend. Under ``python -m substrax.launch``
+    it joins the launcher's run (emulated CPU devices, gloo, a coordinator on 127.0.0.1);
+    on a cluster it recognises (SLURM, Open MPI, Kubernetes, Cloud TPU,
+    ``JAX_COORDINATOR_ADDRESS``) it calls ``jax.distributed.initialize()``; otherwise it
+    does nothing. A second call does nothing. See the processes guide.
 
     Args:
       distributed: Outside the launcher, whether to call ``jax.distributed.initialize()``:
-        ``None`` (the default) decides from the environment as above.
+        ``None`` (the default) decides from the environment.
 
     Raises:
       RuntimeError: Under the launcher, if a JAX backend is already running (the call
@@ -79,17 +44,12 @@ def initialize(*, distributed: bool | None = None) -> None:
 
 
 def process_slice(global_size: int) -> slice:
-    """The rows of a global batch that this process loads: its block, in process order.
+    """The rows of a global batch this process loads: its block, in process order.
 
-    ``place_batch_on_shards`` stitches the processes' rows together in process order,
-    so process ``i`` of ``n`` loads rows ``[i * global_size // n, (i + 1) * global_size // n)``.
-    On a single process that is every row.
+    Process ``i`` of ``n`` loads ``[i * global_size // n, (i + 1) * global_size // n)``.
 
     Args:
       global_size: The global batch's number of rows.
-
-    Returns:
-      The slice of rows this process loads.
 
     Raises:
       ValueError: If ``global_size`` does not divide by the number of processes.

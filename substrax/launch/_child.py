@@ -68,12 +68,7 @@ def initialize_launched(env: LaunchEnv) -> None:
 
 
 def _tell_launcher(env: LaunchEnv, event: str) -> None:
-    """Leave ``event`` where the launcher looks (an empty file), if a launcher asked for it.
-
-    The launcher warns of a process that ended without joining the others (no
-    ``initialized``), and names a process whose script ended while its peers ran on
-    (``finished``) when they then fail.
-    """
+    """Leave ``event`` (``initialized``, ``finished``) as a file where the launcher looks."""
     if env.status_dir is None:
         return
     try:
@@ -119,18 +114,7 @@ def _exit_at_once_on_uncaught_exception(before_exit: Callable[[], None]) -> None
 
 
 def _watch_system_exit() -> Callable[[], int | str | None] | None:
-    """Note the SystemExit the main thread is leaving with, if any; returns its code's reader.
-
-    ``SystemExit`` never reaches ``sys.excepthook``, and ``atexit`` is not told the exit
-    code, so a ``sys.exit(3)`` would wait in JAX's shutdown barrier for peers that may be
-    blocked in a collective waiting for it. ``sys.monitoring`` (one of its free tool ids)
-    sees every ``SystemExit`` raised in the main thread, and forgets one that is caught.
-
-    Returns:
-      A function giving the code of the ``SystemExit`` in flight (``None`` when there is
-      none), or ``None`` when every ``sys.monitoring`` tool id is taken (a debugger and
-      more): a ``sys.exit`` then waits at the barrier, as it would without the launcher.
-    """
+    """Watch for the main thread's SystemExit (``sys.monitoring``); its code's reader, or None."""
     monitoring = sys.monitoring
     tool = next((t for t in range(5, -1, -1) if monitoring.get_tool(t) is None), None)
     if tool is None:
@@ -158,11 +142,7 @@ def _watch_system_exit() -> Callable[[], int | str | None] | None:
 def _exit_at_once_on_failed_exit(
     exit_code: Callable[[], int | str | None], before_exit: Callable[[], None]
 ) -> None:
-    """At exit, end the process at once when it leaves with a non-zero ``SystemExit``.
-
-    A clean exit (no ``SystemExit``, or code 0 or ``None``) goes on to JAX's shutdown
-    barrier, which keeps the coordinator up until every process is done.
-    """
+    """At exit, end the process at once on a non-zero ``SystemExit``; a clean one waits at JAX's barrier."""
     code = exit_code()
     if code is None or code == 0:
         return
@@ -176,17 +156,7 @@ def _exit_at_once_on_failed_exit(
 
 
 def _follow_launcher(launcher_pid: int | None) -> Callable[[], None]:
-    """End the whole run, and what it started, when the launcher is gone.
-
-    A launcher killed with SIGKILL cannot stop its children, so they stop themselves: a
-    thread in each notices within half a second and kills the run's process group (the
-    launcher puts all its children in one), siblings and their children included. Every
-    way out of this process checks too (an uncaught exception, the end of the script),
-    lest it leave before its thread has looked.
-
-    Returns:
-      The check, for exits that skip ``atexit``.
-    """
+    """End the run's process group when the launcher is gone (a thread, every 0.5 s); returns the check."""
     if launcher_pid is None or os.getppid() != launcher_pid:
         return lambda: None  # started by hand or through a wrapper: nothing to follow
     run_group = os.getpgrp()

@@ -1,8 +1,4 @@
-"""What the launcher tells each process, and how a process tells where it runs.
-
-The launcher and ``initialize`` meet only through environment variables, so a script
-started by hand with these variables set behaves exactly as one the launcher started.
-"""
+"""What the launcher tells each process (environment variables only), and where a process runs."""
 
 from __future__ import annotations
 

@@ -1,30 +1,9 @@
 """Start N copies of a script on this machine, stream their output, end them together.
 
-These rules keep a local multi-process run from hanging, losing its progress or
-leaving strays behind:
-
-- The children run in a process group of their own, apart from the launcher's (so a
-  Ctrl-C in the terminal reaches only the launcher), and the run is ended by signalling
-  that group: SIGTERM, a grace, then SIGKILL. A process blocked in a collective or
-  sitting in JAX's shutdown barrier may not end on SIGTERM, so SIGTERM alone is not
-  enough. The group also holds whatever the scripts started, and one group for the
-  whole run lets any child end all of it (see ``_child``).
-- The first child to exit non-zero ends the run: the others are stopped at once
-  (SIGTERM, at most ``STOP_GRACE_S``, SIGKILL) and the launcher exits with that child's
-  code, naming it, and naming a process that had stalled (stopped by SIGSTOP or a
-  debugger) or left early (its script ended while its peers ran on), the likelier
-  cause when the first to fail is a healthy peer that gave up waiting.
-- Ctrl-C, SIGTERM or SIGHUP to the launcher is passed on to every child as SIGTERM,
-  and they have ``--grace`` seconds to end: time for a ``CheckpointManager`` to save the
-  step at hand and exit 143. A child that exits 143 by itself (a SIGTERM sent to it
-  alone) gives the others the same time to save that step and end. A second signal to
-  the launcher kills them at once.
-- A run in which no process prints a line for ``--idle-timeout`` seconds (30 minutes
-  by default) is ended: a hang is bounded even when nobody watches.
-- The coordinator's port is held by the launcher for the whole run (see
-  ``_port``), and each process tells the launcher (by files in a private
-  status directory) when it joined the run and when its script ended, so the launcher
-  can warn of a script that never called ``initialize()``.
+The children share a process group of their own, ended as one (SIGTERM, a grace,
+SIGKILL); the first to fail ends the run; a signal to the launcher passes on as SIGTERM
+with ``--grace`` to save; an idle run is ended. See the processes guide, "The local
+launcher".
 """
 
 from __future__ import annotations
@@ -54,11 +33,7 @@ _HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class _Signals:
-    """Notes SIGINT, SIGTERM and SIGHUP (the first, the last, how many); the watch loop acts on them.
-
-    The handler only records: an exception raised from a handler can land anywhere in
-    the main thread (inside a finalizer, where it is swallowed); a flag cannot be lost.
-    """
+    """Records SIGINT, SIGTERM, SIGHUP (first, last, count) for the watch loop; it acts on them."""
 
     def __init__(self) -> None:
         self.received: int | None = None
@@ -99,9 +74,7 @@ def _watch(
     grace_s: float,
     status_dir: str | None,
 ) -> _Ending:
-    """Wait until every child exits 0 (0), one fails (its code), one exits 143 after a
-    SIGTERM (143, the others given ``grace_s`` to end), the run is idle for
-    ``idle_timeout_s`` (124) or a signal comes (128 + it, passed on as SIGTERM)."""
+    """Wait for all 0 (0), a failure (its code), a 143 (143), idleness (124) or a signal (128+)."""
     while True:
         if signals.received is not None:
             printer.say(
@@ -140,12 +113,7 @@ def _wind_down(
     forward: bool,
     status_dir: str | None,
 ) -> bool:
-    """Give the children up to ``grace_s`` to end by themselves (passing SIGTERM on first if
-    ``forward``); a signal then passes SIGTERM on if it was not, or else ends the wait.
-
-    Returns:
-      Whether they all ended; if not, they have had their grace and are to be killed.
-    """
+    """Give the children ``grace_s`` to end (SIGTERM first if ``forward``); whether they all ended."""
     if forward:
         _processes.terminate(children)
     seen = signals.count
@@ -208,36 +176,23 @@ def launch(
 ) -> int:
     """Run ``python script *args`` as ``num_processes`` JAX processes on this machine.
 
-    Each child learns its place from ``SUBSTRAX_*`` variables, which
-    ``substrax.launch.initialize()`` reads. Every line a child prints, to stdout or
-    stderr, is passed on to the same stream under ``[p<i>] ``; the launcher's own lines
-    (the children's pids, who failed) go to stderr under ``[launch] ``. When the run
-    ends, however it ends, nothing the children started is left running. When every
-    process exits 0 but one never called ``substrax.launch.initialize()`` (so it ran as
-    a JAX job of its own), the launcher says so on stderr.
+    Each child learns its place from ``SUBSTRAX_*`` variables (read by ``initialize()``);
+    its lines are passed on under ``[p<i>] ``, the launcher's own on stderr under
+    ``[launch] ``. Nothing the children started is left running. See the processes guide.
 
     Args:
       script: The Python script each process runs, with ``sys.executable``.
       args: Its command-line arguments, the same for every process.
       num_processes: How many processes to start.
       devices_per_process: How many CPU devices each process emulates.
-      grace_s: How long the children have to end after the launcher passes on a
-        SIGTERM (when it gets SIGINT, SIGTERM or SIGHUP), or after one child exits 143
-        (a SIGTERM sent to it alone): time for a ``CheckpointManager`` to save the step
-        at hand and exit 143. Then they are killed. After a failure or an idle timeout
-        the others are stopped with ``min(grace_s, STOP_GRACE_S)`` (3 s): a run that
-        lost a process can save nothing.
-      shutdown_timeout_s: How long JAX's shutdown barrier waits, when one process ends,
-        for the others to end too before every process aborts. Only a process that
-        ends cleanly (or with ``sys.exit(0)``) waits there: one that raises or calls
-        ``sys.exit`` with another code skips it.
+      grace_s: How long the children have to end (to save and exit 143) after the
+        launcher passes on a SIGTERM, or after one child exits 143; then they are killed.
+        After a failure or an idle timeout it is ``min(grace_s, STOP_GRACE_S)`` (3 s).
+      shutdown_timeout_s: How long JAX's shutdown barrier waits for the others when a
+        process ends cleanly, before every process aborts.
       idle_timeout_s: End the run when no running process has printed a line for this
-        many seconds (a hung process, and its peers blocked in a collective waiting for
-        it, print nothing); the message names the running processes quietest first
-        (index, pid, how long each printed no line, whether it is stopped or its script
-        has ended), and which went quiet first. The default, 30 minutes, bounds
-        a hang even when nobody watches, yet leaves room for a long silent compile or
-        evaluation; ``None``: no bound, for scripts that are silent for longer.
+        many seconds (30 minutes by default), naming them quietest first; ``None``: no
+        bound.
 
     Returns:
       0 when every process exited 0; else the exit code of the process that failed

@@ -23,15 +23,9 @@ def free_port() -> int:
 def reserved_port() -> Iterator[int]:
     """A free loopback port for the coordinator, held until the run ends.
 
-    Between choosing a port and process 0's coordinator binding it lie seconds (each
-    child imports JAX first), in which any other process on the machine can take it: a
-    bind to port 0 (as gloo's listeners do) or a connection's ephemeral port. Process 0
-    then fails with "Address already in use". So on Linux the launcher keeps a socket
-    bound to the port with ``SO_REUSEPORT``, never listening: the coordinator (gRPC sets
-    ``SO_REUSEPORT`` on its listeners) binds beside it and gets every connection, while
-    any other bind to the port fails and no connection takes it as its local port.
-    Elsewhere the port is only chosen (``free_port``). The children do not inherit the
-    socket (Python's sockets are close-on-exec).
+    On Linux a socket stays bound to it with ``SO_REUSEPORT``, never listening, so the
+    coordinator binds beside it and nothing else takes it; elsewhere it is only chosen
+    (``free_port``). See the processes guide.
     """
     if not (sys.platform.startswith("linux") and hasattr(socket, "SO_REUSEPORT")):
         yield free_port()

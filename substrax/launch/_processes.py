@@ -1,8 +1,6 @@
 """The launcher's hold on each child process: start it, watch it, end the run's process group.
 
-The children run in a process group of their own, led by the first child, and the run
-is ended by signalling that group (``stop``). A child is left unreaped until then
-(``Child.exit_code``), so the group's id cannot be reused while the launcher signals it.
+A child is left unreaped until the group is stopped, so the group's id cannot be reused.
 """
 
 from __future__ import annotations

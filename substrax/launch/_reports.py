@@ -1,9 +1,4 @@
-"""What the launcher says when a run fails, hangs, or ran without ``initialize()``.
-
-A failing process is often a healthy peer that gave up waiting, so each report also
-names a process that had stalled (stopped by SIGSTOP or a debugger) or left early (its
-script ended while its peers ran on): the likelier cause.
-"""
+"""What the launcher says when a run fails, hangs, or ran without ``initialize()``."""
 
 from __future__ import annotations
 
@@ -35,8 +30,7 @@ def _describe_exit(code: int) -> str:
 
 
 def _causes(children: Sequence[Child], until: float, now: float, failed: Child | None = None) -> list[str]:
-    """Who had stalled (is stopped) or left early (its script ended, or it exited 0, before
-    ``until`` while another ran on): the likelier cause of a failure (of ``failed``) or a hang."""
+    """Who had stalled or left early (before ``until``, while another ran on): the likelier cause."""
     said = [
         f"{c.name} stalled: it has been stopped (SIGSTOP, or a debugger) for "
         f"{now - c.stopped_since:.1f} s, and its peers cannot go on without it"

@@ -1,13 +1,8 @@
 """Device meshes: build them, describe them, and emulate devices on the CPU.
 
-Also re-exported here: ``MeshRules`` and its helpers (``substrax.mesh._rules``), and the
-sharding configurations and strategies of ``substrax.mesh.strategies``.
-
-``jax.make_mesh`` on jax >= 0.11 gives every axis ``AxisType.Explicit``. Under Explicit
-axes a batch-sharded backward pass needs ``out_sharding=`` on every op whose sharding
-jax cannot infer, so the data-parallel steps here (which rely on the compiler to place
-the gradient all-reduce) would fail to trace. The meshes built here default to
-``AxisType.Auto`` instead; pass ``axis_types`` to choose otherwise.
+Also re-exported: ``MeshRules`` and its helpers, and ``substrax.mesh.strategies``. The
+meshes here default to ``AxisType.Auto`` axes, not ``jax.make_mesh``'s ``Explicit``:
+see the batches guide, "Meshes with Auto axes".
 """
 
 from __future__ import annotations
@@ -90,12 +85,10 @@ def create_device_mesh(
     Args:
       mesh_shape: Axis name to size, as a mapping (``{"data": 4, "model": 2}``) or a list
         of ``(name, size)`` pairs; the order is the mesh's axis order.
-      devices: The devices to lay out, in order. Defaults to ``jax.devices()``; only the
-        first ``prod(sizes)`` are used, through ``jax.make_mesh``'s topology-aware order.
-      axis_types: One ``jax.sharding.AxisType`` for every axis, or one per axis. Defaults
-        to ``AxisType.Auto`` for every axis (``jax.make_mesh`` itself defaults to
-        ``Explicit``, under which a batch-sharded backward pass needs ``out_sharding``
-        on every op: see the module docstring).
+      devices: The devices to lay out; ``jax.devices()`` by default. Only the first
+        ``prod(sizes)`` are used, in ``jax.make_mesh``'s topology-aware order.
+      axis_types: One ``jax.sharding.AxisType`` for every axis, or one per axis;
+        ``AxisType.Auto`` by default (see the batches guide, "Meshes with Auto axes").
 
     Returns:
       A ``jax.sharding.Mesh`` with the given axis names and sizes.
@@ -144,14 +137,11 @@ def create_device_mesh(
 
 
 def create_data_parallel_mesh(num_devices: int | None = None, *, data_axis: str = "data") -> Mesh:
-    """Create a one-axis mesh for data parallelism.
+    """Create a one-axis mesh ``{data_axis: num_devices}`` (Auto) for data parallelism.
 
     Args:
-      num_devices: How many devices the ``data`` axis spans; every device by default.
+      num_devices: How many devices the axis spans; every device by default.
       data_axis: The axis name.
-
-    Returns:
-      A mesh ``{data_axis: num_devices}`` with an Auto axis.
 
     Raises:
       ValueError: As ``create_device_mesh``.
@@ -160,28 +150,20 @@ def create_data_parallel_mesh(num_devices: int | None = None, *, data_axis: str 
 
 
 def create_model_parallel_mesh(num_devices: int, *, model_axis: str = "model") -> Mesh:
-    """Create a one-axis mesh for model parallelism.
+    """Create a one-axis mesh ``{model_axis: num_devices}`` (Auto) for model parallelism.
 
     Args:
-      num_devices: How many devices the ``model`` axis spans.
+      num_devices: How many devices the axis spans.
       model_axis: The axis name.
 
-    Returns:
-      A mesh ``{model_axis: num_devices}`` with an Auto axis.
-
     Raises:
-      ValueError: As ``create_device_mesh``: "Not enough devices" when there are fewer
-        than ``num_devices``.
+      ValueError: As ``create_device_mesh`` ("Not enough devices" when there are fewer).
     """
     return create_device_mesh({model_axis: num_devices})
 
 
 def _granules(devices: Sequence[jax.Device]) -> list[list[jax.Device]]:
-    """The devices grouped by slice (multi-slice TPU) or else by process, in order.
-
-    Devices in one group talk over the fast interconnect (ICI); groups talk over the
-    data-center network (DCN).
-    """
+    """The devices grouped by slice (multi-slice TPU) or else by process, in order."""
     if len({getattr(d, "slice_index", 0) for d in devices}) > 1:
         key = lambda d: d.slice_index  # noqa: E731
     else:
@@ -199,14 +181,9 @@ def create_hybrid_mesh(
     devices: Sequence[jax.Device] | None = None,
     axis_types: Sequence[AxisType] | AxisType | None = None,
 ) -> Mesh:
-    """Create a two-axis ``("data", "model")`` mesh, laid out for several hosts.
+    """Create a two-axis ``("data", "model")`` mesh, ``model`` inside a host, ``data`` across hosts.
 
-    The ``model`` axis stays inside one host (a process, or a TPU slice), on its fast
-    interconnect (ICI); the ``data`` axis spans the hosts, over the data-center network
-    (DCN), and the devices of each host. The layout comes from
-    ``jax.experimental.mesh_utils.create_hybrid_device_mesh`` with an ICI shape of
-    ``(data_parallel_size // hosts, model_parallel_size)`` and a DCN shape of
-    ``(hosts, 1)``. On one host it is ``create_device_mesh({"data": ..., "model": ...})``.
+    See the batches guide, "Meshes with Auto axes", for the layout.
 
     Args:
       data_parallel_size: Devices along ``data``; a multiple of the number of hosts.
@@ -258,16 +235,10 @@ def create_hybrid_mesh(
 
 
 def get_mesh_info(mesh: Mesh) -> dict[str, Any]:
-    """Alias of ``mesh_info`` in its shorter form, kept for code written against an earlier version.
-
-    It describes a mesh by its device count and axis sizes only (the shape other
-    libraries use), where ``mesh_info`` says more (axis types, platform, processes).
+    """The short form of ``mesh_info``, kept for earlier code: ``{"total_devices": n, "axes": {name: size}}``.
 
     Args:
       mesh: The mesh.
-
-    Returns:
-      ``{"total_devices": int, "axes": {name: size}}``, the axes in mesh order.
     """
     return {"total_devices": int(mesh.devices.size), "axes": dict(mesh.shape)}
 
@@ -275,13 +246,10 @@ def get_mesh_info(mesh: Mesh) -> dict[str, Any]:
 def mesh_info(mesh: Mesh) -> dict[str, Any]:
     """Describe a mesh: its axes, sizes, types and devices.
 
-    Args:
-      mesh: The mesh.
-
     Returns:
-      A dict with ``axis_names``, ``shape`` (name to size), ``axis_types`` (name to type
-      name), ``num_devices``, ``platform``, ``process_count`` (processes owning its
-      devices) and ``local_shape`` (name to size over this process's devices).
+      A dict with ``axis_names``, ``shape``, ``axis_types`` (name to type name),
+      ``num_devices``, ``platform``, ``process_count`` (processes owning its devices) and
+      ``local_shape`` (name to size over this process's devices).
     """
     devices = mesh.devices.flat
     return {
@@ -300,8 +268,7 @@ def current_mesh(
 ) -> Mesh | AbstractMesh:
     """Return ``mesh``, or the one set by ``jax.set_mesh``, checking it has ``required_axes``.
 
-    Inside ``jax.jit`` the mesh set by ``jax.set_mesh`` is known only as an
-    ``AbstractMesh``, which is all ``jax.shard_map`` needs.
+    Inside ``jax.jit`` that is an ``AbstractMesh``.
 
     Raises:
       ValueError: If there is no mesh, or an axis is missing; names the mesh's axes.
@@ -326,10 +293,9 @@ def current_mesh(
 def current_mesh_with(axis: str, mesh: Mesh | AbstractMesh | None = None) -> Mesh | AbstractMesh | None:
     """The mesh with ``axis``: ``mesh``, or the one set by ``jax.set_mesh`` when it has ``axis``.
 
-    Where ``current_mesh`` raises, this returns None: no mesh is set, or the one set
-    lacks ``axis``. A ``mesh`` given is checked as ``current_mesh`` checks it (a
-    ValueError when it lacks ``axis``). Outside ``jax.jit`` the concrete mesh; inside,
-    or when only ``jax.sharding.use_abstract_mesh`` set one, the abstract mesh.
+    Returns ``None`` where ``current_mesh`` would raise; a ``mesh`` given is checked as
+    ``current_mesh`` checks it. Inside ``jax.jit`` (or with only an abstract mesh set) the
+    abstract mesh.
     """
     if mesh is not None:
         return current_mesh(mesh, required_axes=(axis,))
@@ -348,10 +314,7 @@ def _set_mesh() -> Mesh | AbstractMesh:
 
 
 def use_cpu_devices(num_devices: int) -> None:
-    """Emulate ``num_devices`` CPU devices; call before jax touches a backend.
-
-    Tests, notebooks and demos use this to run data-parallel code on one CPU. It sets
-    ``jax_num_cpu_devices``, which jax reads once, when it first starts a backend.
+    """Emulate ``num_devices`` CPU devices (sets ``jax_num_cpu_devices``); call before jax starts a backend.
 
     Args:
       num_devices: How many CPU devices jax should expose.

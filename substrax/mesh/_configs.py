@@ -68,11 +68,7 @@ class ShardingConfig:
     def from_device_count(cls, device_count: int) -> ShardingConfig:
         """A rule of thumb for ``device_count`` devices: data parallel first, then tensor parallel.
 
-        Up to 4 devices are all data parallel. Beyond that, the tensor-parallel size is the
-        largest divisor of ``device_count`` at most 8 and at most ``sqrt(2 * device_count)``,
-        and the rest is data parallel, so every device is used (8 devices: 2 x 4, 16: 4 x 4,
-        64: 8 x 8, 7: 7 x 1). The program is not looked at: ``substrax.plan`` gives a choice
-        measured on it.
+        See the batches guide, "Sharding strategies"; ``substrax.plan`` measures the program.
 
         Raises:
           TypeError: If ``device_count`` is not an int.

@@ -1,10 +1,7 @@
 """Logical axis rules: name an array's dimensions, get its ``PartitionSpec``.
 
-``MeshRules`` maps the logical dimension names of the Flax NNX FSDP example (``data``,
-``embed``, ``mlp``, ``heads``) to mesh axes. ``partition_spec_for_names`` turns logical
-names into a ``PartitionSpec``, ``create_named_sharding`` mesh axes into a
-``NamedSharding``. ``substrax.mesh`` re-exports them, with the names and defaults of
-avitai/substrax's ``substrax.mesh.rules``.
+``MeshRules`` maps the Flax NNX FSDP example's names (``data``, ``embed``, ``mlp``,
+``heads``) to mesh axes, with avitai/substrax's names and defaults.
 
     >>> from substrax.mesh import fsdp_rules, partition_spec_for_names
     >>> partition_spec_for_names(fsdp_rules(), "data", "embed")
@@ -130,9 +127,7 @@ def fsdp_rules(
 
 
 def create_named_sharding(mesh: Mesh | AbstractMesh, *axis_names: Axis) -> NamedSharding:
-    """``NamedSharding(mesh, PartitionSpec(*axis_names))``: one mesh axis (or None) per dimension.
-
-    No axis names at all gives a replicated sharding.
+    """``NamedSharding(mesh, PartitionSpec(*axis_names))``; no names: replicated.
 
     Raises:
       TypeError: If ``mesh`` is not a ``jax.sharding.Mesh``, or an axis name is not a str,

@@ -1,13 +1,7 @@
 """Sharding strategies: name an array's dimensions, get the ``PartitionSpec`` a parallelism gives it.
 
-A planning layer, with the names of avitai/substrax's ``substrax.mesh.strategies``.
-``ShardingConfig`` says how many devices each kind of parallelism spans, and
-``ParallelismConfig`` the mesh that realises it. A strategy maps the logical names of an
-array's dimensions, such as ``("batch", "hidden")``, to a spec over one mesh axis, and
-``shard`` places an array by it; ``MultiDimensionalStrategy`` merges strategies on
-several axes. The training steps do not read these (their layouts are
-``substrax.shard_state``'s). ``ShardingConfig.from_device_count`` is a rule of thumb on the
-device count alone; ``substrax.plan`` gives a choice measured on the program.
+A planning layer (avitai/substrax's names); the steps do not read it. See the batches
+guide, "Sharding strategies: a planning layer".
 
     >>> from substrax.mesh import DataParallelStrategy, TensorParallelStrategy
     >>> DataParallelStrategy().partition_spec(("batch", "sequence", "hidden"))
@@ -194,10 +188,7 @@ class FSDPStrategy:
         return PartitionSpec(first, *[None] * (len(names) - 1))
 
     def shard(self, array: Any, mesh: Mesh) -> jax.Array:
-        """The array split on its first dimension if ``should_shard``, else replicated.
-
-        A first dimension that does not divide by the axis size stays whole, as
-        ``substrax.shard_state`` leaves it.
+        """The array split on its first dimension if ``should_shard`` and it divides, else replicated.
 
         Raises:
           TypeError: If ``mesh`` is not a ``jax.sharding.Mesh``.
@@ -245,8 +236,7 @@ class TensorParallelStrategy:
     def linear_weight_spec(self) -> PartitionSpec:
         """The spec of a weight stored ``(out_features, in_features)``, as PyTorch stores it.
 
-        ``shard_dimension="in_features"`` splits the input features (row-parallel); any
-        other splits the output features (column-parallel).
+        ``shard_dimension="in_features"`` splits the inputs (row-parallel); any other the outputs.
         """
         if self.shard_dimension == "in_features":
             return PartitionSpec(None, self.axis_name)
@@ -254,18 +244,12 @@ class TensorParallelStrategy:
 
     @property
     def attention_qkv_spec(self) -> PartitionSpec:
-        """The spec of a query, key or value kernel: its output features (the heads) split.
-
-        The kernel is stored ``(in_features, out_features)``, as NNX stores it.
-        """
+        """The spec of a query, key or value kernel ``(in, out)``: its outputs (the heads) split."""
         return PartitionSpec(None, self.axis_name)
 
     @property
     def attention_output_spec(self) -> PartitionSpec:
-        """The spec of the attention output kernel: its input features (the heads) split.
-
-        The kernel is stored ``(in_features, out_features)``, as NNX stores it.
-        """
+        """The spec of the attention output kernel ``(in, out)``: its inputs (the heads) split."""
         return PartitionSpec(self.axis_name, None)
 
     def shard(self, array: Any, mesh: Mesh) -> jax.Array:
@@ -355,17 +339,15 @@ def _rank(strategy: object) -> int:
 class MultiDimensionalStrategy:
     """Strategies on several mesh axes, merged into one spec per array.
 
-    Only a ``DataParallelStrategy`` and an ``FSDPStrategy`` may share a mesh axis.
-
     Attributes:
       strategies: The strategies, by name.
-      config: The parallelism configuration they realise (kept; the strategies' axes are
-        not checked against its mesh).
+      config: The parallelism configuration they realise (kept, not checked).
 
     Raises:
       TypeError: If a strategy does not follow ``ShardingStrategy``, or ``config`` is not a
         ``ParallelismConfig``.
-      ValueError: If two strategies conflict on one axis ("Conflicting strategies"; names both).
+      ValueError: If two strategies share a mesh axis ("Conflicting strategies"; names
+        both); only a ``DataParallelStrategy`` and an ``FSDPStrategy`` may.
 
     >>> combined = MultiDimensionalStrategy(
     ...     strategies={"data": DataParallelStrategy(), "model": TensorParallelStrategy()},
@@ -429,11 +411,7 @@ class MultiDimensionalStrategy:
     def resolve_sharding_conflicts(
         self, proposed_specs: Mapping[str, PartitionSpec], *, ndim: int
     ) -> PartitionSpec:
-        """Merge specs dimension by dimension; where several split one, one claim wins.
-
-        A ``TensorParallelStrategy``'s claim wins, then an ``FSDPStrategy``'s, then the first
-        in ``proposed_specs`` (whose keys name strategies of ``strategies``; an unknown key
-        ranks with the others).
+        """Merge specs dimension by dimension; tensor parallel wins a dimension, then FSDP, then the first.
 
         Raises:
           ValueError: If a spec has more than ``ndim`` entries, or the merged spec splits

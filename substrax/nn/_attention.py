@@ -35,14 +35,9 @@ def _check_heads(num_heads: int, size: int, axis: str) -> None:
 class ParallelSelfAttention(nnx.Module):
     """Softmax self-attention, Megatron-style: each device of ``model_axis`` runs its own heads.
 
-    ``query``, ``key`` and ``value`` are ``ColumnParallelLinear(in_features,
-    qkv_features)``: their output features, ``num_heads`` blocks of ``head_dim =
-    qkv_features / num_heads``, are split over ``model_axis``, so each device holds
-    whole heads (``num_heads / size``) and attends over them with no communication.
-    ``out`` is ``RowParallelLinear(qkv_features, out_features)``: its ``psum`` over
-    ``model_axis`` is the block's one collective in the forward pass (``substrax.nn``).
-    Anywhere else (one device, no mesh, ``jax.jit``) it is plain attention:
-    ``softmax(q k^T / sqrt(head_dim)) v`` per head, then ``out``.
+    ``query``, ``key``, ``value`` are ``ColumnParallelLinear``s (whole heads per device, no
+    communication), ``out`` a ``RowParallelLinear`` (the one forward ``psum``). Anywhere else
+    it is plain attention, ``softmax(q k^T / sqrt(head_dim)) v`` per head, then ``out``.
 
     Args:
       num_heads: The number of heads; ``model_axis``'s size must divide it.
@@ -58,19 +53,15 @@ class ParallelSelfAttention(nnx.Module):
       kernel_init: For the four projections, as ``nnx.Linear``'s.
       bias_init: For the four projections, as ``nnx.Linear``'s.
       model_axis: The mesh axis the heads are split over.
-      sequence_parallel: Inside ``shard_map``, the input arrives split over
-        ``model_axis`` on the sequence (its second-to-last dimension) and is
-        all-gathered there once for the three projections; the output leaves split the
-        same way (``out`` reduce-scatters instead of ``psum``-ing), as the
-        sequence-parallel ``ColumnParallelLinear`` / ``RowParallelLinear`` pair takes
-        and gives it. Anywhere else it changes nothing.
+      sequence_parallel: Inside ``shard_map``, the input arrives split over ``model_axis``
+        on the sequence (second-to-last dimension), gathered once for the three
+        projections, and the output leaves split so (``out`` reduce-scatters).
       rngs: The projections' parameters come from ``rngs.params()``: query, key,
         value, out, each its kernel then its bias.
 
     Raises:
       ValueError: If ``num_heads`` does not divide ``qkv_features``, or a mesh with
-        ``model_axis`` is set (``jax.set_mesh``) and its size does not divide
-        ``num_heads``.
+        ``model_axis`` is set and its size does not divide ``num_heads``.
     """
 
     def __init__(

@@ -1,22 +1,9 @@
 """What a tensor-parallel layer communicates, declared by the layer where it writes it.
 
-A layer writing a collective inside ``jax.shard_map`` declares it there:
-``declare_forward(...)`` for one the forward pass runs, ``declare_backward(...)`` for
-one that AD's transpose of it runs (a ``pcast`` to varying becomes a ``psum`` of the
-gradient, a ``psum_scatter`` an ``all_gather``, ...). ``substrax.nn``'s layers declare
-every one of theirs; a layer of your own may declare its own the same way.
-
-Outside ``recording()`` both do nothing (``declare_backward`` returns its value
-untouched), so a step traced for training is the program as written. Inside it, each
-declaration is kept as a ``Declared``, and ``declare_backward`` wraps its value in an
-identity whose custom VJP records the collective only when AD does transpose it: a
-layer whose input carries no gradient (the batch) runs no backward collective, and none
-is recorded.
-
-``TrainStep.check_communication`` traces the step afresh inside ``recording()`` and the
-census expects exactly the declared collectives over their axis, per layer and phase,
-before it reads the compiled program. ``naming(model)`` names each layer by its path in
-the model while the loss function runs (the explicit step does).
+``declare_forward`` and ``declare_backward`` do nothing outside ``recording()``;
+``TrainStep.check_communication`` traces the step inside it and the census expects
+exactly the declared collectives, per layer and phase. ``naming(model)`` names each layer
+by its path. See the tensor-parallelism guide, "A layer of your own".
 """
 
 from __future__ import annotations

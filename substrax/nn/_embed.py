@@ -26,14 +26,9 @@ EMBED_INIT: Initializer = nnx.initializers.variance_scaling(
 class ParallelEmbedding(nnx.Module):
     """``nnx.Embed`` whose table ``(num_embeddings, features)`` is split over ``model_axis``.
 
-    ``split="vocab"``: the table is declared ``(model_axis, None)``; inside
-    ``jax.shard_map(check_vma=True)`` with that spec each device looks up the ids in its
-    own block of rows, writes zeros for the others, and the lookups are ``psum``-ed
-    over ``model_axis``. ``split="features"``: declared ``(None, model_axis)``; each
-    device looks up its block of features and they are all-gathered (tiled) on the
-    last dimension. Either way the output is whole and equal on every device of
-    ``model_axis``, ready for a ``ColumnParallelLinear``. Anywhere else (one device, no
-    mesh, ``jax.jit``) it is ``nnx.Embed``.
+    Inside ``jax.shard_map(check_vma=True)``: ``split="vocab"`` (rows) ``psum``s the devices'
+    lookups, ``split="features"`` (columns) all-gathers their features; the output is whole
+    on every device. Anywhere else it is ``nnx.Embed``.
 
     Args:
       num_embeddings: As ``nnx.Embed``'s.
@@ -114,11 +109,9 @@ class ParallelEmbedding(nnx.Module):
     def attend(self, query: jax.Array) -> jax.Array:
         """``query @ table.T``: logits over the vocabulary (tied output embedding).
 
-        Inside ``shard_map``, with ``split="vocab"`` each device returns the logits of
-        its own block of the vocabulary (``num_embeddings / size`` of the last
-        dimension, varying over ``model_axis``, as a ``ColumnParallelLinear``'s output);
-        with ``split="features"`` each multiplies its block of ``query``'s features and
-        the partial logits are ``psum``-ed: all of them, on every device.
+        Inside ``shard_map``, ``split="vocab"`` gives each device its block of the vocabulary's
+        logits (varying, as a ``ColumnParallelLinear``'s output); ``split="features"`` ``psum``s
+        partial logits, so every device has all of them.
         """
         (query, table), split = self._table(query)
         if not split:

@@ -1,9 +1,4 @@
-"""``ColumnParallelLinear`` and ``RowParallelLinear``: the Megatron pair (``substrax.nn``).
-
-Also the helpers the other layers share: ``sharded_param`` (a parameter with its
-split declared as flax metadata) and ``split_over`` (whether a value inside
-``jax.shard_map`` is this device's shard of a split parameter).
-"""
+"""``ColumnParallelLinear``, ``RowParallelLinear`` (the Megatron pair), and the helpers the layers share."""
 
 from __future__ import annotations
 
@@ -27,31 +22,21 @@ BIAS_INIT: Initializer = nnx.initializers.zeros_init()
 
 
 def sharded_param(value: jax.Array, spec: tuple[str | None, ...], axis: str) -> nnx.Param[jax.Array]:
-    """``nnx.Param(value)`` declared split as ``spec`` (flax's ``out_sharding`` metadata).
+    """``nnx.Param(value)`` declared split as ``spec`` (``out_sharding``), ``axis`` optional.
 
-    flax places a variable with ``out_sharding`` on the mesh at creation ("eager
-    sharding", on by default) and refuses to create one when no mesh is set. Here it
-    is placed only when the mesh set by ``jax.set_mesh`` has ``axis``; otherwise the
-    value stays where it was made and only the metadata records the split. ``axis``
-    is declared optional (metadata ``optional_axes``): on a mesh without it the
-    steps place the parameter whole, and the layer computes as a plain one.
+    Placed at creation only when the mesh set by ``jax.set_mesh`` has ``axis``; elsewhere
+    only the metadata records the split, and the steps place it whole.
     """
     place = nnx.using_eager_sharding() and current_mesh_with(axis) is not None
     return nnx.Param(value, out_sharding=spec, eager_sharding=place, optional_axes=(axis,))
 
 
 def split_over(value: jax.Array, axis: str, dim: int, whole: int, where: str) -> bool:
-    """Whether ``value`` is this device's shard, split on ``dim`` over ``axis``.
-
-    True when its type varies over ``axis`` (inside ``jax.shard_map(check_vma=True)``
-    with the parameter's ``in_specs`` from ``nnx.get_partition_spec``); False when it
-    holds all ``whole`` entries of ``dim`` and is typed equal over ``axis`` or there is
-    no such axis (one device, no mesh, ``jax.jit``).
+    """Whether ``value`` is this device's shard, split on ``dim`` over ``axis`` (typed varying there).
 
     Raises:
       ValueError: If it holds part of ``dim`` but is not typed varying over ``axis``
-        (``check_vma=False``, where the collectives' gradients would be wrong), or is
-        typed varying but its part is not ``whole / axis size``.
+        (``check_vma=False``), or is varying but its part is not ``whole / axis size``.
     """
     have = value.shape[dim]
     if axis not in (varying_axes(value) or ()):
@@ -183,13 +168,11 @@ class _Linear(nnx.Module):
 
 
 class ColumnParallelLinear(_Linear):
-    """``nnx.Linear`` with its output features split over ``model_axis`` (``substrax.nn``).
+    """``nnx.Linear`` with its output features split over ``model_axis`` (kernel ``(None, model_axis)``).
 
-    Kernel ``(in, out)`` declared ``(None, model_axis)``, bias ``(out,)``
-    ``(model_axis,)``. Inside ``jax.shard_map(check_vma=True)`` with those specs each
-    device computes its own ``out / size`` output columns (varying over
-    ``model_axis``): feed them to a ``RowParallelLinear``. Anywhere else it is
-    ``nnx.Linear``.
+    Bias ``(model_axis,)``. Inside ``jax.shard_map(check_vma=True)`` each device computes its
+    ``out / size`` output columns, for a ``RowParallelLinear``; anywhere else it is
+    ``nnx.Linear``. See the tensor-parallelism guide.
 
     Args:
       in_features: As ``nnx.Linear``'s.
@@ -202,14 +185,12 @@ class ColumnParallelLinear(_Linear):
       bias_init: As ``nnx.Linear``'s.
       rngs: As ``nnx.Linear``'s: the same ``rngs`` give the same parameters.
       model_axis: The mesh axis the output features are split over.
-      sequence_parallel: The input arrives split over ``model_axis`` on dimension
-        ``sequence_axis`` and is all-gathered (tiled) there before the matmul; pair it
-        with a ``RowParallelLinear(sequence_parallel=True)``.
+      sequence_parallel: The input arrives split over ``model_axis`` on ``sequence_axis``
+        and is all-gathered there; pair with ``RowParallelLinear(sequence_parallel=True)``.
       sequence_axis: That dimension, counted as numpy does (``-2``: the sequence of
-        ``(batch, seq, features)``, the rows of ``(tokens, features)``); never the last.
-      collective_matmul: With ``sequence_parallel``: the all-gather and matmul become a
-        ring of ``ppermute``s, each overlapping one block's matmul (the ``shard_map``
-        guide's collective matmul); the same numbers.
+        ``(batch, seq, features)``); never the last.
+      collective_matmul: With ``sequence_parallel``: a ring of ``ppermute``s, each
+        overlapping one block's matmul, in place of the all-gather; the same numbers.
 
     Raises:
       ValueError: If ``collective_matmul`` is set without ``sequence_parallel``.
@@ -274,14 +255,11 @@ class ColumnParallelLinear(_Linear):
 
 
 class RowParallelLinear(_Linear):
-    """``nnx.Linear`` with its input features split over ``model_axis`` (``substrax.nn``).
+    """``nnx.Linear`` with its input features split over ``model_axis`` (kernel ``(model_axis, None)``).
 
-    Kernel ``(in, out)`` declared ``(model_axis, None)``, bias ``(out,)`` replicated
-    ``(None,)``. Inside ``jax.shard_map(check_vma=True)`` with those specs it takes
-    this device's ``in / size`` input features (a ``ColumnParallelLinear``'s output),
-    computes the partial product and ``psum``s it over ``model_axis`` (or, with
-    ``sequence_parallel``, ``psum_scatter``s it on ``sequence_axis``), then adds the
-    bias. Anywhere else it is ``nnx.Linear``.
+    Inside ``jax.shard_map(check_vma=True)`` it takes this device's input features (a
+    ``ColumnParallelLinear``'s output) and ``psum``s its partial product, then adds the
+    replicated bias; anywhere else it is ``nnx.Linear``. See the tensor-parallelism guide.
 
     Args:
       in_features: As ``nnx.Linear``'s.
@@ -294,9 +272,8 @@ class RowParallelLinear(_Linear):
       bias_init: As ``nnx.Linear``'s.
       rngs: As ``nnx.Linear``'s: the same ``rngs`` give the same parameters.
       model_axis: The mesh axis the input features are split over.
-      sequence_parallel: Reduce-scatter the output over ``model_axis`` on
-        ``sequence_axis`` instead of all-reducing it: the output leaves split there, as
-        a ``ColumnParallelLinear(sequence_parallel=True)`` takes it.
+      sequence_parallel: Reduce-scatter the output on ``sequence_axis`` instead of
+        all-reducing it, as ``ColumnParallelLinear(sequence_parallel=True)`` takes it.
       sequence_axis: That dimension, as ``ColumnParallelLinear``'s.
     """
 

@@ -1,16 +1,8 @@
 """Data-parallel placement, the SPMD training step and collectives.
 
-A data-parallel gradient needs no reduction after differentiating. Under ``jax.jit``
-with the batch sharded over a mesh axis, the gradient of the batch's loss is already
-the full gradient: the compiler inserts the all-reduce (``spmd_train_step`` relies on
-this). Inside ``jax.shard_map`` each device sees its shard, and the loss is averaged
-over the axis before differentiating,
-``jax.grad(lambda w: jax.lax.pmean(loss(w, shard), axis))``; the gradient of a
-replicated parameter then comes back as the full one (``substrax.explicit`` writes the
-step that way). Averaging the gradient afterwards is wrong by the axis size, because
-the gradient of a replicated parameter already arrives summed over the axis.
-``reduce_mean_collective`` and ``reduce_sum_collective`` average or sum per-device
-metrics inside shard_map.
+Under ``jax.jit`` with the batch sharded, the gradient of the batch's loss is already the
+full one (XLA inserts the all-reduce); inside ``shard_map`` average the loss before
+``grad``. See the modes guide.
 """
 
 from substrax._batch.placement import (

@@ -1,10 +1,4 @@
-"""Metric reductions over global arrays (the implicit path's view of a batch).
-
-Under ``nnx.jit`` with the batch sharded, a metric is one global array: reducing it is
-plain ``jnp`` math, and the compiler inserts whatever cross-device reduction that
-needs. Every array leaf with at least one dimension is reduced over all its elements;
-0-d arrays and non-array leaves pass through.
-"""
+"""Metric reductions over global arrays (the implicit path): plain ``jnp``; XLA adds collectives."""
 
 from __future__ import annotations
 
@@ -25,73 +19,46 @@ V = TypeVar("V")
 
 
 def _reduce_elements(name: str, metrics: T) -> T:
-    """``metrics`` with every array leaf of at least one dimension reduced by ``name`` (``REDUCTION_OPS``).
-
-    The body of every ``reduce_*`` here: for global arrays in SPMD contexts (``nnx.jit``
-    and a mesh), at any depth of ``metrics``; every other leaf passes through unchanged.
-    """
+    """``metrics`` with every array leaf of at least one dimension reduced by ``name``."""
     return map_arrays(REDUCTION_OPS[name].local, metrics, min_ndim=1)
 
 
 def reduce_mean(metrics: T) -> T:
-    """Compute the mean of metrics using standard JAX operations.
-
-    For global arrays (``nnx.jit`` and a mesh): every array leaf with at least one
-    dimension mean-reduced, at any depth; other leaves pass through.
-    """
+    """Mean of every array leaf with a dimension (global arrays), at any depth; others pass."""
     return _reduce_elements("mean", metrics)
 
 
 def reduce_sum(metrics: T) -> T:
-    """Compute the sum of metrics using standard JAX operations.
-
-    For global arrays (``nnx.jit`` and a mesh): every array leaf with at least one
-    dimension summed, at any depth; other leaves pass through.
-    """
+    """Sum of every array leaf with a dimension (global arrays), at any depth; others pass."""
     return _reduce_elements("sum", metrics)
 
 
 def reduce_max(metrics: T) -> T:
-    """Compute the maximum of metrics using standard JAX operations.
-
-    For global arrays (``nnx.jit`` and a mesh): every array leaf with at least one
-    dimension reduced to its maximum, at any depth; other leaves pass through.
-    """
+    """Maximum of every array leaf with a dimension (global arrays), at any depth; others pass."""
     return _reduce_elements("max", metrics)
 
 
 def reduce_min(metrics: T) -> T:
-    """Compute the minimum of metrics using standard JAX operations.
-
-    For global arrays (``nnx.jit`` and a mesh): every array leaf with at least one
-    dimension reduced to its minimum, at any depth; other leaves pass through.
-    """
+    """Minimum of every array leaf with a dimension (global arrays), at any depth; others pass."""
     return _reduce_elements("min", metrics)
 
 
 def reduce_custom(
     metrics: Mapping[str, V], reduce_fn: Mapping[str, str | None] | None = None
 ) -> dict[str, V | jnp.ndarray]:
-    """Apply custom reduction operations to metrics.
-
-    Uses standard JAX operations. Works in SPMD contexts. Each named value is reduced
-    by its operation when it is an array with at least one dimension; without
-    ``reduce_fn`` this is ``reduce_mean``.
+    """Reduce each metric (an array with a dimension) by its named operation.
 
     Args:
       metrics: The metrics to reduce, by name.
-      reduce_fn: A dictionary mapping metric names to reduction operations. Each
-        operation should be one of ``{"mean", "sum", "max", "min"}``, or ``None`` to
-        leave the metric as it is. A metric it does not name gets ``"mean"``. If
-        ``None``, defaults to ``"mean"`` for all metrics.
+      reduce_fn: Metric name to ``"mean"``, ``"sum"``, ``"max"``, ``"min"`` or ``None``
+        (left as it is); unlisted metrics, or all when ``None``, get ``"mean"``.
 
     Returns:
       A dictionary of reduced metrics.
 
     Raises:
-      ValueError: If an operation is not one of the four names or ``None``, or
-        ``reduce_fn`` names a metric that ``metrics`` lacks; the message names the
-        metric. Also if ``metrics`` is not a flat mapping.
+      ValueError: If an operation is not one of those, ``reduce_fn`` names a metric
+        ``metrics`` lacks (naming it), or ``metrics`` is not a flat mapping.
     """
     ops = check_reduce_fn(metrics, reduce_fn)
     reduced: dict[str, V | jnp.ndarray] = {}
@@ -122,14 +89,13 @@ def reduce_metrics(
     """Reduce a training step's metrics, computed on the global batch, by name.
 
     The implicit twin of ``substrax.explicit.reduce_metrics_collective``: the same
-    ``reduce`` mapping gives the same values on both paths, replicated.
+    ``reduce`` gives the same values, replicated (see the metrics guide).
 
     Args:
       metrics: Metric name to its value on the global batch.
-      reduce: Metric name to ``"mean"``, ``"sum"``, ``"max"`` or ``"min"`` (reduce every
-        element), ``"gather"`` (the per-example values of the global batch, constrained
-        to be replicated on every device of the mesh, so every process can read them
-        with ``np.asarray``) or ``None`` (keep as it is). Unlisted names get ``"mean"``.
+      reduce: Metric name to ``"mean"`` (the default for unlisted names), ``"sum"``,
+        ``"max"``, ``"min"``, ``"gather"`` (per-example values, replicated over the mesh
+        so every process can read them) or ``None`` (kept as it is).
       mesh: The mesh ``"gather"`` replicates over; ``None`` takes the one set by
         ``jax.set_mesh``, and without one leaves the values where they are.
 

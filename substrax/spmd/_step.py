@@ -48,27 +48,16 @@ def spmd_train_step(
     skip_nonfinite: bool = True,
     precision: MixedPrecision | None = None,
 ) -> jax.Array | tuple[jax.Array, Any]:
-    """Execute a data-parallel training step using SPMD.
+    """Execute a data-parallel training step using SPMD: XLA inserts the gradient all-reduce.
 
-    Uses ``nnx.value_and_grad`` for automatic differentiation. The XLA compiler handles
-    gradient AllReduce automatically when model parameters are sharded across devices
-    via ``jax.set_mesh`` or explicit ``NamedSharding``: ``loss_fn`` sees the global
-    batch, so its gradient is already the full one and needs no reduction.
-
-    This function should be called inside an ``@nnx.jit`` decorated function with a
-    mesh context active. When that mesh has ``data_axis``, the batch is constrained to
-    be split over it (a host batch would otherwise run whole on every device), and
-    every variable placed by ``substrax.shard_state`` is constrained to stay as placed,
-    so a ZeRO-1 or FSDP layout survives the step.
-
-    The keyword options (``has_aux`` ... ``precision``) are ``substrax.make_train_step``'s,
-    documented there once (``substrax.StepOptions``); here ``reduce=None`` returns ``aux``
-    as ``loss_fn`` gave it (with microbatches, with a leading microbatch axis).
+    Call it inside ``@nnx.jit`` with a mesh set; with ``data_axis`` on it the batch is split
+    over it and ``shard_state``'s layout kept (see the modes guide). The keyword options are
+    ``make_train_step``'s; here ``reduce=None`` returns ``aux`` as ``loss_fn`` gave it.
 
     Args:
       model: The NNX model to train.
       optimizer: The NNX optimizer wrapping the model.
-      loss_fn: Function ``(model, batch) -> loss`` scalar; with ``has_aux``,
+      loss_fn: ``(model, batch) -> loss`` scalar; with ``has_aux``,
         ``(model, batch) -> (loss, aux)``.
       batch: The training batch (should be pre-sharded, see ``place_batch_on_shards``).
 

@@ -1,9 +1,4 @@
-"""One collective instruction's buffers, and the JAX operation of each.
-
-XLA combines several collectives into one instruction; the ``get-tuple-element`` that
-takes each result back out keeps its own operation's metadata, so ``buffer_op_names``
-names each buffer from it, else from the combined instruction's name.
-"""
+"""One collective instruction's buffers, and each one's JAX operation (from its ``get-tuple-element``)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,4 @@
-"""A collective's replica groups, in any of HLO's three forms, and the mesh axes they span.
-
-HLO states the groups as listed device ids (``{{0,1},{2,3}}``), as an iota
-(``[2,2]<=[4]``), or over a named mesh (``mesh['data'=2,'model'=2]{'data'}``);
-``replica_groups`` reads each into device ids, ``source_target_pairs`` a
-collective-permute's pairs, and ``mesh_axes`` names the axes of a mesh they span.
-"""
+"""A collective's replica groups, in any of HLO's three forms, and the mesh axes they span."""
 
 from __future__ import annotations
 

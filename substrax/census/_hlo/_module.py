@@ -1,10 +1,7 @@
-"""An HLO module's text, read into its computations and instructions.
+"""An HLO module's text, read into its computations and instructions (``parse_module``).
 
-``parse_module`` reads the text of a compiled module (``compiled.as_text()``) into a
-``Module`` of ``Computation``s of ``Instruction``s, each kept as its name, result shape,
-opcode, operands and the attributes after them, as text for the other modules to read.
-``Operand`` is one array buffer (element type and shape), ``arrays`` those a shape holds;
-``op_name`` the JAX operation an instruction's metadata names.
+``Operand`` is one array buffer, ``arrays`` those a shape holds, ``op_name`` the JAX
+operation an instruction's metadata names.
 """
 
 from __future__ import annotations

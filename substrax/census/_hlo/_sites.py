@@ -1,9 +1,4 @@
-"""The walk from ``ENTRY`` to every collective instruction, with the loops around each.
-
-``collective_sites`` walks through every called computation (``while`` bodies with their
-trip counts, conditionals, calls, async wrappers) to each collective instruction, an
-asynchronous ``-start``/``-done`` pair counted once at its ``-start``.
-"""
+"""The walk from ``ENTRY`` to every collective: loops with trip counts, calls, async pairs once."""
 
 from __future__ import annotations
 
