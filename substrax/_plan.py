@@ -66,9 +66,9 @@ class PlanRow:
 
     @property
     def peak_bytes(self) -> int:
-        """An upper estimate of the peak: ``least_peak_bytes`` and every activation autodiff
-        keeps (XLA fuses many away; in every configuration the tests compile, the compiled
-        peak lay between the two)."""
+        """An upper estimate of the explicit step's peak: ``least_peak_bytes`` and every
+        activation autodiff keeps (XLA fuses many away; in every explicit configuration the
+        tests compile, the compiled peak lay between the two; an implicit step's may exceed it)."""
         return self.least_peak_bytes + self.activation_bytes
 
     @property
