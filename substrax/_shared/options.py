@@ -11,7 +11,7 @@ from substrax._shared.microbatch import check_microbatches
 from substrax._shared.precision import MixedPrecision
 from substrax._shared.skips import DEFAULT_MAX_SKIPS
 
-__all__ = ["MODES", "Mode", "StepOptions"]
+__all__ = ["MODES", "Mode", "StepOptions", "options_from"]
 
 Mode = Literal["implicit", "explicit"]
 MODES: tuple[Mode, ...] = ("implicit", "explicit")
@@ -90,3 +90,9 @@ class StepOptions:
     def replace(self, **changes: Any) -> StepOptions:
         """A copy with ``changes``, checked again."""
         return dataclasses.replace(self, **changes)
+
+
+def options_from(keywords: Mapping[str, Any]) -> StepOptions:
+    """``StepOptions`` from a step function's keywords (its ``locals()``; the others ignored)."""
+    names = {f.name for f in dataclasses.fields(StepOptions)}
+    return StepOptions(**{k: v for k, v in keywords.items() if k in names})

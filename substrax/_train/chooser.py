@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from substrax import _layout
 from substrax._batch.leaves import check_batch_leaves
-from substrax._shared.options import MODES, Mode, StepOptions
+from substrax._shared.options import MODES, Mode, StepOptions, options_from
 from substrax._shared.precision import MixedPrecision
 from substrax._shared.skips import DEFAULT_MAX_SKIPS, SkipWatch
 from substrax._train.bound import BoundTrainStep
@@ -100,19 +100,7 @@ def make_train_step(
         each names the leaf, metric or parameter.
       TypeError: If ``microbatches`` is not an int.
     """
-    options = StepOptions(
-        mode=mode,
-        mesh=mesh,
-        data_axis=data_axis,
-        batch_spec=batch_spec,
-        has_aux=has_aux,
-        reduce=reduce,
-        microbatches=microbatches,
-        skip_nonfinite=skip_nonfinite,
-        precision=precision,
-        max_skips_in_a_row=max_skips_in_a_row,
-        replica_axis=replica_axis,
-    )
+    options = options_from(locals())  # the keywords above, checked once
     return TrainStep(loss_fn, options)
 
 

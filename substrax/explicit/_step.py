@@ -21,7 +21,7 @@ from substrax._batch.placement import batch_partition_specs
 from substrax._layout import UNIT_KEY, ParamSplit, gradient_spec, unit_paths
 from substrax._shared import scopes
 from substrax._shared.microbatch import check_microbatches, fold_microbatch_metrics, split_rows_over
-from substrax._shared.options import StepOptions
+from substrax._shared.options import StepOptions, options_from
 from substrax._shared.precision import MixedPrecision
 from substrax._shared.update import apply_update, state_values
 from substrax._tree import PyTree
@@ -95,16 +95,7 @@ def explicit_train_step(
         state other than ``nnx.BatchStat`` comes out different per device; each names the
         axis, leaf, parameter or metric.
     """
-    options = StepOptions(
-        mesh=mesh,
-        data_axis=data_axis,
-        batch_spec=batch_spec,
-        has_aux=has_aux,
-        reduce=reduce,
-        microbatches=microbatches,
-        skip_nonfinite=skip_nonfinite,
-        precision=precision,
-    )
+    options = options_from(locals())  # the keywords above, checked once
     return run_step(model, optimizer, loss_fn, batch, options)[0]
 
 

@@ -19,7 +19,7 @@ from substrax._shared.microbatch import (
     split_global_microbatches,
     unfold_global_gather,
 )
-from substrax._shared.options import StepOptions
+from substrax._shared.options import StepOptions, options_from
 from substrax._shared.precision import MixedPrecision
 from substrax._shared.update import apply_update, state_values
 from substrax.mesh import current_mesh, current_mesh_with
@@ -81,16 +81,7 @@ def spmd_train_step(
       >>> loss.shape
       ()
     """
-    options = StepOptions(
-        mesh=mesh,
-        data_axis=data_axis,
-        batch_spec=batch_spec,
-        has_aux=has_aux,
-        reduce=reduce,
-        microbatches=microbatches,
-        skip_nonfinite=skip_nonfinite,
-        precision=precision,
-    )
+    options = options_from(locals())  # the keywords above, checked once
     return run_step(model, optimizer, loss_fn, batch, options)[0]
 
 
