@@ -107,29 +107,21 @@ class Plan:
 
     def __str__(self) -> str:
         kinds = sorted({k for r in self.rows for k in r.bytes})
-        head = ["mode", "layout", "units", "mesh", *(f"{k} ({a})" for k, a in kinds), "total B", "state B", "peak B (least-most)"]
+        head = ["mode", "layout", "units", "mesh", *(f"{k} ({a})" for k, a in kinds)]
+        head += ["total B", "state B", "peak B (least-most)"]
         body = [
             [r.mode, r.layout, r.units, r.mesh, *(f"{r.bytes.get(k, 0):,}" for k in kinds),
              f"{r.total_bytes:,}", f"{r.state_bytes:,}", f"{r.least_peak_bytes:,}-{r.peak_bytes:,}"]
             for r in self.rows
         ]  # fmt: skip
         widths = [max(len(str(c)) for c in col) for col in zip(head, *body, strict=True)]
-        lines = [" | ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)) for row in [head, *body]]
+        lines = [" | ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)) for r in [head, *body]]
         return "\n".join([lines[0], "-+-".join("-" * w for w in widths), *lines[1:]])
 
 
 def _label(row: PlanRow) -> str:
     units = "" if row.units == "-" else f", units={row.units}"
     return f"{row.mode} {row.layout}{units} on {row.mesh}"
-
-
-def _shard_bytes(tree: Any) -> int:
-    """Bytes one device holds of ``tree``'s arrays (the largest shard of each)."""
-    return sum(
-        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize if hasattr(x, "sharding") else x.nbytes
-        for x in jax.tree.leaves(tree)
-        if hasattr(x, "dtype") and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-    )
 
 
 def _mesh_label(mesh: Mesh) -> str:
@@ -182,12 +174,14 @@ def plan(
 
 
 def _row(
-    loss_fn: Any, model: Any, optimizer: Any, batch: Any, mesh: Mesh, mode: str, kind: str, unit: Any, opts: dict
+    loss_fn: Any, model: Any, optimizer: Any, batch: Any, mesh: Mesh, mode: str, kind: str, unit: Any,
+    opts: dict[str, Any],
 ) -> PlanRow:
     graphdef, state = nnx.split((model, optimizer))
     m, o = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))  # new variables over the same arrays
     place = {"replica_axis": opts["replica_axis"]} if "replica_axis" in opts else {}
-    _layout.shard_state(m, o, mesh=mesh, layout=kind, units=unit, data_axis=opts.get("data_axis", "data"), **place)
+    axis = opts.get("data_axis", "data")
+    placed = _layout.shard_state(m, o, mesh=mesh, layout=kind, units=unit, data_axis=axis, **place)
     step = make_train_step(loss_fn, mode, mesh=mesh, **opts)
     with declared.recording() as layers, _layout.recording_layers() as layered:
         lowered = step.lower(m, o, batch)
@@ -215,7 +209,7 @@ def _row(
         mesh=_mesh_label(mesh),
         bytes=by_kind,
         optional_bytes=optional,
-        state_bytes=_shard_bytes(nnx.state((m, o))),
+        state_bytes=placed.bytes_per_device,
         batch_bytes=batch_bytes,
         gathered_bytes=gathered,
         activation_bytes=_activation_bytes(loss_fn, m, batch, rows * k, step.options.has_aux),
@@ -230,7 +224,10 @@ def _axes(rows: str | tuple[str, ...]) -> tuple[str, ...]:
 def _activation_bytes(loss_fn: Any, model: nnx.Module, batch: PyTree, ways: int, has_aux: bool) -> int:
     """Residuals ``jax.vjp`` keeps of one device's (micro)batch, less those shaped like a parameter."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    part = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // ways, *x.shape[1:]), x.dtype) if np.ndim(x) else x, batch)
+    def shard(x: Any) -> Any:
+        return jax.ShapeDtypeStruct((x.shape[0] // ways, *x.shape[1:]), x.dtype) if np.ndim(x) else x
+
+    part = jax.tree.map(shard, batch)
 
     def loss(p: Any, b: Any) -> Any:
         out = loss_fn(nnx.merge(graphdef, p, rest), b)
