@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 
@@ -23,8 +25,9 @@ def _one_compilation_cache_per_run() -> None:
     processes) compile for themselves.
     """
     directory = os.environ.get("SUBSTRAX_TEST_CACHE")
-    if not directory:
+    if not directory:  # made here, removed when this process (the run's first) exits
         directory = os.environ["SUBSTRAX_TEST_CACHE"] = tempfile.mkdtemp(prefix="substrax-jax-cache-")
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)
     jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
