@@ -150,3 +150,14 @@ def adopt_assigned_arrays(optimizer: Any) -> None:
                 f"which cannot take a variable in its place; set the value of the variable that was "
                 f"there (.set_value(x)), or assign nnx.OptArray(x)."
             )
+
+
+def picked(values: list[Any], keep: list[bool]) -> list[Any]:
+    """The ``values`` whose ``keep`` is true, in order."""
+    return [v for v, k in zip(values, keep, strict=True) if k]
+
+
+def merged(values: list[Any], keep: list[bool], chosen: list[Any]) -> list[Any]:
+    """``values`` with the kept positions taken from ``chosen``, in order (``picked``'s inverse)."""
+    it = iter(chosen)
+    return [next(it) if k else v for v, k in zip(values, keep, strict=True)]

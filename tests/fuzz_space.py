@@ -49,8 +49,9 @@ ROWS = (2, 3, 4)  # rows per device per microbatch
 BATCH_TREES = ("flat", "nested", "tuple")
 UNITS = (None, "blocks", "linear", "stack")  # none; each block; every nnx.Linear; the scanned stack
 # A scanned stack after the blocks (#27.4): two Linear+tanh layers made by nnx.vmap and applied by
-# nnx.scan, under nnx.remat or not; none (two draws in four).
-SCANS = (None, None, "scan", "remat")
+# nnx.scan, under nnx.remat or not, or by substrax.nn.scan_layers (with units="stack" on FSDP:
+# prefetch=True, the library's loop); none (two draws in five).
+SCANS = (None, None, "scan", "remat", "prefetch")
 PLACEMENTS = ("batch_spec", "placed")  # host arrays + batch_spec=, or place_batch_on_shards and no batch_spec
 # A metric per reduction; "default" is a metric reduce= does not name (it gets "mean").
 METRICS = ("mean", "sum", "max", "min", "gather", None, "default")
@@ -175,6 +176,12 @@ def configs() -> st.SearchStrategy[Config]:
     )
 
 
+def prefetch_of(config: Config) -> bool:
+    """The ``prefetch=`` ``shard_state`` gets: the scanned stack, a unit gathered again for its
+    backward pass, run by ``substrax.nn.scan_layers``."""
+    return config.scan == "prefetch" and config.units == "stack" and config.reshard and units_of(config) is not None
+
+
 def units_of(config: Config) -> Any:
     """The ``units=`` ``shard_state`` gets: None, each block, every ``nnx.Linear``, or the scanned stack."""
     if config.layout not in ("fsdp", "hsdp") or config.units is None:
@@ -259,7 +266,10 @@ class Model(nnx.Module):
                 return layer(h), None
 
             body = nnx.remat(body) if self.scan == "remat" else body
-            h, _ = nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))(h, self.stack)
+            if self.scan == "prefetch":
+                h = substrax.nn.scan_layers(self.stack, h)
+            else:
+                h, _ = nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))(h, self.stack)
         if h.ndim > 2:
             h = jnp.mean(h, axis=tuple(range(1, h.ndim - 1)))
         return self.head(h)

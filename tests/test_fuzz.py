@@ -108,6 +108,7 @@ from fuzz_space import (
     per_example,
     reduce_map,
     unpack,
+    prefetch_of,
     units_of,
 )
 from hypothesis import HealthCheck, example, given, settings
@@ -488,6 +489,7 @@ def device_run(config: Config, batches: list[dict]) -> DeviceRun:
                 layout=config.layout,
                 units=units_of(config),
                 reshard_after_forward=config.reshard,
+                prefetch=prefetch_of(config),
                 **size,
             )
     except Exception as e:  # noqa: BLE001
@@ -561,6 +563,8 @@ def device_run(config: Config, batches: list[dict]) -> DeviceRun:
                 out.census = "xla-chose"
             elif not found.matches:
                 out.problems.append("census mismatch: " + " | ".join(found.differences)[:600])
+                if os.environ.get("SUBSTRAX_FUZZ_CENSUS"):
+                    print(found)
         except Exception as e:  # noqa: BLE001
             out.census = "raised"
             out.problems.append(f"census raised {_first_line(e)}")
@@ -841,6 +845,9 @@ CURATED = (
     ),
     # a scanned stack under remat, its block the unit (#27.4): gathered one layer at a time in the loop
     Config(mode="explicit", layout="fsdp", min_size=1, devices=8, units="stack", scan="remat", optimizer="adam", seed=11),
+    # the scanned stack a unit with prefetch (#27.4): the library's loop, a layer gathered ahead, bfloat16
+    Config(mode="explicit", layout="fsdp", min_size=1, devices=4, microbatches=2, units="stack", scan="prefetch",
+           precision="bf16/f32", optimizer="adam", seed=13),  # fmt: skip
     # hybrid sharding (#28): FSDP within each of 2 replicas, units, microbatches, synchronized BatchNorm
     Config(
         mode="explicit", layout="hsdp", min_size=1, devices=8, microbatches=2, blocks=("linear", "batchnorm_sync"),

@@ -36,21 +36,25 @@ from substrax._layout._specs import (
     without_axis,
 )
 from substrax._layout._units import (
+    PREFETCH_KEY,
     RESHARD_KEY,
     UNIT_KEY,
     UnitsSpec,
     mark_units,
     note_layers,
+    prefetched_units,
     recording_layers,
     unit_paths,
 )
 
 __all__ = [
+    "PREFETCH_KEY",
     "RESHARD_KEY",
     "UNIT_KEY",
     "UnitsSpec",
     "mark_units",
     "note_layers",
+    "prefetched_units",
     "recording_layers",
     "unit_paths",
     "LAYOUTS",

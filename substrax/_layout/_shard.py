@@ -87,6 +87,7 @@ def shard_state(
     axis: str | None = None,
     units: UnitsSpec = None,
     reshard_after_forward: bool = True,
+    prefetch: bool = False,
     replica_axis: str = REPLICA_AXIS,
 ) -> Layout:
     """Place ``model``'s and ``optimizer``'s state over ``data_axis``, in place: FSDP, ZeRO-1 or replicated.
@@ -113,6 +114,8 @@ def shard_state(
         mode). ``None``: each parameter gathered before the forward pass.
       reshard_after_forward: With ``units``: gather a unit again for its backward pass
         (``True``, the least memory) or keep it from the forward pass (``False``).
+      prefetch: With ``units``: a stacked unit run by ``substrax.nn.scan_layers`` gathers
+        layer i+1 while layer i computes, forward and backward (explicit mode).
       replica_axis: ``layout="hsdp"``'s outer axis, over which the state is replicated.
 
     Returns:
@@ -122,7 +125,8 @@ def shard_state(
     Raises:
       TypeError: If ``optimizer`` is not an ``nnx.Optimizer`` or ``min_size`` not an int.
       ValueError: If ``units`` comes with a layout other than ``"fsdp"``, matches the model
-        itself or a module inside another; ``layout`` is unknown or contradicts ``params``;
+        itself or a module inside another, or ``prefetch`` comes without ``units`` or with
+        ``reshard_after_forward=False``; ``layout`` is unknown or contradicts ``params``;
         ``axis`` contradicts ``data_axis``; the mesh lacks the axis; ``min_size`` is
         negative; or the optimizer is not the model's. Each names the axis or leaf.
 
@@ -176,7 +180,7 @@ def shard_state(
         kept = [tuple(a for a in spec_axes(e) if a in found.axis_names) for e in spec]
         return tuple(None if not k else k[0] if len(k) == 1 else k for k in kept)
 
-    unit_list = find_units(model, units, reshard_after_forward)
+    unit_list = find_units(model, units, reshard_after_forward, prefetch)
     stacks = stacked_modules(model, unit_list)
     left_whole = []
     for path, mirror_paths in mirrors.items():
@@ -225,7 +229,7 @@ def shard_state(
                 variable.set_metadata(declared_sharding=said if lacking else None)
     split = {p for p, v in model_vars.items() if isinstance(v, nnx.Param) and layout in ("fsdp", "hsdp")
              and split_dim_of(spec_tuple(v), axis) is not None}  # fmt: skip
-    mark_units(model, unit_list, reshard_after_forward, split)
+    mark_units(model, unit_list, reshard_after_forward, split, prefetch)
     for obj in (model, optimizer):
         _EPOCHS[obj] = epoch(obj) + 1
     kind: LayoutKind = (

@@ -1,7 +1,7 @@
 """FSDP units: the submodules whose split parameters are gathered together, just in time.
 
 ``shard_state(..., units=...)`` writes the unit on its split parameters' metadata
-(``fsdp_unit``, ``fsdp_reshard_after_forward``). See the layouts guide, "Units".
+(``fsdp_unit``, ``fsdp_reshard_after_forward``, ``fsdp_prefetch``). See the layouts guide, "Units".
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ from flax import nnx
 from substrax._tree import KeyPath, node_at, path_str
 
 __all__ = [
-    "RESHARD_KEY", "UNIT_KEY", "UnitsSpec", "find_units", "mark_units", "note_layers",
-    "recording_layers", "stacked_modules", "unit_paths",
+    "PREFETCH_KEY", "RESHARD_KEY", "UNIT_KEY", "UnitsSpec", "find_units", "mark_units", "note_layers",
+    "prefetched_units", "recording_layers", "stacked_modules", "unit_paths",
 ]
 
 UNIT_KEY = "fsdp_unit"
 RESHARD_KEY = "fsdp_reshard_after_forward"
+PREFETCH_KEY = "fsdp_prefetch"
 
 UnitsSpec = type | tuple[type, ...] | Callable[[KeyPath, nnx.Module], bool] | None
 
@@ -37,16 +38,31 @@ def _matcher(units: UnitsSpec) -> Callable[[KeyPath, Any], bool]:
     )
 
 
-def find_units(model: nnx.Module, units: UnitsSpec, reshard_after_forward: bool) -> list[KeyPath]:
+def find_units(
+    model: nnx.Module, units: UnitsSpec, reshard_after_forward: bool, prefetch: bool = False
+) -> list[KeyPath]:
     """The paths of the submodules ``units`` matches (none for ``units=None``).
 
     Raises:
       TypeError: If ``units`` is not a type, a tuple of types or a predicate, or
-        ``reshard_after_forward`` not a bool.
-      ValueError: If a unit lies inside another (naming both), or is the model itself.
+        ``reshard_after_forward`` or ``prefetch`` not a bool.
+      ValueError: If a unit lies inside another (naming both), or is the model itself;
+        if ``prefetch`` comes without ``units`` or with ``reshard_after_forward=False``.
     """
-    if not isinstance(reshard_after_forward, bool):
-        raise TypeError(f"reshard_after_forward must be True or False; got {reshard_after_forward!r}.")
+    for name, flag in (("reshard_after_forward", reshard_after_forward), ("prefetch", prefetch)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False; got {flag!r}.")
+    if prefetch and units is None:
+        raise ValueError(
+            "prefetch=True gathers the next layer of a stacked FSDP unit while one layer runs; "
+            "name the stacked block with units= (and run it with substrax.nn.scan_layers)."
+        )
+    if prefetch and not reshard_after_forward:
+        raise ValueError(
+            "prefetch=True gathers each layer again, one ahead, for the backward pass; "
+            "reshard_after_forward=False would keep every layer of the stack gathered instead. "
+            "Pass one or the other."
+        )
     found: list[KeyPath] = []
     if units is not None:
         match = _matcher(units)
@@ -89,7 +105,8 @@ def stacked_modules(model: nnx.Module, units: list[KeyPath]) -> set[KeyPath]:
 
 
 def mark_units(
-    model: nnx.Module, found: list[KeyPath], reshard_after_forward: bool, split: set[KeyPath]
+    model: nnx.Module, found: list[KeyPath], reshard_after_forward: bool, split: set[KeyPath],
+    prefetch: bool = False,
 ) -> None:
     """Write on each split parameter its unit (one of ``found``), or clear it outside every unit.
 
@@ -98,9 +115,9 @@ def mark_units(
     for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         owner = next((u for u in found if tuple(path)[: len(u)] == u), None) if tuple(path) in split else None
         if owner is not None:
-            variable.set_metadata(**{UNIT_KEY: owner, RESHARD_KEY: reshard_after_forward})
+            variable.set_metadata(**{UNIT_KEY: owner, RESHARD_KEY: reshard_after_forward, PREFETCH_KEY: prefetch})
         elif variable.get_metadata().get(UNIT_KEY) is not None:
-            variable.set_metadata(**{UNIT_KEY: None, RESHARD_KEY: None})
+            variable.set_metadata(**{UNIT_KEY: None, RESHARD_KEY: None, PREFETCH_KEY: None})
 
 
 def unit_paths(model: nnx.Module) -> dict[KeyPath, bool]:
@@ -111,6 +128,15 @@ def unit_paths(model: nnx.Module) -> dict[KeyPath, bool]:
         if meta.get(UNIT_KEY) is not None:
             found[tuple(meta[UNIT_KEY])] = bool(meta.get(RESHARD_KEY, True))
     return found
+
+
+def prefetched_units(model: nnx.Module) -> set[KeyPath]:
+    """The units placed with ``prefetch=True``, read from the parameters' metadata."""
+    return {
+        tuple(meta[UNIT_KEY])
+        for _, variable in nnx.to_flat_state(nnx.state(model, nnx.Param))
+        if (meta := variable.get_metadata()).get(UNIT_KEY) is not None and meta.get(PREFETCH_KEY)
+    }
 
 
 _LAYERS: contextvars.ContextVar[dict[KeyPath, int] | None] = contextvars.ContextVar("substrax_unit_layers", default=None)

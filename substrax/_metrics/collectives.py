@@ -25,6 +25,7 @@ __all__ = [
     "reduce_sum_collective",
     "to_varying",
     "varying_axes",
+    "zeros_of_type",
 ]
 
 T = TypeVar("T")
@@ -130,6 +131,14 @@ def varying_axes(x: Any) -> frozenset[str] | None:
         return frozenset(manual.varying)
     vma = getattr(aval, "vma", None)  # jax 0.11
     return None if vma is None else frozenset(vma)
+
+
+def zeros_of_type(aval: Any) -> jax.Array:
+    """Zeros of ``aval``'s shape, dtype and varying axes (a symbolic zero made real)."""
+    zero = jax.numpy.zeros(aval.shape, aval.dtype)
+    manual = getattr(aval, "manual_axis_type", None)
+    axes = tuple(manual.varying) if manual is not None else tuple(getattr(aval, "vma", ()) or ())
+    return to_varying_over(zero, axes) if axes else zero
 
 
 def to_varying(x: Any, axis_name: str) -> Any:

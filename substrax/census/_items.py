@@ -11,7 +11,15 @@ import numpy as np
 from flax import nnx
 
 from substrax._batch.axes import spec_axes
-from substrax._layout import UNIT_KEY, parameter_splits, spec_tuple, split_dim_of, unit_paths, without_axis
+from substrax._layout import (
+    UNIT_KEY,
+    parameter_splits,
+    prefetched_units,
+    spec_tuple,
+    split_dim_of,
+    unit_paths,
+    without_axis,
+)
 from substrax._shared import scopes
 from substrax._shared.options import StepOptions
 from substrax._tree import KeyPath, path_str
@@ -83,9 +91,11 @@ def unit_items(
     ran one layer at a time (``nnx.scan``; ``layered``: unit path -> layers, recorded
     while the step was traced) moves one layer's buffer per iteration, inside the loop.
     ``recomputed`` (the program recomputes under remat): each forward gather may run again.
+    A stack run with ``prefetch`` (``_prefetched_items``) runs its own loop.
     """
     layered = layered or {}
     units = unit_paths(model)
+    prefetched = prefetched_units(model) & set(layered)
     if not units:
         return leaves, []
     split = {leaf[0] for leaf in leaves if leaf[3]}
@@ -122,6 +132,9 @@ def unit_items(
         layers = layered.get(unit, 1)
         buffer = f"{_hlo_type(dtype, size)}[{n},{elements // (n * layers)}]"
         name = path_str(unit, "model")
+        if unit in prefetched:  # its own loop: the first layer of each pass outside it
+            items += _prefetched_items(name, kind, elements * size // layers, layers, k, buffer)
+            continue
         common = dict(scopes=(scopes.UNIT,), buffer=buffer, in_loop=k > 1 or layers > 1)
         if kind == "reduce":
             items.append(ExpectedCollective("reduce-scatter", f"unit {name}", elements * size * k, "gradients", **common))
@@ -143,6 +156,27 @@ def unit_items(
                 )
             )  # fmt: skip
     return [leaf for leaf in leaves if leaf[0] not in owner], items
+
+
+def _prefetched_items(name: str, kind: str, layer: int, layers: int, k: int, buffer: str) -> list[ExpectedCollective]:
+    """A prefetched stack's buffers (``substrax.explicit._prefetch``): per pass, the first
+    layer's gather before the loop and the other layers' inside it; each layer's gradient
+    reduce-scattered inside the backward loop, layer 0's after it. ``layer``: one layer's bytes."""
+    common = dict(scopes=(scopes.UNIT,), buffer=buffer)
+    if kind == "reduce":
+        return [
+            ExpectedCollective("reduce-scatter", f"unit {name} layer 0", layer * k, "gradients", in_loop=k > 1, **common),
+            ExpectedCollective("reduce-scatter", f"unit {name} layers 1-{layers - 1}", layer * (layers - 1) * k,
+                               "gradients", in_loop=k > 1 or layers > 2, **common),
+        ]  # fmt: skip
+    why = "a parameter its layer's gradient does not read (a bias) is not gathered for the backward pass"
+    return [
+        ExpectedCollective("all-gather", f"unit {name} {phase}, {which}", layer * runs * k, "parameters",
+                           in_loop=k > 1 or runs > 1, phase=phase, optional=phase == "backward",
+                           why=why if phase == "backward" else "", **common)
+        for phase, ends in (("forward", 0), ("backward", layers - 1))
+        for which, runs in ((f"layer {ends}", 1), ("prefetched", layers - 1))
+    ]  # fmt: skip
 
 
 def cross_replica_items(

@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from substrax._layout import gradient_spec, layout_of
+from substrax._layout import gradient_spec, layout_of, prefetched_units
 from substrax._shared import scopes
 from substrax._shared.options import StepOptions
 from substrax._shared.update import apply_update, state_values
@@ -209,6 +209,8 @@ def expected_step(
     """
     with _mesh_context(options):
         layout = layout_of(model, optimizer, mesh=options.mesh, axis=options.data_axis)
+    # a prefetched stack recomputes each layer's forward pass for its gradient (explicit._prefetch)
+    recomputed = recomputed or bool(prefetched_units(model) & set(layered or {}))
     loss_dtype = out[0].dtype if options.has_aux else out.dtype
     sizes = _axis_sizes(options, model, optimizer)
     replicas = sizes.get(options.replica_axis, 1) if options.mode == "explicit" else 1

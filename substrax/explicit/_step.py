@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec
 
 from substrax._batch.axes import spec_axes
 from substrax._batch.placement import batch_partition_specs
-from substrax._layout import UNIT_KEY, ParamSplit, gradient_spec, unit_paths
+from substrax._layout import UNIT_KEY, ParamSplit, gradient_spec, prefetched_units, unit_paths
 from substrax._shared import scopes
 from substrax._shared.microbatch import check_microbatches, fold_microbatch_metrics, split_rows_over
 from substrax._shared.options import StepOptions, options_from
@@ -186,6 +186,7 @@ def run_step(
                 in_unit,
                 None if precision is None else precision.param_dtype,
                 reduce_dtype,
+                prefetched_units(model),
             )
             with per_device_random_streams(model, rows), running:
                 loss, metrics, grads = local_value_and_grad(

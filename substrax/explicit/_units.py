@@ -16,9 +16,10 @@ from flax import nnx
 from jax.custom_derivatives import SymbolicZero
 
 from substrax._layout import note_layers
-from substrax._metrics.collectives import to_varying_over, varying_axes
+from substrax._metrics.collectives import varying_axes, zeros_of_type
 from substrax._shared import scopes
-from substrax._tree import KeyPath, node_at, path_str
+from substrax._tree import KeyPath, merged, node_at, path_str, picked
+from substrax.explicit._prefetch import prefetched_layers
 from substrax.nn import _declared as declared
 
 __all__ = ["gather_grouped", "run_unit", "scatter_grouped", "units_running", "varying_other"]
@@ -42,15 +43,18 @@ def _unit_class(cls: type) -> type:
 
 @contextlib.contextmanager
 def units_running(model: nnx.Module, units: dict[KeyPath, bool], data_axis: str, plans: dict[KeyPath, Any],
-                  split: set[KeyPath], param_dtype: Any = None, reduce_dtype: Any = None) -> Iterator[None]:  # fmt: skip
+                  split: set[KeyPath], param_dtype: Any = None, reduce_dtype: Any = None,
+                  prefetch: set[KeyPath] = frozenset()) -> Iterator[None]:  # fmt: skip
     """Inside the step's ``shard_map``: every unit of ``model`` (a merged copy) runs through ``run_unit``.
 
-    ``split``: the units' parameters that stay split until their unit runs.
+    ``split``: the units' parameters that stay split until their unit runs; ``prefetch``:
+    the units that ``substrax.nn.scan_layers`` runs one layer ahead (``_UnitRun.scan``).
     """
     swapped = []
     for path, reshard in units.items():
         node = node_at(model, path)
         run = _UnitRun(path, reshard, data_axis, plans, split, param_dtype, reduce_dtype)
+        run.prefetch, run.call = path in prefetch, type(node).__call__
         for rel, variable in nnx.to_flat_state(nnx.state(node, nnx.Param)):
             if tuple(rel) in run.dims:
                 run.shapes[tuple(rel)] = tuple(variable.get_value().shape)
@@ -72,6 +76,60 @@ class _UnitRun:
         self.dims = {p[len(path) :]: plans[p].gather_dim for p in split if p[: len(path)] == path}
         self.shapes: dict[KeyPath, tuple[int, ...]] = {}  # each split parameter's local shape, as placed
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        self.prefetch, self.call = False, None  # set by units_running
+
+    def cast(self, xs: list[Any]) -> list[Any]:
+        """``xs`` in the policy's ``param_dtype`` (the floating ones), as gathered."""
+        if self.param_dtype is None:
+            return xs
+        return [x.astype(self.param_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in xs]
+
+    def scan(self, module: nnx.Module, x: jax.Array, args: tuple[Any, ...], kwargs: dict[str, Any]) -> jax.Array:
+        """``substrax.nn.scan_layers(module, x, *args, **kwargs)`` with ``prefetch``: layer i+1
+        gathered while layer i runs (``substrax.explicit._prefetch``)."""
+        graphdef, state = nnx.split(module)
+        flat = list(nnx.to_flat_state(state))
+        name = path_str(self.path, "model")
+        for p, v in flat:
+            if not isinstance(v, nnx.Param):
+                raise ValueError(
+                    f"FSDP unit {name} (prefetch=True) runs layers of parameters only; its "
+                    f"{path_str(tuple(p), 'unit')} is an {type(v).__name__}. Place it with "
+                    f"prefetch=False (scan_layers then runs nnx.scan)."
+                )
+        if not flat:
+            raise ValueError(f"FSDP unit {name} (prefetch=True) holds no parameters to run.")
+        layers = int(flat[0][1].get_value().shape[0])
+        note_layers(self.path, layers)
+        split_at = [i for i, (p, _) in enumerate(flat) if self.dims.get(tuple(p)) is not None]
+        other_at = [i for i in range(len(flat)) if i not in set(split_at)]
+        shards = [flat[i][1].get_value() for i in split_at]
+        dims = [self.dim_of(tuple(flat[i][0]), tuple(s.shape[1:])) for i, s in zip(split_at, shards, strict=True)]
+        shapes = [tuple(s.shape[1:]) for s in shards]
+        types = [varying_other(s, self.axis) for s in shards]
+        in_leaves, in_tree = jax.tree.flatten((args, kwargs))
+        arrays_at = [i for i, a in enumerate(in_leaves) if isinstance(a, jax.Array)]
+        statics = [None if i in set(arrays_at) else a for i, a in enumerate(in_leaves)]
+
+        def apply(wholes: list[Any], others: list[Any], h: jax.Array, arrays: list[Any]) -> jax.Array:
+            values: list[Any] = [None] * len(flat)
+            for i, value in [*zip(split_at, wholes, strict=True), *zip(other_at, others, strict=True)]:
+                values[i] = value
+            layer = nnx.merge(graphdef, nnx.from_flat_state([(p, v.replace(a)) for (p, v), a in zip(flat, values, strict=True)]))
+            leaves = list(statics)
+            for i, a in zip(arrays_at, arrays, strict=True):
+                leaves[i] = a
+            a, k = jax.tree.unflatten(in_tree, leaves)
+            return self.call(layer, h, *a, **k)
+
+        def gather(layer_shards: list[Any], anchor: Any) -> list[Any]:
+            return gather_grouped(self.cast([_after(s, anchor) for s in layer_shards]), dims, self.axis)
+
+        def scatter(grads: list[Any]) -> list[Any]:
+            return scatter_grouped(grads, shapes, dims, self.axis, self.reduce_dtype, types)
+
+        others = [flat[i][1].get_value() for i in other_at]
+        return prefetched_layers(apply, gather, scatter, shards, others, x, [in_leaves[i] for i in arrays_at], layers)
 
     def dim_of(self, rel: KeyPath, shape: tuple[int, ...]) -> int:
         """The split dimension of the parameter at ``rel`` whose value (or one layer of it) has ``shape``.
@@ -161,27 +219,16 @@ def scatter_grouped(grads: list[jax.Array], shapes: list[tuple[int, ...]], dims:
     return out
 
 
-def _picked(values: list[Any], keep: list[bool]) -> list[Any]:
-    return [v for v, k in zip(values, keep, strict=True) if k]
-
-
-def _merged(values: list[Any], keep: list[bool], picked: list[Any]) -> list[Any]:
-    """``values`` with the kept positions taken from ``picked``, in order."""
-    it = iter(picked)
-    return [next(it) if k else v for v, k in zip(values, keep, strict=True)]
-
-
-def _zeros(aval: Any) -> jax.Array:
-    """A zero cotangent of ``aval``'s shape, dtype and varying axes (a symbolic zero made real)."""
-    zero = jnp.zeros(aval.shape, aval.dtype)
-    manual = getattr(aval, "manual_axis_type", None)
-    axes = tuple(manual.varying) if manual is not None else tuple(getattr(aval, "vma", ()) or ())
-    return to_varying_over(zero, axes) if axes else zero
-
-
 def run_unit(module: nnx.Module, call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Call ``module`` (a unit) on ``args``, its split parameters gathered just in time (layouts guide)."""
     run: _UnitRun = vars(module)["_substrax_unit"]
+    if run.prefetch:
+        raise ValueError(
+            f"FSDP unit {path_str(run.path, 'model')} was placed with prefetch=True but called "
+            f"directly (or inside nnx.scan): prefetch "
+            f"gathers the next layer of a stacked unit that substrax.nn.scan_layers runs. Run the "
+            f"stack with substrax.nn.scan_layers(stack, x), or place it with prefetch=False."
+        )
     graphdef, state = nnx.split(module)
     flat = list(nnx.to_flat_state(state))
     split_at = [i for i, (p, v) in enumerate(flat) if isinstance(v, nnx.Param) and run.dims.get(tuple(p)) is not None]
@@ -212,10 +259,7 @@ def run_unit(module: nnx.Module, call: Any, args: tuple[Any, ...], kwargs: dict[
         after = [v.get_value() for _, v in nnx.to_flat_state(nnx.state(m))]
         return out, [after[i] for i in other_at if not isinstance(flat[i][1], nnx.Param)]
 
-    def cast(xs: list[Any]) -> list[Any]:
-        if run.param_dtype is None:
-            return xs
-        return [x.astype(run.param_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in xs]
+    cast = run.cast
 
     @jax.custom_vjp
     def unit(shards: list[Any], others: list[Any], arrays: list[Any]) -> tuple[Any, list[Any]]:
@@ -232,10 +276,10 @@ def run_unit(module: nnx.Module, call: Any, args: tuple[Any, ...], kwargs: dict[
         o_vals, a_vals = [p.value for p in others], [p.value for p in arrays]
 
         def call(w: list[Any], o: list[Any], a: list[Any]) -> tuple[Any, list[Any]]:
-            return apply(w, _merged(o_vals, layout["others"], o), _merged(a_vals, layout["arrays"], a))
+            return apply(w, merged(o_vals, layout["others"], o), merged(a_vals, layout["arrays"], a))
 
         wholes = gather_grouped(cast([_after(s, a_vals) for s in shards]), dims, run.axis)
-        o_in, a_in = _picked(o_vals, layout["others"]), _picked(a_vals, layout["arrays"])
+        o_in, a_in = picked(o_vals, layout["others"]), picked(a_vals, layout["arrays"])
         out, vjp = jax.vjp(call, wholes, o_in, a_in)
         layout["out"] = [jax.typeof(x) for x in jax.tree.leaves(out)]
         if not run.reshard:
@@ -250,7 +294,7 @@ def run_unit(module: nnx.Module, call: Any, args: tuple[Any, ...], kwargs: dict[
     def backward(res: Any, ct: Any) -> tuple[Any, Any, Any]:
         shards, vjp = res
         leaves, tree = jax.tree.flatten(ct, is_leaf=lambda c: isinstance(c, SymbolicZero))
-        ct = jax.tree.unflatten(tree, [_zeros(a) if isinstance(c, SymbolicZero) else c
+        ct = jax.tree.unflatten(tree, [zeros_of_type(a) if isinstance(c, SymbolicZero) else c
                                        for c, a in zip(leaves, layout["out"], strict=True)])  # fmt: skip
         if run.reshard:  # the parameters again, once the cotangent exists
             tree, where = layout["tree"], layout["where"]
@@ -261,8 +305,8 @@ def run_unit(module: nnx.Module, call: Any, args: tuple[Any, ...], kwargs: dict[
         d_shards = [g.astype(dt) for g, dt in zip(d_shards, shard_dtypes, strict=True)]
         return (
             d_shards,
-            _merged([None] * len(layout["others"]), layout["others"], d_others),
-            _merged([None] * len(layout["arrays"]), layout["arrays"], d_arrays),
+            merged([None] * len(layout["others"]), layout["others"], d_others),
+            merged([None] * len(layout["arrays"]), layout["arrays"], d_arrays),
         )
 
     unit.defvjp(forward, backward, symbolic_zeros=True)

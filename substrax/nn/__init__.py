@@ -4,13 +4,15 @@
 on the input features; paired, column then row, they communicate once per pass. Inside
 ``jax.shard_map(check_vma=True)`` the layers write their collectives (and declare them
 for the census); anywhere else they compute what ``nnx.Linear``, ``nnx.Embed`` and plain
-attention compute. See the tensor-parallelism guide.
+attention compute. See the tensor-parallelism guide. ``scan_layers`` runs a stack of
+layers made by ``nnx.vmap`` (the layouts guide, "Units").
 """
 
 from substrax.nn._attention import ParallelSelfAttention
 from substrax.nn._declared import Declared, declare_backward, declare_forward
 from substrax.nn._embed import ParallelEmbedding
 from substrax.nn._linear import ColumnParallelLinear, RowParallelLinear
+from substrax.nn._scan import scan_layers
 
 __all__ = [
     "ColumnParallelLinear",
@@ -20,4 +22,5 @@ __all__ = [
     "RowParallelLinear",
     "declare_backward",
     "declare_forward",
+    "scan_layers",
 ]

@@ -1,0 +1,41 @@
+"""``scan_layers``: a stack of layers made by ``nnx.vmap``, applied in turn by ``nnx.scan``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from flax import nnx
+
+__all__ = ["scan_layers"]
+
+
+def scan_layers(stack: nnx.Module, x: jax.Array, *args: Any, remat: bool = False, **kwargs: Any) -> jax.Array:
+    """``x`` through each layer of ``stack`` in turn: ``x = layer(x, *args, **kwargs)``.
+
+    ``nnx.scan`` over ``stack``'s leading (layer) axis, each step under ``nnx.remat`` with
+    ``remat``. In the explicit step, a stack placed as an FSDP unit with ``prefetch=True``
+    runs in the step's own loop instead, gathering layer i+1 while layer i computes (see
+    the layouts guide, "Units").
+
+    Args:
+      stack: One module whose parameters carry a leading layer axis (``nnx.vmap``).
+      x: The carry: each layer's input and output, of one shape and type.
+      *args: Passed to every layer, the same each time (a mask, positions).
+      remat: Recompute each layer's forward pass in the backward one.
+      **kwargs: Passed to every layer.
+
+    Returns:
+      The last layer's output.
+    """
+    run = vars(stack).get("_substrax_unit")  # set by the explicit step on an FSDP unit
+    if run is not None and run.prefetch:
+        return run.scan(stack, x, args, kwargs)
+
+    def body(h: jax.Array, layer: nnx.Module) -> tuple[jax.Array, None]:
+        return layer(h, *args, **kwargs), None
+
+    if remat:
+        body = nnx.remat(body)
+    out, _ = nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))(x, stack)
+    return out
