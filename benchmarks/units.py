@@ -11,7 +11,9 @@ each configuration three spellings of one FSDP step, each ``make_train_step(...)
 - ``explicit``: explicit mode, ``layout="fsdp"``: every parameter gathered before the
   forward pass, every gradient reduce-scattered after the backward;
 - ``explicit+units``: explicit mode, each block a unit (``units=Block``; scanned: the
-  stacked block, gathered one layer at a time inside the loop).
+  stacked block, gathered one layer at a time inside the loop);
+- ``explicit+prefetch`` (scanned only): the stacked block a unit with ``prefetch=True``,
+  run by ``substrax.nn.scan_layers``: layer i+1 gathered while layer i computes.
 
 Each row: the median step time and its ratio to ``jit`` of the same configuration, the
 first call's time (compile), the compiled program's peak memory per device (argument +
@@ -32,7 +34,7 @@ from typing import Any
 
 import _measure as M  # benchmarks/_measure.py: run as `python benchmarks/NAME.py`
 
-SPELLINGS = ("jit", "explicit", "explicit+units")
+SPELLINGS = ("jit", "explicit", "explicit+units", "explicit+prefetch")
 
 
 
@@ -55,12 +57,17 @@ def run(configs: list[tuple[int, int, bool]], seq: int, rounds: int, block_s: fl
     for width, depth, scan in configs:
         calls, made = {}, {}
         for spelling in SPELLINGS:
+            if spelling == "explicit+prefetch" and not scan:
+                continue  # prefetch runs a stack (substrax.nn.scan_layers)
             row: dict[str, Any] = {"width": width, "depth": depth, "scan": scan, "spelling": spelling}
             try:
                 with jax.set_mesh(mesh):
                     model, optimizer = lm.make_model(d=width, blocks=depth, seq=seq, scan=scan)
-                units = lm.Block if spelling.endswith("units") else None
-                substrax.shard_state(model, optimizer, mesh=mesh, layout="fsdp", min_size=1, units=units)
+                units = lm.Block if spelling.startswith("explicit+") else None
+                prefetch = spelling == "explicit+prefetch"
+                substrax.shard_state(
+                    model, optimizer, mesh=mesh, layout="fsdp", min_size=1, units=units, prefetch=prefetch
+                )
                 mode = "implicit" if spelling == "jit" else "explicit"
                 step = substrax.make_train_step(lm.loss_fn, mode, mesh=mesh)
                 compiled = step.lower(model, optimizer, batch).compile()
@@ -107,7 +114,7 @@ def table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="width 64, depth 2, unrolled and scanned")
-    parser.add_argument("--smoke", action="store_true", help="width 16, depth 1, seq 8, unrolled, one round (make test)")
+    parser.add_argument("--smoke", action="store_true", help="width 16, depth 1, seq 8, one round (make test)")
     parser.add_argument("--json", metavar="PATH", help="write the rows as JSON and the table beside it (.txt)")
     parser.add_argument("--widths", type=int, nargs="*")
     parser.add_argument("--depths", type=int, nargs="*")
@@ -118,7 +125,7 @@ def main() -> None:
     depths = args.depths or ([1] if args.smoke else [2] if args.quick else [2, 8])
     rounds = args.rounds or (1 if args.smoke else 10 if args.quick else 15)
     seq = 8 if args.smoke else 32
-    scans = (False,) if args.smoke else (False, True)  # the smoke: every spelling once (scanned stacks: tests/test_scanned.py)
+    scans = (False, True)  # the smoke too: every spelling runs (the loops themselves: tests/test_scanned.py)
     configs = [(w, d, scan) for w in widths for d in depths for scan in scans]
     start = time.perf_counter()
     rows = run(configs, seq, rounds, 0.0 if args.smoke else 0.2, args.devices)

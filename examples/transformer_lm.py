@@ -150,7 +150,7 @@ class CharLM(nnx.Module):
         self.tok = ParallelEmbedding(vocab, d, split="features", rngs=rngs)
         self.pos = ParallelEmbedding(seq, d, split="features", rngs=rngs)
         self.scan = scan
-        if scan:  # the Flax NNX idiom: one stacked Block (nnx.vmap), applied by nnx.scan
+        if scan:  # the Flax NNX idiom: one stacked Block (nnx.vmap), applied by nnx.scan (scan_layers)
             # (the layer axis gets its own, unsplit entry in each layer's declared split)
             @nnx.split_rngs(splits=blocks)
             @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
@@ -165,9 +165,8 @@ class CharLM(nnx.Module):
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         x = self.tok(tokens) + self.pos(jnp.arange(tokens.shape[-1]))
-        if self.scan:
-            body = lambda x, block: (block(x), None)  # noqa: E731
-            x, _ = nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))(x, self.blocks)
+        if self.scan:  # nnx.scan over the layers (with --prefetch: the explicit step's own loop)
+            x = substrax.nn.scan_layers(self.blocks, x)
         else:
             for block in self.blocks:  # causal: position i sees positions <= i
                 x = block(x)
@@ -314,6 +313,11 @@ def make_parser() -> argparse.ArgumentParser:
         help="the blocks stacked by nnx.vmap and applied by nnx.scan (with --units: gathered per layer)",
     )
     parser.add_argument(
+        "--prefetch",
+        action="store_true",
+        help="with --units --scan: gather layer i+1 while layer i computes (explicit mode)",
+    )
+    parser.add_argument(
         "--microbatches", type=int, default=1, help="split each device's rows into K steps of accumulation"
     )
     parser.add_argument("--steps", type=int, default=300)
@@ -373,7 +377,8 @@ def main(argv: list[str] | None = None) -> list[float]:
     # The layers' model-axis splits stay; the layout applies over data on another dimension:
     # replicated, ZeRO-1 (optimizer state split) or FSDP (parameters too).
     layout = substrax.shard_state(
-        model, optimizer, mesh=mesh, layout=args.layout, units=Block if args.units else None
+        model, optimizer, mesh=mesh, layout=args.layout, units=Block if args.units else None,
+        prefetch=args.prefetch,
     )
     per_device = f"{layout.bytes_per_device:,} of {layout.total_bytes:,} bytes per device"
     state_note = f"{args.layout} state ({per_device})"

@@ -79,10 +79,13 @@ bit) and holds every value to the floor rule, the loss and the metrics with ``rt
 ``make fuzz`` (``SUBSTRAX_FUZZ=full``) a few hundred random draws (``SUBSTRAX_FUZZ_EXAMPLES``),
 printing one line per draw. Every failing draw is listed at the end with its ``Config`` as
 Python code: ``check(Config(...)).assert_ok()`` is its regression test.
+``SUBSTRAX_FUZZ_PIN="scan='prefetch',units='stack',layout='fsdp'"`` holds those fields of
+every draw (Python literals), to search one corner of the space.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import os
 import time
@@ -876,6 +879,27 @@ def test_curated_configs(config: Config) -> None:
     assert result.ok, result.report()
 
 
+def pinned(config: Config, pins: str | None = None) -> Config:
+    """``config`` with the fields ``pins`` (default ``$SUBSTRAX_FUZZ_PIN``) names set:
+    ``"field=literal,..."``, each value a Python literal."""
+    pins = os.environ.get("SUBSTRAX_FUZZ_PIN", "") if pins is None else pins
+    fields = {f.name for f in dataclasses.fields(Config)}
+    values = {}
+    for pin in filter(None, (p.strip() for p in pins.split(","))):
+        name, _, literal = pin.partition("=")
+        if name.strip() not in fields:
+            raise ValueError(f"SUBSTRAX_FUZZ_PIN: {name.strip()!r} is not a Config field; one of {sorted(fields)}.")
+        values[name.strip()] = ast.literal_eval(literal.strip())
+    return dataclasses.replace(config, **values)
+
+
+def test_a_pin_holds_named_fields_and_refuses_an_unknown_one() -> None:
+    config = pinned(Config(), "scan='prefetch', units='stack', microbatches=2")
+    assert (config.scan, config.units, config.microbatches, config.layout) == ("prefetch", "stack", 2, "replicated")
+    with pytest.raises(ValueError, match="'units_' is not a Config field"):
+        pinned(Config(), "units_='stack'")
+
+
 @pytest.mark.slow  # make test-slow (in .ci/run); make fuzz draws more
 def test_parity_fuzz() -> None:
     """Draws (profile ``fuzz-ci``, or ``fuzz-full`` with ``SUBSTRAX_FUZZ=full``, the
@@ -888,7 +912,7 @@ def test_parity_fuzz() -> None:
         results.append(result)
         print(f"#{len(results):<3} {result.line()}", flush=True)
 
-    run = given(configs())(draw)
+    run = given(configs().map(pinned))(draw)
     if PROFILE == "fuzz-full":
         for config in reversed(CURATED):
             run = example(config)(run)

@@ -170,6 +170,15 @@ def _example() -> object:
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
 @pytest.mark.parametrize("mode", substrax.MODES)
 def test_the_example_transformer_with_its_blocks_as_units_trains_like_one_device(mode: str, scan: bool) -> None:
+    _trains_like_one_device(mode, scan, prefetch=False)
+
+
+def test_the_example_transformer_with_its_stack_prefetched_trains_like_one_device() -> None:
+    """Its scanned blocks through ``substrax.nn.scan_layers``, the stacked unit prefetched (#27.4)."""
+    _trains_like_one_device("explicit", True, prefetch=True)
+
+
+def _trains_like_one_device(mode: str, scan: bool, prefetch: bool) -> None:
     lm = _example()
     sizes = {"seq": 8, "d": 16, "blocks": 2, "scan": scan}
     tokens = np.random.default_rng(0).integers(0, 128, size=(16, 9))
@@ -179,7 +188,7 @@ def test_the_example_transformer_with_its_blocks_as_units_trains_like_one_device
         nnx.jit(lambda m, o, b: o.update(m, nnx.grad(lm.loss_fn)(m, b)))(ref, ref_opt, batch)
     with jax.set_mesh(MESH):
         model, optimizer = lm.make_model(**sizes)
-    substrax.shard_state(model, optimizer, mesh=MESH, min_size=1, units=lm.Block)
+    substrax.shard_state(model, optimizer, mesh=MESH, min_size=1, units=lm.Block, prefetch=prefetch)
     assert len(unit_paths(model)) == (1 if scan else 2)  # scanned: one stacked unit, gathered per layer
     train = substrax.make_train_step(lm.loss_fn, mode, mesh=MESH)
     train(model, optimizer, batch)
