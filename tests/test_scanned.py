@@ -134,6 +134,24 @@ def test_a_scanned_stack_trains_like_one_device(mode: str, shape: str, variant: 
         assert declared and {p.row.executions for _, parts in declared for p in parts} == runs
 
 
+def test_a_prefetched_stack_with_whole_biases_trains_like_one_device(reference: dict) -> None:
+    """``min_size=100``: the kernels split, the biases (96 and 48 elements) whole, sliced per layer."""
+    mesh = create_device_mesh({"data": 8})
+    with jax.set_mesh(mesh):
+        model = Scanned(3, 16, prefetch=True)
+        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    substrax.shard_state(model, optimizer, mesh=mesh, layout="fsdp", min_size=100, units=Layer, prefetch=True)
+    assert model.layers.up.bias.get_value().sharding.spec == jax.sharding.PartitionSpec(None, None)
+    step = substrax.make_train_step(mse, "explicit", mesh=mesh)
+    for b in _batches():
+        step(model, optimizer, b)
+    got = _params(model)
+    for key in reference:
+        np.testing.assert_allclose(got[key], reference[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    comparison = step.check_communication(model, optimizer, _batches(1)[0])
+    assert comparison.matches, str(comparison)
+
+
 def test_a_stack_is_split_on_a_feature_dimension_never_the_layer_axis() -> None:
     """16 layers of width 8 on 8 devices: the layer axis is the largest (or ties) and would be taken first."""
     mesh = create_device_mesh({"data": 8})
