@@ -109,10 +109,10 @@ from fuzz_space import (
     metric_name,
     pack,
     per_example,
-    reduce_map,
-    unpack,
     prefetch_of,
+    reduce_map,
     units_of,
+    unpack,
 )
 from hypothesis import HealthCheck, example, given, settings
 from jax.sharding import NamedSharding, PartitionSpec
