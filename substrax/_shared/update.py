@@ -7,6 +7,9 @@ optimizer update"); a non-finite loss or gradient skips the whole update in the 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -17,7 +20,7 @@ from jax.sharding import PartitionSpec
 from substrax._layout import spec_tuple
 from substrax._shared import scopes
 
-__all__ = ["all_finite", "apply_update", "pin_layout", "state_values"]
+__all__ = ["all_finite", "apply_update", "donated_state", "pin_layout", "state_values"]
 
 
 def pin_layout(tree: Any) -> None:
@@ -73,23 +76,76 @@ def apply_update(
     Returns:
       Whether the update was applied (a 0-d bool), or ``None`` without the guard.
     """
-    finite = None
-    with jax.named_scope(scopes.UPDATE):
-        optimizer.update(model, grads)
-    if before is not None:
-        with jax.named_scope(scopes.FINITE):
-            finite = jnp.isfinite(loss).all() & all_finite(grads)
-            after = nnx.state((model, optimizer))
-            leaves, treedef = jax.tree.flatten(after)
-            if len(leaves) != len(before):  # an update that grows state (none in optax) is not guarded
-                raise ValueError(
-                    f"The optimizer update changed the number of state arrays ({len(before)} -> "
-                    f"{len(leaves)}); pass skip_nonfinite=False to train without the non-finite guard."
-                )
-            kept = [
-                new if _is_key(new) else jnp.where(finite, new, old)
-                for new, old in zip(leaves, before, strict=True)
-            ]
-            nnx.update((model, optimizer), jax.tree.unflatten(treedef, kept))
+    if before is None:
+        with jax.named_scope(scopes.UPDATE):
+            optimizer.update(model, grads)
+        pin_layout((model, optimizer))
+        return None
+    with jax.named_scope(scopes.FINITE):
+        finite = jnp.isfinite(loss).all() & all_finite(grads)
+    done: set[int] = set()  # the arrays already chosen
+    if _DONATED.get():
+        _update_in_place(model, optimizer, grads, finite)
+        done = {id(x) for x in jax.tree.leaves((nnx.state(model, optimizer.wrt), nnx.state(optimizer)))}
+    else:
+        with jax.named_scope(scopes.UPDATE):
+            optimizer.update(model, grads)
+    with jax.named_scope(scopes.FINITE):  # each new array, or the old one where the step is not finite
+        after = nnx.state((model, optimizer))
+        leaves, treedef = jax.tree.flatten(after)
+        if len(leaves) != len(before):  # an update that grows state (none in optax) is not guarded
+            raise ValueError(
+                f"The optimizer update changed the number of state arrays ({len(before)} -> "
+                f"{len(leaves)}); pass skip_nonfinite=False to train without the non-finite guard."
+            )
+        kept = [
+            new if id(new) in done or _is_key(new) else jnp.where(finite, new, old)
+            for new, old in zip(leaves, before, strict=True)
+        ]
+        nnx.update((model, optimizer), jax.tree.unflatten(treedef, kept))
     pin_layout((model, optimizer))
     return finite
+
+
+_DONATED: contextvars.ContextVar[bool] = contextvars.ContextVar("substrax_donated_state", default=False)
+
+
+@contextlib.contextmanager
+def donated_state(donated: bool) -> Iterator[None]:
+    """Trace ``apply_update`` for a step whose state arrays are donated (updated in place)."""
+    token = _DONATED.set(donated)
+    try:
+        yield
+    finally:
+        _DONATED.reset(token)
+
+
+def _update_in_place(model: nnx.Module, optimizer: nnx.Optimizer[Any], grads: nnx.State, finite: jax.Array) -> None:
+    """``optimizer.update(model, grads)`` where ``finite``, else nothing: the guarded update of a
+    donated step.
+
+    One update call whose new state is chosen against the old makes XLA copy the donated
+    state (the new parameters are computed from the old state, read after its buffer took
+    the new one). Here the parameters are updated first, then, past an optimization
+    barrier, the state from its old values again: the same values, no copy. What the
+    second call reads of the gradient alone (a global norm) is computed once.
+    """
+    params, state = nnx.state(model, optimizer.wrt), nnx.state(optimizer)
+    p_old, p_tree = jax.tree.flatten(params)
+    s_old, s_tree = jax.tree.flatten(state)
+    with jax.named_scope(scopes.UPDATE):
+        optimizer.update(model, grads)  # the new parameters (its state is computed again below)
+    with jax.named_scope(scopes.FINITE):
+        p_new = [jnp.where(finite, new, old) for new, old in zip(jax.tree.leaves(nnx.state(model, optimizer.wrt)), p_old, strict=True)]
+    p_new, s_old = jax.lax.optimization_barrier((p_new, s_old))
+    nnx.update(model, jax.tree.unflatten(p_tree, p_old))
+    nnx.update(optimizer, jax.tree.unflatten(s_tree, s_old))
+    with jax.named_scope(scopes.UPDATE):
+        optimizer.update(model, grads)  # the new state (its parameters dropped; what reads only grads, once)
+    with jax.named_scope(scopes.FINITE):
+        s_new = [
+            new if _is_key(new) else jnp.where(finite, new, old)
+            for new, old in zip(jax.tree.leaves(nnx.state(optimizer)), s_old, strict=True)
+        ]
+    nnx.update(optimizer, jax.tree.unflatten(s_tree, s_new))
+    nnx.update(model, jax.tree.unflatten(p_tree, p_new))

@@ -16,6 +16,7 @@ from substrax._batch.leaves import check_batch_leaves
 from substrax._shared.options import MODES, Mode, StepOptions, options_from
 from substrax._shared.precision import MixedPrecision
 from substrax._shared.skips import DEFAULT_MAX_SKIPS, SkipWatch
+from substrax._shared.update import donated_state
 from substrax._train.bound import BoundTrainStep
 from substrax._train.split import SplitState
 from substrax._tree import PyTree
@@ -193,7 +194,8 @@ class TrainStep:
             arrays: list[jax.Array], batch: PyTree, placed: _PlacedSpecs | None
         ) -> tuple[list[jax.Array], Any, Any]:
             model, optimizer = nnx.merge(graphdef, jax.tree.unflatten(treedef, arrays))
-            out, applied = self._run(model, optimizer, batch, placed)
+            with donated_state(donate):  # the guarded update in place (substrax._shared.update)
+                out, applied = self._run(model, optimizer, batch, placed)
             return jax.tree.leaves(nnx.state((model, optimizer))), out, applied
 
         return jax.jit(pure, donate_argnums=0 if donate else (), static_argnames="placed")
@@ -209,10 +211,10 @@ class TrainStep:
         _STEPS[self.mode].check_placement(model)
         return SplitState(model, optimizer, self._pure_step, donate)
 
-    def _lower(self, split: SplitState, arrays: list[jax.Array], batch: PyTree) -> Any:
+    def _lower(self, split: SplitState, arrays: list[jax.Array], batch: PyTree, donate: bool = False) -> Any:
         """The step lowered for these arguments, traced afresh (not from the jitted step's cache)."""
         with self.mesh_context():
-            return self._jit(*split.graph, donate=False).lower(arrays, batch, placed=self.placed_specs(batch))
+            return self._jit(*split.graph, donate=donate).lower(arrays, batch, placed=self.placed_specs(batch))
 
     def _run_split(self, jitted: Any, arrays: list[jax.Array], batch: PyTree, placed: Any) -> Any:
         with self.mesh_context():
@@ -228,18 +230,22 @@ class TrainStep:
         if split is None or not split.valid_for(model, optimizer):
             split = self._cached = self._split(model, optimizer, donate=False)
         arrays = split.arrays()
-        # donated when nobody else reads them, and not under the non-finite guard: its select of
-        # old or new state makes XLA copy every donated buffer (measured: 1.7x the step, MLP w1024)
-        jitted = split.jitted_for(not self.options.skip_nonfinite and split.unshared(arrays))
+        # donated when nobody else reads them (the guard's update then reads no old buffer after
+        # its new value is written: substrax._shared.update._update_in_place)
+        jitted = split.jitted_for(split.unshared(arrays))
         arrays, out, applied = self._run_split(jitted, arrays, batch, self.placed_specs(batch))
         split.write(arrays)
         self._skips.push(applied)
         return out
 
-    def lower(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree) -> Any:
-        """Lower the jitted step for these arguments (traced afresh), e.g. ``.compile().as_text()``."""
+    def lower(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree, *, donate: bool = False) -> Any:
+        """Lower the jitted step for these arguments (traced afresh), e.g. ``.compile().as_text()``.
+
+        ``donate=True``: the program that runs when the state is donated (``.bind``, and the
+        plain call when nothing else holds the arrays); lowering donates nothing.
+        """
         split = self._split(model, optimizer, donate=False)
-        return self._lower(split, split.arrays(), batch)
+        return self._lower(split, split.arrays(), batch, donate=donate)
 
     def check_communication(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree) -> Comparison:
         """Every collective of this step compiled for these arguments, held against its layout's rule.
@@ -248,8 +254,8 @@ class TrainStep:
         See the census guide and ``substrax.compare``.
         """
         # what the layers declare they communicate, and which units ran one layer at a time
-        with declared.recording() as layers, _layout.recording_layers() as layered:
-            lowered = self.lower(model, optimizer, batch)
+        with declared.recording() as layers, _layout.recording_layers() as layered:  # as it runs: donated
+            lowered = self.lower(model, optimizer, batch, donate=True)
         return check_communication(lowered, model, optimizer, self.options, layers=layers, layered=layered)
 
     def census(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree) -> Comparison:

@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from substrax._layout import gradient_spec, layout_of, prefetched_units
 from substrax._shared import scopes
 from substrax._shared.options import StepOptions
-from substrax._shared.update import apply_update, state_values
+from substrax._shared.update import apply_update, donated_state, state_values
 from substrax._tree import KeyPath
 from substrax.census._expected import Expected, ExpectedCollective, expected_communication
 from substrax.census._items import (
@@ -111,11 +111,12 @@ def update_census(
     def update(arrays: list[jax.Array], grads: nnx.State, loss: jax.Array) -> list[jax.Array]:
         model, optimizer = nnx.merge(graphdef, jax.tree.unflatten(treedef, arrays))
         before = state_values((model, optimizer)) if options.skip_nonfinite else None
-        apply_update(model, optimizer, grads, loss, before)  # the update the step runs after its gradients
+        with donated_state(True):  # the update the step runs after its gradients, as it runs: donated
+            apply_update(model, optimizer, grads, loss, before)
         return jax.tree.leaves(nnx.state((model, optimizer)))
 
     with _mesh_context(options):
-        compiled = jax.jit(update).lower(arrays, grads, loss).compile()
+        compiled = jax.jit(update, donate_argnums=0).lower(arrays, grads, loss).compile()
     return census(compiled, mesh=mesh)
 
 
