@@ -128,17 +128,20 @@ def _update_in_place(model: nnx.Module, optimizer: nnx.Optimizer[Any], grads: nn
     state (the new parameters are computed from the old state, read after its buffer took
     the new one). Here the parameters are updated first, then, past an optimization
     barrier, the state from its old values again: the same values, no copy. What the
-    second call reads of the gradient alone (a global norm) is computed once.
+    second call reads of the gradient alone (a global norm) is computed once; the model's
+    other state is restored between the calls, so an ``nnx.Optimizer`` subclass that also
+    updates it does so once.
     """
-    params, state = nnx.state(model, optimizer.wrt), nnx.state(optimizer)
-    p_old, p_tree = jax.tree.flatten(params)
-    s_old, s_tree = jax.tree.flatten(state)
+    m_old, m_tree = jax.tree.flatten(nnx.state(model))
+    p_old, p_tree = jax.tree.flatten(nnx.state(model, optimizer.wrt))
+    s_old, s_tree = jax.tree.flatten(nnx.state(optimizer))
     with jax.named_scope(scopes.UPDATE):
         optimizer.update(model, grads)  # the new parameters (its state is computed again below)
     with jax.named_scope(scopes.FINITE):
-        p_new = [jnp.where(finite, new, old) for new, old in zip(jax.tree.leaves(nnx.state(model, optimizer.wrt)), p_old, strict=True)]
+        updated = jax.tree.leaves(nnx.state(model, optimizer.wrt))
+        p_new = [jnp.where(finite, new, old) for new, old in zip(updated, p_old, strict=True)]
     p_new, s_old = jax.lax.optimization_barrier((p_new, s_old))
-    nnx.update(model, jax.tree.unflatten(p_tree, p_old))
+    nnx.update(model, jax.tree.unflatten(m_tree, m_old))  # as before the first call, all of it
     nnx.update(optimizer, jax.tree.unflatten(s_tree, s_old))
     with jax.named_scope(scopes.UPDATE):
         optimizer.update(model, grads)  # the new state (its parameters dropped; what reads only grads, once)
