@@ -19,7 +19,7 @@ demo: $(STAMP)
 
 # The suite on WORKERS processes (pytest-xdist), each test file whole on one of them: on 2
 # cores most of a file's time is compiling, which one process does on one core. `make test`
-# leaves out the tests marked slow (the fuzzers' random samples, the two longest notebooks);
+# leaves out the tests marked slow (the fuzzers' random samples, the three longest notebooks);
 # `make test-slow` runs just those, and .ci/run runs both.
 WORKERS ?= 2
 
