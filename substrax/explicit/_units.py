@@ -107,20 +107,11 @@ class _UnitRun:
         dims = [self.dim_of(tuple(flat[i][0]), tuple(s.shape[1:])) for i, s in zip(split_at, shards, strict=True)]
         shapes = [tuple(s.shape[1:]) for s in shards]
         types = [varying_other(s, self.axis) for s in shards]
-        in_leaves, in_tree = jax.tree.flatten((args, kwargs))
-        arrays_at = [i for i, a in enumerate(in_leaves) if isinstance(a, jax.Array)]
-        statics = [None if i in set(arrays_at) else a for i, a in enumerate(in_leaves)]
+        in_arrays, rebuild = _array_args(args, kwargs)
 
         def apply(wholes: list[Any], others: list[Any], h: jax.Array, arrays: list[Any]) -> jax.Array:
-            values: list[Any] = [None] * len(flat)
-            for i, value in [*zip(split_at, wholes, strict=True), *zip(other_at, others, strict=True)]:
-                values[i] = value
-            layer = nnx.merge(graphdef, nnx.from_flat_state([(p, v.replace(a)) for (p, v), a in zip(flat, values, strict=True)]))
-            leaves = list(statics)
-            for i, a in zip(arrays_at, arrays, strict=True):
-                leaves[i] = a
-            a, k = jax.tree.unflatten(in_tree, leaves)
-            return self.call(layer, h, *a, **k)
+            a, k = rebuild(arrays)
+            return self.call(_merged_module(graphdef, flat, split_at, wholes, other_at, others), h, *a, **k)
 
         def gather(layer_shards: list[Any], anchor: Any) -> list[Any]:
             return gather_grouped(self.cast([_after(s, anchor) for s in layer_shards]), dims, self.axis)
@@ -129,7 +120,7 @@ class _UnitRun:
             return scatter_grouped(grads, shapes, dims, self.axis, self.reduce_dtype, types)
 
         others = [flat[i][1].get_value() for i in other_at]
-        return prefetched_layers(apply, gather, scatter, shards, others, x, [in_leaves[i] for i in arrays_at], layers)
+        return prefetched_layers(apply, gather, scatter, shards, others, x, in_arrays, layers)
 
     def dim_of(self, rel: KeyPath, shape: tuple[int, ...]) -> int:
         """The split dimension of the parameter at ``rel`` whose value (or one layer of it) has ``shape``.
@@ -219,6 +210,29 @@ def scatter_grouped(grads: list[jax.Array], shapes: list[tuple[int, ...]], dims:
     return out
 
 
+def _array_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[jax.Array], Any]:
+    """The arrays among a call's arguments, and ``rebuild(arrays) -> (args, kwargs)`` with the rest as given."""
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    at = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+
+    def rebuild(arrays: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        new = list(leaves)
+        for i, a in zip(at, arrays, strict=True):
+            new[i] = a
+        return jax.tree.unflatten(tree, new)
+
+    return [leaves[i] for i in at], rebuild
+
+
+def _merged_module(graphdef: Any, flat: list[Any], split_at: list[int], wholes: list[Any],
+                   other_at: list[int], others: list[Any]) -> nnx.Module:  # fmt: skip
+    """The module of ``graphdef`` over ``flat``'s variables, valued ``wholes`` at ``split_at`` and ``others`` at ``other_at``."""
+    values: list[Any] = [None] * len(flat)
+    for i, value in [*zip(split_at, wholes, strict=True), *zip(other_at, others, strict=True)]:
+        values[i] = value
+    return nnx.merge(graphdef, nnx.from_flat_state([(p, v.replace(x)) for (p, v), x in zip(flat, values, strict=True)]))
+
+
 def run_unit(module: nnx.Module, call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Call ``module`` (a unit) on ``args``, its split parameters gathered just in time (layouts guide)."""
     run: _UnitRun = vars(module)["_substrax_unit"]
@@ -239,22 +253,11 @@ def run_unit(module: nnx.Module, call: Any, args: tuple[Any, ...], kwargs: dict[
     shard_dtypes = [s.dtype for s in shards]
     shard_types = [varying_other(s, run.axis) for s in shards]
     others = [flat[i][1].get_value() for i in other_at]
-    in_leaves, in_tree = jax.tree.flatten((args, kwargs))
-    arrays_at = [i for i, x in enumerate(in_leaves) if isinstance(x, jax.Array)]
-    statics = [None if i in set(arrays_at) else x for i, x in enumerate(in_leaves)]
+    in_arrays, rebuild = _array_args(args, kwargs)
 
     def apply(wholes: list[Any], others: list[Any], arrays: list[Any]) -> tuple[Any, list[Any]]:
-        values = [None] * len(flat)
-        for i, w in zip(split_at, wholes, strict=True):
-            values[i] = w
-        for i, o in zip(other_at, others, strict=True):
-            values[i] = o
-        state = nnx.from_flat_state([(p, v.replace(x)) for (p, v), x in zip(flat, values, strict=True)])
-        m = nnx.merge(graphdef, state)
-        leaves = list(statics)
-        for i, a in zip(arrays_at, arrays, strict=True):
-            leaves[i] = a
-        a, k = jax.tree.unflatten(in_tree, leaves)
+        m = _merged_module(graphdef, flat, split_at, wholes, other_at, others)
+        a, k = rebuild(arrays)
         out = call(m, *a, **k)
         after = [v.get_value() for _, v in nnx.to_flat_state(nnx.state(m))]
         return out, [after[i] for i in other_at if not isinstance(flat[i][1], nnx.Param)]
@@ -310,7 +313,7 @@ def run_unit(module: nnx.Module, call: Any, args: tuple[Any, ...], kwargs: dict[
         )
 
     unit.defvjp(forward, backward, symbolic_zeros=True)
-    out, rest = unit(shards, others, [in_leaves[i] for i in arrays_at])
+    out, rest = unit(shards, others, in_arrays)
     rest_at = [i for i in other_at if not isinstance(flat[i][1], nnx.Param)]
     for i, value in zip(rest_at, rest, strict=True):
         flat[i][1].set_value(value)
