@@ -197,12 +197,12 @@ def test_a_run_of_skipped_steps_warns_then_raises(mesh8, mode: str, spelling: st
         if spelling == "bind":
             run.sync()
         else:
-            for _ in range(LAG):  # the flags are read LAG at a time
+            for _ in range(2 * LAG):  # the flags are read LAG at a time, LAG steps late
                 run(good)
     counts = [str(w.message).split("(")[1].split(")")[0] for w in seen]
     assert counts == ["1 in a row, 1 in all", "2 in a row, 2 in all", "1 in a row, 3 in all", "2 in a row, 4 in all"]
     with pytest.raises(NonFiniteStepsError, match="4 steps in a row were skipped"):
-        for _ in range(4 + 2 * LAG):  # read by then, whatever goods are pending
+        for _ in range(4 + 3 * LAG):  # read by then, whatever goods are pending
             run(bad)
         if spelling == "bind":
             run.sync()

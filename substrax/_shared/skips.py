@@ -1,7 +1,8 @@
 """Runs of skipped steps, said out loud: a warning while steps are skipped, an error after too many.
 
-``SkipWatch`` reads the guard's flags ``LAG`` steps at a time, warns on the 1st, 2nd,
-4th, 8th ... skip of a run, and raises ``NonFiniteStepsError`` after ``limit`` in a row.
+``SkipWatch`` reads the guard's flags ``LAG`` at a time, each at least ``LAG`` steps old (so
+reading never waits for a step still running), warns on the 1st, 2nd, 4th, 8th ... skip of
+a run, and raises ``NonFiniteStepsError`` after ``limit`` in a row.
 See the nonfinite guide.
 """
 
@@ -16,7 +17,7 @@ import jax
 __all__ = ["DEFAULT_MAX_SKIPS", "NonFiniteStepsError", "SkipWatch", "SkippedStepWarning"]
 
 DEFAULT_MAX_SKIPS = 10
-LAG = 8  # flags read together, in one transfer, every LAG calls
+LAG = 8  # flags read together, in one transfer, every LAG calls, once LAG newer ones are queued
 
 
 class SkippedStepWarning(RuntimeWarning):
@@ -41,15 +42,19 @@ class SkipWatch:
         self._pending: collections.deque[Any] = collections.deque()
 
     def push(self, applied: Any) -> None:
-        """Take this step's flag (``None`` without the guard); every ``LAG`` flags, judge them."""
+        """Take this step's flag (``None`` without the guard); judge the oldest ``LAG`` once
+        ``2 * LAG`` are queued: steps long done, so the device is never drained."""
         if applied is not None:
             self._pending.append(applied)
-        if len(self._pending) >= LAG:
-            self.flush()
+        if len(self._pending) >= 2 * LAG:
+            self._judge_oldest(LAG)
 
     def flush(self) -> None:
         """Judge every flag still pending (waiting for them), oldest first."""
-        flags, self._pending = list(self._pending), collections.deque()
+        self._judge_oldest(len(self._pending))
+
+    def _judge_oldest(self, count: int) -> None:
+        flags = [self._pending.popleft() for _ in range(count)]
         for applied in jax.device_get(flags):
             self._judge(bool(applied))
 
