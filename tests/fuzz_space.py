@@ -137,6 +137,22 @@ class Config:
         per_shard = self.mode == "explicit" and "batchnorm" in self.blocks and self.devices > 1
         return self.rows * (1 if per_shard else self.devices)
 
+    def short(self) -> str:
+        """A one-line summary for the fuzzer's log."""
+        layout = self.layout if self.layout == "replicated" else f"{self.layout}/min{self.min_size or 'def'}"
+        extras = [self.batch_tree] + ["mask"] * self.mask + ["scale"] * self.scale + [self.placement]
+        aux = "" if self.metrics is None else " aux(" + ",".join(str(m) for m in self.metrics) + ")"
+        precision = "" if self.precision is None else f" {self.precision}"
+        if self.units is not None and self.layout in ("fsdp", "hsdp"):
+            precision += f" units={self.units}{'' if self.reshard else '/keep'}"
+        if self.scan is not None:
+            precision += f" {self.scan}"
+        return (
+            f"{self.mode:<8} {layout:<12} n{self.devices} k{self.microbatches} r{self.rows} "
+            f"{self.stem}[{','.join(self.blocks)}]w{self.width} {self.task} {self.optimizer} "
+            f"{' '.join(extras)}{aux} {self.spelling}{precision} s{self.seed}"
+        )
+
 
 MIN_BATCHNORM_ROWS = 3
 
@@ -153,22 +169,6 @@ def measurable(config: Config) -> Config:
     if rows is None or rows >= MIN_BATCHNORM_ROWS:
         return config
     return dataclasses.replace(config, rows=config.rows + 1)
-
-    def short(self) -> str:
-        """A one-line summary for the fuzzer's log."""
-        layout = self.layout if self.layout == "replicated" else f"{self.layout}/min{self.min_size or 'def'}"
-        extras = [self.batch_tree] + ["mask"] * self.mask + ["scale"] * self.scale + [self.placement]
-        aux = "" if self.metrics is None else " aux(" + ",".join(str(m) for m in self.metrics) + ")"
-        precision = "" if self.precision is None else f" {self.precision}"
-        if self.units is not None and self.layout in ("fsdp", "hsdp"):
-            precision += f" units={self.units}{'' if self.reshard else '/keep'}"
-        if self.scan is not None:
-            precision += f" {self.scan}"
-        return (
-            f"{self.mode:<8} {layout:<12} n{self.devices} k{self.microbatches} r{self.rows} "
-            f"{self.stem}[{','.join(self.blocks)}]w{self.width} {self.task} {self.optimizer} "
-            f"{' '.join(extras)}{aux} {self.spelling}{precision} s{self.seed}"
-        )
 
 
 def configs() -> st.SearchStrategy[Config]:

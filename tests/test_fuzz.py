@@ -98,6 +98,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from fuzz_space import (
+    MIN_BATCHNORM_ROWS,
     ROW_PARTS,
     Config,
     batch_parts,
@@ -105,7 +106,6 @@ from fuzz_space import (
     build,
     configs,
     loss_of,
-    MIN_BATCHNORM_ROWS,
     make_loss_fn,
     measurable,
     metric_name,

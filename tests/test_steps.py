@@ -229,6 +229,24 @@ class _Dropped(nnx.Module):
         return self.out(self.drop(jnp.tanh(self.hidden(x))))
 
 
+def test_a_split_written_from_another_trace_raises_as_flax_does() -> None:
+    """The plain call sets its results with one trace check for all variables (not two per
+    variable): from inside a jit, where flax refuses to set a variable made outside, it still does."""
+    from flax.errors import TraceContextError
+
+    from substrax._train.split import SplitState
+
+    model = MLP()
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    split = SplitState(model, optimizer, lambda *graph: None)
+    assert split._probe is not None  # the one check stands for all
+    arrays = [a + 1 for a in split.arrays()]
+    with pytest.raises(TraceContextError, match="Cannot mutate"):
+        jax.jit(split.write)(arrays)
+    split.write(arrays)
+    assert all(v.get_raw_value() is a for v, a in zip(split.variables, arrays, strict=True))
+
+
 @pytest.mark.parametrize("mode", substrax.MODES)
 def test_the_plain_call_follows_changes_to_the_model(mesh8: jax.sharding.Mesh, mode: str) -> None:
     """The split is kept between calls, but a changed graph, setting or layout is seen."""

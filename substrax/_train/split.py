@@ -23,17 +23,25 @@ from substrax._tree import adopt_assigned_arrays
 
 __all__ = ["SplitState"]
 
-def _items(node: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-    """A node's children: its keys and its values (a module's attributes, a dict's items, a list's elements)."""
+def _reader(node: Any) -> Any:
+    """A reader of ``node``'s children, its keys and its values (a module's attributes, a
+    dict's items, a list's elements), for its kind, chosen once (``isinstance`` against nnx's ABCs costs
+    microseconds, and a split checks every node each call)."""
     if isinstance(node, nnx.Pytree):
-        d = vars(node)
-    elif isinstance(node, nnx.State):  # its items are views made afresh; the mapping under them is not
-        d = node.raw_mapping
-    elif isinstance(node, Mapping):
-        d = node
-    else:
-        return (len(node),), tuple(node)
-    return tuple(d), tuple(d.values())
+        return _mapping_items(vars)
+    if isinstance(node, nnx.State):  # its items are views made afresh; the mapping under them is not
+        return _mapping_items(operator.attrgetter("raw_mapping"))
+    if isinstance(node, Mapping):
+        return _mapping_items(lambda d: d)
+    return lambda n: ((len(n),), tuple(n))
+
+
+def _mapping_items(mapping: Any) -> Any:
+    def items(node: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        d = mapping(node)
+        return tuple(d), tuple(d.values())
+
+    return items
 
 
 def _same(now: tuple[tuple[Any, ...], tuple[Any, ...]], saved: tuple[tuple[Any, ...], tuple[Any, ...]]) -> bool:
@@ -71,11 +79,13 @@ class SplitState:
         self.graph = (graphdef, self.treedef)
         self._refs = (weakref.ref(model), weakref.ref(optimizer))
         self._nodes = [n for _, n in nnx.iter_graph((model, optimizer)) if _is_mutable_node(n)]
-        self._snapshot = [_items(n) for n in self._nodes]
+        self._readers = [_reader(n) for n in self._nodes]
+        self._snapshot = [read(n) for read, n in zip(self._readers, self._nodes)]
         self._epochs = (_layout.epoch(model), _layout.epoch(optimizer))
         self._written: list[Any] = [v.get_raw_value() for v in self.variables]
         self._make_jitted = make_jitted
         self._jitted: dict[bool, Any] = {}  # by donation: hashing the graph per call costs a millisecond
+        self._probe = _one_check_for_all(self.variables)
         self.jitted = self.jitted_for(donate)
 
     def jitted_for(self, donate: bool) -> Any:
@@ -92,7 +102,7 @@ class SplitState:
             or self._epochs != (_layout.epoch(model), _layout.epoch(optimizer))
         ):
             return False
-        return all(map(_same, map(_items, self._nodes), self._snapshot))
+        return all(_same(read(n), saved) for read, n, saved in zip(self._readers, self._nodes, self._snapshot))
 
     def arrays(self) -> list[jax.Array]:
         """The variables' current values; a value set since the last write is cast and placed like it."""
@@ -115,10 +125,55 @@ class SplitState:
         return all(c <= base - (a is not w) for c, a, w in zip(counts, arrays, self._written, strict=True))
 
     def write(self, arrays: list[jax.Array]) -> None:
-        """Set each variable's value to the step's result."""
-        for variable, array in zip(self.variables, arrays, strict=True):
-            variable.set_raw_value(array)
+        """Set each variable's value to the step's result.
+
+        ``set_raw_value`` checks each variable's trace twice (~10 us each, ~1 ms a call for
+        a hundred variables); where every variable could be set when the split was made, one
+        check of one variable now says the same of all (``_one_check_for_all``).
+        """
+        if len(arrays) != len(self.variables):
+            raise ValueError(f"{len(arrays)} arrays for {len(self.variables)} variables")
+        probe = self._probe
+        if probe is None:
+            for variable, array in zip(self.variables, arrays):
+                variable.set_raw_value(array)
+        else:
+            probe._check_can_update()  # raises, as set_raw_value would, from another trace
+            for variable, array in zip(self.variables, arrays):
+                object.__setattr__(variable, "_raw_value", array)
         self._written = arrays
+
+
+def _one_check_for_all(variables: list[nnx.Variable[Any]]) -> nnx.Variable[Any] | None:
+    """A variable whose trace check stands for every one's, or None to check each.
+
+    A variable (not in ref mode) can be set in the trace it was made in. If every one can be
+    set now, all were made in this trace; later, one that can be set shows the trace is the
+    same, so all can. ``None`` where that does not hold, or where this flax keeps the value
+    elsewhere than ``_raw_value``.
+    """
+    if not _raw_value_is_the_value():
+        return None
+    try:
+        for variable in variables:
+            variable._check_can_update()
+    except Exception:  # noqa: BLE001  (a trace error: each write checks each variable)
+        return None
+    checked = [v for v in variables if not getattr(v, "ref", False)]
+    return checked[0] if checked else None
+
+
+@functools.cache
+def _raw_value_is_the_value() -> bool:
+    """Whether setting ``_raw_value`` is what ``set_raw_value`` does (flax 0.12)."""
+    variable = nnx.Param(np.zeros(()))
+    value = np.ones(())
+    try:
+        variable._check_can_update()
+        object.__setattr__(variable, "_raw_value", value)
+    except Exception:  # noqa: BLE001
+        return False
+    return variable.get_raw_value() is value
 
 
 def _counts(arrays: list[Any]) -> list[int]:
