@@ -131,15 +131,13 @@ class SplitState:
         a hundred variables); where every variable could be set when the split was made, one
         check of one variable now says the same of all (``_one_check_for_all``).
         """
-        if len(arrays) != len(self.variables):
-            raise ValueError(f"{len(arrays)} arrays for {len(self.variables)} variables")
         probe = self._probe
         if probe is None:
-            for variable, array in zip(self.variables, arrays):
+            for variable, array in zip(self.variables, arrays, strict=True):
                 variable.set_raw_value(array)
         else:
             probe._check_can_update()  # raises, as set_raw_value would, from another trace
-            for variable, array in zip(self.variables, arrays):
+            for variable, array in zip(self.variables, arrays, strict=True):
                 object.__setattr__(variable, "_raw_value", array)
         self._written = arrays
 
