@@ -1,8 +1,8 @@
-"""A plan before compiling: each configuration's communication and state per device, from a trace.
+"""A plan before compiling: each configuration's communication and memory per device, from a trace.
 
-``plan`` places a copy of the state in each candidate configuration, lowers its step (no
-compile) and applies ``TrainStep.check_communication``'s rule (``expected_step``). See
-the planning guide.
+``plan`` places a copy of the state in each candidate configuration, traces and lowers its
+step (no compile), applies ``TrainStep.check_communication``'s rule (``expected_step``) and
+walks the trace for the peak memory (``substrax._memory``). See the planning guide.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from substrax import _layout
+from substrax import _layout, _memory
 from substrax._shared.options import Mode
 from substrax._train.chooser import make_train_step
 from substrax._tree import PyTree
@@ -42,7 +42,8 @@ class PlanRow:
       state_bytes: Parameters and optimizer state one device holds (exact).
       batch_bytes: The batch one device holds.
       gathered_bytes: Parameters one device holds gathered at once inside the step.
-      activation_bytes: What one device's forward pass keeps for the backward (``jax.vjp``'s residuals).
+      output_bytes: The step's outputs beyond those written into its donated state.
+      temp_bytes: The step's temporaries at their peak (estimated: see the planning guide).
       notes: What the prediction could not read.
     """
 
@@ -55,21 +56,15 @@ class PlanRow:
     state_bytes: int
     batch_bytes: int
     gathered_bytes: int = 0
-    activation_bytes: int = 0
+    output_bytes: int = 0
+    temp_bytes: int = 0
     notes: tuple[str, ...] = ()
 
     @property
-    def least_peak_bytes(self) -> int:
-        """A lower bound of the step's peak per device: the state and batch in, the state out
-        (not donated) and the gathered parameters."""
-        return 2 * self.state_bytes + self.batch_bytes + self.gathered_bytes
-
-    @property
     def peak_bytes(self) -> int:
-        """An upper estimate of the explicit step's peak: ``least_peak_bytes`` and every
-        activation autodiff keeps (XLA fuses many away; in every explicit configuration the
-        tests compile, the compiled peak lay between the two; an implicit step's may exceed it)."""
-        return self.least_peak_bytes + self.activation_bytes
+        """The explicit step's peak per device, state donated (``.bind``, the plain call):
+        ``memory_analysis()``'s argument + output + temp - alias, estimated."""
+        return self.state_bytes + self.batch_bytes + self.output_bytes + self.temp_bytes
 
     @property
     def total_bytes(self) -> int:
@@ -90,9 +85,8 @@ class Plan:
     def best(self, memory: int | None = None, *, bandwidth: float | None = None) -> PlanRow:
         """The row with the fewest bytes (or seconds at ``bandwidth``) whose state fits ``memory``.
 
-        ``memory``: bytes per device the step's upper peak estimate (``PlanRow.peak_bytes``)
-        may take (the compiled peak stayed under it in every configuration the tests compile).
-        Raises ``ValueError`` naming the smallest requirement when no row fits.
+        ``memory``: bytes per device the step's estimated peak (``PlanRow.peak_bytes``) may
+        take; leave room for the estimate's error (see the planning guide). Raises ``ValueError`` naming the smallest requirement when no row fits.
         """
         fits = [r for r in self.rows if memory is None or r.peak_bytes <= memory]
         if not fits:
@@ -108,10 +102,10 @@ class Plan:
     def __str__(self) -> str:
         kinds = sorted({k for r in self.rows for k in r.bytes})
         head = ["mode", "layout", "units", "mesh", *(f"{k} ({a})" for k, a in kinds)]
-        head += ["total B", "state B", "peak B (least-most)"]
+        head += ["total B", "state B", "peak B (est.)"]
         body = [
             [r.mode, r.layout, r.units, r.mesh, *(f"{r.bytes.get(k, 0):,}" for k in kinds),
-             f"{r.total_bytes:,}", f"{r.state_bytes:,}", f"{r.least_peak_bytes:,}-{r.peak_bytes:,}"]
+             f"{r.total_bytes:,}", f"{r.state_bytes:,}", f"{r.peak_bytes:,}"]
             for r in self.rows
         ]  # fmt: skip
         widths = [max(len(str(c)) for c in col) for col in zip(head, *body, strict=True)]
@@ -140,10 +134,10 @@ def plan(
     units: Iterable[Any] = (None,),
     **step_options: Any,
 ) -> Plan:
-    """Each configuration's collective bytes and state per device, without compiling a step.
+    """Each configuration's collective bytes and memory per device, without compiling a step.
 
     Explicit-mode bytes are the compiled census's; implicit-mode rows give the layout's rule
-    (XLA chooses). What is not predicted: see the planning guide.
+    (XLA chooses) and explicit mode's memory. What is not predicted: see the planning guide.
 
     Args:
       loss_fn: As ``make_train_step`` takes it.
@@ -184,7 +178,11 @@ def _row(
     placed = _layout.shard_state(m, o, mesh=mesh, layout=kind, units=unit, data_axis=axis, **place)
     step = make_train_step(loss_fn, mode, mesh=mesh, **opts)
     with declared.recording() as layers, _layout.recording_layers() as layered:
-        lowered = step.lower(m, o, batch)
+        traced = step.traced(m, o, batch, donate=True)
+        with step.mesh_context():
+            lowered = traced.lower()
+    if mode != "explicit":  # the memory is explicit mode's (XLA places the implicit step's)
+        traced = make_train_step(loss_fn, "explicit", mesh=mesh, **opts).traced(m, o, batch, donate=True)
     expected, notes = expected_step(lowered.out_info[1], m, o, step.options, layers=layers, layered=layered)
     k = step.options.microbatches
     by_kind: dict[tuple[str, str], int] = {}
@@ -201,7 +199,9 @@ def _row(
         key = (item.kind, ",".join(item.axes) or step.options.data_axis)
         by_kind[key] = by_kind.get(key, 0) + size
     rows = math.prod(mesh.shape[a] for a in _axes(step.options.row_axes(mesh)))
-    batch_bytes = sum(np.asarray(x).nbytes // (rows if np.ndim(x) else 1) for x in jax.tree.leaves(batch))
+    batch_bytes = [_per_device(x, rows) for x in jax.tree.leaves(batch)]
+    state_bytes = [_per_device(x, 1) for x in jax.tree.leaves(nnx.state((m, o)))]
+    memory = _memory.estimate(traced.jaxpr, state_bytes + batch_bytes, donated=True)
     return PlanRow(
         mode=mode,
         layout=kind,
@@ -210,9 +210,10 @@ def _row(
         bytes=by_kind,
         optional_bytes=optional,
         state_bytes=placed.bytes_per_device,
-        batch_bytes=batch_bytes,
+        batch_bytes=sum(batch_bytes),
         gathered_bytes=gathered,
-        activation_bytes=_activation_bytes(loss_fn, m, batch, rows * k, step.options.has_aux),
+        output_bytes=memory.outputs,
+        temp_bytes=memory.temporaries,
         notes=notes,
     )
 
@@ -221,28 +222,11 @@ def _axes(rows: str | tuple[str, ...]) -> tuple[str, ...]:
     return (rows,) if isinstance(rows, str) else rows
 
 
-def _activation_bytes(loss_fn: Any, model: nnx.Module, batch: PyTree, ways: int, has_aux: bool) -> int:
-    """Residuals ``jax.vjp`` keeps of one device's (micro)batch, less those shaped like a parameter."""
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    def shard(x: Any) -> Any:
-        return jax.ShapeDtypeStruct((x.shape[0] // ways, *x.shape[1:]), x.dtype) if np.ndim(x) else x
-
-    part = jax.tree.map(shard, batch)
-
-    def loss(p: Any, b: Any) -> Any:
-        out = loss_fn(nnx.merge(graphdef, p, rest), b)
-        return out[0] if has_aux else out
-
-    kept = jax.tree.leaves(jax.eval_shape(lambda p, b: jax.vjp(loss, p, b)[1], params, part))
-    shapes = [(tuple(x.shape), x.dtype) for x in jax.tree.leaves(params)]
-    total = 0
-    for x in kept:
-        key = (tuple(x.shape), x.dtype)
-        if key in shapes:
-            shapes.remove(key)
-        else:
-            total += math.prod(x.shape) * np.dtype(x.dtype).itemsize
-    return total
+def _per_device(x: Any, rows: int) -> int:
+    """Bytes one device holds of ``x``: its shard's, or (not placed yet) its rows split ``rows`` ways."""
+    if isinstance(x, jax.Array):
+        return x.addressable_shards[0].data.nbytes
+    return np.asarray(x).nbytes // (rows if np.ndim(x) else 1)
 
 
 def _one_run(item: Any) -> int:

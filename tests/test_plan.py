@@ -25,12 +25,13 @@ class Case:
     units: bool = False
     width: int = 64  # the MLP's; 0: the tensor-parallel block of test_tensor_parallel
     microbatches: int = 1
+    rows: int = 64  # the MLP's batch: at 4096 its activations outweigh its state
 
     def __str__(self) -> str:
         mesh = ",".join(f"{a}={n}" for a, n in self.mesh)
         units = "+units" if self.units else ""
         model = f"w{self.width}" if self.width else "tp-block"
-        return f"{self.layout}{units}-{mesh}-{model}-k{self.microbatches}"
+        return f"{self.layout}{units}-{mesh}-{model}-k{self.microbatches}-r{self.rows}"
 
 
 DATA8 = (("data", 8),)
@@ -44,7 +45,9 @@ CASES = [
     Case(HYBRID, "hsdp", units=True),
     Case(TWO_D, "replicated", width=0),
     Case(TWO_D, "fsdp", width=0),
+    *(Case(DATA8, layout, rows=4096) for layout in ("replicated", "fsdp")),
 ]
+MEMORY_RTOL = 0.10  # the estimate against the compiled peak (see the planning guide)
 
 
 def _build(case: Case):
@@ -53,7 +56,7 @@ def _build(case: Case):
         return model, optimizer, tp.loss_fn, tp.BATCHES[0]
     model = MLP(case.width, case.width, seed=0)
     optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
-    return model, optimizer, mse, regression_batches(1, 64, din=case.width)[0]
+    return model, optimizer, mse, regression_batches(1, case.rows, din=case.width)[0]
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
@@ -82,14 +85,14 @@ def test_the_plan_equals_the_compiled_explicit_step(case: Case) -> None:
         planned_kind = sum(b for (k, _), b in row.bytes.items() if k == kind)
         assert planned_kind <= compiled.bytes_per_step(kind) <= planned_kind + row.optional_bytes, (kind, row)
     assert row.total_bytes <= compiled.bytes_per_step() <= row.total_bytes + row.optional_bytes
-    # memory: the arguments exactly; the compiled peak between the plan's two bounds
-    memory = step.lower(model, optimizer, batch).compile().memory_analysis()
+    # memory of the step that runs (state donated): the arguments exactly, the peak within 10%
+    memory = step.lower(model, optimizer, batch, donate=True).compile().memory_analysis()
     assert row.state_bytes + row.batch_bytes == memory.argument_size_in_bytes
     peak = (
         memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes
         - memory.alias_size_in_bytes
     )  # fmt: skip
-    assert row.least_peak_bytes <= peak <= row.peak_bytes, (row.least_peak_bytes, peak, row.peak_bytes)
+    assert abs(row.peak_bytes / peak - 1) <= MEMORY_RTOL, (row.peak_bytes, peak, memory)
 
 
 def _mlp_plan(**kwargs) -> substrax.Plan:

@@ -216,6 +216,15 @@ class TrainStep:
         with self.mesh_context():
             return self._jit(*split.graph, donate=donate).lower(arrays, batch, placed=self.placed_specs(batch))
 
+    def traced(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree, *, donate: bool = False) -> Any:
+        """The jitted step traced for these arguments (``jax.stages.Traced``: ``.jaxpr``, ``.lower()``).
+
+        Its arguments are the state's arrays (``nnx.state((model, optimizer))``'s leaves), then the batch's.
+        """
+        split = self._split(model, optimizer, donate=False)
+        with self.mesh_context():
+            return self._jit(*split.graph, donate=donate).trace(split.arrays(), batch, placed=self.placed_specs(batch))
+
     def _run_split(self, jitted: Any, arrays: list[jax.Array], batch: PyTree, placed: Any) -> Any:
         with self.mesh_context():
             return jitted(arrays, batch, placed=placed)
