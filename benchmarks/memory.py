@@ -1,9 +1,11 @@
 """Peak memory per device against depth: replicated, ZeRO-1, FSDP, FSDP with units, both modes.
 
 A stack of L ``nnx.Linear(W, W)`` layers (tanh) and a ``Linear(W, 1)`` head, Adam, batch
-64, on 8 emulated CPU devices. For each depth, layout and mode the step is compiled (not
-run) and ``compiled.memory_analysis()`` of one device's program is read: the state the
-step takes (arguments), its temporaries, and the peak, argument + temp + output - alias.
+64, on 8 emulated CPU devices. For each depth, layout and mode the step that runs (its
+state donated) is compiled (not run) and ``compiled.memory_analysis()`` of one device's
+program is read: the state the step takes (arguments), its temporaries, and the peak,
+argument + temp + output - alias; beside it ``substrax.plan``'s estimate of that peak
+(explicit mode's, for both modes) and their ratio.
 The layouts: ``replicated``, ``zero1``, ``fsdp``, ``fsdp+units`` (each layer a unit,
 gathered again for its backward pass) and ``fsdp+units/keep`` (``reshard_after_forward
 =False``). Beside them, the bytes one layer's parameters hold; ``temp/layer`` is the slope
@@ -69,18 +71,23 @@ def run(depths: list[int], width: int, devices: int) -> list[dict[str, Any]]:
                     with jax.set_mesh(mesh):
                         model = Stack(depth)
                         optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+                    units = (lambda path, _: len(path) == 2 and path[0] == "layers") if "units" in layout else None
                     if layout != "replicated":
-                        units = (lambda path, _: len(path) == 2 and path[0] == "layers") if "units" in layout else None
                         substrax.shard_state(
                             model, optimizer, mesh=mesh, layout=layout.split("+")[0], units=units,
                             reshard_after_forward=not layout.endswith("/keep"),
                         )  # fmt: skip
                     step = substrax.make_train_step(loss_fn, mode, mesh=mesh)
-                    compiled = step.lower(model, optimizer, batch).compile()
+                    compiled = step.lower(model, optimizer, batch, donate=True).compile()
                     row |= M.memory(compiled)
                     row["peak_bytes"] = (
                         row["argument_bytes"] + row["temp_bytes"] + row["output_bytes"] - row["alias_bytes"]
                     )
+                    planned = substrax.plan(  # explicit mode's estimate, for both modes
+                        loss_fn, model, optimizer, batch, mesh=mesh, layouts=(layout.split("+")[0],),
+                        units=(units,), placement={"reshard_after_forward": not layout.endswith("/keep")},
+                    ).rows[0]  # fmt: skip
+                    row["planned_peak_bytes"] = planned.peak_bytes
                 except Exception as e:  # noqa: BLE001  (reported, not fatal)
                     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                 rows.append(row)
@@ -90,10 +97,11 @@ def run(depths: list[int], width: int, devices: int) -> list[dict[str, Any]]:
 def table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     depths = sorted({r["depth"] for r in rows})
     layer = rows[0]["layer_bytes"]
-    head = ["layout", "mode"] + [f"L={d} state/temp/peak" for d in depths] + ["temp/layer"]
+    head = ["layout", "mode"] + [f"L={d} state/temp/peak" for d in depths] + ["temp/layer", "planned/peak"]
     lines = [
         f"peak memory per device (compiled.memory_analysis()), width {rows[0]['width']}, one layer's "
-        f"parameters {M.fmt_bytes(layer)}, {meta['devices']} devices",
+        f"parameters {M.fmt_bytes(layer)}, {meta['devices']} devices, the state donated; planned/peak: "
+        "substrax.plan's estimate (explicit mode's) over the compiled peak, least-most over the depths",
         " | ".join(head),
     ]
     for layout in LAYOUTS:
@@ -111,7 +119,9 @@ def table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                 "n/a" if "error" in lo or "error" in hi or len(depths) < 2
                 else f"{(hi['temp_bytes'] - lo['temp_bytes']) / (depths[-1] - depths[0]) / layer:.2f}"
             )  # fmt: skip
-            lines.append(" | ".join([layout, mode, *cells, slope]))
+            ratios = [r["planned_peak_bytes"] / r["peak_bytes"] for r in mine.values() if "error" not in r]
+            planned = f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "n/a"
+            lines.append(" | ".join([layout, mode, *cells, slope, planned]))
     return "\n".join(lines)
 
 

@@ -42,6 +42,7 @@ _EXPENSIVE = {
     "erfc", "erf_inv", "sin", "cos", "tan", "atan2", "rem", "lgamma", "digamma", "asin", "acos", "atan", "sinh",
     "cosh", "asinh", "acosh", "atanh", "logaddexp",
 }  # fmt: skip
+_REDUCES = {"psum", "psum_invariant"}
 _CALLS = {
     "jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
     "remat", "checkpoint", "shard_map",
@@ -103,6 +104,7 @@ class _Walk:
         self.view: dict[int, int] = {}  # a value that is a kept buffer seen again -> that buffer
         self.in_place: dict[int, bool] = {}  # may take a dying operand's buffer
         self.argument: dict[int, bool] = {}
+        self.combinable: dict[int, tuple[str, str]] = {}  # op -> (collective, axes)
 
     def buffer(self, whole: int, ways: int, *, argument: bool = False, in_place: bool = False) -> int:
         k = len(self.size) + 1
@@ -170,7 +172,7 @@ class _Walk:
             fused = name in _FUSED
             if not fused and not name.startswith("reduce_") and name not in ("argmax", "argmin"):
                 reads = [self.materialize(k) for k in reads]
-            inner = 0
+            inner = _transposed(e, [self.whole[k] // max(1, self.ways[k]) for k in reads]) if name == "dot_general" else 0
             for sub in jcore.jaxprs_in_params(e.params):
                 inner = max(inner, _loop_peak(getattr(sub, "jaxpr", sub)))
             defined = []
@@ -185,6 +187,8 @@ class _Walk:
                     )
                 env[v] = k
                 defined.append(k)
+            if name in _REDUCES:  # XLA combines the all-reduces that do not depend on each other
+                self.combinable[len(self.ops)] = (name, str(e.params.get("axes", e.params.get("axis_name"))))
             self.ops.append((reads, defined, inner))
         return [self.virtual(0, 1, []) if isinstance(v, jcore.Literal) else env[v] for v in jaxpr.outvars]
 
@@ -205,6 +209,30 @@ class _Walk:
                 env[v] = self.virtual(_bytes(v.aval), ways, [k], view=k)
             else:
                 env[v] = k
+
+    def combine(self) -> None:
+        """Merge the all-reduces over the same axes that do not depend on each other into one, at
+        the last one's place, as XLA's all-reduce combiner does (their operands all live until it)."""
+        producer = {k: i for i, (_, defined, _) in enumerate(self.ops) for k in defined}
+        above = []  # each op's ancestors, as a bit set
+        for i, (reads, _, _) in enumerate(self.ops):
+            bits = 0
+            for j in {producer[r] for k in reads for r in self.roots[k] | {k} if r in producer and producer[r] < i}:
+                bits |= above[j] | 1 << j
+            above.append(bits)
+        groups: dict[tuple[str, str], list[list[int]]] = {}
+        for i, key in sorted(self.combinable.items()):
+            mine = groups.setdefault(key, [[]])
+            if any(above[i] >> j & 1 for j in mine[-1]):
+                mine.append([])
+            mine[-1].append(i)
+        into = {}
+        for group in (g for gs in groups.values() for g in gs if len(g) > 1):
+            reads = [k for i in group for k in self.ops[i][0]]
+            defined = [k for i in group for k in self.ops[i][1]]
+            self.ops[group[-1]] = (reads, defined, 0)
+            into.update(dict.fromkeys(group[:-1]))
+        self.ops = [op for i, op in enumerate(self.ops) if i not in into]
 
     def schedule(self) -> None:
         """Reorder the ops as a memory-minded list scheduler would (XLA's does): of the ops whose
@@ -244,6 +272,7 @@ class _Walk:
         self.ops = [self.ops[i] for i in order]
 
     def peak(self, outs: list[int], donated: bool, argument_bytes: list[int]) -> Memory:
+        self.combine()
         self.schedule()
         n = len(self.ops)
         last: dict[int, int] = {}
@@ -305,6 +334,19 @@ class _Walk:
             live += delta[i]
             temporaries = max(temporaries, live + inner)
         return Memory(sum(argument_bytes), outputs, temporaries)
+
+
+def _transposed(eqn: Any, sizes: list[int]) -> int:
+    """Bytes of the copies XLA makes of a dot's operands to contract them where its kernel
+    wants (the left's last dimension, the right's first after the batch)."""
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lhs, rhs = (v.aval for v in eqn.invars[:2])
+    copies = 0
+    if tuple(lc) != tuple(range(lhs.ndim - len(lc), lhs.ndim)):
+        copies += sizes[0]
+    if tuple(rc) != tuple(range(len(rb), len(rb) + len(rc))):
+        copies += sizes[-1]
+    return copies
 
 
 def _loop_peak(body: Any) -> int:

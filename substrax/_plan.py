@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -132,6 +132,7 @@ def plan(
     mode: Mode | Sequence[Mode] = "explicit",
     layouts: Iterable[str] | None = None,
     units: Iterable[Any] = (None,),
+    placement: Mapping[str, Any] | None = None,
     **step_options: Any,
 ) -> Plan:
     """Each configuration's collective bytes and memory per device, without compiling a step.
@@ -149,6 +150,8 @@ def plan(
       layouts: The layouts to try; default every one the mesh allows (``"hsdp"`` with a
         ``replica`` axis).
       units: ``shard_state``'s ``units`` to try under FSDP and HSDP (``None``: none).
+      placement: ``shard_state``'s other keywords for every configuration (``min_size``,
+        ``reshard_after_forward``, ``prefetch``, ...).
       **step_options: ``make_train_step``'s other keywords (``microbatches``, ``has_aux``, ...).
 
     Returns:
@@ -163,17 +166,18 @@ def plan(
         for kind in names:
             for unit in units if kind in ("fsdp", "hsdp") else (None,):
                 for md in modes:
-                    rows.append(_row(loss_fn, model, optimizer, batch, m, md, kind, unit, step_options))
+                    rows.append(_row(loss_fn, model, optimizer, batch, m, md, kind, unit, placement, step_options))
     return Plan(tuple(rows))
 
 
 def _row(
     loss_fn: Any, model: Any, optimizer: Any, batch: Any, mesh: Mesh, mode: str, kind: str, unit: Any,
-    opts: dict[str, Any],
+    placement: Mapping[str, Any] | None, opts: dict[str, Any],
 ) -> PlanRow:
     graphdef, state = nnx.split((model, optimizer))
     m, o = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))  # new variables over the same arrays
     place = {"replica_axis": opts["replica_axis"]} if "replica_axis" in opts else {}
+    place |= dict(placement or {})
     axis = opts.get("data_axis", "data")
     placed = _layout.shard_state(m, o, mesh=mesh, layout=kind, units=unit, data_axis=axis, **place)
     step = make_train_step(loss_fn, mode, mesh=mesh, **opts)
