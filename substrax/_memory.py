@@ -174,7 +174,7 @@ class _Walk:
                 reads = [self.materialize(k) for k in reads]
             inner = _transposed(e, [self.whole[k] // max(1, self.ways[k]) for k in reads]) if name == "dot_general" else 0
             for sub in jcore.jaxprs_in_params(e.params):
-                inner = max(inner, _loop_peak(getattr(sub, "jaxpr", sub)))
+                inner = max(inner, _loop_peak(getattr(sub, "jaxpr", sub), _sliced(e)))
             defined = []
             for v in e.outvars:
                 if isinstance(v, jcore.DropVar):
@@ -349,9 +349,26 @@ def _transposed(eqn: Any, sizes: list[int]) -> int:
     return copies
 
 
-def _loop_peak(body: Any) -> int:
-    """A loop body's (or branch's) own temporaries: what it keeps beyond its inputs and results."""
+def _sliced(eqn: Any) -> int:
+    """How many of a scan's inputs it slices, one slice per step (its last inputs)."""
+    if eqn.primitive.name != "scan":
+        return 0
+    if "num_consts" in eqn.params:
+        return len(eqn.invars) - eqn.params["num_consts"] - eqn.params["num_carry"]
+    try:  # jax 0.11-0.12: the inputs' tree, (consts, carry, xs)
+        return len(eqn.params["ft_in"].update(list(eqn.invars)).unpack()[-1])
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return 0  # another jax: its slices not counted
+
+
+def _loop_peak(body: Any, sliced: int = 0) -> int:
+    """A loop body's (or branch's) own temporaries: what it keeps beyond its inputs and results.
+
+    A scan's slice of its last ``sliced`` inputs is copied out where a dot or a collective reads it.
+    """
     walk = _Walk()
-    env = {v: walk.buffer(0, 1, argument=True) for v in body.invars}
+    whole = len(body.invars) - sliced
+    env = {v: walk.buffer(0, 1, argument=True) if i < whole else walk.virtual(_bytes(v.aval), 1, [])
+           for i, v in enumerate(body.invars)}  # fmt: skip
     outs = walk.run(body, env)
     return walk.peak([walk.materialize(k) for k in outs], False, []).temporaries

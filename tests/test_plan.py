@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+import test_scanned as scanned
 import test_tensor_parallel as tp
 from conftest import MLP, mse, regression_batches
 from flax import nnx
@@ -93,6 +94,34 @@ def test_the_plan_equals_the_compiled_explicit_step(case: Case) -> None:
         - memory.alias_size_in_bytes
     )  # fmt: skip
     assert abs(row.peak_bytes / peak - 1) <= MEMORY_RTOL, (row.peak_bytes, peak, memory)
+
+
+def _compiled_peak(step, model, optimizer, batch) -> int:
+    m = step.lower(model, optimizer, batch, donate=True).compile().memory_analysis()
+    return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+
+
+@pytest.mark.parametrize("depth", [3, 6])
+def test_the_planned_memory_of_a_scanned_stack_of_units_is_the_compiled_one(depth: int) -> None:
+    """``nnx.scan`` over layers gathered one at a time: the scan's slices and the loop's own
+    temporaries counted (its peak flat in depth, as the compiled one is)."""
+    mesh = create_device_mesh({"data": 8})
+
+    def build():
+        with jax.set_mesh(mesh):
+            model = scanned.Scanned(depth, 64)
+            return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    batch = scanned._batches(1, 256)[0]
+    model, optimizer = build()
+    (row,) = substrax.plan(
+        scanned.mse, model, optimizer, batch, mesh=mesh, layouts=("fsdp",), units=(scanned.Layer,),
+        placement={"min_size": 1},
+    ).rows  # fmt: skip
+    model, optimizer = build()
+    substrax.shard_state(model, optimizer, mesh=mesh, layout="fsdp", units=scanned.Layer, min_size=1)
+    peak = _compiled_peak(substrax.make_train_step(scanned.mse, "explicit", mesh=mesh), model, optimizer, batch)
+    assert abs(row.peak_bytes / peak - 1) <= MEMORY_RTOL, (row.peak_bytes, peak)
 
 
 def _mlp_plan(**kwargs) -> substrax.Plan:
