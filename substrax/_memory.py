@@ -2,10 +2,12 @@
 
 A model of what XLA keeps, not its buffer assignment: the values XLA materializes (results
 of dots, collectives, loops and reductions; an elementwise chain only where a dot, a
-collective or the output reads it, or where an expensive result has several readers) live
-from their definition to their last read; an elementwise result may take a dying operand's
-buffer; outputs have buffers of their own, which temporaries may use before the output is
-written. See the planning guide for how close it comes.
+collective or the output reads it, or where an expensive result has several readers; a
+dot's operand copied where its kernel contracts another dimension; a scan's slice) live
+from their definition to their last read, in the order a memory-minded list scheduler
+gives, with independent all-reduces combined into one; an elementwise result may take a
+dying operand's buffer; outputs have buffers of their own, which temporaries may use
+before the output is written. See the planning guide for how close it comes.
 """
 
 from __future__ import annotations
@@ -172,7 +174,9 @@ class _Walk:
             fused = name in _FUSED
             if not fused and not name.startswith("reduce_") and name not in ("argmax", "argmin"):
                 reads = [self.materialize(k) for k in reads]
-            inner = _transposed(e, [self.whole[k] // max(1, self.ways[k]) for k in reads]) if name == "dot_general" else 0
+            inner = (
+                _transposed(e, [self.whole[k] // self.ways[k] for k in reads]) if name == "dot_general" else 0
+            )
             for sub in jcore.jaxprs_in_params(e.params):
                 inner = max(inner, _loop_peak(getattr(sub, "jaxpr", sub), _sliced(e)))
             defined = []
@@ -210,14 +214,22 @@ class _Walk:
             else:
                 env[v] = k
 
+    def _needs(self) -> list[set[int]]:
+        """The ops each op reads the results of (its operands' producers and theirs, through fusion)."""
+        producer = {k: i for i, (_, defined, _) in enumerate(self.ops) for k in defined}
+        return [
+            {producer[r] for k in reads for r in self.roots[k] | {k} if producer.get(r, i) != i}
+            for i, (reads, _, _) in enumerate(self.ops)
+        ]
+
     def combine(self) -> None:
         """Merge the all-reduces over the same axes that do not depend on each other into one, at
         the last one's place, as XLA's all-reduce combiner does (their operands all live until it)."""
-        producer = {k: i for i, (_, defined, _) in enumerate(self.ops) for k in defined}
+        needs = self._needs()
         above = []  # each op's ancestors, as a bit set
-        for i, (reads, _, _) in enumerate(self.ops):
+        for i in range(len(self.ops)):
             bits = 0
-            for j in {producer[r] for k in reads for r in self.roots[k] | {k} if r in producer and producer[r] < i}:
+            for j in needs[i]:
                 bits |= above[j] | 1 << j
             above.append(bits)
         groups: dict[tuple[str, str], list[list[int]]] = {}
@@ -237,11 +249,7 @@ class _Walk:
     def schedule(self) -> None:
         """Reorder the ops as a memory-minded list scheduler would (XLA's does): of the ops whose
         inputs are ready, the one that frees the most bytes net of what it writes goes first."""
-        producer = {k: i for i, (_, defined, _) in enumerate(self.ops) for k in defined}
-        needs = [
-            {producer[r] for k in reads for r in self.roots[k] | {k} if r in producer and producer[r] != i}
-            for i, (reads, _, _) in enumerate(self.ops)
-        ]
+        needs = self._needs()
         readers: dict[int, int] = {}
         for reads, _, _ in self.ops:
             for r in {r for k in reads for r in self.roots[k]}:
@@ -253,13 +261,14 @@ class _Walk:
                 users.setdefault(j, []).append(i)
         ready = {i for i, w in enumerate(waiting) if not w}
         order = []
-        while ready:
-            def gain(i: int) -> tuple[int, int]:
-                reads, defined, inner = self.ops[i]
-                dying = {r for k in reads for r in self.roots[k]}
-                freed = sum(self.size[r] for r in dying if readers[r] == 1 and not self.argument[r])
-                return (freed - sum(self.size[k] for k in defined) - inner, -i)
 
+        def gain(i: int) -> tuple[int, int]:
+            reads, defined, inner = self.ops[i]
+            dying = {r for k in reads for r in self.roots[k]}
+            freed = sum(self.size[r] for r in dying if readers[r] == 1 and not self.argument[r])
+            return (freed - sum(self.size[k] for k in defined) - inner, -i)
+
+        while ready:
             i = max(ready, key=gain)
             ready.remove(i)
             order.append(i)
@@ -269,7 +278,8 @@ class _Walk:
                 waiting[j] -= 1
                 if not waiting[j]:
                     ready.add(j)
-        self.ops = [self.ops[i] for i in order]
+        if len(order) == len(self.ops):  # (always: the ops form a DAG)
+            self.ops = [self.ops[i] for i in order]
 
     def peak(self, outs: list[int], donated: bool, argument_bytes: list[int]) -> Memory:
         self.combine()
