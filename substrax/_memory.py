@@ -13,6 +13,7 @@ before the output is written. See the planning guide for how close it comes.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -38,7 +39,7 @@ _FUSED = {
     "logaddexp", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "lgamma", "digamma",
     "reduce_precision", "clz", "real", "imag", "conj", "complex",
 }  # fmt: skip
-# fused results XLA will not recompute for a second reader
+# fused results XLA will not compute again for a second reader (it keeps them)
 _EXPENSIVE = {
     "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "div", "pow", "sqrt", "rsqrt", "cbrt", "erf",
     "erfc", "erf_inv", "sin", "cos", "tan", "atan2", "rem", "lgamma", "digamma", "asin", "acos", "atan", "sinh",
@@ -174,8 +175,8 @@ class _Walk:
             fused = name in _FUSED
             if not fused and not name.startswith("reduce_") and name not in ("argmax", "argmin"):
                 reads = [self.materialize(k) for k in reads]
-            inner = (
-                _transposed(e, [self.whole[k] // self.ways[k] for k in reads]) if name == "dot_general" else 0
+            inner = _copies(
+                e, [self.whole[k] // self.ways[k] for k in reads], _bytes(e.outvars[0].aval) // ways
             )
             for sub in jcore.jaxprs_in_params(e.params):
                 inner = max(inner, _loop_peak(getattr(sub, "jaxpr", sub), _sliced(e)))
@@ -250,34 +251,43 @@ class _Walk:
         """Reorder the ops as a memory-minded list scheduler would (XLA's does): of the ops whose
         inputs are ready, the one that frees the most bytes net of what it writes goes first."""
         needs = self._needs()
-        readers: dict[int, int] = {}
-        for reads, _, _ in self.ops:
-            for r in {r for k in reads for r in self.roots[k]}:
-                readers[r] = readers.get(r, 0) + 1
+        bases = [{r for k in reads for r in self.roots[k]} for reads, _, _ in self.ops]
+        readers: dict[int, set[int]] = {}  # a buffer -> the ops not yet scheduled that read it
+        for i, base in enumerate(bases):
+            for r in base:
+                readers.setdefault(r, set()).add(i)
         waiting = [len(x) for x in needs]
         users: dict[int, list[int]] = {}
         for i, x in enumerate(needs):
             for j in x:
                 users.setdefault(j, []).append(i)
-        ready = {i for i, w in enumerate(waiting) if not w}
-        order = []
 
-        def gain(i: int) -> tuple[int, int]:
-            reads, defined, inner = self.ops[i]
-            dying = {r for k in reads for r in self.roots[k]}
-            freed = sum(self.size[r] for r in dying if readers[r] == 1 and not self.argument[r])
-            return (freed - sum(self.size[k] for k in defined) - inner, -i)
+        def gain(i: int) -> int:
+            _, defined, inner = self.ops[i]
+            freed = sum(self.size[r] for r in bases[i] if len(readers[r]) == 1 and not self.argument[r])
+            return freed - sum(self.size[k] for k in defined) - inner
 
-        while ready:
-            i = max(ready, key=gain)
-            ready.remove(i)
+        ready = [(-gain(i), i) for i, w in enumerate(waiting) if not w]
+        heapq.heapify(ready)
+        order: list[int] = []
+        done: set[int] = set()
+        while ready:  # a gain only grows (as readers are scheduled): a stale entry is pushed again
+            g, i = heapq.heappop(ready)
+            if i in done:
+                continue
+            if -g != gain(i):
+                heapq.heappush(ready, (-gain(i), i))
+                continue
+            done.add(i)
             order.append(i)
-            for r in {r for k in self.ops[i][0] for r in self.roots[k]}:
-                readers[r] -= 1
+            for r in bases[i]:
+                readers[r].discard(i)
+                if len(readers[r]) == 1 and (j := next(iter(readers[r]))) not in done and not waiting[j]:
+                    heapq.heappush(ready, (-gain(j), j))
             for j in users.get(i, []):
                 waiting[j] -= 1
                 if not waiting[j]:
-                    ready.add(j)
+                    heapq.heappush(ready, (-gain(j), j))
         if len(order) == len(self.ops):  # (always: the ops form a DAG)
             self.ops = [self.ops[i] for i in order]
 
@@ -346,17 +356,27 @@ class _Walk:
         return Memory(sum(argument_bytes), outputs, temporaries)
 
 
-def _transposed(eqn: Any, sizes: list[int]) -> int:
-    """Bytes of the copies XLA makes of a dot's operands to contract them where its kernel
-    wants (the left's last dimension, the right's first after the batch)."""
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    lhs, rhs = (v.aval for v in eqn.invars[:2])
-    copies = 0
-    if tuple(lc) != tuple(range(lhs.ndim - len(lc), lhs.ndim)):
-        copies += sizes[0]
-    if tuple(rc) != tuple(range(len(rb), len(rb) + len(rc))):
-        copies += sizes[-1]
-    return copies
+def _copies(eqn: Any, sizes: list[int], out: int) -> int:
+    """Bytes of the copies XLA makes around a dot or a convolution to lay its operands (and a
+    convolution's result) out as its kernel wants: a dot contracting the left's last dimension
+    and the right's first after the batch, a convolution in NHWC, HWIO, NHWC order."""
+    name = eqn.primitive.name
+    if name == "dot_general":
+        (lc, rc), (_, rb) = eqn.params["dimension_numbers"]
+        lhs = eqn.invars[0].aval.ndim
+        wanted = [
+            tuple(lc) == tuple(range(lhs - len(lc), lhs)),
+            tuple(rc) == tuple(range(len(rb), len(rb) + len(rc))),
+        ]
+        return sum(size for size, ok in zip(sizes, wanted, strict=True) if not ok)
+    if name == "conv_general_dilated":
+        lhs, rhs, result = eqn.params["dimension_numbers"]
+        n = len(lhs)
+        spatial = tuple(range(1, n - 1))
+        copies = sizes[0] if tuple(lhs) != (0, n - 1, *spatial) else 0
+        copies += sizes[1] if tuple(rhs) != (n - 1, n - 2, *range(n - 2)) else 0
+        return copies + (out if tuple(result) != (0, n - 1, *spatial) else 0)
+    return 0
 
 
 def _sliced(eqn: Any) -> int:

@@ -96,15 +96,17 @@ def test_the_plan_equals_the_compiled_explicit_step(case: Case) -> None:
     assert abs(row.peak_bytes / peak - 1) <= MEMORY_RTOL, (row.peak_bytes, peak, memory)
 
 
-def _compiled_peak(step, model, optimizer, batch) -> int:
+def _compiled(step, model, optimizer, batch) -> tuple[int, int]:
+    """The donated step's argument bytes and peak (argument + output + temp - alias) per device."""
     m = step.lower(model, optimizer, batch, donate=True).compile().memory_analysis()
-    return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+    peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+    return m.argument_size_in_bytes, peak
 
 
 @pytest.mark.parametrize("depth", [3, 6])
 def test_the_planned_memory_of_a_scanned_stack_of_units_is_the_compiled_one(depth: int) -> None:
-    """``nnx.scan`` over layers gathered one at a time: the scan's slices and the loop's own
-    temporaries counted (its peak flat in depth, as the compiled one is)."""
+    """``nnx.scan`` over layers gathered one at a time (``placement=`` passing ``min_size``): the
+    scan's slices and the loop's own temporaries counted."""
     mesh = create_device_mesh({"data": 8})
 
     def build():
@@ -120,7 +122,9 @@ def test_the_planned_memory_of_a_scanned_stack_of_units_is_the_compiled_one(dept
     ).rows  # fmt: skip
     model, optimizer = build()
     substrax.shard_state(model, optimizer, mesh=mesh, layout="fsdp", units=scanned.Layer, min_size=1)
-    peak = _compiled_peak(substrax.make_train_step(scanned.mse, "explicit", mesh=mesh), model, optimizer, batch)
+    step = substrax.make_train_step(scanned.mse, "explicit", mesh=mesh)
+    arguments, peak = _compiled(step, model, optimizer, batch)
+    assert row.state_bytes + row.batch_bytes == arguments  # placed as placement= says (min_size=1)
     assert abs(row.peak_bytes / peak - 1) <= MEMORY_RTOL, (row.peak_bytes, peak)
 
 
