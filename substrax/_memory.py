@@ -1,13 +1,7 @@
 """A step's peak memory per device, from its trace: a liveness walk over the jaxpr.
 
-A model of what XLA keeps, not its buffer assignment: the values XLA materializes (results
-of dots, collectives, loops and reductions; an elementwise chain only where a dot, a
-collective or the output reads it, or where an expensive result has several readers; a
-dot's operand copied where its kernel contracts another dimension; a scan's slice) live
-from their definition to their last read, in the order a memory-minded list scheduler
-gives, with independent all-reduces combined into one; an elementwise result may take a
-dying operand's buffer; outputs have buffers of their own, which temporaries may use
-before the output is written. See the planning guide for how close it comes.
+A model of what XLA keeps (which values it materializes, copies, combines and in which
+order), not its buffer assignment: see the planning guide for the rules and how close it comes.
 """
 
 from __future__ import annotations
@@ -28,22 +22,20 @@ _VIEW = {
     "pvary", "reshape", "squeeze", "expand_dims", "sharding_constraint", "copy", "copy_p", "stop_gradient",
     "optimization_barrier", "mesh_cast", "reshard", "device_put",
 }  # fmt: skip
-# results XLA computes inside their reader's loop (fused), kept only where a reader cannot fuse
-_FUSED = {
-    "add", "sub", "mul", "div", "neg", "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "max", "min",
-    "select_n", "convert_element_type", "broadcast_in_dim", "integer_pow", "pow", "sqrt", "rsqrt", "cbrt",
-    "abs", "sign", "erf", "erfc", "erf_inv", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor",
-    "is_finite", "square", "add_any", "iota", "transpose", "concatenate", "slice", "dynamic_slice", "pad",
-    "clamp", "rem", "floor", "ceil", "round", "sin", "cos", "tan", "atan2", "one_minus_square", "nextafter",
-    "shift_left", "shift_right_logical", "shift_right_arithmetic", "population_count", "rev", "stack", "split",
-    "logaddexp", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "lgamma", "digamma",
-    "reduce_precision", "clz", "real", "imag", "conj", "complex",
-}  # fmt: skip
 # fused results XLA will not compute again for a second reader (it keeps them)
 _EXPENSIVE = {
     "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "div", "pow", "sqrt", "rsqrt", "cbrt", "erf",
     "erfc", "erf_inv", "sin", "cos", "tan", "atan2", "rem", "lgamma", "digamma", "asin", "acos", "atan", "sinh",
     "cosh", "asinh", "acosh", "atanh", "logaddexp",
+}  # fmt: skip
+# results XLA computes inside their reader's loop (fused), kept only where a reader cannot fuse
+_FUSED = _EXPENSIVE | {
+    "add", "sub", "mul", "neg", "max", "min", "select_n", "convert_element_type", "broadcast_in_dim",
+    "integer_pow", "abs", "sign", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor", "is_finite",
+    "square", "add_any", "iota", "transpose", "concatenate", "slice", "dynamic_slice", "pad", "clamp", "floor",
+    "ceil", "round", "one_minus_square", "nextafter", "shift_left", "shift_right_logical",
+    "shift_right_arithmetic", "population_count", "rev", "stack", "split", "reduce_precision", "clz", "real",
+    "imag", "conj", "complex",
 }  # fmt: skip
 _REDUCES = {"psum", "psum_invariant"}
 _CALLS = {
