@@ -50,12 +50,7 @@ class Memory:
 
     arguments: int
     outputs: int  # less those written into donated arguments
-    temporaries: int
-
-    @property
-    def peak(self) -> int:
-        """Arguments, outputs and temporaries: ``argument + output + temp - alias``."""
-        return self.arguments + self.outputs + self.temporaries
+    temporaries: int  # at their peak; the step's peak is the three's sum
 
 
 def estimate(jaxpr: jcore.ClosedJaxpr, argument_bytes: Sequence[int], *, donated: bool = False) -> Memory:

@@ -86,7 +86,8 @@ class Plan:
         """The row with the fewest bytes (or seconds at ``bandwidth``) whose state fits ``memory``.
 
         ``memory``: bytes per device the step's estimated peak (``PlanRow.peak_bytes``) may
-        take; leave room for the estimate's error (see the planning guide). Raises ``ValueError`` naming the smallest requirement when no row fits.
+        take; leave room for the estimate's error (see the planning guide). Raises
+        ``ValueError`` naming the smallest requirement when no row fits.
         """
         fits = [r for r in self.rows if memory is None or r.peak_bytes <= memory]
         if not fits:
@@ -160,20 +161,23 @@ def plan(
     meshes = [mesh] if isinstance(mesh, Mesh) else list(mesh)
     modes = [mode] if isinstance(mode, str) else list(mode)
     rows = []
+    memory: dict[Any, dict[str, _memory.Memory]] = {}  # per configuration: explicit mode's, for both modes
     for m in meshes:
         replica = step_options.get("replica_axis", "replica")
         names = layouts or [k for k in _layout.LAYOUTS if k != "hsdp" or replica in m.axis_names]
         for kind in names:
-            for unit in units if kind in ("fsdp", "hsdp") else (None,):
+            for u, unit in enumerate(units if kind in ("fsdp", "hsdp") else (None,)):
                 for md in modes:
-                    rows.append(_row(loss_fn, model, optimizer, batch, m, md, kind, unit, placement, step_options))
+                    config = (loss_fn, model, optimizer, batch, m, md, kind, unit, placement, step_options)
+                    rows.append(_row(*config, memory=memory.setdefault((id(m), kind, u), {})))
     return Plan(tuple(rows))
 
 
 def _row(
     loss_fn: Any, model: Any, optimizer: Any, batch: Any, mesh: Mesh, mode: str, kind: str, unit: Any,
-    placement: Mapping[str, Any] | None, opts: dict[str, Any],
+    placement: Mapping[str, Any] | None, opts: dict[str, Any], *, memory: dict[str, _memory.Memory],
 ) -> PlanRow:
+    """One configuration's row; ``memory`` holds its explicit step's estimate once made."""
     graphdef, state = nnx.split((model, optimizer))
     m, o = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))  # new variables over the same arrays
     place = {"replica_axis": opts["replica_axis"]} if "replica_axis" in opts else {}
@@ -185,8 +189,6 @@ def _row(
         traced = step.traced(m, o, batch, donate=True)
         with step.mesh_context():
             lowered = traced.lower()
-    if mode != "explicit":  # the memory is explicit mode's (XLA places the implicit step's)
-        traced = make_train_step(loss_fn, "explicit", mesh=mesh, **opts).traced(m, o, batch, donate=True)
     expected, notes = expected_step(lowered.out_info[1], m, o, step.options, layers=layers, layered=layered)
     k = step.options.microbatches
     by_kind: dict[tuple[str, str], int] = {}
@@ -204,8 +206,11 @@ def _row(
         by_kind[key] = by_kind.get(key, 0) + size
     rows = math.prod(mesh.shape[a] for a in _axes(step.options.row_axes(mesh)))
     batch_bytes = [_per_device(x, rows) for x in jax.tree.leaves(batch)]
-    state_bytes = [_per_device(x, 1) for x in jax.tree.leaves(nnx.state((m, o)))]
-    memory = _memory.estimate(traced.jaxpr, state_bytes + batch_bytes, donated=True)
+    if "explicit" not in memory:  # the memory is explicit mode's (XLA places the implicit step's)
+        if mode != "explicit":
+            traced = make_train_step(loss_fn, "explicit", mesh=mesh, **opts).traced(m, o, batch, donate=True)
+        state_bytes = [_per_device(x, 1) for x in jax.tree.leaves(nnx.state((m, o)))]
+        memory["explicit"] = _memory.estimate(traced.jaxpr, state_bytes + batch_bytes, donated=True)
     return PlanRow(
         mode=mode,
         layout=kind,
@@ -216,8 +221,8 @@ def _row(
         state_bytes=placed.bytes_per_device,
         batch_bytes=sum(batch_bytes),
         gathered_bytes=gathered,
-        output_bytes=memory.outputs,
-        temp_bytes=memory.temporaries,
+        output_bytes=memory["explicit"].outputs,
+        temp_bytes=memory["explicit"].temporaries,
         notes=notes,
     )
 
