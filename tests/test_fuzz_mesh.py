@@ -177,7 +177,7 @@ def _one_device(c: MeshConfig, runs: list[list[dict]]) -> list[tuple[list[float]
 def _round_off_leaves(c: MeshConfig, batch: dict) -> set[str]:
     """The parameters whose one-device gradient on ``batch`` is round-off alone (true gradient zero)."""
     model, _ = _build(c)
-    grads = nnx.grad(loss_fn)(model, batch)
+    grads = nnx.jit(nnx.grad(loss_fn))(model, batch)  # one compile, not one per operation
     flat = {"/".join(map(str, p)): np.abs(np.asarray(v.get_value())) for p, v in nnx.to_flat_state(grads)}
     largest = max(float(g.max()) for g in flat.values())
     return {name for name, g in flat.items() if float(g.max()) < ROUND_OFF * largest}
