@@ -19,8 +19,8 @@ def _compile_fast() -> None:
     """LLVM at its lowest level for every program the suite compiles (this process and its children).
 
     It halves a small step's compile time, most of the suite's; the optimized HLO and its
-    buffers, what the census and memory tests read, are LLVM's level's to keep (see
-    docs/development.md). ``SUBSTRAX_TEST_XLA_OPT=default`` keeps XLA's own level.
+    buffers (what the census and memory tests read) do not depend on it: see
+    docs/development.md. ``SUBSTRAX_TEST_XLA_OPT=default`` keeps XLA's own level.
     """
     if os.environ.get("SUBSTRAX_TEST_XLA_OPT") == "default" or "xla_backend_optimization_level" in os.environ.get(
         "XLA_FLAGS", ""
