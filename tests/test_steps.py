@@ -144,6 +144,24 @@ def test_bound_step_matches_the_reference(
     assert not np.allclose(mid["hidden/kernel"], reference[1]["hidden/kernel"])  # sync showed step 10's state
 
 
+@pytest.mark.parametrize("donate", [True, False])
+def test_a_bound_step_lowers_the_program_it_runs(mesh8: jax.sharding.Mesh, batches: list, donate: bool) -> None:
+    # regression: .bind(...).lower(batch) lowered the undonated program while the step donated
+    with jax.set_mesh(mesh8):
+        model = MLP()
+        optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
+    batch = place_batch_on_shards(batches[0], create_data_parallel_sharding(mesh8))
+    step = substrax.make_train_step(mse, "explicit", mesh=mesh8)
+    want = step.lower(model, optimizer, batch, donate=donate).as_text()
+    with step.bind(model, optimizer, donate=donate) as fast:
+        fast(batch)
+        got = fast.lower(batch)
+    assert got.as_text() == want
+    aliased = got.compile().memory_analysis().alias_size_in_bytes
+    state = sum(x.nbytes for x in jax.tree.leaves(nnx.state((model, optimizer))))  # replicated: each device's
+    assert aliased == (state if donate else 0), (aliased, state)  # donated: every state buffer updated in place
+
+
 @pytest.mark.parametrize("layout", FLAT_LAYOUTS)
 @pytest.mark.parametrize("mode", substrax.MODES)
 def test_census_of_each_step_matches_its_layout(mesh8: jax.sharding.Mesh, mode: str, layout: str) -> None:

@@ -65,9 +65,10 @@ class BoundTrainStep:
         return self._split.arrays()
 
     def lower(self, batch: PyTree) -> Any:
-        """Lower this step for ``batch``, to read its HLO (see ``TrainStep.lower``)."""
+        """Lower the program this step runs for ``batch`` (donating as it was bound), to read its
+        HLO and memory (see ``TrainStep.lower``)."""
         arrays = self._arrays if self._arrays is not None else self._read_model()
-        return self._step._lower(self._split, arrays, batch)
+        return self._step._lower(self._split, arrays, batch, donate=self._donate)
 
     def check_communication(self, batch: PyTree) -> Comparison:
         """This step's census against its layout's rule (see ``TrainStep.check_communication``); syncs first."""
