@@ -15,10 +15,13 @@ from substrax.mesh import use_cpu_devices
 use_cpu_devices(8)  # before anything touches a backend
 
 
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+
+
 def _compile_fast() -> None:
     """LLVM at its lowest level for every program the suite compiles (this process and its children).
 
-    It halves a small step's compile time, most of the suite's; the optimized HLO and its
+    It cuts a small step's compile time, most of the suite's, by a third to a half; the optimized HLO and its
     buffers (what the census and memory tests read) do not depend on it: see
     docs/development.md. ``SUBSTRAX_TEST_XLA_OPT=default`` keeps XLA's own level.
     """
@@ -29,7 +32,6 @@ def _compile_fast() -> None:
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
 
 
-FAST_COMPILE = "--xla_backend_optimization_level=0"
 _compile_fast()
 
 
