@@ -234,7 +234,8 @@ def table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     out += [
         "median: per optimizer step (MultiSteps: K calls of the plain step on the K microbatches).",
         "ratio: median / the median of 'vs' (MODE:k1, the whole batch at once; or explicit:kK), same run.",
-        "temp: memory_analysis().temp_size_in_bytes of one device's program, compiled undonated (MultiSteps: one call's).",
+        "temp: memory_analysis().temp_size_in_bytes of one device's program, compiled undonated",
+        "(MultiSteps: one call's).",
         "AR/opt step: all-reduces executed per optimizer step, from the census of each compiled step times",
         "its calls (loops multiplied out); comm: collective bytes per device per optimizer step; in loop:",
         "collective instructions inside a while loop; rule: the census matches the step's expected rule.",

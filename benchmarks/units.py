@@ -114,7 +114,9 @@ def table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="width 64, depth 2, unrolled and scanned")
-    parser.add_argument("--smoke", action="store_true", help="width 16, depth 1, seq 8, scanned, one round (make test)")
+    parser.add_argument(
+        "--smoke", action="store_true", help="width 16, depth 1, seq 8, scanned, one round (make test)"
+    )
     parser.add_argument("--json", metavar="PATH", help="write the rows as JSON and the table beside it (.txt)")
     parser.add_argument("--widths", type=int, nargs="*")
     parser.add_argument("--depths", type=int, nargs="*")
@@ -125,7 +127,7 @@ def main() -> None:
     depths = args.depths or ([1] if args.smoke else [2] if args.quick else [2, 8])
     rounds = args.rounds or (1 if args.smoke else 10 if args.quick else 15)
     seq = 8 if args.smoke else 32
-    # the smoke runs the scanned stack alone, where every spelling runs (unrolled units: tests/test_units.py)
+    # the smoke: the scanned stack alone, where every spelling runs (unrolled units: tests/test_units.py)
     scans = (True,) if args.smoke else (False, True)
     configs = [(w, d, scan) for w in widths for d in depths for scan in scans]
     start = time.perf_counter()

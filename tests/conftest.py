@@ -25,11 +25,10 @@ def _compile_fast() -> None:
     buffers (what the census and memory tests read) do not depend on it: see
     docs/development.md. ``SUBSTRAX_TEST_XLA_OPT=default`` keeps XLA's own level.
     """
-    if os.environ.get("SUBSTRAX_TEST_XLA_OPT") == "default" or "xla_backend_optimization_level" in os.environ.get(
-        "XLA_FLAGS", ""
-    ):
+    flags = os.environ.get("XLA_FLAGS", "")
+    if os.environ.get("SUBSTRAX_TEST_XLA_OPT") == "default" or "xla_backend_optimization_level" in flags:
         return
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
+    os.environ["XLA_FLAGS"] = f"{flags} {FAST_COMPILE}".strip()
 
 
 _compile_fast()

@@ -145,7 +145,9 @@ def test_bound_step_matches_the_reference(
 
 
 @pytest.mark.parametrize("donate", [True, False])
-def test_a_bound_step_lowers_the_program_it_runs(mesh8: jax.sharding.Mesh, batches: list, donate: bool) -> None:
+def test_a_bound_step_lowers_the_program_it_runs(
+    mesh8: jax.sharding.Mesh, batches: list, donate: bool
+) -> None:
     # regression: .bind(...).lower(batch) lowered the undonated program while the step donated
     with jax.set_mesh(mesh8):
         model = MLP()
@@ -159,7 +161,8 @@ def test_a_bound_step_lowers_the_program_it_runs(mesh8: jax.sharding.Mesh, batch
     assert got.as_text() == want
     aliased = got.compile().memory_analysis().alias_size_in_bytes
     state = sum(x.nbytes for x in jax.tree.leaves(nnx.state((model, optimizer))))  # replicated: each device's
-    assert aliased == (state if donate else 0), (aliased, state)  # donated: every state buffer updated in place
+    # donated: every state buffer updated in place
+    assert aliased == (state if donate else 0), (aliased, state)
 
 
 @pytest.mark.parametrize("layout", FLAT_LAYOUTS)
