@@ -21,6 +21,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import conftest
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,7 +38,8 @@ TIMED = {  # in the order they are started: the longest first
     "units": "median_us",
     "hsdp": "bytes_per_step",  # compiled, not run: its rows measure bytes
 }
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# conftest's LLVM level (set here even under SUBSTRAX_TEST_XLA_OPT=default), and fewer passes
+FAST_COMPILE = f"{conftest.FAST_COMPILE} --xla_llvm_disable_expensive_passes=true"
 
 
 def _measure():
