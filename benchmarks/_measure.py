@@ -66,6 +66,24 @@ def summary_us(seconds: Iterable[float]) -> dict[str, float]:
     }
 
 
+def paired_ratio(samples: Iterable[float], bounds: Iterable[Iterable[float]]) -> dict[str, float]:
+    """Each round's time over the faster bound's in that round: median and 25th-75th percentile.
+
+    A round times every spelling back to back, so a machine that slows down for a while slows
+    a round's spellings together; a ratio within the round cancels that, where the ratio of
+    two medians taken over all rounds does not.
+    """
+    import numpy as np
+
+    rounds = list(zip(samples, *bounds))  # rounds every one of them ran
+    ratios = np.asarray([spelling / min(bound) for spelling, *bound in rounds])
+    return {
+        "paired_ratio": float(np.median(ratios)),
+        "paired_p25": float(np.percentile(ratios, 25)),
+        "paired_p75": float(np.percentile(ratios, 75)),
+    }
+
+
 def memory(compiled: Any) -> dict[str, int | None]:
     """``compiled.memory_analysis()``: bytes of arguments, outputs, temporaries, and the
     outputs aliased onto donated arguments (per device: the SPMD program of one device)."""

@@ -285,6 +285,7 @@ def run_worker(
                     "p25_step_us": float(np.percentile(times, 25)),
                     "p75_step_us": float(np.percentile(times, 75)),
                     "ratio_to_bound": float(np.median(times)) / bound_us,
+                    **M.paired_ratio(samples[name], [samples[b] for b in BOUNDS]),
                     "compile_s": compile_s[name],
                     "comm_bytes": comm.get(program(name), (None, None))[0],
                     "comm_as_expected": comm.get(program(name), (None, None))[1],
@@ -345,22 +346,25 @@ def run_worker(
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     header = f"{'model':<12} {'dev':>3} {'spelling':<36} {'median us':>10} {'p25-p75 us':>16} {'x bound':>8}"
-    print(header + f" {'compile s':>9} {'comm bytes':>11} {'expected':>8}")
+    print(header + f" {'paired (p25-p75)':>17} {'compile s':>9} {'comm bytes':>11} {'expected':>8}")
     for r in rows:
         start = f"{r['model']:<12} {r['devices']:>3} {r['mode']:<36}"
         if "error" in r:
             print(f"{start} n/a: {r['error']}")
             continue
         spread = f"{r['p25_step_us']:.0f}-{r['p75_step_us']:.0f}"
+        paired = f"{r['paired_ratio']:.2f} ({r['paired_p25']:.2f}-{r['paired_p75']:.2f})"
         comm = "-" if r["comm_bytes"] is None else f"{r['comm_bytes']:,}"
         expected = {None: "-", True: "yes", False: "NO"}[r["comm_as_expected"]]
         print(
             f"{start} {r['median_step_us']:>10.0f} {spread:>16} {r['ratio_to_bound']:>8.2f} "
+            f"{paired:>17} "
             f"{r['compile_s']:>9.2f} {comm:>11} {expected:>8}"
         )
         if "census_error" in r:
             print(f"{'':<53} census failed: {r['census_error']}")
     print("x bound: median step time / the faster of bound (jax.jit) and bound_shard_map, same run")
+    print("paired: the median (p25-p75) over rounds of the step's time / the faster bound's in that round")
     print(
         "comm bytes: collective buffers per device per step (substrax.census); expected: as its layout's rule"
     )

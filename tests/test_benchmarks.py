@@ -113,3 +113,14 @@ def test_benchmark_smoke_run_has_every_row(script: str, smoke_runs: dict) -> Non
     assert not _measure().failures(rows), _measure().failures(rows)
     untimed = [r for r in rows if TIMED[script] not in r]
     assert not untimed, f"{script}.py: rows without {TIMED[script]!r}: {untimed}"
+
+
+def test_the_paired_ratio_divides_each_round_by_its_faster_bound() -> None:
+    # rounds 2 and 3 ran on a machine twice as slow: the paired ratio is 1.1 in every round
+    step = [1.1, 2.2, 2.2, 1.1, 1.1]
+    jit_bound, shard_map_bound = [1.0, 2.0, 2.4, 1.0, 1.2], [1.2, 2.4, 2.0, 1.3, 1.0]
+    got = _measure().paired_ratio(step, [jit_bound, shard_map_bound])
+    assert got["paired_ratio"] == pytest.approx(1.1)
+    assert got["paired_p25"] == pytest.approx(1.1) and got["paired_p75"] == pytest.approx(1.1)
+    # a round a bound did not run is left out, not divided by another round's time
+    assert _measure().paired_ratio([2.0, 9.0], [[1.0], [1.0, 1.0]])["paired_ratio"] == pytest.approx(2.0)
