@@ -83,9 +83,10 @@ def reference_gradient(
 
     Under ``precision``, with the policy's casts on that one device (the gradient still
     with respect to the parameters as stored). Refuses a loss that draws random numbers.
+    Jitted, on no mesh: one program on one device (eagerly, each operation compiled alone).
     """
     one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    grads, after = _grad_and_state(graphdef, loss_fn, axes, precision)(
+    grads, after = jax.jit(_grad_and_state(graphdef, loss_fn, axes, precision))(
         jax.device_put(state, one_device), map_arrays(lambda x: jax.device_put(x, one_device), host_batch)
     )
     _refuse_random_draws(_rng_counts(state), _rng_counts(after))
