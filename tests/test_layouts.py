@@ -391,12 +391,16 @@ def test_compare_gradients_accepts_split_state(mesh8: jax.sharding.Mesh, batches
     assert report.max_abs_diff < 1e-5
 
 
-def test_two_processes_train_split_state_like_one(mesh8: jax.sharding.Mesh) -> None:
-    import re
-
+@pytest.fixture(scope="module")
+def two_process_run():
+    """One launch of ``workers/layout_worker.py`` (2 processes x 4 devices), both its parts."""
     from workers.launching import launch
 
-    run = launch(2, 4, "layout_worker.py", timeout=240)
+    return launch(2, 4, "layout_worker.py", timeout=300)
+
+
+def test_two_processes_train_split_state_like_one(mesh8: jax.sharding.Mesh, two_process_run) -> None:
+    run = two_process_run
     assert run.returncode == 0, run.output
     assert run.stdout.count("DEVICES 2 x 4") == 2, run.output  # one 8-device system from 2 processes
     batches = regression_batches(6, rows=32)
@@ -413,3 +417,16 @@ def test_two_processes_train_split_state_like_one(mesh8: jax.sharding.Mesh) -> N
                 assert re.search(rf"^\[{process}\] SPLIT {mode} {layout} True$", run.stdout, flags=re.M), (
                     run.output
                 )
+
+
+def test_shard_state_places_random_streams_of_a_model_built_outside_any_mesh(two_process_run) -> None:
+    # nnx.Dropout with nnx.Rngs: the random key must be placed on every process's devices.
+    run = two_process_run
+    assert run.returncode == 0, run.output
+    for name in ("rngs_placed", "rngs_implicit"):
+        got = dict(re.findall(rf"^(\[p\d\]) RESULT {name} (.*)$", run.stdout, flags=re.M))
+        assert got == {"[p0]": "ok", "[p1]": "ok"}, run.output
+    for layout in ("fsdp", "zero1"):  # explicit mode: per-device masks, the same on both processes
+        got = dict(re.findall(rf"^(\[p\d\]) RNGS explicit {layout} (.*)$", run.stdout, flags=re.M))
+        assert got.keys() == {"[p0]", "[p1]"} and got["[p0]"] == got["[p1]"], run.output
+        assert np.all(np.isfinite([float(x) for x in got["[p0]"].split(",")])), run.output

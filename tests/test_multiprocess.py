@@ -51,19 +51,6 @@ def test_on_two_processes(checks_run: Run, name: str) -> None:
     assert results(checks_run, name) == {"[p0]": "ok", "[p1]": "ok"}, checks_run.output
 
 
-def test_shard_state_places_random_streams_of_a_model_built_outside_any_mesh() -> None:
-    # nnx.Dropout with nnx.Rngs: the random key must be placed on every process's devices.
-    run = launch(2, 4, "layout_worker.py", "rngs", timeout=240)
-    assert run.returncode == 0, run.output
-    assert run.stdout.count("DEVICES 2 x 4") == 2, run.output
-    for name in ("rngs_placed", "rngs_implicit"):
-        assert results(run, name) == {"[p0]": "ok", "[p1]": "ok"}, run.output
-    for layout in ("fsdp", "zero1"):  # explicit mode: per-device masks, the same on both processes
-        got = dict(re.findall(rf"^(\[p\d\]) RNGS explicit {layout} (.*)$", run.stdout, flags=re.M))
-        assert got.keys() == {"[p0]", "[p1]"} and got["[p0]"] == got["[p1]"], run.output
-        assert np.all(np.isfinite([float(x) for x in got["[p0]"].split(",")])), run.output
-
-
 def test_the_run_ends_cleanly_with_prefixed_output(checks_run: Run) -> None:
     assert checks_run.returncode == 0, checks_run.output
     assert "[p0] ALL DONE" in checks_run.stdout and "[p1] ALL DONE" in checks_run.stdout

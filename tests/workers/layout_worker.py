@@ -1,11 +1,14 @@
-"""One process of the several-process layout test, started by ``python -m substrax.launch``.
+"""One process of the several-process layout tests, started by ``python -m substrax.launch``.
 
-``python layout_worker.py``: trains the test MLP as FSDP and as ZeRO-1 in both modes on
+Both parts below run in one launch (``tests/test_layouts.py`` reads each part's lines);
+``python layout_worker.py layouts`` or ``rngs`` runs one of them.
+
+The layouts part: trains the test MLP as FSDP and as ZeRO-1 in both modes on
 the global mesh, each process placing its own rows of the same batches, and prints
 ``LOSSES <mode> <layout> <comma-separated losses>`` and ``SPLIT <mode> <layout> <bool>``
 (whether a split parameter is still split over every device of every process).
 
-``python layout_worker.py rngs``: a model holding random streams (``nnx.Dropout`` with
+The rngs part: a model holding random streams (``nnx.Dropout`` with
 ``nnx.Rngs``), built outside any mesh, placed by ``shard_state`` as FSDP and ZeRO-1 and
 trained in both modes. Prints ``RESULT rngs_placed ok`` when every random key ends up
 replicated on all devices of all processes, ``RESULT rngs_implicit ok`` when implicit
@@ -113,22 +116,25 @@ print(f"DEVICES {jax.process_count()} x {jax.local_device_count()}", flush=True)
 mesh = create_data_parallel_mesh()
 sharding = create_data_parallel_sharding(mesh)
 mine = process_slice(ROWS)
-if sys.argv[1:] == ["rngs"]:
-    rngs_checks()
-    sys.exit(0)
-for mode in substrax.MODES:
-    for layout in ("fsdp", "zero1"):
-        model = MLP()
-        optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
-        substrax.shard_state(model, optimizer, mesh=mesh, params=layout == "fsdp", min_size=MIN_SIZE)
-        step = substrax.make_train_step(mse, mode, mesh=mesh)
-        losses = []
-        for batch in regression_batches(STEPS, rows=ROWS):
-            placed = place_batch_on_shards({k: v[mine] for k, v in batch.items()}, sharding)
-            losses.append(float(step(model, optimizer, placed)))
-        print(f"LOSSES {mode} {layout} {','.join(f'{x:.9g}' for x in losses)}", flush=True)
-        kernel = optimizer.opt_state[0].mu["hidden"]["kernel"].get_value()
-        split = (
-            len(kernel.sharding.device_set) == jax.device_count() and not kernel.sharding.is_fully_replicated
-        )
-        print(f"SPLIT {mode} {layout} {split}", flush=True)
+def layout_runs() -> None:
+    for mode in substrax.MODES:
+        for layout in ("fsdp", "zero1"):
+            model = MLP()
+            optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
+            substrax.shard_state(model, optimizer, mesh=mesh, params=layout == "fsdp", min_size=MIN_SIZE)
+            step = substrax.make_train_step(mse, mode, mesh=mesh)
+            losses = []
+            for batch in regression_batches(STEPS, rows=ROWS):
+                placed = place_batch_on_shards({k: v[mine] for k, v in batch.items()}, sharding)
+                losses.append(float(step(model, optimizer, placed)))
+            print(f"LOSSES {mode} {layout} {','.join(f'{x:.9g}' for x in losses)}", flush=True)
+            kernel = optimizer.opt_state[0].mu["hidden"]["kernel"].get_value()
+            split = (
+                len(kernel.sharding.device_set) == jax.device_count() and not kernel.sharding.is_fully_replicated
+            )
+            print(f"SPLIT {mode} {layout} {split}", flush=True)
+
+
+PARTS = {"layouts": layout_runs, "rngs": rngs_checks}
+for part in sys.argv[1:] or PARTS:
+    PARTS[part]()
