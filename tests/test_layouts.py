@@ -16,7 +16,6 @@ from jax.sharding import PartitionSpec
 
 import substrax
 from substrax.census import census
-from substrax.explicit import explicit_train_step
 from substrax.mesh import create_device_mesh
 from substrax.spmd import create_data_parallel_sharding, place_batch_on_shards
 
