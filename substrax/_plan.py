@@ -1,7 +1,7 @@
 """A plan before compiling: each configuration's communication and memory per device, from a trace.
 
 ``plan`` places a copy of the state in each candidate configuration, traces and lowers its
-step (no compile), applies ``TrainStep.check_communication``'s rule (``expected_step``) and
+step (compiling only the optimizer update, alone), applies ``TrainStep.check_communication``'s rule (``expected_step``) and
 walks the trace for the peak memory (``substrax._memory``). See the planning guide.
 """
 
@@ -136,7 +136,7 @@ def plan(
     placement: Mapping[str, Any] | None = None,
     **step_options: Any,
 ) -> Plan:
-    """Each configuration's collective bytes and memory per device, without compiling a step.
+    """Each configuration's collective bytes and memory per device, compiling no step (its update alone).
 
     Explicit-mode bytes are the compiled census's; implicit-mode rows give the layout's rule
     (XLA chooses) and explicit mode's memory. What is not predicted: see the planning guide.
