@@ -12,16 +12,17 @@ guide, "Sharding strategies: a planning layer".
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
 from substrax._batch.axes import spec_axes
 from substrax.mesh._configs import ParallelismConfig, ShardingConfig, _name, _size
+from substrax.mesh._dimensions import DimensionNames, checked_names, needs_a_dimension, one_dimension, place
 
 __all__ = [
     "DataParallelStrategy",
@@ -34,58 +35,6 @@ __all__ = [
     "ShardingStrategy",
     "TensorParallelStrategy",
 ]
-
-DimensionNames = tuple[str, ...]
-
-
-def _dimension_names(names: object, who: str) -> DimensionNames:
-    if isinstance(names, str) or not isinstance(names, Sequence):
-        raise TypeError(
-            f"{who}: dimension_names must be a tuple of str, one per dimension, such as "
-            f"('batch', 'hidden'); got {names!r} ({type(names).__name__})."
-        )
-    for name in names:
-        if not isinstance(name, str):
-            raise TypeError(f"{who}: dimension names are str; got {name!r} in {tuple(names)}.")
-    return tuple(names)
-
-
-def _one_dimension(names: DimensionNames, target: str, axis: str, who: str) -> PartitionSpec:
-    """The spec splitting the dimension named ``target`` over ``axis``, the others whole."""
-    if names.count(target) > 1:
-        raise ValueError(
-            f"{who}: {names} names {target!r} {names.count(target)} times, but mesh axis "
-            f"{axis!r} can split only one dimension of an array."
-        )
-    return PartitionSpec(*(axis if name == target else None for name in names))
-
-
-def _place(array: Any, mesh: Mesh, spec: PartitionSpec, who: str) -> jax.Array:
-    """``jax.device_put(array, NamedSharding(mesh, spec))``, the mesh and sizes checked first."""
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"{who}: mesh must be a jax.sharding.Mesh; got {type(mesh).__name__}.")
-    shape = np.shape(array)
-    for dim, entry in enumerate(spec):
-        for axis in spec_axes(entry):
-            if axis not in mesh.axis_names:
-                raise ValueError(
-                    f"{who}: mesh axis {axis!r} is not in the mesh, whose axes are "
-                    f"{tuple(mesh.axis_names)}; build the strategy with one of those."
-                )
-            if shape[dim] % mesh.shape[axis]:
-                raise ValueError(
-                    f"{who}: dimension {dim} of an array of shape {shape} has size {shape[dim]}, "
-                    f"which does not divide by {mesh.shape[axis]}, the size of mesh axis {axis!r}."
-                )
-    return jax.device_put(array, NamedSharding(mesh, spec))
-
-
-def _needs_a_dimension(array: Any, who: str, what: str) -> int:
-    ndim = np.ndim(array)
-    if ndim == 0:
-        raise ValueError(f"{who}: a 0-d array has no {what} to split; replicate it instead.")
-    return ndim
-
 
 @runtime_checkable
 class ShardingStrategy(Protocol):
@@ -129,8 +78,8 @@ class DataParallelStrategy:
           ValueError: If it names the batch dimension twice.
         """
         who = "DataParallelStrategy.partition_spec"
-        names = _dimension_names(dimension_names, who)
-        return _one_dimension(names, self.batch_dimension, self.axis_name, who)
+        names = checked_names(dimension_names, who)
+        return one_dimension(names, self.batch_dimension, self.axis_name, who)
 
     def shard(self, array: Any, mesh: Mesh) -> jax.Array:
         """The array placed with its first dimension (the batch) split over ``axis_name``.
@@ -141,8 +90,8 @@ class DataParallelStrategy:
             dimension does not divide by the axis size.
         """
         who = "DataParallelStrategy.shard"
-        ndim = _needs_a_dimension(array, who, "batch dimension")
-        return _place(array, mesh, PartitionSpec(self.axis_name, *[None] * (ndim - 1)), who)
+        ndim = needs_a_dimension(array, who, "batch dimension")
+        return place(array, mesh, PartitionSpec(self.axis_name, *[None] * (ndim - 1)), who)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -181,7 +130,7 @@ class FSDPStrategy:
         Raises:
           TypeError: If ``dimension_names`` is not a sequence of str.
         """
-        names = _dimension_names(dimension_names, "FSDPStrategy.partition_spec")
+        names = checked_names(dimension_names, "FSDPStrategy.partition_spec")
         if not names:
             return PartitionSpec()
         first = self.axis_name if names[0] in self.sharded_dimensions else None
@@ -199,7 +148,7 @@ class FSDPStrategy:
         if split and isinstance(mesh, Mesh) and self.axis_name in mesh.axis_names:
             split = shape[0] % mesh.shape[self.axis_name] == 0
         spec = PartitionSpec(*[self.axis_name if split and dim == 0 else None for dim in range(len(shape))])
-        return _place(array, mesh, spec, "FSDPStrategy.shard")
+        return place(array, mesh, spec, "FSDPStrategy.shard")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -228,9 +177,9 @@ class TensorParallelStrategy:
           ValueError: If it names that dimension twice.
         """
         who = "TensorParallelStrategy.partition_spec"
-        names = _dimension_names(dimension_names, who)
+        names = checked_names(dimension_names, who)
         target = self.shard_dimension or ("hidden" if "hidden" in names else "out_features")
-        return _one_dimension(names, target, self.axis_name, who)
+        return one_dimension(names, target, self.axis_name, who)
 
     @property
     def linear_weight_spec(self) -> PartitionSpec:
@@ -261,10 +210,10 @@ class TensorParallelStrategy:
             dimension does not divide by the axis size.
         """
         who = "TensorParallelStrategy.shard"
-        ndim = _needs_a_dimension(array, who, "feature dimension")
+        ndim = needs_a_dimension(array, who, "feature dimension")
         if ndim == 2:
-            return _place(array, mesh, self.linear_weight_spec, who)
-        return _place(array, mesh, PartitionSpec(*[None] * (ndim - 1), self.axis_name), who)
+            return place(array, mesh, self.linear_weight_spec, who)
+        return place(array, mesh, PartitionSpec(*[None] * (ndim - 1), self.axis_name), who)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -313,7 +262,7 @@ class PipelineParallelStrategy:
         Raises:
           TypeError: If ``dimension_names`` is not a sequence of str.
         """
-        names = _dimension_names(dimension_names, "PipelineParallelStrategy.partition_spec")
+        names = checked_names(dimension_names, "PipelineParallelStrategy.partition_spec")
         return PartitionSpec(*[None] * len(names))
 
     def shard(self, array: Any, mesh: Mesh) -> jax.Array:
@@ -322,7 +271,7 @@ class PipelineParallelStrategy:
         Raises:
           TypeError: If ``mesh`` is not a ``jax.sharding.Mesh``.
         """
-        return _place(array, mesh, PartitionSpec(*[None] * np.ndim(array)), "PipelineParallelStrategy.shard")
+        return place(array, mesh, PartitionSpec(*[None] * np.ndim(array)), "PipelineParallelStrategy.shard")
 
 
 _SHARE_AN_AXIS = (DataParallelStrategy, FSDPStrategy)
@@ -404,7 +353,7 @@ class MultiDimensionalStrategy:
           TypeError: If ``dimension_names`` is not a sequence of str.
           ValueError: As ``resolve_sharding_conflicts``.
         """
-        names = _dimension_names(dimension_names, "MultiDimensionalStrategy.partition_spec")
+        names = checked_names(dimension_names, "MultiDimensionalStrategy.partition_spec")
         proposed = {key: s.partition_spec(names) for key, s in self.strategies.items()}
         return self.resolve_sharding_conflicts(proposed, ndim=len(names))
 
