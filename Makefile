@@ -22,13 +22,17 @@ demo: $(STAMP)
 # leaves out the tests marked slow (the fuzzers' random samples, the three longest notebooks);
 # `make test-slow` runs just those, and .ci/run runs both.
 WORKERS ?= 2
+# The jax compilation cache the suite keeps between runs (tests/conftest.py): a program no
+# change touched is read back, not compiled again. A fresh clone starts empty;
+# `make test TEST_CACHE=` gives each run a new one.
+TEST_CACHE ?= .jax-test-cache
 
 .PHONY: test-slow
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile -m "not slow"
+	SUBSTRAX_TEST_CACHE=$(TEST_CACHE) $(PY) -m pytest -q -n $(WORKERS) --dist loadfile -m "not slow"
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile -m slow
+	SUBSTRAX_TEST_CACHE=$(TEST_CACHE) $(PY) -m pytest -q -n $(WORKERS) --dist loadfile -m slow
 
 # The documentation site (docs/, mkdocs.yml) into build/site, warnings as errors; the docs
 # extra is installed into .venv beside the dev one, again whenever .venv is refreshed.
@@ -79,4 +83,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/hsdp.py --json benchmarks/results/hsdp_quick.json
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis $(TEST_CACHE)

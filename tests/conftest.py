@@ -34,17 +34,39 @@ def _compile_fast() -> None:
 _compile_fast()
 
 
-def _one_compilation_cache_per_run() -> None:
-    """Many tests compile the same small program under another name; compile each once a run.
+KEPT_CACHE_BYTES = 1 << 30
 
-    jax's persistent cache keys an executable by its HLO, so a program a second test builds
-    again is read back, not compiled. The directory is new for each run (the pytest process
-    makes it; its xdist workers inherit it), so a run never reads what an older one wrote;
-    ``SUBSTRAX_TEST_CACHE=DIR`` keeps one across runs. Subprocesses (notebooks, launched
+
+def _trim(directory: str, limit: int) -> None:
+    """Remove the oldest files of ``directory`` until what is left is under ``limit`` bytes."""
+    os.makedirs(directory, exist_ok=True)
+    files = [e for e in os.scandir(directory) if e.is_file()]
+    entries = sorted((e.stat().st_mtime, e.stat().st_size, e.path) for e in files)
+    total = sum(size for _, size, _ in entries)
+    for _, size, path in entries:
+        if total <= limit:
+            break
+        os.remove(path)
+        total -= size
+
+
+def _compilation_cache() -> None:
+    """Many tests compile the same small program under another name; compile each once.
+
+    jax's persistent cache keys an executable by its HLO, the compile options and the
+    versions, so a program a second test builds again is read back, not compiled.
+    ``SUBSTRAX_TEST_CACHE=DIR`` keeps the cache in DIR across runs (``make test`` keeps
+    ``.jax-test-cache``; past ``KEPT_CACHE_BYTES`` a run starts by removing the oldest
+    entries); without it the directory is new for each run (the pytest process makes it;
+    its xdist workers inherit it) and removed after. Subprocesses (notebooks, launched
     processes) compile for themselves.
     """
     directory = os.environ.get("SUBSTRAX_TEST_CACHE")
-    if not directory:  # made here, removed when this process (the run's first) exits
+    if directory:
+        directory = os.environ["SUBSTRAX_TEST_CACHE"] = os.path.abspath(directory)
+        if "PYTEST_XDIST_WORKER" not in os.environ:  # the run's first process, before its workers
+            _trim(directory, KEPT_CACHE_BYTES)
+    else:  # made here, removed when this process (the run's first) exits
         directory = os.environ["SUBSTRAX_TEST_CACHE"] = tempfile.mkdtemp(prefix="substrax-jax-cache-")
         atexit.register(shutil.rmtree, directory, ignore_errors=True)
     jax.config.update("jax_compilation_cache_dir", directory)
@@ -52,7 +74,7 @@ def _one_compilation_cache_per_run() -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-_one_compilation_cache_per_run()
+_compilation_cache()
 
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
