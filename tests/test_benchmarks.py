@@ -6,8 +6,8 @@ its own emulated devices, writing its JSON to a temporary path, which is then re
 a row that failed (its spelling or its census raised) fails the test by its label and
 error, as does a nonzero exit status (every script exits 1 when a row failed). The
 scripts run a few at a time (a compile takes one core), XLA at its lowest optimization
-level, sharing one persistent compilation cache, so a program compiled twice (a step,
-then its census) compiles once.
+level, sharing the suite's compilation cache (``tests/conftest.py``; ``make test`` keeps
+it between runs), so a program compiled twice (a step, then its census) compiles once.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def smoke_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     """The selected scripts' smoke runs, started together, a few at a time (each compiles on one core)."""
     mine = [getattr(i, "callspec", None) for i in request.session.items if i.module is request.module]
     selected = [c.params["script"] for c in mine if c is not None and "script" in c.params]
-    out, cache = tmp_path_factory.mktemp("smoke"), tmp_path_factory.mktemp("jax_cache")
+    out, cache = tmp_path_factory.mktemp("smoke"), Path(os.environ["SUBSTRAX_TEST_CACHE"])  # conftest's
     with ThreadPoolExecutor(max_workers=max(1, min(3, os.cpu_count() or 1))) as pool:
         yield {s: (pool.submit(_smoke, s, out / f"{s}.json", cache), out / f"{s}.json") for s in selected}
 
