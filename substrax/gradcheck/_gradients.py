@@ -83,7 +83,7 @@ def reference_gradient(
 
     Under ``precision``, with the policy's casts on that one device (the gradient still
     with respect to the parameters as stored). Refuses a loss that draws random numbers.
-    Jitted, on no mesh: one program on one device (eagerly, each operation compiled alone).
+    Jitted on that one device, no mesh: one program (op by op, each operation would compile alone).
     """
     one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     grads, after = jax.jit(_grad_and_state(graphdef, loss_fn, axes, precision))(
