@@ -100,6 +100,67 @@ def test_skip_nonfinite_false_applies_every_update(mesh8: jax.sharding.Mesh, mod
     assert np.isnan(params_of(model)["hidden/kernel"]).any()
 
 
+class Tower(nnx.Module):  # depth Linear(64) layers and a head: 2 * depth + 2 gradient leaves
+    def __init__(self, depth: int) -> None:
+        rngs = nnx.Rngs(0)
+        self.layers = nnx.List([nnx.Linear(16 if i == 0 else 64, 64, rngs=rngs) for i in range(depth)])
+        self.head = nnx.Linear(64, 1, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for layer in self.layers:
+            x = jnp.tanh(layer(x))
+        return self.head(x)
+
+
+def _kernels(compiled: Any) -> int:
+    """The compiled program's top-level kernels (fusions): what the CPU runs one by one per device."""
+    return compiled.as_text().split("ENTRY", 1)[1].count(" fusion(")
+
+
+@pytest.mark.parametrize("depth", [2, 6])
+@pytest.mark.parametrize("mode", substrax.MODES)
+def test_the_guard_reads_each_gradient_leaf_with_at_most_two_kernels(
+    mesh8: jax.sharding.Mesh, mode: str, depth: int
+) -> None:
+    """#26.10: the flag is one reduction per leaf (its sum), the select fused into the update.
+
+    Measured on jax 0.12 CPU with ``all(isfinite(x))`` per leaf: three kernels a leaf
+    (is-finite, reduce-window, reduce), 109 more for the example transformer's 38 leaves
+    (5-8% of its step on 8 devices); with the sum, 65.
+    """
+    with jax.set_mesh(mesh8):
+        model = Tower(depth)
+        optimizer = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+    batch = regression_batches(1, rows=64, din=16)[0]
+    leaves = len(jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+    def kernels(guard: bool) -> int:
+        step = substrax.make_train_step(mse, mode, mesh=mesh8, skip_nonfinite=guard)
+        return _kernels(step.lower(model, optimizer, batch, donate=True).compile())
+
+    extra = kernels(True) - kernels(False)
+    assert 0 < extra <= 2 * leaves, (extra, leaves)
+
+
+@pytest.mark.parametrize(
+    ("leaf", "finite"),
+    [
+        (np.array([1.0, np.nan], np.float32), False),
+        (np.array([1.0, np.inf], np.float32), False),
+        (np.array([-np.inf, np.inf], np.float32), False),
+        (np.full(4, 60_000.0, np.float16), True),  # summed in float32: past float16's range, finite
+        (np.array([np.nan], jnp.bfloat16), False),
+        (np.array([1 + 1j, complex(0, np.inf)], np.complex64), False),
+        (np.arange(3), True),  # integers hold no NaN
+        (np.full(2, 3e38, np.float32), False),  # the one exception: finite, summing past float32
+    ],
+)
+def test_the_guards_flag_reads_each_leafs_sum(leaf: np.ndarray, finite: bool) -> None:
+    from substrax._shared.update import all_finite
+
+    assert bool(all_finite({"ok": jnp.ones(3), "leaf": jnp.asarray(leaf)})) is finite
+
+
 def test_skip_nonfinite_must_be_a_bool() -> None:
     with pytest.raises(TypeError, match=r"skip_nonfinite must be True or False; got 'yes'"):
         substrax.make_train_step(mse, skip_nonfinite="yes")  # type: ignore[arg-type]
