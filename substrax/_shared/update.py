@@ -40,20 +40,26 @@ def state_values(tree: Any) -> list[Any]:
     return jax.tree.leaves(nnx.state(tree))
 
 
-def all_finite(tree: Any) -> jax.Array:
-    """Whether every floating element of ``tree`` is finite, read off each leaf's sum (a 0-d bool).
+def all_finite(tree: Any, *, by_sum: bool = False) -> jax.Array:
+    """Whether every floating element of ``tree`` is finite, as a 0-d bool.
 
-    A NaN or infinite element makes its leaf's sum non-finite; so does a leaf whose finite
-    elements sum past float32's range (3.4e38), the one exception (see the nonfinite guide).
-    A sum is one reduction XLA reads the leaf with; ``all(isfinite(x))`` was three kernels a
-    leaf on the CPU.
+    ``by_sum``: read each leaf off its sum, one reduction where ``all(isfinite(x))`` is three
+    kernels on the CPU. A NaN or infinite element makes the sum non-finite; so does a leaf
+    whose finite elements sum past float32's range (3.4e38), the one exception (see the
+    nonfinite guide). A split leaf's sum would all-reduce 4 bytes where its flag takes one.
     """
-    sums = [
-        jnp.sum(x, dtype=jnp.float32 if jnp.finfo(x.dtype).bits < 32 else None)
-        for x in jax.tree.leaves(tree)
-        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
-    ]
-    return jnp.isfinite(jnp.stack(sums)).all() if sums else jnp.array(True)
+    leaves = [x for x in jax.tree.leaves(tree) if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)]
+    if not leaves:
+        return jnp.array(True)
+    if not by_sum:
+        return jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]).all()
+    sums = [jnp.sum(x, dtype=jnp.float32 if jnp.finfo(x.dtype).bits < 32 else None) for x in leaves]
+    return jnp.isfinite(jnp.stack(sums)).all()
+
+
+def _is_split(tree: Any) -> bool:
+    """Whether any variable of ``tree`` is placed split over a mesh axis (``out_sharding``)."""
+    return any(any(a is not None for a in spec_tuple(v) or ()) for _, v in nnx.to_flat_state(nnx.state(tree)))
 
 
 def _is_key(x: Any) -> bool:
@@ -88,7 +94,8 @@ def apply_update(
         pin_layout((model, optimizer))
         return None
     with jax.named_scope(scopes.FINITE):
-        finite = jnp.isfinite(loss).all() & all_finite(grads)
+        # replicated state: each gradient read off its sum; split: by its elements (1-byte flags)
+        finite = jnp.isfinite(loss).all() & all_finite(grads, by_sum=not _is_split((model, optimizer)))
     done: set[int] = set()  # the arrays already chosen
     if _DONATED.get():
         _update_in_place(model, optimizer, grads, finite)

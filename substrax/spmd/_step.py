@@ -2,27 +2,20 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import jax
 from flax import nnx
 
-from substrax._batch.axes import spec_axes
 from substrax._batch.placement import batch_partition_specs
 from substrax._layout import check_mesh_axes
-from substrax._shared.loss import loss_and_metrics
-from substrax._shared.microbatch import (
-    check_microbatches,
-    microbatched,
-    split_global_microbatches,
-    unfold_global_gather,
-)
+from substrax._shared.microbatch import check_microbatches, unfold_global_gather
 from substrax._shared.options import StepOptions, options_from
 from substrax._shared.precision import MixedPrecision
 from substrax._shared.update import apply_update, state_values
 from substrax.mesh import current_mesh, current_mesh_with
+from substrax.spmd._grad import global_value_and_grad
 from substrax.spmd._metrics import reduce_metrics
 
 PyTree = Any
@@ -110,23 +103,7 @@ def run_step(
         batch = jax.lax.with_sharding_constraint(batch, specs)
     before = state_values((model, optimizer)) if o.skip_nonfinite else None
 
-    run_loss = loss_fn if o.precision is None else o.precision.loss_fn(loss_fn, o.has_aux)
-
-    def checked_loss(model: M, batch: PyTree) -> tuple[Any, Any]:
-        loss, aux = loss_and_metrics(run_loss(model, batch), o.has_aux)
-        return loss, aux
-
-    if o.precision is None:
-        value_and_grad = nnx.value_and_grad(checked_loss, has_aux=True)
-    else:
-        value_and_grad = o.precision.value_and_grad(checked_loss)
-    ways = 1
-    if o.microbatches == 1:
-        (loss, aux), grads = value_and_grad(model, batch)
-    else:
-        ways = math.prod(found.shape[a] for a in spec_axes(o.row_axes(found)))
-        slices = split_global_microbatches(batch, specs, ways, o.microbatches)
-        (loss, aux), grads = microbatched(value_and_grad, model, slices)
+    (loss, aux), grads, ways = global_value_and_grad(loss_fn, model, batch, o, found, specs)
     applied = apply_update(model, optimizer, grads, loss, before)
     if not o.has_aux:
         return loss, applied

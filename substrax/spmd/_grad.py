@@ -1,0 +1,57 @@
+"""The implicit gradient rule: differentiate the global loss; XLA inserts the reduction.
+
+Under ``jax.jit`` with the batch split, ``grad`` of the mean over the global batch is
+already the full-batch gradient: no ``pmean`` is written (see the modes guide, "The
+gradient rule"). The twin of ``substrax.explicit._grad``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from flax import nnx
+
+from substrax._batch.axes import spec_axes
+from substrax._shared.loss import loss_and_metrics
+from substrax._shared.microbatch import microbatched, split_global_microbatches
+from substrax._shared.options import StepOptions
+from substrax._tree import PyTree
+
+__all__ = ["global_value_and_grad"]
+
+
+def global_value_and_grad(
+    loss_fn: Callable[..., Any],
+    model: nnx.Module,
+    batch: PyTree,
+    options: StepOptions,
+    mesh: jax.sharding.Mesh | None,
+    specs: PyTree,
+) -> tuple[tuple[jax.Array, Any], nnx.State, int]:
+    """``((loss, aux), grads, ways)`` of ``loss_fn`` on the global ``batch``.
+
+    With ``options.microbatches > 1`` the batch (placed by ``specs`` on ``mesh``) is cut into
+    that many slices of every device's rows and the gradient accumulated; ``ways`` is the
+    number of devices the rows are split over (1 without microbatches).
+    """
+    o = options
+    run_loss = loss_fn if o.precision is None else o.precision.loss_fn(loss_fn, o.has_aux)
+
+    def checked_loss(model: nnx.Module, batch: PyTree) -> tuple[Any, Any]:
+        return loss_and_metrics(run_loss(model, batch), o.has_aux)
+
+    if o.precision is None:
+        value_and_grad = nnx.value_and_grad(checked_loss, has_aux=True)
+    else:
+        value_and_grad = o.precision.value_and_grad(checked_loss)
+    if o.microbatches == 1:
+        out, grads = value_and_grad(model, batch)
+        return out, grads, 1
+    assert mesh is not None  # run_step refuses microbatches without a mesh
+    ways = math.prod(mesh.shape[a] for a in spec_axes(o.row_axes(mesh)))
+    slices = split_global_microbatches(batch, specs, ways, o.microbatches)
+    out, grads = microbatched(value_and_grad, model, slices)
+    return out, grads, ways
