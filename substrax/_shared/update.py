@@ -48,7 +48,9 @@ def all_finite(tree: Any, *, by_sum: bool = False) -> jax.Array:
     whose finite elements sum past float32's range (3.4e38), the one exception (see the
     nonfinite guide). A split leaf's sum would all-reduce 4 bytes where its flag takes one.
     """
-    leaves = [x for x in jax.tree.leaves(tree) if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)]
+    leaves = [
+        x for x in jax.tree.leaves(tree) if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
+    ]
     if not leaves:
         return jnp.array(True)
     if not by_sum:
