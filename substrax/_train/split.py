@@ -106,13 +106,10 @@ class SplitState:
 
     def arrays(self) -> list[jax.Array]:
         """The variables' current values; a value set since the last write is cast and placed like it."""
-        out = []
-        for variable, last in zip(self.variables, self._written, strict=True):
-            value = variable.get_raw_value()
-            if value is not last:
-                value = _like(value, last)
-            out.append(value)
-        return out
+        values = list(map(_raw_reader(), self.variables))
+        if all(map(operator.is_, values, self._written)):  # nothing set since: one pass, no copies
+            return values
+        return [v if v is last else _like(v, last) for v, last in zip(values, self._written, strict=True)]
 
     def unshared(self, arrays: list[jax.Array]) -> bool:
         """Whether ``arrays`` (from ``arrays()``) are held by no one else: a step may donate them.
@@ -159,6 +156,13 @@ def _one_check_for_all(variables: list[nnx.Variable[Any]]) -> nnx.Variable[Any] 
         return None
     checked = [v for v in variables if not getattr(v, "ref", False)]
     return checked[0] if checked else None
+
+
+@functools.cache
+def _raw_reader() -> Any:
+    """A reader of a variable's value: its ``_raw_value`` attribute where that is the value
+    (flax 0.12; a method call per variable costs more than the step's other host work)."""
+    return operator.attrgetter("_raw_value") if _raw_value_is_the_value() else operator.methodcaller("get_raw_value")
 
 
 @functools.cache
