@@ -162,7 +162,9 @@ def _one_check_for_all(variables: list[nnx.Variable[Any]]) -> nnx.Variable[Any] 
 def _raw_reader() -> Any:
     """A reader of a variable's value: its ``_raw_value`` attribute where that is the value
     (flax 0.12; a method call per variable costs more than the step's other host work)."""
-    return operator.attrgetter("_raw_value") if _raw_value_is_the_value() else operator.methodcaller("get_raw_value")
+    if _raw_value_is_the_value():
+        return operator.attrgetter("_raw_value")
+    return operator.methodcaller("get_raw_value")
 
 
 @functools.cache
