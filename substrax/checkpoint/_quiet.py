@@ -2,15 +2,17 @@
 
 ``orbax_logs`` holds orbax's log records during a read (passed on, or logged at DEBUG to
 ``substrax.checkpoint`` on damage); ``leftovers_dropped`` sends the late tracebacks of
-abandoned reads there too.
+abandoned reads there too, and asyncio's "exception was never retrieved" for their futures.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import sys
 import threading
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -79,7 +81,32 @@ def _is_leftover(unraisable: Any) -> bool:
     if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
         return True
     code = getattr(unraisable.object, "cr_code", None)  # a coroutine, closed when collected
-    filename = getattr(code, "co_filename", "")
+    return _is_reader(getattr(code, "co_filename", ""))
+
+
+_NEVER_RETRIEVED = ("Future exception was never retrieved", "Task exception was never retrieved")
+
+
+class _AbandonedFutures(logging.Filter):
+    """On the ``asyncio`` logger: an abandoned read's future, collected with its error unread
+    (tensorstore's ``DATA_LOSS: ...``, or raised in orbax or tensorstore), goes to DEBUG."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if not (isinstance(record.msg, str) and record.msg.startswith(_NEVER_RETRIEVED) and error):
+            return True
+        frames = traceback.extract_tb(error.__traceback__)
+        if not (_STATUS.match(str(error)) or any(_is_reader(f.filename) for f in frames)):
+            return True
+        LOG.debug("a read abandoned at a damaged step ended late: %r", error, exc_info=record.exc_info)
+        return False
+
+
+_STATUS = re.compile(r"^[A-Z][A-Z_]+: ")  # an absl status, as tensorstore's errors begin
+_FUTURES = _AbandonedFutures()
+
+
+def _is_reader(filename: str) -> bool:
     return "/orbax/" in filename or "/tensorstore/" in filename
 
 
@@ -116,6 +143,7 @@ def leftovers_dropped() -> Iterator[None]:
         if sys.unraisablehook is not _Leftovers.hook:
             _Leftovers.previous = sys.unraisablehook
             sys.unraisablehook = _Leftovers.hook
+            logging.getLogger("asyncio").addFilter(_FUTURES)
         _Leftovers.readers += 1
     try:
         yield
@@ -124,6 +152,7 @@ def leftovers_dropped() -> Iterator[None]:
             _Leftovers.readers -= 1
             if not (_Leftovers.readers or _Leftovers.kept) and sys.unraisablehook is _Leftovers.hook:
                 sys.unraisablehook = _Leftovers.previous
+                logging.getLogger("asyncio").removeFilter(_FUTURES)
 
 
 def keep_dropping() -> None:
