@@ -268,6 +268,44 @@ def test_a_split_written_from_another_trace_raises_as_flax_does() -> None:
     assert all(v.get_raw_value() is a for v, a in zip(split.variables, arrays, strict=True))
 
 
+def _rename_out(model: nnx.Module, optimizer: nnx.Optimizer) -> None:
+    out = model.out
+    del model.out
+    model.last = out  # the same object under another name: a new graph
+
+
+def _replace_in_list(model: nnx.Module, optimizer: nnx.Optimizer) -> None:
+    model.layers[1] = nnx.Linear(4, 4, rngs=nnx.Rngs(1))
+
+
+_CHANGES = {
+    "a variable replaced": lambda m, o: setattr(m.hidden, "bias", nnx.Param(jnp.ones(16))),
+    "a layer replaced": lambda m, o: setattr(m, "out", nnx.Linear(16, 1, rngs=nnx.Rngs(3))),
+    "an attribute renamed": _rename_out,
+    "an attribute added": lambda m, o: setattr(m, "extra", nnx.Param(jnp.zeros(2))),
+    "a static setting changed": lambda m, o: setattr(m.hidden, "use_bias", False),
+    "a hyperparameter replaced": lambda m, o: o.opt_state.hyperparams.__setitem__("learning_rate", jnp.asarray(0.0)),
+    "a list item replaced": _replace_in_list,
+    "a list appended to": lambda m, o: m.layers.append(nnx.Linear(4, 4, rngs=nnx.Rngs(2))),
+}
+
+
+@pytest.mark.parametrize("change", list(_CHANGES))
+def test_a_split_sees_every_change_to_the_graph(change: str) -> None:
+    """What the plain call checks each call (``SplitState.valid_for``) is the graph, not a sample of it."""
+    from substrax._train.split import SplitState
+
+    model = MLP()
+    model.layers = nnx.List([nnx.Linear(4, 4, rngs=nnx.Rngs(0)) for _ in range(2)])
+    optimizer = nnx.Optimizer(model, optax.inject_hyperparams(optax.adam)(learning_rate=LR), wrt=nnx.Param)
+    split = SplitState(model, optimizer, lambda *graph: None)
+    assert split.valid_for(model, optimizer)
+    model.hidden.kernel.set_value(model.hidden.kernel.get_value() + 1)  # a new value: the same graph
+    assert split.valid_for(model, optimizer)
+    _CHANGES[change](model, optimizer)
+    assert not split.valid_for(model, optimizer), change
+
+
 @pytest.mark.parametrize("mode", substrax.MODES)
 def test_the_plain_call_follows_changes_to_the_model(mesh8: jax.sharding.Mesh, mode: str) -> None:
     """The split is kept between calls, but a changed graph, setting or layout is seen."""

@@ -7,6 +7,7 @@ spellings of a step", for what re-splits, what is read anew and when arrays are 
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 import sys
 import weakref
@@ -57,6 +58,55 @@ def _is_mutable_node(node: Any) -> bool:
     return isinstance(node, (nnx.Pytree, dict, list, nnx.State))
 
 
+_values = operator.methodcaller("values")
+
+
+class _Flat:
+    """Every node's keys and values in two flat lists, read in two C-level passes.
+
+    The per-node check (``_same``) costs a Python call per node (~1 us, and on a loaded
+    machine several: 2% of a 20 ms step for a transformer's 81 nodes); this one costs a
+    list build and an identity compare. Each node's mapping (a module's ``__dict__``, a
+    state's ``raw_mapping``, a dict or list itself) is the object read, saved once.
+    """
+
+    def __init__(self, nodes: list[Any]) -> None:
+        self.states = [(n, n.raw_mapping) for n in nodes if isinstance(n, nnx.State)]
+        self.mappings = [m for m in map(_mapping_of, nodes) if not isinstance(m, list)]
+        self.lists = [n for n in nodes if isinstance(n, list)]
+        self.saved = self.read()
+
+    def read(self) -> tuple[list[Any], list[Any], list[int], list[Any]]:
+        return (
+            list(itertools.chain.from_iterable(self.mappings)),
+            list(itertools.chain.from_iterable(map(_values, self.mappings))),
+            list(map(len, self.lists)),
+            list(itertools.chain.from_iterable(self.lists)),
+        )
+
+    def same(self) -> bool:
+        """Whether every node holds the keys and the very values it held when saved."""
+        if not all(n.raw_mapping is m for n, m in self.states):
+            return False
+        keys, values, lengths, items = self.read()
+        saved_keys, saved_values, saved_lengths, saved_items = self.saved
+        return (
+            keys == saved_keys  # str keys: compared by identity first
+            and lengths == saved_lengths
+            and len(values) == len(saved_values)
+            and all(map(operator.is_, values, saved_values))
+            and all(map(operator.is_, items, saved_items))
+        )
+
+
+def _mapping_of(node: Any) -> Any:
+    if isinstance(node, nnx.Pytree):
+        return vars(node)
+    if isinstance(node, nnx.State):
+        return node.raw_mapping
+    return node
+
+
 class SplitState:
     """``model`` and ``optimizer`` split into a graph and arrays, with the jitted pure step.
 
@@ -81,6 +131,7 @@ class SplitState:
         self._nodes = [n for _, n in nnx.iter_graph((model, optimizer)) if _is_mutable_node(n)]
         self._readers = [_reader(n) for n in self._nodes]
         self._snapshot = [read(n) for read, n in zip(self._readers, self._nodes)]
+        self._flat = _Flat(self._nodes)
         self._epochs = (_layout.epoch(model), _layout.epoch(optimizer))
         self._written: list[Any] = [v.get_raw_value() for v in self.variables]
         self._make_jitted = make_jitted
@@ -102,7 +153,12 @@ class SplitState:
             or self._epochs != (_layout.epoch(model), _layout.epoch(optimizer))
         ):
             return False
-        return all(_same(read(n), saved) for read, n, saved in zip(self._readers, self._nodes, self._snapshot))
+        if self._flat.same():  # the common case, in two passes; else each node, as a node may differ
+            return True
+        if all(_same(read(n), saved) for read, n, saved in zip(self._readers, self._nodes, self._snapshot)):
+            self._flat = _Flat(self._nodes)  # only a module's own _pytree__state changed: save it anew
+            return True
+        return False
 
     def arrays(self) -> list[jax.Array]:
         """The variables' current values; a value set since the last write is cast and placed like it."""
