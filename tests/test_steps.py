@@ -274,6 +274,12 @@ def _rename_out(model: nnx.Module, optimizer: nnx.Optimizer) -> None:
     model.last = out  # the same object under another name: a new graph
 
 
+def _move_between_layers(model: nnx.Module, optimizer: nnx.Optimizer) -> None:
+    bias = model.layers[0].bias
+    del model.layers[0].bias
+    model.layers[1].spare = bias  # the same variable in the next node: each node's keys differ
+
+
 def _replace_in_list(model: nnx.Module, optimizer: nnx.Optimizer) -> None:
     model.layers[1] = nnx.Linear(4, 4, rngs=nnx.Rngs(1))
 
@@ -282,6 +288,7 @@ _CHANGES = {
     "a variable replaced": lambda m, o: setattr(m.hidden, "bias", nnx.Param(jnp.ones(16))),
     "a layer replaced": lambda m, o: setattr(m, "out", nnx.Linear(16, 1, rngs=nnx.Rngs(3))),
     "an attribute renamed": _rename_out,
+    "a variable moved to another layer": _move_between_layers,
     "an attribute added": lambda m, o: setattr(m, "extra", nnx.Param(jnp.zeros(2))),
     "a static setting changed": lambda m, o: setattr(m.hidden, "use_bias", False),
     "a hyperparameter replaced": lambda m, o: o.opt_state.hyperparams.__setitem__("learning_rate", jnp.asarray(0.0)),

@@ -11,7 +11,6 @@ import itertools
 import operator
 import sys
 import weakref
-from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -24,25 +23,22 @@ from substrax._tree import adopt_assigned_arrays
 
 __all__ = ["SplitState"]
 
-def _reader(node: Any) -> Any:
-    """A reader of ``node``'s children, its keys and its values (a module's attributes, a
-    dict's items, a list's elements), for its kind, chosen once (``isinstance`` against nnx's ABCs costs
-    microseconds, and a split checks every node each call)."""
+def _mapping_of(node: Any) -> Any:
+    """What holds ``node``'s children: a module's ``__dict__``, a state's ``raw_mapping`` (its
+    items are views made afresh; the mapping under them is not), a dict or a list itself."""
     if isinstance(node, nnx.Pytree):
-        return _mapping_items(vars)
-    if isinstance(node, nnx.State):  # its items are views made afresh; the mapping under them is not
-        return _mapping_items(operator.attrgetter("raw_mapping"))
-    if isinstance(node, Mapping):
-        return _mapping_items(lambda d: d)
-    return lambda n: ((len(n),), tuple(n))
+        return vars(node)
+    if isinstance(node, nnx.State):
+        return node.raw_mapping
+    return node
 
 
-def _mapping_items(mapping: Any) -> Any:
-    def items(node: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-        d = mapping(node)
-        return tuple(d), tuple(d.values())
-
-    return items
+def _items(node: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """``node``'s keys and values (a list's length and elements), read anew."""
+    held = _mapping_of(node)
+    if isinstance(held, list):
+        return (len(held),), tuple(held)
+    return tuple(held), tuple(held.values())
 
 
 def _same(now: tuple[tuple[Any, ...], tuple[Any, ...]], saved: tuple[tuple[Any, ...], tuple[Any, ...]]) -> bool:
@@ -62,49 +58,37 @@ _values = operator.methodcaller("values")
 
 
 class _Flat:
-    """Every node's keys and values in two flat lists, read in two C-level passes.
+    """Every node's length, keys and values in flat lists, each read in one C-level pass.
 
-    The per-node check (``_same``) costs a Python call per node (~1 us, and on a loaded
-    machine several: 2% of a 20 ms step for a transformer's 81 nodes); this one costs a
-    list build and an identity compare. Each node's mapping (a module's ``__dict__``, a
-    state's ``raw_mapping``, a dict or list itself) is the object read, saved once.
+    The per-node check (``_items`` and ``_same``) costs Python calls per node (~1 us, and on
+    a loaded machine several: 2% of a 20 ms step for a transformer's 81 nodes); this one
+    costs a few list builds and an identity compare. Each node's mapping (``_mapping_of``)
+    is saved once; a state's is checked to be the same object each time.
     """
 
     def __init__(self, nodes: list[Any]) -> None:
         self.states = [(n, n.raw_mapping) for n in nodes if isinstance(n, nnx.State)]
-        self.mappings = [m for m in map(_mapping_of, nodes) if not isinstance(m, list)]
-        self.lists = [n for n in nodes if isinstance(n, list)]
+        held = list(map(_mapping_of, nodes))
+        self.mappings = [m for m in held if not isinstance(m, list)]
+        self.lists = [m for m in held if isinstance(m, list)]
         self.saved = self.read()
 
-    def read(self) -> tuple[list[Any], list[Any], list[int], list[Any]]:
+    def read(self) -> tuple[list[int], list[Any], list[Any]]:
+        """Each node's length (a key moved to another node changes two), the keys, the values."""
         return (
+            [*map(len, self.mappings), *map(len, self.lists)],
             list(itertools.chain.from_iterable(self.mappings)),
-            list(itertools.chain.from_iterable(map(_values, self.mappings))),
-            list(map(len, self.lists)),
-            list(itertools.chain.from_iterable(self.lists)),
+            [*itertools.chain.from_iterable(map(_values, self.mappings)), *itertools.chain.from_iterable(self.lists)],
         )
 
     def same(self) -> bool:
         """Whether every node holds the keys and the very values it held when saved."""
         if not all(n.raw_mapping is m for n, m in self.states):
             return False
-        keys, values, lengths, items = self.read()
-        saved_keys, saved_values, saved_lengths, saved_items = self.saved
-        return (
-            keys == saved_keys  # str keys: compared by identity first
-            and lengths == saved_lengths
-            and len(values) == len(saved_values)
-            and all(map(operator.is_, values, saved_values))
-            and all(map(operator.is_, items, saved_items))
-        )
-
-
-def _mapping_of(node: Any) -> Any:
-    if isinstance(node, nnx.Pytree):
-        return vars(node)
-    if isinstance(node, nnx.State):
-        return node.raw_mapping
-    return node
+        lengths, keys, values = self.read()
+        saved_lengths, saved_keys, saved_values = self.saved
+        # equal lengths: as many values as saved; str keys compare by identity first
+        return lengths == saved_lengths and keys == saved_keys and all(map(operator.is_, values, saved_values))
 
 
 class SplitState:
@@ -129,8 +113,7 @@ class SplitState:
         self.graph = (graphdef, self.treedef)
         self._refs = (weakref.ref(model), weakref.ref(optimizer))
         self._nodes = [n for _, n in nnx.iter_graph((model, optimizer)) if _is_mutable_node(n)]
-        self._readers = [_reader(n) for n in self._nodes]
-        self._snapshot = [read(n) for read, n in zip(self._readers, self._nodes)]
+        self._snapshot = [_items(n) for n in self._nodes]
         self._flat = _Flat(self._nodes)
         self._epochs = (_layout.epoch(model), _layout.epoch(optimizer))
         self._written: list[Any] = [v.get_raw_value() for v in self.variables]
@@ -155,7 +138,7 @@ class SplitState:
             return False
         if self._flat.same():  # the common case, in two passes; else each node, as a node may differ
             return True
-        if all(_same(read(n), saved) for read, n, saved in zip(self._readers, self._nodes, self._snapshot)):
+        if all(_same(_items(n), saved) for n, saved in zip(self._nodes, self._snapshot)):
             self._flat = _Flat(self._nodes)  # only a module's own _pytree__state changed: save it anew
             return True
         return False
