@@ -40,23 +40,34 @@ def state_values(tree: Any) -> list[Any]:
     return jax.tree.leaves(nnx.state(tree))
 
 
-def all_finite(tree: Any, *, by_sum: bool = False) -> jax.Array:
+def all_finite(tree: Any, *, by_max: bool = False) -> jax.Array:
     """Whether every floating element of ``tree`` is finite, as a 0-d bool.
 
-    ``by_sum``: read each leaf off its sum, one reduction where ``all(isfinite(x))`` is three
-    kernels on the CPU. A NaN or infinite element makes the sum non-finite; so does a leaf
-    whose finite elements sum past float32's range (3.4e38), the one exception (see the
-    nonfinite guide). A split leaf's sum would all-reduce 4 bytes where its flag takes one.
+    ``by_max``: read each leaf off its largest magnitude (XLA's ``max`` propagates NaN), the
+    leaves of one shape and dtype in one variadic reduction: a few kernels for the whole tree
+    where ``all(isfinite(x))`` is three a leaf on the CPU (see the nonfinite guide). A split
+    leaf's maximum would all-reduce its bytes where its flag takes one.
     """
     leaves = [
         x for x in jax.tree.leaves(tree) if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
     ]
     if not leaves:
         return jnp.array(True)
-    if not by_sum:
+    if not by_max:
         return jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]).all()
-    sums = [jnp.sum(x, dtype=jnp.float32 if jnp.finfo(x.dtype).bits < 32 else None) for x in leaves]
-    return jnp.isfinite(jnp.stack(sums)).all()
+    groups: dict[tuple[Any, ...], list[jax.Array]] = {}
+    for x in leaves:
+        magnitude = jnp.abs(x)  # real for a complex leaf
+        groups.setdefault((magnitude.shape, magnitude.dtype), []).append(magnitude)
+    peaks = []
+    for (shape, dtype), group in groups.items():
+        peaks += jax.lax.reduce(
+            tuple(group),
+            tuple(jnp.zeros((), dtype) for _ in group),
+            lambda a, b: tuple(jnp.maximum(x, y) for x, y in zip(a, b, strict=True)),
+            tuple(range(len(shape))),
+        )
+    return jnp.stack([jnp.isfinite(peak) for peak in peaks]).all()
 
 
 def _is_split(tree: Any) -> bool:
@@ -96,8 +107,8 @@ def apply_update(
         pin_layout((model, optimizer))
         return None
     with jax.named_scope(scopes.FINITE):
-        # replicated state: each gradient read off its sum; split: by its elements (1-byte flags)
-        finite = jnp.isfinite(loss).all() & all_finite(grads, by_sum=not _is_split((model, optimizer)))
+        # replicated state: each gradient read off its largest magnitude; split: by its elements
+        finite = jnp.isfinite(loss).all() & all_finite(grads, by_max=not _is_split((model, optimizer)))
     done: set[int] = set()  # the arrays already chosen
     if _DONATED.get():
         _update_in_place(model, optimizer, grads, finite)
