@@ -42,6 +42,7 @@ CASES = [
     *(Case(DATA8, layout, width=w) for layout in ("replicated", "zero1", "fsdp") for w in (64, 128)),
     Case(DATA8, "fsdp", units=True),
     Case(DATA8, "fsdp", units=True, width=128, microbatches=2),
+    *(Case(DATA8, "replicated", width=128, microbatches=k, rows=256) for k in (2, 4)),
     Case(HYBRID, "hsdp"),
     Case(HYBRID, "hsdp", units=True),
     Case(TWO_D, "replicated", width=0),
