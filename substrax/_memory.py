@@ -160,7 +160,8 @@ class _Walk:
                     )
                 continue
             fused = name in _FUSED
-            if not fused and name != "reduce" and not name.startswith("reduce_") and name not in ("argmax", "argmin"):
+            reduction = name == "reduce" or name.startswith("reduce_") or name in ("argmax", "argmin")
+            if not fused and not reduction:  # a reduction reads its operands' loops, fused
                 reads = [self.materialize(k) for k in reads]
             inner = _copies(
                 e, [self.whole[k] // self.ways[k] for k in reads], _bytes(e.outvars[0].aval) // ways

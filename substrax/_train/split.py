@@ -78,7 +78,10 @@ class _Flat:
         return (
             [*map(len, self.mappings), *map(len, self.lists)],
             list(itertools.chain.from_iterable(self.mappings)),
-            [*itertools.chain.from_iterable(map(_values, self.mappings)), *itertools.chain.from_iterable(self.lists)],
+            [
+                *itertools.chain.from_iterable(map(_values, self.mappings)),
+                *itertools.chain.from_iterable(self.lists),
+            ],
         )
 
     def same(self) -> bool:
