@@ -111,6 +111,52 @@ def test_linear_is_nnx_linear_without_mesh(layer) -> None:
     np.testing.assert_array_equal(plain(x), x @ want.kernel[...])
 
 
+def _mse(model: nnx.Module, b: dict) -> jax.Array:
+    return jnp.mean((model(b["x"]) - b["y"]) ** 2)
+
+
+@pytest.mark.parametrize("mode", substrax.MODES)
+def test_a_tensor_parallel_model_without_a_mesh_trains_as_nnx_does_on_one_device(mode: str) -> None:
+    """Without a mesh the layers are plain (above): the implicit step trains them on one
+    device, as ``nnx.jit`` does; the explicit step, which needs a mesh, says so."""
+    b = {"x": batch((4, 8, 8)), "y": batch((4, 8, 8), seed=2)}
+    model = Block()
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    step = substrax.make_train_step(_mse, mode)
+    if mode == "explicit":
+        with pytest.raises(ValueError, match=r"No mesh: pass mesh=, or call inside `with jax.set_mesh\(mesh\):`"):
+            step(model, optimizer, b)
+        return
+    reference = Block()
+    ref_optimizer = nnx.Optimizer(reference, optax.sgd(0.1), wrt=nnx.Param)
+
+    @nnx.jit
+    def ref_step(m: nnx.Module, o: nnx.Optimizer, b: dict) -> jax.Array:
+        loss, grads = nnx.value_and_grad(_mse)(m, b)
+        o.update(m, grads)
+        return loss
+
+    for _ in range(2):
+        np.testing.assert_allclose(step(model, optimizer, b), ref_step(reference, ref_optimizer, b), **TOL)
+    for got, want in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(reference)), strict=True):
+        np.testing.assert_allclose(got, want, **TOL)
+
+
+def test_a_spec_that_is_not_a_layers_own_without_a_mesh_is_refused_naming_the_variable() -> None:
+    """A variable placed over an axis it cannot do without (here ``data``, not a layer's
+    optional ``model``) cannot be kept placed by a step with no mesh."""
+    model = Block()
+    model.up.kernel.set_metadata(out_sharding=("data", "model"))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    step = substrax.make_train_step(_mse, "implicit")
+    with pytest.raises(
+        ValueError,
+        match=r"model\['up'\]\['kernel'\] is placed as PartitionSpec\('data', 'model'\), but the step "
+        r"has no mesh: pass mesh= to make_train_step",
+    ):
+        step(model, optimizer, {"x": batch((4, 8, 8)), "y": batch((4, 8, 8), seed=2)})
+
+
 def test_partition_specs_from_metadata() -> None:
     col = nnx.get_partition_spec(nnx.state(ColumnParallelLinear(8, 12, model_axis="tp", rngs=nnx.Rngs(0))))
     row = nnx.get_partition_spec(nnx.state(RowParallelLinear(8, 12, model_axis="tp", rngs=nnx.Rngs(0))))

@@ -33,6 +33,7 @@ from substrax._layout._specs import (
     spec_tuple,
     split_dim_of,
     with_axis,
+    without_axes,
     without_axis,
 )
 from substrax._layout._units import (
@@ -81,5 +82,6 @@ __all__ = [
     "spec_tuple",
     "split_dim_of",
     "with_axis",
+    "without_axes",
     "without_axis",
 ]

@@ -17,22 +17,34 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from substrax._layout import spec_tuple
+from substrax._layout import optional_axes, spec_tuple, without_axes
 from substrax._shared import scopes
+from substrax._tree import path_str
 
 __all__ = ["all_finite", "apply_update", "donated_state", "pin_layout", "state_values"]
 
 
-def pin_layout(tree: Any) -> None:
+def pin_layout(model: nnx.Module, optimizer: nnx.Optimizer[Any]) -> None:
     """Constrain every variable with ``out_sharding`` metadata to that sharding, in place.
 
     Without it XLA picks the output shardings of a jitted step, and a ZeRO-1 model's
-    replicated parameters come back split like their optimizer state.
+    replicated parameters come back split like their optimizer state. With no mesh set
+    (an implicit step on one device) a layer's optional axes pin nothing, as the layer is
+    whole there; any other spec is refused, naming the variable.
     """
-    for _, variable in nnx.to_flat_state(nnx.state(tree)):
+    no_mesh = jax.sharding.get_abstract_mesh().empty
+    for (root, *path), variable in nnx.to_flat_state(nnx.state((model, optimizer))):
         spec = spec_tuple(variable)
-        if spec is not None:
-            variable.set_value(jax.lax.with_sharding_constraint(variable.get_value(), PartitionSpec(*spec)))
+        if spec is None:
+            continue
+        if no_mesh:
+            if not without_axes(spec, optional_axes(variable)):
+                continue
+            raise ValueError(
+                f"{path_str(path, ('model', 'optimizer')[root])} is placed as PartitionSpec{spec}, but the step has no mesh: "
+                "pass mesh= to make_train_step, or call it inside `with jax.set_mesh(mesh):`."
+            )
+        variable.set_value(jax.lax.with_sharding_constraint(variable.get_value(), PartitionSpec(*spec)))
 
 
 def state_values(tree: Any) -> list[Any]:
@@ -104,7 +116,7 @@ def apply_update(
     if before is None:
         with jax.named_scope(scopes.UPDATE):
             optimizer.update(model, grads)
-        pin_layout((model, optimizer))
+        pin_layout(model, optimizer)
         return None
     with jax.named_scope(scopes.FINITE):
         # replicated state: each gradient read off its largest magnitude; split: by its elements
@@ -129,7 +141,7 @@ def apply_update(
             for new, old in zip(leaves, before, strict=True)
         ]
         nnx.update((model, optimizer), jax.tree.unflatten(treedef, kept))
-    pin_layout((model, optimizer))
+    pin_layout(model, optimizer)
     return finite
 
 
