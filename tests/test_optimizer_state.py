@@ -167,16 +167,21 @@ def test_a_structural_change_inside_bind_is_refused(mesh8) -> None:
         fast(batch)
 
 
+@pytest.mark.parametrize(
+    ("dtype", "what_to_do"), [("int32", r"drop the \.astype"), ("complex64", r"jnp\.real, jnp\.abs")]
+)
 @pytest.mark.parametrize("microbatches", [1, 2])
 @pytest.mark.parametrize("mode", substrax.MODES)
-def test_an_integer_loss_is_refused_naming_its_dtype(mesh8, mode: str, microbatches: int) -> None:
+def test_an_integer_loss_is_refused_naming_its_dtype(
+    mesh8, mode: str, microbatches: int, dtype: str, what_to_do: str
+) -> None:
     with jax.set_mesh(mesh8):
         model = MLP()
         optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
     step = substrax.make_train_step(
-        lambda m, b: mse(m, b).astype(jnp.int32), mode, mesh=mesh8, microbatches=microbatches
+        lambda m, b: mse(m, b).astype(dtype), mode, mesh=mesh8, microbatches=microbatches
     )
-    with pytest.raises(TypeError, match="dtype int32"):
+    with pytest.raises(TypeError, match=rf"dtype {dtype}\. .*{what_to_do}"):
         step(model, optimizer, regression_batches(1, rows=32)[0])
     assert int(optimizer.step[...]) == 0
 

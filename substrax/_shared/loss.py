@@ -40,7 +40,11 @@ def loss_and_metrics(out: Any, has_aux: bool) -> tuple[Any, Any]:
     if not jnp.issubdtype(loss.dtype, jnp.floating):
         raise TypeError(
             f"The loss must be a real floating-point scalar to differentiate; loss_fn returned "
-            f"dtype {loss.dtype}. Return it before any cast to an integer or bool "
-            f"(drop the .astype), or cast it to float32."
+            f"dtype {loss.dtype}. "
+            + (
+                "Return its real part or magnitude (jnp.real, jnp.abs)."
+                if jnp.issubdtype(loss.dtype, jnp.complexfloating)
+                else "Return it before any cast to an integer or bool (drop the .astype), or cast it to float32."
+            )
         )
     return loss, metrics
