@@ -124,7 +124,7 @@ def test_a_tensor_parallel_model_without_a_mesh_trains_as_nnx_does_on_one_device
     optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
     step = substrax.make_train_step(_mse, mode)
     if mode == "explicit":
-        with pytest.raises(ValueError, match=r"No mesh: pass mesh=, or call inside `with jax.set_mesh\(mesh\):`"):
+        with pytest.raises(ValueError, match=r"No mesh: pass mesh=, or call inside `with jax\.set_mesh"):
             step(model, optimizer, b)
         return
     reference = Block()
@@ -138,7 +138,8 @@ def test_a_tensor_parallel_model_without_a_mesh_trains_as_nnx_does_on_one_device
 
     for _ in range(2):
         np.testing.assert_allclose(step(model, optimizer, b), ref_step(reference, ref_optimizer, b), **TOL)
-    for got, want in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(reference)), strict=True):
+    leaves = jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(reference))
+    for got, want in zip(*leaves, strict=True):
         np.testing.assert_allclose(got, want, **TOL)
 
 

@@ -44,7 +44,8 @@ def loss_and_metrics(out: Any, has_aux: bool) -> tuple[Any, Any]:
             + (
                 "Return its real part or magnitude (jnp.real, jnp.abs)."
                 if jnp.issubdtype(loss.dtype, jnp.complexfloating)
-                else "Return it before any cast to an integer or bool (drop the .astype), or cast it to float32."
+                else "Return it before any cast to an integer or bool (drop the .astype), or cast it to "
+                "float32."
             )
         )
     return loss, metrics

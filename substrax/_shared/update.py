@@ -41,8 +41,9 @@ def pin_layout(model: nnx.Module, optimizer: nnx.Optimizer[Any]) -> None:
             if not without_axes(spec, optional_axes(variable)):
                 continue
             raise ValueError(
-                f"{path_str(path, ('model', 'optimizer')[root])} is placed as PartitionSpec{spec}, but the step has no mesh: "
-                "pass mesh= to make_train_step, or call it inside `with jax.set_mesh(mesh):`."
+                f"{path_str(path, ('model', 'optimizer')[root])} is placed as PartitionSpec{spec}, but "
+                "the step has no mesh: pass mesh= to make_train_step, or call it inside "
+                "`with jax.set_mesh(mesh):`."
             )
         variable.set_value(jax.lax.with_sharding_constraint(variable.get_value(), PartitionSpec(*spec)))
 
