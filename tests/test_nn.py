@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from models import mse
 
 import substrax
 from substrax import census
@@ -111,10 +112,6 @@ def test_linear_is_nnx_linear_without_mesh(layer) -> None:
     np.testing.assert_array_equal(plain(x), x @ want.kernel[...])
 
 
-def _mse(model: nnx.Module, b: dict) -> jax.Array:
-    return jnp.mean((model(b["x"]) - b["y"]) ** 2)
-
-
 @pytest.mark.parametrize("mode", substrax.MODES)
 def test_a_tensor_parallel_model_without_a_mesh_trains_as_nnx_does_on_one_device(mode: str) -> None:
     """Without a mesh the layers are plain (above): the implicit step trains them on one
@@ -122,7 +119,7 @@ def test_a_tensor_parallel_model_without_a_mesh_trains_as_nnx_does_on_one_device
     b = {"x": batch((4, 8, 8)), "y": batch((4, 8, 8), seed=2)}
     model = Block()
     optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-    step = substrax.make_train_step(_mse, mode)
+    step = substrax.make_train_step(mse, mode)
     if mode == "explicit":
         with pytest.raises(ValueError, match=r"No mesh: pass mesh=, or call inside `with jax\.set_mesh"):
             step(model, optimizer, b)
@@ -132,7 +129,7 @@ def test_a_tensor_parallel_model_without_a_mesh_trains_as_nnx_does_on_one_device
 
     @nnx.jit
     def ref_step(m: nnx.Module, o: nnx.Optimizer, b: dict) -> jax.Array:
-        loss, grads = nnx.value_and_grad(_mse)(m, b)
+        loss, grads = nnx.value_and_grad(mse)(m, b)
         o.update(m, grads)
         return loss
 
@@ -149,7 +146,7 @@ def test_a_spec_that_is_not_a_layers_own_without_a_mesh_is_refused_naming_the_va
     model = Block()
     model.up.kernel.set_metadata(out_sharding=("data", "model"))
     optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-    step = substrax.make_train_step(_mse, "implicit")
+    step = substrax.make_train_step(mse, "implicit")
     with pytest.raises(
         ValueError,
         match=r"model\['up'\]\['kernel'\] is placed as PartitionSpec\('data', 'model'\), but the step "

@@ -172,7 +172,7 @@ def test_a_structural_change_inside_bind_is_refused(mesh8) -> None:
 )
 @pytest.mark.parametrize("microbatches", [1, 2])
 @pytest.mark.parametrize("mode", substrax.MODES)
-def test_an_integer_loss_is_refused_naming_its_dtype(
+def test_an_integer_or_complex_loss_is_refused_naming_its_dtype(
     mesh8, mode: str, microbatches: int, dtype: str, what_to_do: str
 ) -> None:
     with jax.set_mesh(mesh8):
