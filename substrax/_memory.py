@@ -37,6 +37,7 @@ _FUSED = _EXPENSIVE | {
     "shift_right_arithmetic", "population_count", "rev", "stack", "split", "reduce_precision", "clz", "real",
     "imag", "conj", "complex",
 }  # fmt: skip
+_JOINS = {"concatenate", "pad", "stack"}  # fused results larger than their operands, not broadcasts
 _REDUCES = {"psum", "psum_invariant"}
 _CALLS = {
     "jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
@@ -95,6 +96,9 @@ class _Walk:
         self.in_place: dict[int, bool] = {}  # may take a dying operand's buffer
         self.argument: dict[int, bool] = {}
         self.combinable: dict[int, tuple[str, str]] = {}  # op -> (collective, axes)
+        self.spread: dict[int, frozenset[int]] = {}  # a fused value -> its broadcast parts
+        self.written: dict[int, int] = {}  # a broadcast part -> its buffer
+        self.eager: set[int] = set()  # ops placed as soon as their operands are
 
     def buffer(self, whole: int, ways: int, *, argument: bool = False, in_place: bool = False) -> int:
         k = len(self.size) + 1
@@ -158,6 +162,7 @@ class _Walk:
                     env[v] = self.virtual(
                         _bytes(v.aval), ways if name == "sharding_constraint" else self.ways[r], [r], view=r
                     )
+                    self.spread[env[v]] = self.spread.get(r, frozenset())
                 continue
             fused = name in _FUSED
             reduction = name == "reduce" or name.startswith("reduce_") or name in ("argmax", "argmin")
@@ -169,6 +174,13 @@ class _Walk:
             for sub in jcore.jaxprs_in_params(e.params):
                 inner = max(inner, _loop_peak(getattr(sub, "jaxpr", sub), _sliced(e)))
             defined = []
+            if reduction:  # XLA writes out the broadcasts its reduction kernel reads, early
+                for b in sorted({b for k in reads for b in self.spread.get(k, ())}):
+                    if b not in self.written:
+                        self.written[b] = self.buffer(self.whole[b], self.ways[b])
+                        self.eager.add(len(self.ops))
+                        self.ops.append(([b], [self.written[b]], 0))
+                    reads = [*reads, self.written[b]]
             for v in e.outvars:
                 if isinstance(v, jcore.DropVar):
                     continue
@@ -178,6 +190,14 @@ class _Walk:
                     k = self.virtual(
                         _bytes(v.aval), ways, reads, view=reads[0] if name == "transpose" else None
                     )
+                    # a broadcast (an elementwise op's size-1 dimensions too) of a value, not of a
+                    # constant (XLA folds those), or the broadcasts it reads
+                    if (reads or name == "iota") and name not in _JOINS and all(
+                        self.whole[r] < self.whole[k] or r in self.spread.get(r, ()) for r in reads
+                    ):
+                        self.spread[k] = frozenset({k})
+                    else:
+                        self.spread[k] = frozenset().union(*(self.spread.get(r, ()) for r in reads))
                 env[v] = k
                 defined.append(k)
             if name in _REDUCES:  # XLA combines the all-reduces that do not depend on each other
@@ -251,6 +271,8 @@ class _Walk:
                 users.setdefault(j, []).append(i)
 
         def gain(i: int) -> int:
+            if i in self.eager:
+                return 1 << 62
             _, defined, inner = self.ops[i]
             freed = sum(self.size[r] for r in bases[i] if len(readers[r]) == 1 and not self.argument[r])
             return freed - sum(self.size[k] for k in defined) - inner
