@@ -37,6 +37,7 @@ TIMED = {  # in the order they are started: the longest first
     "memory": "peak_bytes",  # compiled, not run: its rows measure memory
     "units": "median_us",
     "hsdp": "bytes_per_step",  # compiled, not run: its rows measure bytes
+    "plan": "ratio",  # compiled, not run: its rows measure the estimate against the compiled peak
 }
 # conftest's LLVM level (set here even under SUBSTRAX_TEST_XLA_OPT=default), and fewer passes
 FAST_COMPILE = f"{conftest.FAST_COMPILE} --xla_llvm_disable_expensive_passes=true"
