@@ -32,7 +32,8 @@ def _tf(
     sizes: dict[str, Any], rows: int, mesh: dict[str, int], layout: str, units: bool = False, **options: Any
 ) -> dict[str, Any]:
     """A row of the example transformer: its sizes, the global batch's rows, the mesh, the layout."""
-    return dict(model="transformer", sizes=sizes, rows=rows, mesh=mesh, layout=layout, units=units, options=options)
+    return {"model": "transformer", "sizes": sizes, "rows": rows, "mesh": mesh, "layout": layout,
+            "units": units, "options": options}  # fmt: skip
 
 
 def _cnn_row(image: int, rows: int, layout: str, units: bool = False) -> dict[str, Any]:
@@ -61,7 +62,7 @@ def configurations(smoke: bool) -> list[dict[str, Any]]:
         _tf({"d": 128, "blocks": 2, "seq": 64}, 128, DATA8, "replicated"),
         _tf({"d": 128, "blocks": 4, "seq": 32}, 64, DATA8, "fsdp"),
     ]
-    cnn = [_cnn_row(image, n, layout, units) for image, n in ((16, 128), (8, 64)) for layout, units in LAYOUTS]
+    cnn = [_cnn_row(image, n, layout, u) for image, n in ((16, 128), (8, 64)) for layout, u in LAYOUTS]
     return rows + cnn
 
 
