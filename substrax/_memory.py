@@ -271,7 +271,7 @@ class _Walk:
                 users.setdefault(j, []).append(i)
 
         def gain(i: int) -> int:
-            if i in self.eager:
+            if i in self.eager:  # a written broadcast: first of the ready ops, as XLA places it
                 return 1 << 62
             _, defined, inner = self.ops[i]
             freed = sum(self.size[r] for r in bases[i] if len(readers[r]) == 1 and not self.argument[r])
