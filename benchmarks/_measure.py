@@ -86,7 +86,8 @@ def paired_ratio(samples: Iterable[float], bounds: Iterable[Iterable[float]]) ->
 
 def memory(compiled: Any) -> dict[str, int | None]:
     """``compiled.memory_analysis()``: bytes of arguments, outputs, temporaries, and the
-    outputs aliased onto donated arguments (per device: the SPMD program of one device)."""
+    outputs aliased onto donated arguments (per device: the SPMD program of one device), and
+    the peak they make (argument + output + temp - alias)."""
     stats = compiled.memory_analysis()
     fields = {
         "argument_bytes": "argument_size_in_bytes",
@@ -94,7 +95,12 @@ def memory(compiled: Any) -> dict[str, int | None]:
         "temp_bytes": "temp_size_in_bytes",
         "alias_bytes": "alias_size_in_bytes",
     }
-    return {key: (None if stats is None else int(getattr(stats, attr))) for key, attr in fields.items()}
+    out = {key: (None if stats is None else int(getattr(stats, attr))) for key, attr in fields.items()}
+    out["peak_bytes"] = (
+        None if stats is None
+        else out["argument_bytes"] + out["output_bytes"] + out["temp_bytes"] - out["alias_bytes"]
+    )  # fmt: skip
+    return out
 
 
 def collectives(report: Any) -> dict[str, Any]:

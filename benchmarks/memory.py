@@ -80,9 +80,6 @@ def run(depths: list[int], width: int, devices: int) -> list[dict[str, Any]]:
                     step = substrax.make_train_step(loss_fn, mode, mesh=mesh)
                     compiled = step.lower(model, optimizer, batch, donate=True).compile()
                     row |= M.memory(compiled)
-                    row["peak_bytes"] = (
-                        row["argument_bytes"] + row["temp_bytes"] + row["output_bytes"] - row["alias_bytes"]
-                    )
                     planned = substrax.plan(  # explicit mode's estimate, for both modes
                         loss_fn, model, optimizer, batch, mesh=mesh, layouts=(layout.split("+")[0],),
                         units=(units,), placement={"reshard_after_forward": not layout.endswith("/keep")},

@@ -175,12 +175,13 @@ class _Walk:
                 inner = max(inner, _loop_peak(getattr(sub, "jaxpr", sub), _sliced(e)))
             defined = []
             if reduction:  # XLA writes out the broadcasts its reduction kernel reads, early
-                for b in sorted({b for k in reads for b in self.spread.get(k, ())}):
+                parts = sorted({b for k in reads for b in self.spread.get(k, ())})
+                for b in parts:
                     if b not in self.written:
                         self.written[b] = self.buffer(self.whole[b], self.ways[b])
                         self.eager.add(len(self.ops))
                         self.ops.append(([b], [self.written[b]], 0))
-                    reads = [*reads, self.written[b]]
+                reads = reads + [self.written[b] for b in parts]
             for v in e.outvars:
                 if isinstance(v, jcore.DropVar):
                     continue
