@@ -345,19 +345,46 @@ def test_the_plain_call_donates_only_what_nobody_else_holds(mesh8: jax.sharding.
     model = MLP()
     optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
     step = substrax.make_train_step(mse, mode, mesh=mesh8, skip_nonfinite=False)  # the guard never donates
-    kept = model.hidden.kernel.get_value()  # held from before the first step
+    ran = lambda: {donate for (*_, donate), f in step._pure_steps.items() if f._cache_size()}  # noqa: E731
+    first = model.hidden.kernel.get_value()  # uncommitted: the first call steps a copy placed on the mesh
+    step(model, optimizer, batch)
+    assert not first.is_deleted() and ran() == {True}
+    kept = model.hidden.kernel.get_value()  # held from before the next step
     before = np.asarray(kept).copy()
     step(model, optimizer, batch)
     assert not kept.is_deleted() and np.array_equal(np.asarray(kept), before)
-    ran = lambda: {donate for (*_, donate), f in step._pure_steps.items() if f._cache_size()}  # noqa: E731
-    assert ran() == {False}  # the step ran undonated
+    assert ran() == {True, False}  # the step ran undonated
     del kept
-    step(model, optimizer, batch)
     mu = optimizer.opt_state[0].mu["out"]["kernel"].get_value()  # held between steps
     mu_before = np.asarray(mu).copy()
     step(model, optimizer, batch)
     assert not mu.is_deleted() and np.array_equal(np.asarray(mu), mu_before)
-    assert ran() == {False, True}  # donated in between
+
+
+@pytest.mark.parametrize("mode", substrax.MODES)
+@pytest.mark.parametrize("spelling", ["call", "bind"])
+def test_the_first_call_compiles_the_program_every_later_call_runs(
+    mesh8: jax.sharding.Mesh, mode: str, spelling: str
+) -> None:
+    """Uncommitted state (a model made off the mesh) is placed as a step leaves it, before the first call."""
+    batch = regression_batches(1, rows=32)[0]
+    model = MLP()
+    optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
+    assert not model.hidden.kernel.get_value().committed
+    step = substrax.make_train_step(mse, mode, mesh=mesh8)
+    lowered = step.lower(model, optimizer, batch, donate=True).as_text()
+    assert not model.hidden.kernel.get_value().committed  # lowering leaves the model where it is
+    if spelling == "call":
+        for _ in range(3):
+            step(model, optimizer, batch)
+    else:
+        with step.bind(model, optimizer) as fast:
+            for _ in range(3):
+                fast(batch)
+    assert sum(f._cache_size() for f in step._pure_steps.values()) == 1
+    replicated = NamedSharding(mesh8, P())
+    assert all(a.sharding == replicated for a in jax.tree.leaves(nnx.state((model, optimizer))))
+    assert step.lower(model, optimizer, batch, donate=True).as_text() == lowered  # what ran was lowered
     assert not optimizer.opt_state[0].mu["out"]["kernel"].get_value().is_deleted()
 
 

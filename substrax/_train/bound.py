@@ -36,7 +36,7 @@ class BoundTrainStep:
         self.model = model
         self.optimizer = optimizer
         self._step = step
-        self._split = step._split(model, optimizer, donate=donate)
+        self._split = step._split(model, optimizer, donate=donate, place=True)
         self._arrays: list[jax.Array] | None = None  # None: the model holds the state (read it)
         self._donate = donate
         self._placed: Any = False  # the first batch's placement holds for the loop

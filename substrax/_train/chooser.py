@@ -18,7 +18,7 @@ from substrax._shared.precision import MixedPrecision
 from substrax._shared.skips import DEFAULT_MAX_SKIPS, SkipWatch
 from substrax._shared.update import donated_state
 from substrax._train.bound import BoundTrainStep
-from substrax._train.split import SplitState
+from substrax._train.split import SplitState, uncommitted_as_replicated
 from substrax._tree import PyTree
 from substrax.census import Comparison
 from substrax.census._step import check_communication
@@ -207,13 +207,29 @@ class TrainStep:
             self._pure_steps[key] = self._jit(graphdef, treedef, donate)
         return self._pure_steps[key]
 
-    def _split(self, model: nnx.Module, optimizer: nnx.Optimizer, *, donate: bool) -> SplitState:
+    def _split(
+        self, model: nnx.Module, optimizer: nnx.Optimizer, *, donate: bool, place: bool = False
+    ) -> SplitState:
+        """The split for a step; ``place``: uncommitted state first put where the step leaves it."""
         _STEPS[self.mode].check_placement(model)
-        return SplitState(model, optimizer, self._pure_step, donate)
+        split = SplitState(model, optimizer, self._pure_step, donate)
+        if place:
+            split.place_uncommitted(self._concrete_mesh())
+        return split
+
+    def _concrete_mesh(self) -> Mesh | None:
+        """The mesh the step runs on (its own, else ``jax.set_mesh``'s), or None inside a trace."""
+        if self.mesh is not None:
+            return self.mesh if isinstance(self.mesh, Mesh) else None
+        try:
+            return jax.sharding.get_mesh()
+        except ValueError:
+            return None
 
     def _lower(self, split: SplitState, arrays: list[jax.Array], batch: PyTree, donate: bool = False) -> Any:
         """The step lowered for these arguments, traced afresh (not from the jitted step's cache)."""
         with self.mesh_context():
+            arrays = uncommitted_as_replicated(arrays, self._concrete_mesh())  # as the call places them
             return self._jit(*split.graph, donate=donate).lower(arrays, batch, placed=self.placed_specs(batch))
 
     def traced(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree, *, donate: bool = False) -> Any:
@@ -223,7 +239,9 @@ class TrainStep:
         """
         split = self._split(model, optimizer, donate=False)
         with self.mesh_context():
-            return self._jit(*split.graph, donate=donate).trace(split.arrays(), batch, placed=self.placed_specs(batch))
+            arrays = uncommitted_as_replicated(split.arrays(), self._concrete_mesh())
+            jitted = self._jit(*split.graph, donate=donate)
+            return jitted.trace(arrays, batch, placed=self.placed_specs(batch))
 
     def _run_split(self, jitted: Any, arrays: list[jax.Array], batch: PyTree, placed: Any) -> Any:
         with self.mesh_context():
@@ -237,7 +255,7 @@ class TrainStep:
         """
         split = self._cached
         if split is None or not split.valid_for(model, optimizer):
-            split = self._cached = self._split(model, optimizer, donate=False)
+            split = self._cached = self._split(model, optimizer, donate=False, place=True)
         arrays = split.arrays()
         # donated when nobody else reads them (the guard's update then reads no old buffer after
         # its new value is written: substrax._shared.update._update_in_place)

@@ -131,6 +131,21 @@ class SplitState:
             self._jitted[donate] = self._make_jitted(*self.graph, donate)
         return self._jitted[donate]
 
+    def place_uncommitted(self, mesh: jax.sharding.Mesh | None) -> None:
+        """Put each uncommitted value on ``mesh``, replicated, where the step's first call would leave it.
+
+        The first call then compiles the program every later call runs, not one of its own.
+        """
+        if mesh is None or not mesh.axis_names:
+            return
+        values = list(map(_raw_reader(), self.variables))
+        if all(getattr(v, "committed", True) for v in values):
+            return
+        placed = [_replicated(v, mesh) if not getattr(v, "committed", True) else v for v in values]
+        for variable, array in zip(self.variables, placed, strict=True):
+            variable.set_raw_value(array)
+        self._written = placed
+
     def valid_for(self, model: nnx.Module, optimizer: nnx.Optimizer) -> bool:
         """Whether ``model`` and ``optimizer`` still have the graph this split saw."""
         if (
@@ -179,6 +194,29 @@ class SplitState:
             for variable, array in zip(self.variables, arrays, strict=True):
                 object.__setattr__(variable, "_raw_value", array)
         self._written = arrays
+
+
+def _replicated(value: jax.Array, mesh: jax.sharding.Mesh) -> jax.Array:
+    """A copy of ``value`` on every device of ``mesh``: donated with the state, it deletes nobody's array.
+
+    ``device_put`` to the mesh reuses the value's buffer for its device, ``may_alias=False`` or not
+    (jax 0.12), so the value is first copied where it is.
+    """
+    copy = jax.device_put(value, next(iter(value.devices())), may_alias=False)
+    return jax.device_put(copy, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+
+def uncommitted_as_replicated(arrays: list[Any], mesh: jax.sharding.Mesh | None) -> list[Any]:
+    """``arrays`` with each uncommitted one as its replicated shape on ``mesh``, to lower a step for."""
+    if mesh is None or not mesh.axis_names:
+        return arrays
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return [
+        a
+        if getattr(a, "committed", True)
+        else jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated, weak_type=a.weak_type)
+        for a in arrays
+    ]
 
 
 def _one_check_for_all(variables: list[nnx.Variable[Any]]) -> nnx.Variable[Any] | None:
