@@ -24,7 +24,7 @@ from substrax.census import Comparison
 from substrax.census._step import check_communication
 from substrax.explicit import _step as explicit_step
 from substrax.explicit._step import BatchSpec
-from substrax.mesh import current_mesh
+from substrax.mesh import current_mesh, current_mesh_with
 from substrax.nn import _declared as declared
 from substrax.spmd import _step as implicit_step
 
@@ -219,12 +219,8 @@ class TrainStep:
 
     def _concrete_mesh(self) -> Mesh | None:
         """The mesh the step runs on (its own, else ``jax.set_mesh``'s), or None inside a trace."""
-        if self.mesh is not None:
-            return self.mesh if isinstance(self.mesh, Mesh) else None
-        try:
-            return jax.sharding.get_mesh()
-        except ValueError:
-            return None
+        mesh = current_mesh_with(self.data_axis, self.mesh)
+        return mesh if isinstance(mesh, Mesh) else None
 
     def _lower(self, split: SplitState, arrays: list[jax.Array], batch: PyTree, donate: bool = False) -> Any:
         """The step lowered for these arguments, traced afresh (not from the jitted step's cache)."""
