@@ -87,6 +87,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -300,11 +301,13 @@ def _low_precision_value_and_grad(
 
 
 def _sliced_low_precision_value_and_grad(
-    config: Config, groups: np.ndarray, param_dtype: Any, reduce_dtype: Any
+    config: Config, groups: np.ndarray, param_dtype: Any, reduce_dtype: Any, *, by_device: bool = False
 ) -> Callable[[nnx.Module, Any], tuple[tuple[jax.Array, jax.Array], nnx.State]]:
     """The policy's split run for the floor, rounded as the step rounds: the gradient of each
     part of ``row_groups(split=True)`` (one per device and microbatch) is taken on its own, in
-    ``param_dtype``, and the parts' gradients are added one by one in ``reduce_dtype``.
+    ``param_dtype``, and the parts' gradients are added one by one in ``reduce_dtype``:
+    microbatch after microbatch, each one's devices in order; ``by_device``: each device's
+    microbatches first, then the devices' sums (another valid order of the same additions).
 
     A group's parts run vmapped over "data" (a BatchNorm that normalizes the whole group
     reduces its statistics over it, as in ``_grouped_loss``), each with its own copy of the
@@ -336,17 +339,23 @@ def _sliced_low_precision_value_and_grad(
             rests, (losses, pe) = jax.vmap(one, in_axes=(0, None, 0), axis_name="data")(copies, rest, piece)
             return jnp.sum(losses) / count, (pe.reshape(-1), jax.tree.map(_average, rests))
 
+        size = groups.shape[1]
+
         def group(carry: tuple[Any, Any], piece: dict) -> tuple[tuple[Any, Any], tuple[jax.Array, jax.Array]]:
             rest, total = carry
-            size = groups.shape[1]
             copies = jax.tree.map(lambda p: jnp.broadcast_to(p.astype(param_dtype), (size, *p.shape)), params)
             (loss, (pe, rest)), shares = jax.value_and_grad(group_loss, has_aux=True)(copies, rest, piece)
-            for i in range(size):  # one device's gradient after another, in reduce_dtype
+            if by_device:  # every device's running sum, in reduce_dtype
+                total = jax.tree.map(lambda t, g: t + g.astype(reduce_dtype), total, shares)
+            for i in range(0 if by_device else size):  # one device's gradient after another
                 total = jax.tree.map(lambda t, g, i=i: t + g[i].astype(reduce_dtype), total, shares)
             return (rest, total), (loss, pe)
 
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, reduce_dtype), params)
+        shape = (size,) if by_device else ()
+        zeros = jax.tree.map(lambda p: jnp.zeros((*shape, *p.shape), reduce_dtype), params)
         (rest, total), (losses, pes) = jax.lax.scan(group, (rest, zeros), rows)
+        if by_device:  # the devices' sums, one after another
+            total = jax.tree.map(lambda t: functools.reduce(jnp.add, list(t)), total)
         nnx.update(model, rest)
         return (jnp.sum(losses), pes.reshape(-1)), _cast(total, f32)
 
@@ -354,7 +363,12 @@ def _sliced_low_precision_value_and_grad(
 
 
 def reference_runs(
-    config: Config, batches: list[dict], permutations: list[np.ndarray | None], *, split: bool = False
+    config: Config,
+    batches: list[dict],
+    permutations: list[np.ndarray | None],
+    *,
+    split: bool = False,
+    by_device: bool = False,
 ) -> list[Run]:
     """Train on one device, no mesh, once per permutation: the plain step, or the grouped one for
     BatchNorm (module docstring). A permutation reorders every batch's rows first (within
@@ -381,7 +395,7 @@ def reference_runs(
     if config.dtypes is None:
         value_and_grad = nnx.value_and_grad(loss_fn, has_aux=True)
     elif split:
-        value_and_grad = _sliced_low_precision_value_and_grad(config, groups, *config.dtypes)
+        value_and_grad = _sliced_low_precision_value_and_grad(config, groups, *config.dtypes, by_device=by_device)
     else:
         value_and_grad = _low_precision_value_and_grad(loss_fn, *config.dtypes)
 
@@ -725,6 +739,11 @@ def check(config: Config) -> Result:
             split = [within_group_permutation(config, 0, split=True)]
         else:  # rows moved across the slices: other partial sums (_sliced_low_precision_value_and_grad)
             split = [within_group_permutation(config, 100 + s) for s in range(BF16_SPLIT_RUNS)]
+            # and the parts' bfloat16 gradients added in the other order, as devices add them
+            # (test_regression_bf16_gradients_added_device_by_device)
+            half = BF16_SPLIT_RUNS // 2
+            runs += reference_runs(config, batches, [None, *split[half:]], split=True, by_device=True)
+            split = split[:half]
         runs += reference_runs(config, batches, [None, *split], split=True)
     except Exception as e:  # noqa: BLE001  (the fuzzer's own bug: reported with the draw, not fatal)
         problem = f"the reference raised {_first_line(e)}"
@@ -976,6 +995,30 @@ def test_regression_implicit_xla_gathers_a_tiny_batch() -> None:
     result = check(config)
     result.assert_ok()  # losses, state and metrics to the floor; the layout kept
     assert result.census == "xla-chose"
+
+
+def test_regression_bf16_gradients_added_device_by_device() -> None:
+    """Found by ``make fuzz`` (2026-12-06): explicit HSDP, bfloat16 gradients (``bf16/bf16``), 2
+    devices x 2 microbatches, per-shard BatchNorm, Adam. ``blocks/2/scale`` ended 32x its
+    tolerance off the reference. One element of its first gradient is 3.5e-5 exactly, the sum
+    of four parts' bfloat16 gradients near 1e-3 (one unit in the last place: 7.6e-6): the step,
+    which adds each device's microbatches first, got -1.5e-5, every split run of the floor,
+    which added microbatch by microbatch, +7.6e-6, and Adam made the two signs a whole step
+    apart. Rounding, not a wrong sum: split runs that add device by device
+    (``by_device=True``) give the step's bits. The floor now has split runs in both orders."""
+    config = Config(
+        mode="explicit", layout="hsdp", min_size=None, devices=2, microbatches=2, rows=3, stem="conv",
+        blocks=("dropout_zero", "batchnorm", "batchnorm"), width=16, task="classify", optimizer="adam",
+        batch_tree="nested", scale=True, placement="batch_spec", metrics=("mean", "gather", None, "max"),
+        precision="bf16/bf16", scan="scan", seed=72, steps=3,
+    )  # fmt: skip
+    batches = [batch_parts(config, s) for s in range(config.steps)]
+    by_microbatch, by_device = (
+        reference_runs(config, batches, [None], split=True, by_device=d)[0].state["blocks/2/scale"]
+        for d in (False, True)
+    )
+    assert _maxdiff(by_microbatch, by_device) > 1e-2  # the order alone: about two Adam steps of 1e-2
+    check(config).assert_ok()
 
 
 @pytest.mark.parametrize("microbatches", [1, 2])
