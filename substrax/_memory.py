@@ -1,13 +1,14 @@
 """A step's peak memory per device, from its trace: a liveness walk over the jaxpr.
 
-A model of what XLA keeps (which values it materializes, copies, combines and in which
-order), not its buffer assignment: see the planning guide for the rules and how close it comes.
+A model of what XLA keeps (which values it materializes, copies and combines), in the order
+XLA's CPU scheduler runs them, packed as its buffer assigner packs them: see the planning
+guide for the rules and how close it comes.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-import heapq
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -39,6 +40,7 @@ _FUSED = _EXPENSIVE | {
 }  # fmt: skip
 _JOINS = {"concatenate", "pad", "stack"}  # fused results larger than their operands, not broadcasts
 _REDUCES = {"psum", "psum_invariant"}
+_ALIGN = 64  # bytes: XLA's CPU buffers start at multiples of it
 _CALLS = {
     "jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
     "remat", "checkpoint", "shard_map",
@@ -87,7 +89,8 @@ class _Walk:
     """Values (keys) and the ops that define and read them, in program order."""
 
     def __init__(self) -> None:
-        self.ops: list[tuple[list[int], list[int], int]] = []  # reads, defines, a loop body's own peak
+        # reads, defines, the op's own temporaries (a loop body's peak, a copy), "late" or ""
+        self.ops: list[tuple[list[int], list[int], int, str]] = []
         self.size: dict[int, int] = {}  # bytes per device of a kept buffer (0: not kept)
         self.whole: dict[int, int] = {}  # the value's bytes as the jaxpr types it
         self.ways: dict[int, int] = {}  # whole / bytes per device
@@ -98,7 +101,8 @@ class _Walk:
         self.combinable: dict[int, tuple[str, str]] = {}  # op -> (collective, axes)
         self.spread: dict[int, frozenset[int]] = {}  # a fused value -> its broadcast parts
         self.written: dict[int, int] = {}  # a broadcast part -> its buffer
-        self.eager: set[int] = set()  # ops placed as soon as their operands are
+        self.materialized: dict[int, int] = {}  # a fused value -> the buffer it is written to
+        self.dot: dict[int, int] = {}  # a dot's result -> the dot's op
 
     def buffer(self, whole: int, ways: int, *, argument: bool = False, in_place: bool = False) -> int:
         k = len(self.size) + 1
@@ -118,12 +122,13 @@ class _Walk:
         return self.roots[k] == frozenset({k}) or k in self.view
 
     def materialize(self, k: int) -> int:
-        """``k`` as a buffer of its own, written where a reader that cannot fuse reads it."""
+        """``k`` as a buffer of its own, written once, where the first reader that cannot fuse reads it."""
         if self.kept(k):
             return k
-        new = self.buffer(self.whole[k], self.ways[k], in_place=True)
-        self.ops.append(([k], [new], 0))
-        return new
+        if k not in self.materialized:
+            self.materialized[k] = self.buffer(self.whole[k], self.ways[k], in_place=True)
+            self.ops.append(([k], [self.materialized[k]], 0, ""))
+        return self.materialized[k]
 
     def run(self, jaxpr: Any, env: dict[Any, int]) -> list[int]:
         for v in jaxpr.constvars:  # constants live in the program, not in its buffers
@@ -154,7 +159,7 @@ class _Walk:
                     )
                     if ways < self.ways[reads[0]]:  # gathered: a buffer of its own
                         k = self.buffer(_bytes(e.outvars[0].aval), ways)
-                        self.ops.append(([self.materialize(reads[0])], [k], 0))
+                        self.ops.append(([self.materialize(reads[0])], [k], 0, ""))
                         env[e.outvars[0]] = k
                         continue
                 for i, v in enumerate(e.outvars):
@@ -179,8 +184,7 @@ class _Walk:
                 for b in parts:
                     if b not in self.written:
                         self.written[b] = self.buffer(self.whole[b], self.ways[b])
-                        self.eager.add(len(self.ops))
-                        self.ops.append(([b], [self.written[b]], 0))
+                        self.ops.append(([b], [self.written[b]], 0, ""))
                 reads = reads + [self.written[b] for b in parts]
             for v in e.outvars:
                 if isinstance(v, jcore.DropVar):
@@ -203,7 +207,13 @@ class _Walk:
                 defined.append(k)
             if name in _REDUCES:  # XLA combines the all-reduces that do not depend on each other
                 self.combinable[len(self.ops)] = (name, str(e.params.get("axes", e.params.get("axis_name"))))
-            self.ops.append((reads, defined, inner))
+            if name == "transpose":  # XLA folds it into the dot, a new instruction: its operands' last user
+                for k in reads:
+                    if k in self.dot:
+                        self.ops[self.dot[k]] = (*self.ops[self.dot[k]][:3], "late")
+            if name == "dot_general":
+                self.dot.update(dict.fromkeys(defined, len(self.ops)))
+            self.ops.append((reads, defined, inner, ""))
         return [self.virtual(0, 1, []) if isinstance(v, jcore.Literal) else env[v] for v in jaxpr.outvars]
 
     def _call(self, e: Any, env: dict[Any, int]) -> None:
@@ -226,10 +236,10 @@ class _Walk:
 
     def _needs(self) -> list[set[int]]:
         """The ops each op reads the results of (its operands' producers and theirs, through fusion)."""
-        producer = {k: i for i, (_, defined, _) in enumerate(self.ops) for k in defined}
+        producer = {k: i for i, op in enumerate(self.ops) for k in op[1]}
         return [
-            {producer[r] for k in reads for r in self.roots[k] | {k} if producer.get(r, i) != i}
-            for i, (reads, _, _) in enumerate(self.ops)
+            {producer[r] for k in op[0] for r in self.roots[k] | {k} if producer.get(r, i) != i}
+            for i, op in enumerate(self.ops)
         ]
 
     def combine(self) -> None:
@@ -252,53 +262,36 @@ class _Walk:
         for group in (g for gs in groups.values() for g in gs if len(g) > 1):
             reads = [k for i in group for k in self.ops[i][0]]
             defined = [k for i in group for k in self.ops[i][1]]
-            self.ops[group[-1]] = (reads, defined, 0)
+            self.ops[group[-1]] = (reads, defined, 0, "")
             into.update(dict.fromkeys(group[:-1]))
         self.ops = [op for i, op in enumerate(self.ops) if i not in into]
 
     def schedule(self) -> None:
-        """Reorder the ops as a memory-minded list scheduler would (XLA's does): of the ops whose
-        inputs are ready, the one that frees the most bytes net of what it writes goes first."""
+        """Order the ops breadth first, as XLA's CPU compiler orders a program with collectives:
+        an op is queued once the ops it reads have run. A fused value takes no turn (XLA computes
+        it in its reader); a dot whose result is transposed goes last among its operands'
+        readers (XLA folds the transpose into a new dot, which joins their users last)."""
         needs = self._needs()
-        bases = [{r for k in reads for r in self.roots[k]} for reads, _, _ in self.ops]
-        readers: dict[int, set[int]] = {}  # a buffer -> the ops not yet scheduled that read it
-        for i, base in enumerate(bases):
-            for r in base:
-                readers.setdefault(r, set()).add(i)
         waiting = [len(x) for x in needs]
-        users: dict[int, list[int]] = {}
+        readers: dict[int, list[int]] = {}
         for i, x in enumerate(needs):
             for j in x:
-                users.setdefault(j, []).append(i)
-
-        def gain(i: int) -> int:
-            if i in self.eager:  # a written broadcast: first of the ready ops, as XLA places it
-                return 1 << 62
-            _, defined, inner = self.ops[i]
-            freed = sum(self.size[r] for r in bases[i] if len(readers[r]) == 1 and not self.argument[r])
-            return freed - sum(self.size[k] for k in defined) - inner
-
-        ready = [(-gain(i), i) for i, w in enumerate(waiting) if not w]
-        heapq.heapify(ready)
-        order: list[int] = []
-        done: set[int] = set()
-        while ready:  # a gain only grows (as readers are scheduled): a stale entry is pushed again
-            g, i = heapq.heappop(ready)
-            if i in done:
-                continue
-            if -g != gain(i):
-                heapq.heappush(ready, (-gain(i), i))
-                continue
-            done.add(i)
+                readers.setdefault(j, []).append(i)
+        for j, rs in readers.items():
+            rs.sort(key=lambda i: (self.ops[i][3] == "late", i))
+        ready = collections.deque(i for i, w in enumerate(waiting) if not w)
+        order = []
+        while ready:
+            i = ready.popleft()
             order.append(i)
-            for r in bases[i]:
-                readers[r].discard(i)
-                if len(readers[r]) == 1 and (j := next(iter(readers[r]))) not in done and not waiting[j]:
-                    heapq.heappush(ready, (-gain(j), j))
-            for j in users.get(i, []):
+            for j in readers.get(i, []):
                 waiting[j] -= 1
                 if not waiting[j]:
-                    heapq.heappush(ready, (-gain(j), j))
+                    _, defined, inner, _ = self.ops[j]
+                    if not inner and not any(self.kept(k) for k in defined):
+                        ready.appendleft(j)
+                    else:
+                        ready.append(j)
         if len(order) == len(self.ops):  # (always: the ops form a DAG)
             self.ops = [self.ops[i] for i in order]
 
@@ -307,8 +300,8 @@ class _Walk:
         self.schedule()
         n = len(self.ops)
         last: dict[int, int] = {}
-        for i, (reads, _, _) in enumerate(self.ops):
-            for r in reads:
+        for i, op in enumerate(self.ops):
+            for r in op[0]:
                 for root in self.roots[r]:
                     last[root] = i
         output = {self.view.get(k, k) for k in outs}
@@ -324,7 +317,7 @@ class _Walk:
         chain: dict[int, int] = {}
         taken: set[int] = set()
         first: dict[int, int] = {}
-        for i, (reads, defined, _) in enumerate(self.ops):
+        for i, (reads, defined, _, _) in enumerate(self.ops):
             dying = [r for k in reads for r in self.roots[k] if last.get(r) == i and not self.argument[r]]
             for k in defined:
                 if self.roots[k] != frozenset({k}) or not self.size[k]:
@@ -356,38 +349,44 @@ class _Walk:
                 min(fits, key=lambda o: o[1])[2].append((a, b))
             else:
                 heap.append((a, b, size))
-        delta = [0] * (n + 2)
-        for a, b, size in heap:
-            delta[a] += size
-            delta[b + 1] -= size
-        live = temporaries = 0
-        for i, (_, _, inner) in enumerate(self.ops):
-            live += delta[i]
-            temporaries = max(temporaries, live + inner)
-        return Memory(sum(argument_bytes), outputs, temporaries)
+        heap += [(i, i, op[2]) for i, op in enumerate(self.ops) if op[2]]
+        return Memory(sum(argument_bytes), outputs, _heap_size(heap))
+
+
+def _heap_size(intervals: list[tuple[int, int, int]]) -> int:
+    """The size of the heap XLA's buffer assigner packs ``intervals`` (first op, last op, bytes)
+    into: the largest first, each at the smallest gap left by those alive at the same time that
+    fits it, else above them (a global decreasing-size best fit)."""
+    intervals = sorted(intervals, key=lambda x: (-x[2], x[0] - x[1], x[0]))
+    count = len(intervals)
+    first, last, offset, size = (np.zeros(count, np.int64) for _ in range(4))
+    top = 0
+    for i, (a, b, bytes_) in enumerate(intervals):
+        bytes_ = -(-bytes_ // _ALIGN) * _ALIGN
+        alive = (first[:i] <= b) & (last[:i] >= a)
+        lo, hi = offset[:i][alive], offset[:i][alive] + size[:i][alive]
+        order = np.argsort(lo, kind="stable")
+        lo, ends = lo[order], np.maximum.accumulate(hi[order]) if len(order) else hi
+        starts = np.concatenate(([0], ends[:-1]))
+        gaps = lo - starts
+        fits = np.flatnonzero(gaps >= bytes_)
+        at = int(starts[fits[np.argmin(gaps[fits])]]) if len(fits) else int(ends[-1]) if len(ends) else 0
+        first[i], last[i], offset[i], size[i] = a, b, at, bytes_
+        top = max(top, at + bytes_)
+    return top
 
 
 def _copies(eqn: Any, sizes: list[int], out: int) -> int:
-    """Bytes of the copies XLA makes around a dot or a convolution to lay its operands (and a
-    convolution's result) out as its kernel wants: a dot contracting the left's last dimension
-    and the right's first after the batch, a convolution in NHWC, HWIO, NHWC order."""
-    name = eqn.primitive.name
-    if name == "dot_general":
-        (lc, rc), (_, rb) = eqn.params["dimension_numbers"]
-        lhs = eqn.invars[0].aval.ndim
-        wanted = [
-            tuple(lc) == tuple(range(lhs - len(lc), lhs)),
-            tuple(rc) == tuple(range(len(rb), len(rb) + len(rc))),
-        ]
-        return sum(size for size, ok in zip(sizes, wanted, strict=True) if not ok)
-    if name == "conv_general_dilated":
-        lhs, rhs, result = eqn.params["dimension_numbers"]
-        n = len(lhs)
-        spatial = tuple(range(1, n - 1))
-        copies = sizes[0] if tuple(lhs) != (0, n - 1, *spatial) else 0
-        copies += sizes[1] if tuple(rhs) != (n - 1, n - 2, *range(n - 2)) else 0
-        return copies + (out if tuple(result) != (0, n - 1, *spatial) else 0)
-    return 0
+    """Bytes of the copies XLA makes around a convolution to lay its operands and its result out
+    as its kernel wants them, in NHWC, HWIO, NHWC order. (A dot reads its operands as they lie.)"""
+    if eqn.primitive.name != "conv_general_dilated":
+        return 0
+    lhs, rhs, result = eqn.params["dimension_numbers"]
+    n = len(lhs)
+    spatial = tuple(range(1, n - 1))
+    copies = sizes[0] if tuple(lhs) != (0, n - 1, *spatial) else 0
+    copies += sizes[1] if tuple(rhs) != (n - 1, n - 2, *range(n - 2)) else 0
+    return copies + (out if tuple(result) != (0, n - 1, *spatial) else 0)
 
 
 def _sliced(eqn: Any) -> int:
