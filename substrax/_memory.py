@@ -268,9 +268,10 @@ class _Walk:
 
     def schedule(self) -> None:
         """Order the ops breadth first, as XLA's CPU compiler orders a program with collectives:
-        an op is queued once the ops it reads have run. A fused value takes no turn (XLA computes
-        it in its reader); a dot whose result is transposed goes last among its operands'
-        readers (XLA folds the transpose into a new dot, which joins their users last)."""
+        an op is queued once the ops it reads have run. An op that writes no buffer of its own
+        takes no turn (a fused value: XLA computes it in its reader; a transposed dot result:
+        XLA folds the transpose into the dot); such a dot goes last among its operands' readers
+        (the folded dot is a new instruction, their last user)."""
         needs = self._needs()
         waiting = [len(x) for x in needs]
         readers: dict[int, list[int]] = {}
@@ -288,7 +289,7 @@ class _Walk:
                 waiting[j] -= 1
                 if not waiting[j]:
                     _, defined, inner, _ = self.ops[j]
-                    if not inner and not any(self.kept(k) for k in defined):
+                    if not inner and not any(self.roots[k] == frozenset({k}) for k in defined):
                         ready.appendleft(j)
                     else:
                         ready.append(j)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -30,18 +31,20 @@ class Case:
     microbatches: int = 1
     rows: int = 64  # the MLP's batch: at 4096 its activations outweigh its state
     blocks: int = 0  # > 0: the example transformer (LayerNorm, attention), d=width, 32 tokens
-    depth: int = 0  # > 0: test_units.Stack (Linear(width, width) + tanh layers), every array split
+    depth: int = 0  # > 0: test_units.Stack (Linear(width, width) + tanh layers)
+    adam: bool = False  # > 0 depth: benchmarks/memory.py's stack (no embedding layer) and Adam
+    min_size: int | None = None  # shard_state's (None: its default)
 
     @property
     def placement(self) -> dict[str, int]:
-        return {"min_size": 1} if self.depth else {}
+        return {} if self.min_size is None else {"min_size": self.min_size}
 
     def __str__(self) -> str:
         mesh = ",".join(f"{a}={n}" for a, n in self.mesh)
-        units = "+units" if self.units else ""
+        units = ("+units" if self.units else "") + ("" if self.min_size is None else f"-min{self.min_size}")
         model = f"w{self.width}" if self.width else "tp-block"
         model = f"transformer-d{self.width}-b{self.blocks}" if self.blocks else model
-        model = f"stack-w{self.width}-l{self.depth}" if self.depth else model
+        model = f"stack-w{self.width}-l{self.depth}{'-adam' if self.adam else ''}" if self.depth else model
         return f"{self.layout}{units}-{mesh}-{model}-k{self.microbatches}-r{self.rows}"
 
 
@@ -62,10 +65,26 @@ CASES = [
     *(Case(DATA8, "replicated", width=w, blocks=2, rows=256) for w in (32, 64)),
     # XLA's breadth-first order and its heap's gaps: small units at 64 rows were 0.75-0.81, the
     # stack without units at 1,024 rows 1.12-1.26, before the estimate followed them
-    *(Case(DATA8, "fsdp", units=True, width=128, depth=d) for d in (2, 6)),
-    *(Case(DATA8, "fsdp", width=128, depth=d, rows=1024) for d in (2, 6)),
+    *(Case(DATA8, "fsdp", units=True, width=128, depth=d, min_size=1) for d in (2, 6)),
+    *(Case(DATA8, "fsdp", width=128, depth=d, rows=1024, min_size=1) for d in (2, 6)),
+    # a gradient's reduce-scatter reads its transposed view, which takes no turn (1.22 before)
+    *(Case(DATA8, "zero1", width=w, depth=2, adam=True) for w in (256, 512)),
 ]
 MEMORY_RTOL = 0.10  # the estimate against the compiled peak (see the planning guide)
+
+
+class Tower(nnx.Module):
+    """benchmarks/memory.py's model: ``depth`` Linear(width, width) + tanh layers, a head."""
+
+    def __init__(self, depth: int, width: int) -> None:
+        rngs = nnx.Rngs(0)
+        self.layers = nnx.List([nnx.Linear(width, width, rngs=rngs) for _ in range(depth)])
+        self.head = nnx.Linear(width, 1, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for layer in self.layers:
+            x = jnp.tanh(layer(x))
+        return self.head(x)[:, 0]
 
 
 def _build(case: Case):
@@ -75,8 +94,8 @@ def _build(case: Case):
         tokens = np.random.default_rng(0).integers(0, 64, (case.rows, 33)).astype(np.int32)
         return model, optimizer, lm.loss_fn, {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
     if case.depth:
-        model = units.Stack(case.depth, case.width)
-        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        model = (Tower if case.adam else units.Stack)(case.depth, case.width)
+        optimizer = nnx.Optimizer(model, optax.adam(1e-3) if case.adam else optax.sgd(0.1), wrt=nnx.Param)
         return model, optimizer, units.mse, units._batch(case.width, case.rows)
     if not case.width:
         model, optimizer = tp._build()
