@@ -1,13 +1,15 @@
 """How close ``substrax.plan``'s peak memory comes to the compiled step's, on models the tests do not hold.
 
 ``tests/test_plan.py`` holds the estimate within 10% of ``memory_analysis()`` for the MLPs,
-the tensor-parallel block, the scanned stack and the example transformer at two sizes.
-This script measures the rest of the planning guide's table: the example transformer of
-``examples/transformer_lm.py`` across layouts, units, a scanned stack, microbatches,
-bfloat16 and a ``(data, model)`` mesh, and a small CNN (two ``Conv``, each with
-``LayerNorm``, gelu then silu, a head; AdamW). For each configuration, on 8 emulated
-devices, explicit mode: the plan's ``peak_bytes`` and the donated step's compiled peak
-(argument + output + temp - alias), and their ratio. Compiled, not run.
+the tensor-parallel block, stacks of ``Linear``, the scanned stack and the example
+transformer at two sizes. This script measures the rest of the planning guide's table: the
+example transformer of ``examples/transformer_lm.py`` across layouts, units, a scanned
+stack, microbatches, bfloat16 and a ``(data, model)`` mesh; a small CNN (two ``Conv``, each
+with ``LayerNorm``, gelu then silu, a head; AdamW) and a small vision transformer (a patch
+``Conv``, two pre-norm blocks of attention and an MLP; AdamW), which no test holds. For
+each configuration, on 8 emulated devices, explicit mode: the plan's ``peak_bytes`` and the
+donated step's compiled peak (argument + output + temp - alias), and their ratio. Compiled,
+not run.
 
     python benchmarks/plan.py --json benchmarks/results/plan.json
     python benchmarks/plan.py --smoke --json out.json   # tests/test_benchmarks.py
@@ -36,14 +38,18 @@ def _tf(
             "units": units, "options": options}  # fmt: skip
 
 
-def _cnn_row(image: int, rows: int, layout: str, units: bool = False) -> dict[str, Any]:
-    return {"model": "cnn", "image": image, "rows": rows, "mesh": DATA8, "layout": layout, "units": units}
+def _image_row(model: str, image: int, rows: int, layout: str, units: bool = False) -> dict[str, Any]:
+    """A row of the CNN or the vision transformer ("cnn", "vit"): image side, global batch, layout."""
+    return {"model": model, "image": image, "rows": rows, "mesh": DATA8, "layout": layout, "units": units}
 
 
 def configurations(smoke: bool) -> list[dict[str, Any]]:
     """One dict per row: the model ("transformer" or "cnn"), its sizes, mesh, layout, step options."""
     if smoke:
-        return [_tf({"d": 16, "blocks": 1, "seq": 8}, 16, DATA8, "fsdp", True), _cnn_row(4, 16, "replicated")]
+        return [
+            _tf({"d": 16, "blocks": 1, "seq": 8}, 16, DATA8, "fsdp", True),
+            _image_row("cnn", 4, 16, "replicated"),
+        ]
     rows = [
         _tf({"d": 64, "blocks": 4, "seq": 32, "scan": scan}, 64, DATA8, layout, units)
         for scan in (False, True)
@@ -62,13 +68,13 @@ def configurations(smoke: bool) -> list[dict[str, Any]]:
         _tf({"d": 128, "blocks": 2, "seq": 64}, 128, DATA8, "replicated"),
         _tf({"d": 128, "blocks": 4, "seq": 32}, 64, DATA8, "fsdp"),
     ]
-    cnn = [_cnn_row(image, n, layout, u) for image, n in ((16, 128), (8, 64)) for layout, u in LAYOUTS]
-    return rows + cnn
+    cnn = [_image_row("cnn", side, n, layout, u) for side, n in ((16, 128), (8, 64)) for layout, u in LAYOUTS]
+    return rows + cnn + [_image_row("vit", 32, 128, layout, u) for layout, u in LAYOUTS]
 
 
-def _cnn() -> tuple[Any, Any, Any]:
-    """The CNN's builder (model and optimizer), its loss and its batch maker (imports jax: call
-    after ``use_cpu_devices``)."""
+def _images() -> dict[str, tuple[Any, Any, Any, Any]]:
+    """Per image model ("cnn", "vit"): its builder (model and optimizer), its loss, its batch
+    maker and its unit (imports jax: call after ``use_cpu_devices``)."""
     import jax
     import numpy as np
     import optax
@@ -93,11 +99,39 @@ def _cnn() -> tuple[Any, Any, Any]:
         x = rng.normal(size=(n, image, image, 3)).astype(np.float32)
         return {"x": x, "y": rng.integers(0, 10, n).astype(np.int32)}
 
-    def build() -> tuple[CNN, nnx.Optimizer]:
-        model = CNN(nnx.Rngs(0))
-        return model, nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    class Block(nnx.Module):
+        def __init__(self, d: int, rngs: nnx.Rngs) -> None:
+            self.norm1 = nnx.LayerNorm(d, rngs=rngs)
+            self.attention = nnx.MultiHeadAttention(num_heads=4, in_features=d, decode=False, rngs=rngs)
+            self.norm2, self.up, self.down = (
+                nnx.LayerNorm(d, rngs=rngs), nnx.Linear(d, 4 * d, rngs=rngs), nnx.Linear(4 * d, d, rngs=rngs)
+            )
 
-    return build, loss_fn, batch
+        def __call__(self, x: jax.Array) -> jax.Array:
+            x = x + self.attention(self.norm1(x))
+            return x + self.down(jax.nn.gelu(self.up(self.norm2(x))))
+
+    class ViT(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs, d: int = 64) -> None:
+            self.patch = nnx.Conv(3, d, (4, 4), strides=(4, 4), rngs=rngs)
+            self.blocks = nnx.List([Block(d, rngs) for _ in range(2)])
+            self.norm, self.head = nnx.LayerNorm(d, rngs=rngs), nnx.Linear(d, 10, rngs=rngs)
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            h = self.patch(x)
+            h = h.reshape(h.shape[0], -1, h.shape[-1])
+            for block in self.blocks:
+                h = block(h)
+            return self.head(self.norm(h).mean(1))
+
+    def builder(kind: type) -> Any:
+        def build() -> tuple[nnx.Module, nnx.Optimizer]:
+            model = kind(nnx.Rngs(0))
+            return model, nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+
+        return build
+
+    return {"cnn": (builder(CNN), loss_fn, batch, nnx.Conv), "vit": (builder(ViT), loss_fn, batch, Block)}
 
 
 def run(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -112,24 +146,25 @@ def run(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     from substrax.mesh import create_device_mesh
 
     lm = M.load_example()
-    build_cnn, cnn_loss, cnn_batch = _cnn()
+    images = _images()
     out: list[dict[str, Any]] = []
     for c in configs:
         options = dict(c.get("options") or {})
         if options.get("precision") == "bf16":
             options["precision"] = substrax.MixedPrecision(keep_batch=("tokens", "targets"))
         mesh = create_device_mesh(c["mesh"])
-        cnn = c["model"] == "cnn"
+        image = c["model"] in images
         row: dict[str, Any] = {
-            "model": f"cnn {c.get('image')}x{c.get('image')}" if cnn
+            "model": f"{c['model']} {c.get('image')}x{c.get('image')}" if image
             else "transformer " + ",".join(f"{k}={v}" for k, v in c["sizes"].items()),
             "mesh": ",".join(f"{a}={n}" for a, n in c["mesh"].items()),
             "layout": c["layout"] + ("+units" if c["units"] else ""),
             "rows": c["rows"],
             "options": ",".join(f"{k}={v}" for k, v in (c.get("options") or {}).items()) or "-",
         }  # fmt: skip
-        if cnn:
-            build, loss_fn, batch, units = build_cnn, cnn_loss, cnn_batch(c["image"], c["rows"]), nnx.Conv
+        if image:
+            build, loss_fn, make_batch, units = images[c["model"]]
+            batch = make_batch(c["image"], c["rows"])
         else:
             shape = (c["rows"], c["sizes"]["seq"] + 1)
             tokens = np.random.default_rng(0).integers(0, 64, shape).astype(np.int32)
