@@ -67,7 +67,7 @@ CASES = [
     # stack without units at 1,024 rows 1.12-1.26, before the estimate followed them
     *(Case(DATA8, "fsdp", units=True, width=128, depth=d, min_size=1) for d in (2, 6)),
     *(Case(DATA8, "fsdp", width=128, depth=d, rows=1024, min_size=1) for d in (2, 6)),
-    # a gradient's reduce-scatter reads its transposed view, which takes no turn (1.22 before)
+    # a gradient's reduce-scatter reads its transposed view, which takes no turn (1.22 when it took one)
     *(Case(DATA8, "zero1", width=w, depth=2, adam=True) for w in (256, 512)),
 ]
 MEMORY_RTOL = 0.10  # the estimate against the compiled peak (see the planning guide)
