@@ -40,6 +40,7 @@ _FUSED = _EXPENSIVE | {
 }  # fmt: skip
 _JOINS = {"concatenate", "pad", "stack"}  # fused results larger than their operands, not broadcasts
 _REDUCES = {"psum", "psum_invariant"}
+_BITCASTS = {"reshape", "squeeze", "expand_dims"}  # views XLA writes as an instruction of their own
 _ALIGN = 64  # bytes: XLA's CPU buffers start at multiples of it
 _CALLS = {
     "jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
@@ -168,6 +169,8 @@ class _Walk:
                         _bytes(v.aval), ways if name == "sharding_constraint" else self.ways[r], [r], view=r
                     )
                     self.spread[env[v]] = self.spread.get(r, frozenset())
+                    if name in _BITCASTS and self.kept(r) and not self.argument[self.view.get(r, r)]:
+                        self.ops.append(([r], [env[v]], 0, "turn"))  # XLA's bitcast: an instruction
                 continue
             fused = name in _FUSED
             reduction = name == "reduce" or name.startswith("reduce_") or name in ("argmax", "argmin")
@@ -270,7 +273,8 @@ class _Walk:
         """Order the ops breadth first, as XLA's CPU compiler orders a program with collectives:
         an op is queued once the ops it reads have run. An op that writes no buffer of its own
         takes no turn (a fused value: XLA computes it in its reader; a transposed dot result:
-        XLA folds the transpose into the dot); such a dot goes last among its operands' readers
+        XLA folds the transpose into the dot), but for a reshaped result (XLA's bitcast is an
+        instruction); a dot whose result is transposed goes last among its operands' readers
         (the folded dot is a new instruction, their last user)."""
         needs = self._needs()
         waiting = [len(x) for x in needs]
@@ -288,16 +292,28 @@ class _Walk:
             for j in readers.get(i, []):
                 waiting[j] -= 1
                 if not waiting[j]:
-                    _, defined, inner, _ = self.ops[j]
-                    if not inner and not any(self.roots[k] == frozenset({k}) for k in defined):
+                    _, defined, inner, tag = self.ops[j]
+                    if not inner and tag != "turn" and all(self.roots[k] != frozenset({k}) for k in defined):
                         ready.appendleft(j)
                     else:
                         ready.append(j)
         if len(order) == len(self.ops):  # (always: the ops form a DAG)
             self.ops = [self.ops[i] for i in order]
 
+    def prune(self, outs: list[int]) -> None:
+        """Drop the ops no result depends on, as XLA removes dead code (a gather for a
+        gradient nobody takes, its product)."""
+        needed = {r for k in outs for r in self.roots[k] | {k, self.view.get(k, k)}}
+        live = []
+        for op in reversed(self.ops):
+            if any(k in needed for k in op[1]):
+                live.append(op)
+                needed.update(r for k in op[0] for r in self.roots[k] | {k, self.view.get(k, k)})
+        self.ops = live[::-1]
+
     def peak(self, outs: list[int], donated: bool, argument_bytes: list[int]) -> Memory:
         self.combine()
+        self.prune(outs)
         self.schedule()
         n = len(self.ops)
         last: dict[int, int] = {}
