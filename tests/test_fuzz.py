@@ -347,8 +347,9 @@ def _sliced_low_precision_value_and_grad(
             (loss, (pe, rest)), shares = jax.value_and_grad(group_loss, has_aux=True)(copies, rest, piece)
             if by_device:  # every device's running sum, in reduce_dtype
                 total = jax.tree.map(lambda t, g: t + g.astype(reduce_dtype), total, shares)
-            for i in range(0 if by_device else size):  # one device's gradient after another
-                total = jax.tree.map(lambda t, g, i=i: t + g[i].astype(reduce_dtype), total, shares)
+            else:
+                for i in range(size):  # one device's gradient after another, in reduce_dtype
+                    total = jax.tree.map(lambda t, g, i=i: t + g[i].astype(reduce_dtype), total, shares)
             return (rest, total), (loss, pe)
 
         shape = (size,) if by_device else ()
