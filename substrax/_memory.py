@@ -40,6 +40,13 @@ _FUSED = _EXPENSIVE | {
 }  # fmt: skip
 _JOINS = {"concatenate", "pad", "stack"}  # fused results larger than their operands, not broadcasts
 _REDUCES = {"psum", "psum_invariant"}
+# what XLA's CPU compiler computes inside a reduction's YNNPACK kernel
+_KERNEL = {
+    "add", "add_any", "sub", "mul", "div", "max", "min", "pow", "integer_pow", "square", "abs", "ceil",
+    "floor", "round", "sign", "neg", "exp", "expm1", "log", "log1p", "logistic", "tanh", "erf", "sqrt",
+    "rsqrt", "convert_element_type", "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "pvary",
+}  # fmt: skip
+_SHAPING = {"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "pvary"}
 _BITCASTS = {"reshape", "squeeze", "expand_dims"}  # views XLA writes as an instruction of their own
 _ALIGN = 64  # bytes: XLA's CPU buffers start at multiples of it
 _CALLS = {
@@ -74,6 +81,62 @@ def estimate(jaxpr: jcore.ClosedJaxpr, argument_bytes: Sequence[int], *, donated
     return walk.peak(outs, donated, list(argument_bytes))
 
 
+def _kernels(jaxpr: Any) -> tuple[dict[int, list[tuple[Any, Any]]], set[int]]:
+    """The reductions XLA's CPU compiler runs as YNNPACK kernels, each grown over the ops feeding
+    it that only it reads (as XLA's library rewriter grows them), and the ops so grown over.
+
+    A kernel's operands come each with the shape XLA broadcasts it to first (None: its own)."""
+    eqns = jaxpr.eqns
+    producer, users = {}, collections.defaultdict(set)
+    for i, e in enumerate(eqns):
+        producer.update(dict.fromkeys(e.outvars, i))
+        for v in _vars(e.invars):
+            users[v].add(i)
+    for v in _vars(jaxpr.outvars):
+        users[v].add(-1)
+    kernels: dict[int, list[tuple[Any, Any]]] = {}
+    inside: set[int] = set()
+    for i in reversed(range(len(eqns))):
+        if i in inside or not _in_kernel(eqns[i]):
+            continue
+        region, todo = {i}, collections.deque(_vars(eqns[i].invars))
+        while todo:
+            p = producer.get(todo.popleft())
+            if p is None or p in inside or p in region or p in kernels:
+                continue
+            if eqns[p].primitive.name in _KERNEL or _in_kernel(eqns[p]):
+                if all(u in region for v in eqns[p].outvars for u in users[v]):
+                    region.add(p)
+                    todo.extend(_vars(eqns[p].invars))
+        operands: dict[Any, Any] = {}
+        for j in region:
+            shape = eqns[j].outvars[0].aval.shape
+            for v in _vars(eqns[j].invars):
+                if producer.get(v) not in region and operands.get(v) is None:
+                    broadcast = eqns[j].primitive.name in _KERNEL - _SHAPING and v.aval.shape != shape
+                    operands[v] = shape if broadcast and math.prod(v.aval.shape) > 1 else None
+        kernels[i] = list(operands.items())
+        inside |= region - {i}
+    return kernels, inside
+
+
+def _vars(vs: Sequence[Any]) -> list[Any]:
+    return [v for v in vs if not isinstance(v, jcore.Literal)]
+
+
+def _in_kernel(eqn: Any) -> bool:
+    """Whether XLA's CPU compiler runs the reduction ``eqn`` as a YNNPACK kernel."""
+    kind = eqn.primitive.name
+    if kind not in ("reduce_sum", "reduce_max", "reduce_min") or len(eqn.invars) != 1:
+        return False
+    if math.prod(eqn.invars[0].aval.shape) < 4096:  # XLA's least
+        return False
+    (x,), (out,) = eqn.invars, eqn.outvars
+    if kind == "reduce_sum":
+        return x.aval.dtype in (np.float32, np.float64) and out.aval.dtype == x.aval.dtype
+    return kind in ("reduce_max", "reduce_min") and np.dtype(x.aval.dtype).kind == "f"
+
+
 def _bytes(aval: Any) -> int:
     shape = getattr(aval, "shape", None)
     return 0 if shape is None else math.prod(shape) * np.dtype(aval.dtype).itemsize
@@ -101,7 +164,7 @@ class _Walk:
         self.argument: dict[int, bool] = {}
         self.combinable: dict[int, tuple[str, str]] = {}  # op -> (collective, axes)
         self.spread: dict[int, frozenset[int]] = {}  # a fused value -> its broadcast parts
-        self.written: dict[int, int] = {}  # a broadcast part -> its buffer
+        self.written: dict[Any, int] = {}  # a broadcast part (a kernel's: and its shape) -> its buffer
         self.materialized: dict[int, int] = {}  # a fused value -> the buffer it is written to
         self.dot: dict[int, int] = {}  # a dot's result -> the dot's op
 
@@ -131,15 +194,28 @@ class _Walk:
             self.ops.append(([k], [self.materialized[k]], 0, ""))
         return self.materialized[k]
 
+    def kernel_input(self, k: int, v: Any, shape: tuple[int, ...] | None) -> int:
+        """What a kernel reads for ``k``: it as a buffer, or ``shape``'s broadcast of it (XLA writes
+        a broadcast once for all the kernels that read it)."""
+        if shape is not None:
+            key = (k, shape)
+            if key not in self.written:
+                whole = math.prod(shape) * np.dtype(v.aval.dtype).itemsize
+                self.written[key] = self.buffer(whole, self.ways[k])
+                self.ops.append(([k], [self.written[key]], 0, ""))
+            return self.written[key]
+        return k if self.kept(k) or not self.roots[k] else self.materialize(k)
+
     def run(self, jaxpr: Any, env: dict[Any, int]) -> list[int]:
         for v in jaxpr.constvars:  # constants live in the program, not in its buffers
             env.setdefault(v, self.virtual(0, 1, []))
+        kernels, inside = _kernels(jaxpr)
         readers: dict[Any, int] = {}
         for e in jaxpr.eqns:
             for v in e.invars:
                 if not isinstance(v, jcore.Literal):
                     readers[v] = readers.get(v, 0) + 1
-        for e in jaxpr.eqns:
+        for i, e in enumerate(jaxpr.eqns):
             name = e.primitive.name
             vars_in = [v for v in e.invars if not isinstance(v, jcore.Literal)]
             reads = [env[v] for v in vars_in]
@@ -172,17 +248,19 @@ class _Walk:
                     if name in _BITCASTS and self.kept(r) and not self.argument[self.view.get(r, r)]:
                         self.ops.append(([r], [env[v]], 0, "turn"))  # XLA's bitcast: an instruction
                 continue
-            fused = name in _FUSED
-            reduction = name == "reduce" or name.startswith("reduce_") or name in ("argmax", "argmin")
+            fused = name in _FUSED or i in inside
+            reduction = not fused and (name.startswith("reduce") or name in ("argmax", "argmin"))
             if not fused and not reduction:  # a reduction reads its operands' loops, fused
                 reads = [self.materialize(k) for k in reads]
+            if i in kernels:  # a kernel reads what it does not compute itself, written out
+                reads = [self.kernel_input(env[v], v, shape) for v, shape in kernels[i]]
             inner = _copies(
                 e, [self.whole[k] // self.ways[k] for k in reads], _bytes(e.outvars[0].aval) // ways
             )
             for sub in jcore.jaxprs_in_params(e.params):
                 inner = max(inner, _loop_peak(getattr(sub, "jaxpr", sub), _sliced(e)))
             defined = []
-            if reduction:  # XLA writes out the broadcasts its reduction kernel reads, early
+            if reduction and i not in kernels:  # XLA writes out the broadcasts its reduction kernel reads, early
                 parts = sorted({b for k in reads for b in self.spread.get(k, ())})
                 for b in parts:
                     if b not in self.written:
