@@ -260,7 +260,7 @@ class _Walk:
             for sub in jcore.jaxprs_in_params(e.params):
                 inner = max(inner, _loop_peak(getattr(sub, "jaxpr", sub), _sliced(e)))
             defined = []
-            if reduction and i not in kernels:  # XLA writes out the broadcasts its reduction kernel reads, early
+            if reduction and i not in kernels:  # XLA writes out the broadcasts its reduction reads, early
                 parts = sorted({b for k in reads for b in self.spread.get(k, ())})
                 for b in parts:
                     if b not in self.written:
