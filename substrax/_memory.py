@@ -124,6 +124,14 @@ def _vars(vs: Sequence[Any]) -> list[Any]:
     return [v for v in vs if not isinstance(v, jcore.Literal)]
 
 
+def _outer(eqn: Any) -> bool:
+    """Whether ``eqn`` is a dot that contracts nothing: XLA multiplies broadcasts, fused."""
+    if eqn.primitive.name != "dot_general":
+        return False
+    (contract, _), _ = eqn.params["dimension_numbers"]
+    return math.prod(eqn.invars[0].aval.shape[d] for d in contract) == 1
+
+
 def _in_kernel(eqn: Any) -> bool:
     """Whether XLA's CPU compiler runs the reduction ``eqn`` as a YNNPACK kernel."""
     kind = eqn.primitive.name
@@ -167,6 +175,7 @@ class _Walk:
         self.written: dict[Any, int] = {}  # a broadcast part (a kernel's: and its shape) -> its buffer
         self.materialized: dict[int, int] = {}  # a fused value -> the buffer it is written to
         self.dot: dict[int, int] = {}  # a dot's result -> the dot's op
+        self.bitcast: dict[int, int] = {}  # a reshaped view -> the op that reshapes it
 
     def buffer(self, whole: int, ways: int, *, argument: bool = False, in_place: bool = False) -> int:
         k = len(self.size) + 1
@@ -239,16 +248,21 @@ class _Walk:
                         self.ops.append(([self.materialize(reads[0])], [k], 0, ""))
                         env[e.outvars[0]] = k
                         continue
-                for i, v in enumerate(e.outvars):
-                    r = reads[min(i, len(reads) - 1)]
+                for j, v in enumerate(e.outvars):
+                    r = reads[min(j, len(reads) - 1)]
                     env[v] = self.virtual(
                         _bytes(v.aval), ways if name == "sharding_constraint" else self.ways[r], [r], view=r
                     )
                     self.spread[env[v]] = self.spread.get(r, frozenset())
                     if name in _BITCASTS and self.kept(r) and not self.argument[self.view.get(r, r)]:
-                        self.ops.append(([r], [env[v]], 0, "turn"))  # XLA's bitcast: an instruction
+                        if r in self.bitcast:  # XLA folds a bitcast of a bitcast into one
+                            turn = self.bitcast[r]
+                            self.ops[turn] = (self.ops[turn][0], [*self.ops[turn][1], env[v]], 0, "turn")
+                        else:  # XLA's bitcast: an instruction
+                            self.ops.append(([r], [env[v]], 0, "turn"))
+                        self.bitcast[env[v]] = self.bitcast.get(r, len(self.ops) - 1)
                 continue
-            fused = name in _FUSED or i in inside
+            fused = name in _FUSED or i in inside or _outer(e)
             reduction = not fused and (name.startswith("reduce") or name in ("argmax", "argmin"))
             if not fused and not reduction:  # a reduction reads its operands' loops, fused
                 reads = [self.materialize(k) for k in reads]
