@@ -45,6 +45,11 @@ class PlanRow:
       output_bytes: The step's outputs beyond those written into its donated state.
       temp_bytes: The step's temporaries at their peak (estimated: see the planning guide).
       notes: What the prediction could not read.
+      shard_options: ``shard_state``'s keywords for this configuration (mesh, layout, units...).
+      step_options: ``make_train_step``'s keywords (the mesh, the plan's step options).
+
+    ``row.shard_state(model, optimizer)`` and ``row.make_train_step(loss_fn)`` build the row's
+    configuration.
     """
 
     mode: str
@@ -59,6 +64,16 @@ class PlanRow:
     output_bytes: int = 0
     temp_bytes: int = 0
     notes: tuple[str, ...] = ()
+    shard_options: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    step_options: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+    def shard_state(self, model: nnx.Module, optimizer: nnx.Optimizer[Any]) -> Any:
+        """``shard_state`` with this row's mesh, layout, units and placement."""
+        return _layout.shard_state(model, optimizer, **self.shard_options)
+
+    def make_train_step(self, loss_fn: Callable[..., Any], **options: Any) -> Any:
+        """``make_train_step`` with this row's mode, mesh and step options (``options`` added)."""
+        return make_train_step(loss_fn, self.mode, **{**self.step_options, **options})
 
     @property
     def peak_bytes(self) -> int:
@@ -183,7 +198,8 @@ def _row(
     place = {"replica_axis": opts["replica_axis"]} if "replica_axis" in opts else {}
     place |= dict(placement or {})
     axis = opts.get("data_axis", "data")
-    placed = _layout.shard_state(m, o, mesh=mesh, layout=kind, units=unit, data_axis=axis, **place)
+    shard_options = {"mesh": mesh, "layout": kind, "units": unit, "data_axis": axis, **place}
+    placed = _layout.shard_state(m, o, **shard_options)
     step = make_train_step(loss_fn, mode, mesh=mesh, **opts)
     with declared.recording() as layers, _layout.recording_layers() as layered:
         traced = step.traced(m, o, batch, donate=True)
@@ -224,6 +240,8 @@ def _row(
         output_bytes=memory["explicit"].outputs,
         temp_bytes=memory["explicit"].temporaries,
         notes=notes,
+        shard_options=shard_options,
+        step_options={"mesh": mesh, **opts},
     )
 
 

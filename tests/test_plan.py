@@ -223,3 +223,32 @@ def test_best_takes_the_fewest_bytes_that_fit_and_names_the_least_requirement() 
         planned.best(memory=1000)
     table = str(planned)
     assert table.splitlines()[0].startswith("mode") and "all-gather (data)" in table and len(table.splitlines()) == 8
+
+
+@pytest.mark.parametrize("mode", substrax.MODES)
+def test_a_row_builds_its_configuration(mode: str) -> None:
+    mesh = create_device_mesh({"data": 8})
+
+    def build() -> tuple[nnx.Module, nnx.Optimizer]:
+        model = units.Stack(2, 64)
+        return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    batch = units._batch(64, 64)
+    model, optimizer = build()
+    planned = substrax.plan(
+        units.mse, model, optimizer, batch, mesh=mesh, mode=mode, layouts=("fsdp",), units=(nnx.Linear,),
+        placement={"min_size": 1}, microbatches=2,
+    )  # fmt: skip
+    (row,) = planned.rows
+    assert row.units == "Linear"
+    assert row.shard_state(model, optimizer).bytes_per_device == row.state_bytes
+    step = row.make_train_step(units.mse)
+    assert (step.options.mode, step.options.microbatches) == (mode, 2)
+    # the same step as one built by hand from the arguments the plan was given
+    by_hand, by_hand_optimizer = build()
+    substrax.shard_state(by_hand, by_hand_optimizer, mesh=mesh, layout="fsdp", units=nnx.Linear, min_size=1)
+    hand_step = substrax.make_train_step(units.mse, mode, mesh=mesh, microbatches=2)
+    for _ in range(2):
+        assert float(step(model, optimizer, batch)) == float(hand_step(by_hand, by_hand_optimizer, batch))
+    for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(by_hand)), strict=True):
+        assert a.sharding == b.sharding and np.array_equal(a, b)
