@@ -10,10 +10,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import types
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from jax import lax
 from jax.extend import core as jcore
 
 __all__ = ["Memory", "estimate"]
@@ -40,6 +42,11 @@ _FUSED = _EXPENSIVE | {
 }  # fmt: skip
 _JOINS = {"concatenate", "pad", "stack"}  # fused results larger than their operands, not broadcasts
 _REDUCES = {"psum", "psum_invariant"}
+# reductions XLA fuses their operands into (a collective reads them written out)
+_REDUCTIONS = {
+    "reduce", "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "reduce_xor",
+    "argmax", "argmin",
+}  # fmt: skip
 # what XLA's CPU compiler computes inside a reduction's YNNPACK kernel
 _KERNEL = {
     "add", "add_any", "sub", "mul", "div", "max", "min", "pow", "integer_pow", "square", "abs", "ceil",
@@ -47,6 +54,7 @@ _KERNEL = {
     "rsqrt", "convert_element_type", "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "pvary",
 }  # fmt: skip
 _SHAPING = {"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "pvary"}
+_SPREAD = {lax.broadcast_in_dim_p, lax.iota_p}  # operands XLA does not count as one more input
 _BITCASTS = {"reshape", "squeeze", "expand_dims"}  # views XLA writes as an instruction of their own
 _ALIGN = 64  # bytes: XLA's CPU buffers start at multiples of it
 _CALLS = {
@@ -118,6 +126,73 @@ def _kernels(jaxpr: Any) -> tuple[dict[int, list[tuple[Any, Any]]], set[int]]:
         kernels[i] = list(operands.items())
         inside |= region - {i}
     return kernels, inside
+
+
+def _unfusible(jaxpr: Any, kernels: dict[int, list[tuple[Any, Any]]]) -> set[Any]:
+    """The fused values XLA writes once for all their readers: those a reader cannot fuse (a dot,
+    a collective, a kernel) with more than one operand of their rank, holding more elements than
+    they do (XLA will not duplicate those into its other readers)."""
+    producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+    blocked = {v for operands in kernels.values() for v, shape in operands if shape is None}
+    for i, e in enumerate(jaxpr.eqns):
+        name = e.primitive.name
+        if i in kernels or name in _FUSED or name in _VIEW or name in _CALLS or _outer(e):
+            continue
+        if name not in _REDUCTIONS:
+            blocked.update(_vars(e.invars))
+    found = set()
+    for v in blocked:
+        e = producer.get(v)
+        if e is None or len(e.outvars) != 1 or e.primitive.name not in _FUSED or _outer(e):
+            continue
+        rank = _true_rank(v.aval)
+        large = [
+            x for x in _vars(e.invars)
+            if _true_rank(x.aval) >= rank and getattr(producer.get(x), "primitive", None) not in _SPREAD
+        ]  # fmt: skip
+        elements = sum(math.prod(getattr(x.aval, "shape", ())) for x in set(_vars(e.invars)))
+        if len(large) > 1 and elements > math.prod(v.aval.shape):
+            found.add(v)
+    return found
+
+
+def _true_rank(aval: Any) -> int:
+    return sum(d > 1 for d in getattr(aval, "shape", ()))
+
+
+_INLINED = _CALLS - {"remat", "checkpoint", "shard_map"}  # calls XLA inlines (and fuses across)
+
+
+def _inline(jaxpr: Any) -> Any:
+    """``jaxpr`` with the calls XLA inlines (``jit``, custom derivatives' primal calls) replaced
+    by their bodies: XLA fuses across them."""
+    if not any(e.primitive.name in _INLINED for e in jaxpr.eqns):
+        return jaxpr
+    eqns: list[Any] = []
+    constvars = list(jaxpr.constvars)
+    subst: dict[Any, Any] = {}
+
+    def get(v: Any) -> Any:
+        return v if isinstance(v, jcore.Literal) else subst.get(v, v)
+
+    def add(body: Any, invars: Sequence[Any]) -> list[Any]:
+        for bv, v in zip(body.invars, invars, strict=True):
+            subst[bv] = get(v)
+        constvars.extend(body.constvars)
+        for e in body.eqns:
+            if e.primitive.name in _INLINED:
+                outs = add(_called(e), e.invars)
+                for ov, v in zip(e.outvars, outs, strict=True):
+                    if not isinstance(ov, jcore.DropVar):
+                        subst[ov] = v
+            else:  # fresh names: a body called twice is inlined twice
+                outvars = [v if isinstance(v, jcore.DropVar) else jcore.Var(v.aval) for v in e.outvars]
+                subst.update((v, w) for v, w in zip(e.outvars, outvars, strict=True) if v is not w)
+                eqns.append(e.replace(invars=[get(v) for v in e.invars], outvars=outvars))
+        return [get(v) for v in body.outvars]
+
+    outvars = add(jaxpr, jaxpr.invars)
+    return types.SimpleNamespace(invars=jaxpr.invars, constvars=constvars, eqns=eqns, outvars=outvars)
 
 
 def _vars(vs: Sequence[Any]) -> list[Any]:
@@ -216,9 +291,11 @@ class _Walk:
         return k if self.kept(k) or not self.roots[k] else self.materialize(k)
 
     def run(self, jaxpr: Any, env: dict[Any, int]) -> list[int]:
+        jaxpr = _inline(jaxpr)
         for v in jaxpr.constvars:  # constants live in the program, not in its buffers
             env.setdefault(v, self.virtual(0, 1, []))
         kernels, inside = _kernels(jaxpr)
+        unfusible = _unfusible(jaxpr, kernels)
         readers: dict[Any, int] = {}
         for e in jaxpr.eqns:
             for v in e.invars:
@@ -263,14 +340,16 @@ class _Walk:
                         self.bitcast[env[v]] = self.bitcast.get(r, len(self.ops) - 1)
                 continue
             fused = name in _FUSED or i in inside or _outer(e)
-            reduction = not fused and (name.startswith("reduce") or name in ("argmax", "argmin"))
+            reduction = not fused and name in _REDUCTIONS
             if not fused and not reduction:  # a reduction reads its operands' loops, fused
                 reads = [self.materialize(k) for k in reads]
             if i in kernels:  # a kernel reads what it does not compute itself, written out
                 reads = [self.kernel_input(env[v], v, shape) for v, shape in kernels[i]]
-            inner = _copies(
-                e, [self.whole[k] // self.ways[k] for k in reads], _bytes(e.outvars[0].aval) // ways
-            )
+            copied, inner = _copies(e, _bytes(e.outvars[0].aval) // ways)
+            for j in copied:  # a copy of an operand, written as soon as its operand is
+                k = self.buffer(self.whole[reads[j]], self.ways[reads[j]])
+                self.ops.append(([reads[j]], [k], 0, ""))
+                reads[j] = k
             for sub in jcore.jaxprs_in_params(e.params):
                 inner = max(inner, _loop_peak(getattr(sub, "jaxpr", sub), _sliced(e)))
             defined = []
@@ -284,7 +363,7 @@ class _Walk:
             for v in e.outvars:
                 if isinstance(v, jcore.DropVar):
                     continue
-                if not fused or name in _EXPENSIVE and readers.get(v, 0) > 1:
+                if not fused or name in _EXPENSIVE and readers.get(v, 0) > 1 or v in unfusible:
                     k = self.buffer(_bytes(v.aval), ways, in_place=fused)
                 else:
                     k = self.virtual(
@@ -363,11 +442,12 @@ class _Walk:
 
     def schedule(self) -> None:
         """Order the ops breadth first, as XLA's CPU compiler orders a program with collectives:
-        an op is queued once the ops it reads have run. An op that writes no buffer of its own
-        takes no turn (a fused value: XLA computes it in its reader; a transposed dot result:
-        XLA folds the transpose into the dot), but for a reshaped result (XLA's bitcast is an
-        instruction); a dot whose result is transposed goes last among its operands' readers
-        (the folded dot is a new instruction, their last user)."""
+        an op is queued once the ops it reads have run, an op's readers last first (XLA fuses
+        from the program's end, and a fused reader joins its operand's users as it is made). An
+        op that writes no buffer of its own takes no turn (a fused value: XLA computes it in its
+        reader; a transposed dot result: XLA folds the transpose into the dot), but for a
+        reshaped result (XLA's bitcast is an instruction); a dot whose result is transposed goes
+        last among its operands' readers (the folded dot is a new instruction, their last user)."""
         needs = self._needs()
         waiting = [len(x) for x in needs]
         readers: dict[int, list[int]] = {}
@@ -375,7 +455,7 @@ class _Walk:
             for j in x:
                 readers.setdefault(j, []).append(i)
         for j, rs in readers.items():
-            rs.sort(key=lambda i: (self.ops[i][3] == "late", i))
+            rs.sort(key=lambda i: (self.ops[i][3] == "late", -i))
         ready = collections.deque(i for i, w in enumerate(waiting) if not w)
         order = []
         while ready:
@@ -485,17 +565,17 @@ def _heap_size(intervals: list[tuple[int, int, int]]) -> int:
     return top
 
 
-def _copies(eqn: Any, sizes: list[int], out: int) -> int:
-    """Bytes of the copies XLA makes around a convolution to lay its operands and its result out
-    as its kernel wants them, in NHWC, HWIO, NHWC order. (A dot reads its operands as they lie.)"""
+def _copies(eqn: Any, out: int) -> tuple[list[int], int]:
+    """The operands XLA copies to lay a convolution's operands out as its kernel wants them (NHWC,
+    HWIO), and the bytes of the copy of its result (to NHWC). A dot reads its operands as they lie."""
     if eqn.primitive.name != "conv_general_dilated":
-        return 0
+        return [], 0
     lhs, rhs, result = eqn.params["dimension_numbers"]
     n = len(lhs)
     spatial = tuple(range(1, n - 1))
-    copies = sizes[0] if tuple(lhs) != (0, n - 1, *spatial) else 0
-    copies += sizes[1] if tuple(rhs) != (n - 1, n - 2, *range(n - 2)) else 0
-    return copies + (out if tuple(result) != (0, n - 1, *spatial) else 0)
+    copied = [0] if tuple(lhs) != (0, n - 1, *spatial) else []
+    copied += [1] if tuple(rhs) != (n - 1, n - 2, *range(n - 2)) else []
+    return copied, out if tuple(result) != (0, n - 1, *spatial) else 0
 
 
 def _sliced(eqn: Any) -> int:
