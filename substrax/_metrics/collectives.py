@@ -108,6 +108,9 @@ if "to" in inspect.signature(jax.lax.all_gather).parameters:
 
     def gather_invariant(x: Any, axis_name: str, *, axis: int = 0, tiled: bool = False) -> Any:
         """``all_gather`` whose result is typed equal on every device (may leave through ``P()``)."""
+        # jax >= 0.12.1 gathers only a value typed varying over the axis: one equal on every
+        # device is cast first (no communication; its copies are gathered, as before)
+        x = to_varying_over(x, axis_name) if varying_axes(x) is not None else x
         return jax.lax.all_gather(x, axis_name, axis=axis, tiled=tiled, to="invarying")
 
 elif hasattr(jax.lax, "all_gather_invariant"):
