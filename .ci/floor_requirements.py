@@ -1,7 +1,7 @@
 """Print the requirements of the floor environment: every dependency at its oldest allowed version.
 
-Reads ``pyproject.toml``: each ``[project] dependencies`` entry ``name>=X`` becomes
-``name==X`` (an entry without a ``>=`` floor is kept as written), so a dependency added
+Reads ``pyproject.toml``: each ``[project] dependencies`` entry ``name>=X`` (with or without
+more specifiers after it, such as ``!=Y``) becomes ``name==X`` (an entry without a ``>=`` floor is kept as written), so a dependency added
 there is tested at its floor without editing this file. The test runner comes from the
 ``dev`` extra as written there (only ``pytest``, ``pytest-xdist`` and ``hypothesis``: the
 library tests need nothing else).
@@ -15,7 +15,7 @@ import tomllib
 from pathlib import Path
 
 TEST_TOOLS = ("pytest", "pytest-xdist", "hypothesis")
-FLOOR = re.compile(r"^\s*([A-Za-z0-9_.\-]+(?:\[[^\]]*\])?)\s*>=\s*([^,;\s]+)\s*(;.*)?$")
+FLOOR = re.compile(r"^\s*([A-Za-z0-9_.\-]+(?:\[[^\]]*\])?)\s*>=\s*([^,;\s]+)\s*(?:,[^;]*)?(;.*)?$")
 
 
 def at_floor(requirement: str) -> str:
