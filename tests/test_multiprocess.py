@@ -41,6 +41,8 @@ def results(run: Run, name: str) -> dict[str, str]:
         "hybrid_mesh",  # create_hybrid_mesh: data over the processes (DCN), model inside one (ICI)
         "steps_implicit",  # 12 adam steps match the one-device reference
         "steps_explicit",
+        "held_implicit",  # arrays held on one process only: the same program on both (a hang else)
+        "held_explicit",
         "hsdp_implicit",  # hybrid sharding, a replica per process: the same 12 steps
         "hsdp_explicit",
         "gather_implicit",  # a gathered metric is replicated: np.asarray reads it on every process

@@ -339,12 +339,16 @@ def test_the_plain_call_follows_changes_to_the_model(mesh8: jax.sharding.Mesh, m
 
 
 @pytest.mark.parametrize("mode", substrax.MODES)
-def test_the_plain_call_donates_only_what_nobody_else_holds(mesh8: jax.sharding.Mesh, mode: str) -> None:
-    """An array the user kept is never deleted under them; the state nobody else holds is donated."""
+def test_the_plain_call_donates_a_copy_of_what_someone_else_holds(mesh8: jax.sharding.Mesh, mode: str) -> None:
+    """An array the user kept is never deleted under them, and the step stays one program.
+
+    Which program runs must not hang on who holds what: on several processes a save in
+    flight holds arrays on some of them (tests/workers/mp_worker.py's ``held`` check).
+    """
     batch = regression_batches(1, rows=32)[0]
     model = MLP()
     optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
-    step = substrax.make_train_step(mse, mode, mesh=mesh8, skip_nonfinite=False)  # the guard never donates
+    step = substrax.make_train_step(mse, mode, mesh=mesh8)
     ran = lambda: {donate for (*_, donate), f in step._pure_steps.items() if f._cache_size()}  # noqa: E731
     first = model.hidden.kernel.get_value()  # uncommitted: the first call steps a copy placed on the mesh
     step(model, optimizer, batch)
@@ -353,12 +357,13 @@ def test_the_plain_call_donates_only_what_nobody_else_holds(mesh8: jax.sharding.
     before = np.asarray(kept).copy()
     step(model, optimizer, batch)
     assert not kept.is_deleted() and np.array_equal(np.asarray(kept), before)
-    assert ran() == {True, False}  # the step ran undonated
+    assert not np.array_equal(np.asarray(model.hidden.kernel.get_value()), before)  # the step updated it
     del kept
     mu = optimizer.opt_state[0].mu["out"]["kernel"].get_value()  # held between steps
     mu_before = np.asarray(mu).copy()
     step(model, optimizer, batch)
     assert not mu.is_deleted() and np.array_equal(np.asarray(mu), mu_before)
+    assert ran() == {True} and sum(f._cache_size() for f in step._pure_steps.values()) == 1
 
 
 @pytest.mark.parametrize("mode", substrax.MODES)

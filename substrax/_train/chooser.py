@@ -251,12 +251,11 @@ class TrainStep:
         """
         split = self._cached
         if split is None or not split.valid_for(model, optimizer):
-            split = self._cached = self._split(model, optimizer, donate=False, place=True)
-        arrays = split.arrays()
-        # donated when nobody else reads them (the guard's update then reads no old buffer after
-        # its new value is written: substrax._shared.update._update_in_place)
-        jitted = split.jitted_for(split.unshared(arrays))
-        arrays, out, applied = self._run_split(jitted, arrays, batch, self.placed_specs(batch))
+            split = self._cached = self._split(model, optimizer, donate=True, place=True)
+        # donated, an array someone else holds copied first (the guard's update then reads no old
+        # buffer after its new value is written: substrax._shared.update._update_in_place)
+        arrays = split.donatable(split.arrays())
+        arrays, out, applied = self._run_split(split.jitted, arrays, batch, self.placed_specs(batch))
         split.write(arrays)
         self._skips.push(applied)
         return out
@@ -264,8 +263,8 @@ class TrainStep:
     def lower(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree, *, donate: bool = False) -> Any:
         """Lower the jitted step for these arguments (traced afresh), e.g. ``.compile().as_text()``.
 
-        ``donate=True``: the program that runs when the state is donated (``.bind``, and the
-        plain call when nothing else holds the arrays); lowering donates nothing.
+        ``donate=True``: the program that runs when the state is donated (the plain call and
+        ``.bind``); lowering donates nothing.
         """
         split = self._split(model, optimizer, donate=False)
         return self._lower(split, split.arrays(), batch, donate=donate)

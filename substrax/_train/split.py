@@ -168,15 +168,20 @@ class SplitState:
             return values
         return [v if v is last else _like(v, last) for v, last in zip(values, self._written, strict=True)]
 
-    def unshared(self, arrays: list[jax.Array]) -> bool:
-        """Whether ``arrays`` (from ``arrays()``) are held by no one else: a step may donate them.
+    def donatable(self, arrays: list[jax.Array]) -> list[jax.Array]:
+        """``arrays`` (from ``arrays()``) to donate to a step, each held by someone else copied first.
 
         The holders counted are the variable, this split's last write, the list itself
-        and, for a value set since, not the last write; one more is someone else's.
+        and, for a value set since, not the last write; one more is someone else's, whose
+        array the step must not delete. The program is the same whoever holds what (on
+        several processes, where a save in flight holds arrays on some, it must be).
         """
         base = _base_count()
         counts = _counts(arrays)
-        return all(c <= base - (a is not w) for c, a, w in zip(counts, arrays, self._written, strict=True))
+        return [
+            a if c <= base - (a is not w) else _copy(a)
+            for c, a, w in zip(counts, arrays, self._written, strict=True)
+        ]
 
     def write(self, arrays: list[jax.Array]) -> None:
         """Set each variable's value to the step's result.
@@ -273,6 +278,13 @@ def _base_count() -> int:
     arrays = [variable.get_raw_value()]
     assert written[0] is arrays[0]
     return _counts(arrays)[0]
+
+
+def _copy(array: Any) -> Any:
+    """A copy of ``array`` in its sharding, made on each device from its own shard (no collective)."""
+    if not isinstance(array, jax.Array):
+        return array  # not a buffer the step could delete
+    return jax.device_put(array, array.sharding, may_alias=False)
 
 
 def _like(value: Any, last: jax.Array) -> Any:

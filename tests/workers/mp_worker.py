@@ -202,6 +202,30 @@ def checks() -> None:
             for name in ref_params:
                 np.testing.assert_allclose(got[name], ref_params[name], rtol=1e-5, atol=1e-5, err_msg=name)
 
+    for mode in substrax.MODES:
+
+        @check(f"held_{mode}")
+        def _(mode: str = mode) -> None:
+            # process 1 alone holds the state's arrays across each step, as a save in flight
+            # does on some processes: every process must still run one and the same program
+            with jax.set_mesh(mesh):
+                model = MLP()
+                optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
+            step = substrax.make_train_step(
+                weighted_mse, mode, mesh=mesh, batch_spec={"rows": P("data"), "batch_state": P()}
+            )
+            losses, held = [], []
+            for b in batches[:3]:
+                if jax.process_index() == 1:
+                    held.append(jax.tree.leaves(nnx.state((model, optimizer))))
+                rows = jax.tree.map(lambda a: a[process_slice(ROWS)], b["rows"])
+                placed = place_batch_on_shards({"rows": rows, "batch_state": b["batch_state"]}, shardings)
+                losses.append(float(local_value(step(model, optimizer, placed))))
+            np.testing.assert_allclose(losses, ref_losses[:3], rtol=1e-5)
+            assert not any(a.is_deleted() for arrays in held for a in arrays)
+            ran = {donate for (*_, donate), f in step._pure_steps.items() if f._cache_size()}
+            assert ran == {True}, ran  # the donated program, whoever holds what
+
     # hybrid sharding: one replica per process, the state split over the process's 4 devices
     hybrid = create_device_mesh({"replica": 2, "data": 4})
     hybrid_rows = create_data_parallel_sharding(hybrid)  # rows over (replica, data)
