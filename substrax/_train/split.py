@@ -284,7 +284,9 @@ def _copy(array: Any) -> Any:
     """A copy of ``array`` in its sharding, made on each device from its own shard (no collective)."""
     if not isinstance(array, jax.Array):
         return array  # not a buffer the step could delete
-    return jax.device_put(array, array.sharding, may_alias=False)
+    shards = array.addressable_shards
+    copies = jax.device_put([s.data for s in shards], [s.device for s in shards], may_alias=False)
+    return jax.make_array_from_single_device_arrays(array.shape, array.sharding, copies)
 
 
 def _like(value: Any, last: jax.Array) -> Any:
