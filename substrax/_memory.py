@@ -56,6 +56,7 @@ _KERNEL = {
 _SHAPING = {"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "pvary"}
 _SPREAD = {lax.broadcast_in_dim_p, lax.iota_p}  # operands XLA does not count as one more input
 _BITCASTS = {"reshape", "squeeze", "expand_dims"}  # views XLA writes as an instruction of their own
+_RELAID = {"all_gather": "all_gather_dimension", "reduce_scatter": "scatter_dimension"}
 _ALIGN = 64  # bytes: XLA's CPU buffers start at multiples of it
 _CALLS = {
     "jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
@@ -297,6 +298,7 @@ class _Walk:
         kernels, inside = _kernels(jaxpr)
         unfusible = _unfusible(jaxpr, kernels)
         readers: dict[Any, int] = {}
+        results = set(jaxpr.outvars)
         for e in jaxpr.eqns:
             for v in e.invars:
                 if not isinstance(v, jcore.Literal):
@@ -360,10 +362,17 @@ class _Walk:
                         self.written[b] = self.buffer(self.whole[b], self.ways[b])
                         self.ops.append(([b], [self.written[b]], 0, ""))
                 reads = reads + [self.written[b] for b in parts]
+            stacked = e.outvars[len(e.outvars) - _stacked(e):]
             for v in e.outvars:
                 if isinstance(v, jcore.DropVar):
                     continue
-                if not fused or name in _EXPENSIVE and readers.get(v, 0) > 1 or v in unfusible:
+                if v in stacked and not readers.get(v) and v not in results:  # XLA drops it
+                    env[v] = self.virtual(0, 1, [])
+                    continue
+                if v in stacked:  # a scan's stacked result: its buffer of zeros is made first of all
+                    k = self.buffer(_bytes(v.aval), ways)
+                    self.ops.append(([], [k], 0, ""))
+                elif not fused or name in _EXPENSIVE and readers.get(v, 0) > 1 or v in unfusible:
                     k = self.buffer(_bytes(v.aval), ways, in_place=fused)
                 else:
                     k = self.virtual(
@@ -511,6 +520,8 @@ class _Walk:
             for k in defined:
                 if self.roots[k] != frozenset({k}) or not self.size[k]:
                     continue
+                if k in first:  # made before (a scan's stacked result): one buffer
+                    continue
                 first[k] = i
                 if not self.in_place[k] or k in paired:
                     continue
@@ -568,7 +579,11 @@ def _heap_size(intervals: list[tuple[int, int, int]]) -> int:
 def _copies(eqn: Any, out: int) -> tuple[list[int], int]:
     """The operands XLA copies to lay a convolution's operands out as its kernel wants them (NHWC,
     HWIO), and the bytes of the copy of its result (to NHWC). A dot reads its operands as they lie."""
-    if eqn.primitive.name != "conv_general_dilated":
+    name = eqn.primitive.name
+    if name in _RELAID:  # XLA lays the gathered (scattered) dimension out major, copying both ways
+        shape = eqn.invars[0].aval.shape
+        return ([0], out) if math.prod(shape[: eqn.params[_RELAID[name]]]) > 1 else ([], 0)
+    if name != "conv_general_dilated":
         return [], 0
     lhs, rhs, result = eqn.params["dimension_numbers"]
     n = len(lhs)
@@ -588,6 +603,18 @@ def _sliced(eqn: Any) -> int:
         return len(eqn.params["ft_in"].update(list(eqn.invars)).unpack()[-1])
     except (AttributeError, KeyError, TypeError, ValueError):
         return 0  # another jax: its slices not counted
+
+
+def _stacked(eqn: Any) -> int:
+    """How many of a scan's results it stacks, one slice per step (its last results)."""
+    if eqn.primitive.name != "scan":
+        return 0
+    if "num_carry" in eqn.params:
+        return len(eqn.outvars) - eqn.params["num_carry"]
+    try:  # jax 0.11-0.12: the results' tree, (carry, ys)
+        return len(eqn.params["ft_out"].update(list(eqn.outvars)).unpack()[-1])
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return 0  # another jax: made where the scan is
 
 
 def _loop_peak(body: Any, sliced: int = 0) -> int:

@@ -175,25 +175,32 @@ def _compiled(step, model, optimizer, batch) -> tuple[int, int]:
     return m.argument_size_in_bytes, peak
 
 
-@pytest.mark.parametrize("depth", [3, 6])
-def test_the_planned_memory_of_a_scanned_stack_of_units_is_the_compiled_one(depth: int) -> None:
-    """``nnx.scan`` over layers gathered one at a time (``placement=`` passing ``min_size``): the
-    scan's slices and the loop's own temporaries counted."""
+SCANNED = [  # (depth, gathered one layer at a time, remat); with units and remat at depth 3, 1.11
+    *((d, True, False) for d in (3, 6)), (6, True, True), *((d, False, r) for d in (3, 6) for r in (False, True))
+]
+
+
+@pytest.mark.parametrize(("depth", "per_layer", "remat"), SCANNED)
+def test_the_planned_memory_of_a_scanned_stack_is_the_compiled_one(depth: int, per_layer: bool, remat: bool) -> None:
+    """``nnx.scan`` over layers, gathered whole or one at a time (``placement=`` passing
+    ``min_size``), the body rematerialized or not: the scan's slices, its stacked results (made
+    first of all) and the loop's own temporaries counted, the gathers' relayout copies too."""
     mesh = create_device_mesh({"data": 8})
+    layer = scanned.Layer if per_layer else None
 
     def build():
         with jax.set_mesh(mesh):
-            model = scanned.Scanned(depth, 64)
+            model = scanned.Scanned(depth, 64, remat=remat)
             return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
 
     batch = scanned._batches(1, 256)[0]
     model, optimizer = build()
     (row,) = substrax.plan(
-        scanned.mse, model, optimizer, batch, mesh=mesh, layouts=("fsdp",), units=(scanned.Layer,),
+        scanned.mse, model, optimizer, batch, mesh=mesh, layouts=("fsdp",), units=(layer,),
         placement={"min_size": 1},
     ).rows  # fmt: skip
     model, optimizer = build()
-    substrax.shard_state(model, optimizer, mesh=mesh, layout="fsdp", units=scanned.Layer, min_size=1)
+    substrax.shard_state(model, optimizer, mesh=mesh, layout="fsdp", units=layer, min_size=1)
     step = substrax.make_train_step(scanned.mse, "explicit", mesh=mesh)
     arguments, peak = _compiled(step, model, optimizer, batch)
     assert row.state_bytes + row.batch_bytes == arguments  # placed as placement= says (min_size=1)
