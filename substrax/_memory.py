@@ -83,6 +83,7 @@ def estimate(jaxpr: jcore.ClosedJaxpr, argument_bytes: Sequence[int], *, donated
     env = {}
     for v, size in zip(jaxpr.jaxpr.invars, argument_bytes, strict=True):
         env[v] = walk.buffer(_bytes(v.aval), _bytes(v.aval) // size if size else 1, argument=True)
+        walk.parameter[env[v]] = len(walk.parameter)
     outs = walk.run(jaxpr.jaxpr, env)
     # jax hands an argument returned as it is back without the program
     given = set(jaxpr.jaxpr.invars)
@@ -252,6 +253,7 @@ class _Walk:
         self.materialized: dict[int, int] = {}  # a fused value -> the buffer it is written to
         self.dot: dict[int, int] = {}  # a dot's result -> the dot's op
         self.bitcast: dict[int, int] = {}  # a reshaped view -> the op that reshapes it
+        self.parameter: dict[int, int] = {}  # an argument -> the parameter XLA reads it from
 
     def buffer(self, whole: int, ways: int, *, argument: bool = False, in_place: bool = False) -> int:
         k = len(self.size) + 1
@@ -317,7 +319,11 @@ class _Walk:
                 if getattr(v.aval, "shape", None) == shape
             ]
             ways = max(same, default=1)  # a result is split as its operands of its shape are
-            if name in _VIEW and reads:
+            if name in _VIEW and not reads:  # a view of a literal: a constant XLA folds
+                for v in e.outvars:
+                    env[v] = self.virtual(0, 1, [])
+                continue
+            if name in _VIEW:
                 if name == "sharding_constraint":
                     ways = max(
                         1, math.prod(shape) // max(1, math.prod(e.params["sharding"].shard_shape(shape)))
@@ -458,6 +464,9 @@ class _Walk:
         reshaped result (XLA's bitcast is an instruction); a dot whose result is transposed goes
         last among its operands' readers (the folded dot is a new instruction, their last user)."""
         needs = self._needs()
+        n = len(self.ops)
+        for i, op in enumerate(self.ops):  # a parameter is an instruction: n + its number
+            needs[i] |= {n + self.parameter[r] for k in op[0] for r in self.roots[k] if r in self.parameter}
         waiting = [len(x) for x in needs]
         readers: dict[int, list[int]] = {}
         for i, x in enumerate(needs):
@@ -465,19 +474,23 @@ class _Walk:
                 readers.setdefault(j, []).append(i)
         for j, rs in readers.items():
             rs.sort(key=lambda i: (self.ops[i][3] == "late", -i))
-        ready = collections.deque(i for i, w in enumerate(waiting) if not w)
+        parameters = sorted(set(self.parameter.values()))
+        ready = collections.deque([i for i, w in enumerate(waiting) if not w] + [n + p for p in parameters])
         order = []
         while ready:
             i = ready.popleft()
-            order.append(i)
+            if i < n:
+                order.append(i)
+            now = []  # fused readers made ready: computed at once, in the readers' order
             for j in readers.get(i, []):
                 waiting[j] -= 1
                 if not waiting[j]:
                     _, defined, inner, tag = self.ops[j]
                     if not inner and tag != "turn" and all(self.roots[k] != frozenset({k}) for k in defined):
-                        ready.appendleft(j)
+                        now.append(j)
                     else:
                         ready.append(j)
+            ready.extendleft(reversed(now))
         if len(order) == len(self.ops):  # (always: the ops form a DAG)
             self.ops = [self.ops[i] for i in order]
 
@@ -624,7 +637,9 @@ def _loop_peak(body: Any, sliced: int = 0) -> int:
     """
     walk = _Walk()
     whole = len(body.invars) - sliced
-    env = {v: walk.buffer(0, 1, argument=True) if i < whole else walk.virtual(_bytes(v.aval), 1, [])
+    state = walk.buffer(0, 1, argument=True)  # the loop's state: one parameter, a tuple
+    walk.parameter[state] = 0
+    env = {v: state if i < whole else walk.virtual(_bytes(v.aval), 1, [state])
            for i, v in enumerate(body.invars)}  # fmt: skip
     outs = walk.run(body, env)
     return walk.peak([walk.materialize(k) for k in outs], False, []).temporaries
