@@ -55,7 +55,9 @@ SCANS = (None, None, "scan", "remat", "prefetch")
 PLACEMENTS = ("batch_spec", "placed")  # host arrays + batch_spec=, or place_batch_on_shards and no batch_spec
 # A metric per reduction; "default" is a metric reduce= does not name (it gets "mean").
 METRICS = ("mean", "sum", "max", "min", "gather", None, "default")
-SPELLINGS = ("call", "bind")  # step(model, optimizer, batch), or step.bind(model, optimizer)(batch)
+# step(model, optimizer, batch); step.bind(model, optimizer)(batch); the plain call while the
+# caller holds the state's arrays from before each step (as a save in flight does): copied, not deleted
+SPELLINGS = ("call", "bind", "held")
 # The mixed-precision policy, "param_dtype/reduce_dtype": None (no policy; two draws in three),
 # or substrax.MixedPrecision(bfloat16, reduce_dtype=float32 or bfloat16), keep_batch=().
 PRECISIONS = (None, "bf16/f32", "bf16/bf16")

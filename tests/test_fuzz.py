@@ -535,14 +535,24 @@ def device_run(config: Config, batches: list[dict]) -> DeviceRun:
     else:
         feed = [pack(config, b) for b in batches]
     try:
+        held: list[tuple[jax.Array, np.ndarray]] = []
         if config.spelling == "bind":
             with step.bind(model, optimizer) as fast:
                 outs = [jax.device_get(fast(b)) for b in feed]
         else:
-            outs = [jax.device_get(step(model, optimizer, b)) for b in feed]
+            outs = []
+            for b in feed:
+                if config.spelling == "held":
+                    held += [(a, np.asarray(a)) for a in jax.tree.leaves(nnx.state((model, optimizer)))]
+                outs.append(jax.device_get(step(model, optimizer, b)))
     except Exception as e:  # noqa: BLE001
         out.problems.append(f"step raised {_first_line(e)}")
         return out
+    if any(a.is_deleted() or not np.array_equal(np.asarray(a), v) for a, v in held):
+        out.problems.append("an array the caller held was deleted or changed by the step")
+    programs = sum(f._cache_size() for f in step._pure_steps.values())
+    if config.spelling == "held" and programs != 1:
+        out.problems.append(f"the plain call compiled {programs} programs while arrays were held (one, donated)")
     losses = [float(o[0] if config.has_aux else o) for o in outs]
     metrics = (
         [{k: np.asarray(v) for k, v in o[1].items()} for o in outs] if config.has_aux else [{}] * len(outs)
@@ -880,6 +890,8 @@ CURATED = (
         mode="explicit", layout="hsdp", min_size=1, devices=8, microbatches=2, blocks=("linear", "batchnorm_sync"),
         units="blocks", optimizer="adam", seed=12,
     ),  # fmt: skip
+    # the plain call while the caller holds the state (a save in flight): a copy donated, one program
+    Config(mode="implicit", layout="fsdp", min_size=1, devices=4, optimizer="adam", spelling="held", seed=14),
     # every Linear a unit (stem, blocks, head), gathered again for the backward pass
     Config(mode="explicit", layout="fsdp", min_size=1, devices=8, blocks=("linear", "linear"), units="linear", seed=10),
     # bfloat16 gathers, reductions and microbatch sums: explicit FSDP under MixedPrecision(bf16, bf16)

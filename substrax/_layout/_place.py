@@ -31,7 +31,10 @@ def _as_sharding(spec: Any, mesh: Mesh, where: str) -> Sharding:
     """``spec`` as a Sharding on ``mesh``; a TypeError names ``where`` it came from otherwise."""
     if isinstance(spec, PartitionSpec):
         check_spec_axes(spec, mesh, where="place_nnx_state_on_shards")
-        return NamedSharding(mesh, spec)
+        kept = list(spec)
+        while kept and kept[-1] is None:  # as jit writes a step's results: the step compiles once
+            kept.pop()
+        return NamedSharding(mesh, PartitionSpec(*kept))
     if isinstance(spec, Sharding):
         return spec
     raise TypeError(

@@ -55,7 +55,11 @@ def _place(variable: nnx.Variable[Any], spec: tuple[Any, ...], mesh: Mesh) -> No
         data = _global(jax.random.key_data(value), NamedSharding(mesh, PartitionSpec()))
         variable.set_value(jax.random.wrap_key_data(data, impl=jax.random.key_impl(value)))
         return
-    variable.set_value(_global(value, NamedSharding(mesh, PartitionSpec(*spec))))
+    # without trailing Nones, as jit writes a step's results: an equal sharding, not a new program
+    kept = list(spec)
+    while kept and kept[-1] is None:
+        kept.pop()
+    variable.set_value(_global(value, NamedSharding(mesh, PartitionSpec(*kept))))
     variable.set_metadata(out_sharding=spec)
 
 
