@@ -11,6 +11,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from substrax._batch.axes import check_fits, check_spec_axes
+from substrax._layout._specs import trimmed
 from substrax._tree import is_array, path_str
 
 __all__ = ["FilterSharding", "place_nnx_state_on_shards"]
@@ -31,10 +32,7 @@ def _as_sharding(spec: Any, mesh: Mesh, where: str) -> Sharding:
     """``spec`` as a Sharding on ``mesh``; a TypeError names ``where`` it came from otherwise."""
     if isinstance(spec, PartitionSpec):
         check_spec_axes(spec, mesh, where="place_nnx_state_on_shards")
-        kept = list(spec)
-        while kept and kept[-1] is None:  # as jit writes a step's results: the step compiles once
-            kept.pop()
-        return NamedSharding(mesh, PartitionSpec(*kept))
+        return NamedSharding(mesh, trimmed(spec))
     if isinstance(spec, Sharding):
         return spec
     raise TypeError(

@@ -22,6 +22,7 @@ from substrax._layout._specs import (
     declared_spec,
     spec_tuple,
     split_dim_of,
+    trimmed,
     with_axis,
     without_axis,
 )
@@ -55,11 +56,7 @@ def _place(variable: nnx.Variable[Any], spec: tuple[Any, ...], mesh: Mesh) -> No
         data = _global(jax.random.key_data(value), NamedSharding(mesh, PartitionSpec()))
         variable.set_value(jax.random.wrap_key_data(data, impl=jax.random.key_impl(value)))
         return
-    # without trailing Nones, as jit writes a step's results: an equal sharding, not a new program
-    kept = list(spec)
-    while kept and kept[-1] is None:
-        kept.pop()
-    variable.set_value(_global(value, NamedSharding(mesh, PartitionSpec(*kept))))
+    variable.set_value(_global(value, NamedSharding(mesh, trimmed(spec))))
     variable.set_metadata(out_sharding=spec)
 
 

@@ -21,6 +21,7 @@ __all__ = [
     "optional_axes",
     "spec_tuple",
     "split_dim_of",
+    "trimmed",
     "with_axis",
     "without_axis",
 ]
@@ -149,3 +150,11 @@ def check_mesh_axes(tree: Any, mesh: Any, owner: str) -> None:
             )
         said = variable.get_metadata().get("declared_sharding") or spec
         variable.set_metadata(out_sharding=without_axes(spec, missing), declared_sharding=said)
+
+
+def trimmed(spec: Any) -> PartitionSpec:
+    """``spec`` without trailing ``None``s, as jit writes a step's results (an equal sharding, one program)."""
+    kept = list(spec)
+    while kept and kept[-1] is None:
+        kept.pop()
+    return PartitionSpec(*kept)
