@@ -393,27 +393,39 @@ def test_the_first_call_compiles_the_program_every_later_call_runs(
     assert not optimizer.opt_state[0].mu["out"]["kernel"].get_value().is_deleted()
 
 
-@pytest.mark.parametrize(
-    ("mode", "place"), [*((m, p) for m in substrax.MODES for p in ("zero1", "fsdp")), ("implicit", "specs")]
-)  # explicit mode reads the layout from the variables' metadata: shard_state's
+PLACES = [*((m, p) for m in substrax.MODES for p in ("zero1", "fsdp")), ("implicit", "specs"), ("implicit", "eager")]
+
+
+@pytest.mark.parametrize(("mode", "place"), PLACES)  # explicit mode reads the layout shard_state records
 def test_placed_state_compiles_one_program_for_every_call(mesh8: jax.sharding.Mesh, mode: str, place: str) -> None:
-    """State placed by ``shard_state`` or ``place_nnx_state_on_shards`` with specs that end in
-    ``None`` (``P("data", None)``) is placed as the step writes its results (``P("data")``):
-    the second call does not compile the step again (it did, with the state's shardings unequal)."""
+    """State placed by ``shard_state``, ``place_nnx_state_on_shards`` or flax's eager sharding
+    with specs that end in ``None`` (``P("data", None)``) is stepped as the step writes its
+    results (``P("data")``): the second call does not compile the step again (it did, the
+    state's shardings unequal); an array the caller held from before is left whole."""
     batch = regression_batches(1, rows=32, din=8)[0]
-    model = MLP(din=8, width=16, dout=8)
-    optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
+    if place == "eager":
+        init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("data", None))
+        with jax.set_mesh(mesh8):
+            model = MLP(din=8, width=16, dout=8)
+            model.hidden = nnx.Linear(8, 16, kernel_init=init, rngs=nnx.Rngs(1))
+            optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
+    else:
+        model = MLP(din=8, width=16, dout=8)
+        optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
+    held = model.hidden.kernel.get_value()
+    before = np.asarray(held).copy()
     if place == "specs":
         specs = [(nnx.PathContains("kernel"), P("data", None)), (nnx.PathContains("bias"), P(None))]
         placed = substrax.spmd.place_nnx_state_on_shards(nnx.state((model, optimizer)), mesh8, specs)
         nnx.update((model, optimizer), placed)
         assert model.out.kernel.get_value().sharding.spec == P("data")
-    else:
+    elif place != "eager":
         substrax.shard_state(model, optimizer, mesh=mesh8, layout=place, min_size=1)
     step = substrax.make_train_step(mse, mode, mesh=mesh8)
     for _ in range(3):
         step(model, optimizer, batch)
     assert sum(f._cache_size() for f in step._pure_steps.values()) == 1
+    assert not held.is_deleted() and np.array_equal(np.asarray(held), before)
 
 
 def test_a_train_step_takes_its_options_whole() -> None:

@@ -132,16 +132,23 @@ class SplitState:
         return self._jitted[donate]
 
     def place_uncommitted(self, mesh: jax.sharding.Mesh | None) -> None:
-        """Put each uncommitted value on ``mesh``, replicated, where the step's first call would leave it.
+        """Put each uncommitted value on ``mesh``, replicated, where the step's first call would leave
+        it, and give each committed one the spec the step writes it with (no trailing ``None``s).
 
         The first call then compiles the program every later call runs, not one of its own.
         """
         if mesh is None or not mesh.axis_names:
             return
         values = list(map(_raw_reader(), self.variables))
-        if all(getattr(v, "committed", True) for v in values):
+        respec = [_trimmed(v) for v in values]
+        if all(getattr(v, "committed", True) for v in values) and not any(respec):
             return
-        placed = [_replicated(v, mesh) if not getattr(v, "committed", True) else v for v in values]
+        held = [c > _base_count() for c in _counts(values)]
+        placed = [
+            _replicated(v, mesh) if not getattr(v, "committed", True)
+            else _resharded(v, s, copy=h) if s is not None else v
+            for v, s, h in zip(values, respec, held, strict=True)
+        ]  # fmt: skip
         for variable, array in zip(self.variables, placed, strict=True):
             variable.set_raw_value(array)
         self._written = placed
@@ -287,6 +294,24 @@ def _copy(array: Any) -> Any:
     shards = array.addressable_shards
     copies = jax.device_put([s.data for s in shards], [s.device for s in shards], may_alias=False)
     return jax.make_array_from_single_device_arrays(array.shape, array.sharding, copies)
+
+
+def _trimmed(value: Any) -> jax.sharding.NamedSharding | None:
+    """``value``'s sharding without its spec's trailing ``None``s, as jit writes a step's results;
+    None where it has none to drop."""
+    sharding = getattr(value, "sharding", None)
+    if not isinstance(sharding, jax.sharding.NamedSharding) or not sharding.spec or sharding.spec[-1] is not None:
+        return None
+    return jax.sharding.NamedSharding(sharding.mesh, _layout.trimmed(sharding.spec), memory_kind=sharding.memory_kind)
+
+
+def _resharded(array: jax.Array, sharding: jax.sharding.NamedSharding, *, copy: bool) -> jax.Array:
+    """``array`` under the equal ``sharding``: its own buffers, or copies where someone else holds it
+    (a step donates the result)."""
+    shards = [s.data for s in array.addressable_shards]
+    if copy:
+        shards = jax.device_put(shards, [s.device for s in array.addressable_shards], may_alias=False)
+    return jax.make_array_from_single_device_arrays(array.shape, sharding, shards)
 
 
 def _like(value: Any, last: jax.Array) -> Any:
