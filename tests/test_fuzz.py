@@ -552,7 +552,7 @@ def device_run(config: Config, batches: list[dict]) -> DeviceRun:
         out.problems.append("an array the caller held was deleted or changed by the step")
     programs = sum(f._cache_size() for f in step._pure_steps.values())
     if config.spelling == "held" and programs != 1:
-        out.problems.append(f"the plain call compiled {programs} programs while arrays were held (one, donated)")
+        out.problems.append(f"the plain call compiled {programs} programs with arrays held (one, donated)")
     losses = [float(o[0] if config.has_aux else o) for o in outs]
     metrics = (
         [{k: np.asarray(v) for k, v in o[1].items()} for o in outs] if config.has_aux else [{}] * len(outs)

@@ -46,9 +46,9 @@ def _global(value: Any, sharding: NamedSharding) -> jax.Array:
     if jax.process_count() > 1 and getattr(value, "is_fully_addressable", True):
         host = np.asarray(jax.device_get(value))
         return jax.make_array_from_callback(np.shape(value), sharding, lambda idx: host[idx])
-    if isinstance(value, jax.Array) and len(value.devices()) == 1:
-        # device_put reuses the value's buffer on its own device: a step donating the placed
-        # array would delete the value under whoever kept it. Copied first where it is.
+    if isinstance(value, jax.Array) and len(value.devices()) == 1 and sharding.is_fully_replicated:
+        # device_put reuses the value's buffer on its own device for a whole copy: a step donating
+        # the placed array would delete the value under whoever kept it. Copied first where it is.
         value = jax.device_put(value, next(iter(value.devices())), may_alias=False)
     return jax.device_put(value, sharding)
 

@@ -153,7 +153,7 @@ def check_mesh_axes(tree: Any, mesh: Any, owner: str) -> None:
 
 
 def trimmed(spec: Any) -> PartitionSpec:
-    """``spec`` without trailing ``None``s, as jit writes a step's results (an equal sharding, one program)."""
+    """``spec`` without trailing ``None``s, as jit writes a step's results (equal, so one program)."""
     kept = list(spec)
     while kept and kept[-1] is None:
         kept.pop()

@@ -186,7 +186,7 @@ class SplitState:
         base = _base_count()
         counts = _counts(arrays)
         return [
-            a if c <= base - (a is not w) else _copy(a)
+            a if c <= base - (a is not w) else _resharded(a, copy=True)
             for c, a, w in zip(counts, arrays, self._written, strict=True)
         ]
 
@@ -287,31 +287,27 @@ def _base_count() -> int:
     return _counts(arrays)[0]
 
 
-def _copy(array: Any) -> Any:
-    """A copy of ``array`` in its sharding, made on each device from its own shard (no collective)."""
-    if not isinstance(array, jax.Array):
-        return array  # not a buffer the step could delete
-    shards = array.addressable_shards
-    copies = jax.device_put([s.data for s in shards], [s.device for s in shards], may_alias=False)
-    return jax.make_array_from_single_device_arrays(array.shape, array.sharding, copies)
-
-
 def _trimmed(value: Any) -> jax.sharding.NamedSharding | None:
     """``value``'s sharding without its spec's trailing ``None``s, as jit writes a step's results;
     None where it has none to drop."""
     sharding = getattr(value, "sharding", None)
-    if not isinstance(sharding, jax.sharding.NamedSharding) or not sharding.spec or sharding.spec[-1] is not None:
+    if not isinstance(sharding, jax.sharding.NamedSharding) or not sharding.spec:
         return None
-    return jax.sharding.NamedSharding(sharding.mesh, _layout.trimmed(sharding.spec), memory_kind=sharding.memory_kind)
+    if sharding.spec[-1] is not None:
+        return None
+    spec = _layout.trimmed(sharding.spec)
+    return jax.sharding.NamedSharding(sharding.mesh, spec, memory_kind=sharding.memory_kind)
 
 
-def _resharded(array: jax.Array, sharding: jax.sharding.NamedSharding, *, copy: bool) -> jax.Array:
-    """``array`` under the equal ``sharding``: its own buffers, or copies where someone else holds it
-    (a step donates the result)."""
+def _resharded(array: Any, sharding: jax.sharding.Sharding | None = None, *, copy: bool) -> Any:
+    """``array`` under ``sharding`` (an equal one; its own by default): its own buffers, or with
+    ``copy`` copies made on each device from its own shard (no collective) for a step to donate."""
+    if not isinstance(array, jax.Array):
+        return array  # not a buffer the step could delete
     shards = [s.data for s in array.addressable_shards]
     if copy:
         shards = jax.device_put(shards, [s.device for s in array.addressable_shards], may_alias=False)
-    return jax.make_array_from_single_device_arrays(array.shape, sharding, shards)
+    return jax.make_array_from_single_device_arrays(array.shape, sharding or array.sharding, shards)
 
 
 def _like(value: Any, last: jax.Array) -> Any:
