@@ -92,8 +92,10 @@ def estimate(jaxpr: jcore.ClosedJaxpr, argument_bytes: Sequence[int], *, donated
 
 
 def _kernels(jaxpr: Any) -> tuple[dict[int, list[tuple[Any, Any]]], set[int]]:
-    """The reductions XLA's CPU compiler runs as YNNPACK kernels, each grown over the ops feeding
-    it that only it reads (as XLA's library rewriter grows them), and the ops so grown over.
+    """The reductions XLA's CPU compiler runs as YNNPACK kernels, grown as XLA's library rewriter
+    grows them (the last first): over an op feeding it that only it reads, down into the one op
+    reading what it computes, merging kernels so met. Keyed by the op whose result the kernel
+    writes (its last), with the ops grown over.
 
     A kernel's operands come each with the shape XLA broadcasts it to first (None: its own)."""
     eqns = jaxpr.eqns
@@ -104,30 +106,64 @@ def _kernels(jaxpr: Any) -> tuple[dict[int, list[tuple[Any, Any]]], set[int]]:
             users[v].add(i)
     for v in _vars(jaxpr.outvars):
         users[v].add(-1)
-    kernels: dict[int, list[tuple[Any, Any]]] = {}
-    inside: set[int] = set()
+    regions: dict[int, set[int]] = {}  # a kernel's last op -> its ops
+    owner: dict[int, int] = {}  # an op -> its kernel's last op
+
+    def grows(j: int) -> bool:  # XLA's: an op it offloads, of 4,096 elements or more (or an operand)
+        e = eqns[j]
+        large = max(math.prod(getattr(v.aval, "shape", ())) for v in [*e.invars, *e.outvars]) >= 4096
+        return e.primitive.name in _KERNEL and large or _in_kernel(e)
+
     for i in reversed(range(len(eqns))):
-        if i in inside or not _in_kernel(eqns[i]):
+        if i in owner or not _in_kernel(eqns[i]):
             continue
-        region, todo = {i}, collections.deque(_vars(eqns[i].invars))
+        region, todo = {i}, collections.deque([i])
+
+        def join(j: int) -> None:
+            if j in owner:  # another kernel: merged whole
+                region.update(regions.pop(owner[j]))
+            elif grows(j):
+                region.add(j)
+                todo.append(j)
+
         while todo:
-            p = producer.get(todo.popleft())
-            if p is None or p in inside or p in region or p in kernels:
-                continue
-            if eqns[p].primitive.name in _KERNEL or _in_kernel(eqns[p]):
-                if all(u in region for v in eqns[p].outvars for u in users[v]):
-                    region.add(p)
-                    todo.extend(_vars(eqns[p].invars))
+            m = todo.popleft()
+            for v in _vars(eqns[m].invars):
+                p = producer.get(v)
+                if p is not None and p not in region and all(
+                    u in region for w in eqns[p].outvars for u in users[w]
+                ):
+                    join(p)
+            (reader, *more) = {u for w in eqns[m].outvars for u in users[w]} or {-1}
+            if not more and reader != -1 and reader not in region:  # the one op reading it (not a result)
+                join(reader)
+        regions[max(region)] = region
+        owner.update(dict.fromkeys(region, max(region)))
+    # the ops that broadcast a value to a shape: one broadcast in XLA's program, which a kernel
+    # computes inside itself where it alone reads it, else reads written out (a divisor is not
+    # one: XLA divides by a broadcast by multiplying with the broadcast of its reciprocal)
+    spreads = collections.defaultdict(set)
+    for j, e in enumerate(eqns):
+        shape = getattr(e.outvars[0].aval, "shape", ()) if e.outvars else ()
+        name = e.primitive.name
+        for n, v in enumerate(e.invars):
+            if (
+                not isinstance(v, jcore.Literal) and v.aval.shape != shape and math.prod(v.aval.shape) > 1
+                and (name == "broadcast_in_dim" or name in _FUSED - _JOINS and (name, n) != ("div", 1))
+            ):  # fmt: skip
+                spreads[v, shape].add(j)
+    kernels: dict[int, list[tuple[Any, Any]]] = {}
+    for last, region in regions.items():
         operands: dict[Any, Any] = {}
-        for j in region:
+        for j in sorted(region):
             shape = eqns[j].outvars[0].aval.shape
             for v in _vars(eqns[j].invars):
                 if producer.get(v) not in region and operands.get(v) is None:
                     broadcast = eqns[j].primitive.name in _KERNEL - _SHAPING and v.aval.shape != shape
-                    operands[v] = shape if broadcast and math.prod(v.aval.shape) > 1 else None
-        kernels[i] = list(operands.items())
-        inside |= region - {i}
-    return kernels, inside
+                    shared = broadcast and not spreads[v, shape] <= region
+                    operands[v] = shape if shared and math.prod(v.aval.shape) > 1 else None
+        kernels[last] = list(operands.items())
+    return kernels, set(owner) - set(regions)
 
 
 def _unfusible(jaxpr: Any, kernels: dict[int, list[tuple[Any, Any]]]) -> set[Any]:
@@ -323,7 +359,7 @@ class _Walk:
                 for v in e.outvars:
                     env[v] = self.virtual(0, 1, [])
                 continue
-            if name in _VIEW:
+            if name in _VIEW and i not in kernels:
                 if name == "sharding_constraint":
                     ways = max(
                         1, math.prod(shape) // max(1, math.prod(e.params["sharding"].shard_shape(shape)))
@@ -347,12 +383,12 @@ class _Walk:
                             self.ops.append(([r], [env[v]], 0, "turn"))
                         self.bitcast[env[v]] = self.bitcast.get(r, len(self.ops) - 1)
                 continue
-            fused = name in _FUSED or i in inside or _outer(e)
+            fused = i not in kernels and (name in _FUSED or i in inside or _outer(e))
             reduction = not fused and name in _REDUCTIONS
-            if not fused and not reduction:  # a reduction reads its operands' loops, fused
-                reads = [self.materialize(k) for k in reads]
             if i in kernels:  # a kernel reads what it does not compute itself, written out
                 reads = [self.kernel_input(env[v], v, shape) for v, shape in kernels[i]]
+            elif not fused and not reduction:  # a reduction reads its operands' loops, fused
+                reads = [self.materialize(k) for k in reads]
             copied, inner = _copies(e, _bytes(e.outvars[0].aval) // ways)
             for j in copied:  # a copy of an operand, written as soon as its operand is
                 k = self.buffer(self.whole[reads[j]], self.ways[reads[j]])
