@@ -194,6 +194,37 @@ def _unfusible(jaxpr: Any, kernels: dict[int, list[tuple[Any, Any]]]) -> set[Any
     return found
 
 
+def _scattered(jaxpr: Any) -> dict[int, int]:
+    """The sums of a scatter-add into zeros and another value, each with its scatter-add: XLA
+    scatters into the other value instead (its algebraic simplifier's rewrite)."""
+    producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+    readers = collections.defaultdict(set)
+    for i, e in enumerate(jaxpr.eqns):
+        for v in _vars(e.invars):
+            readers[v].add(i)
+    for v in _vars(jaxpr.outvars):
+        readers[v].add(-1)
+
+    def zeros(v: Any) -> bool:
+        while not isinstance(v, jcore.Literal) and v in producer and producer[v].primitive.name in _VIEW:
+            v = producer[v].invars[0]
+        made = None if isinstance(v, jcore.Literal) else producer.get(v)
+        if made is not None and made.primitive is lax.broadcast_in_dim_p:
+            v = made.invars[0]
+        return isinstance(v, jcore.Literal) and not np.any(v.val)
+
+    into = {}
+    for i, e in enumerate(jaxpr.eqns):
+        if e.primitive.name == "scatter-add" and len(readers[e.outvars[0]]) == 1 and zeros(e.invars[0]):
+            (j,) = readers[e.outvars[0]]
+            add = jaxpr.eqns[j] if j >= 0 else None
+            shape = e.outvars[0].aval.shape
+            if add and add.primitive.name in ("add", "add_any"):
+                if all(v.aval.shape == shape for v in add.invars):
+                    into[j] = i
+    return into
+
+
 def _true_rank(aval: Any) -> int:
     return sum(d > 1 for d in getattr(aval, "shape", ()))
 
@@ -341,10 +372,15 @@ class _Walk:
             for v in e.invars:
                 if not isinstance(v, jcore.Literal):
                     readers[v] = readers.get(v, 0) + 1
+        into = _scattered(jaxpr)
         for i, e in enumerate(jaxpr.eqns):
             name = e.primitive.name
             vars_in = [v for v in e.invars if not isinstance(v, jcore.Literal)]
             reads = [env[v] for v in vars_in]
+            if i in into.values():  # scattered into what its sum adds, there (below)
+                parts = [self.materialize(env[v]) for v in _vars(e.invars[1:])]
+                env[e.outvars[0]] = self.virtual(_bytes(e.outvars[0].aval), 1, parts)
+                continue
             if name in _CALLS:
                 self._call(e, env)
                 continue
@@ -387,6 +423,10 @@ class _Walk:
             reduction = not fused and name in _REDUCTIONS
             if i in kernels:  # a kernel reads what it does not compute itself, written out
                 reads = [self.kernel_input(env[v], v, shape) for v, shape in kernels[i]]
+            elif i in into:  # the scatter, into the other addend's buffer where it dies
+                fused = False
+                scattered = env[jaxpr.eqns[into[i]].outvars[0]]
+                reads = [k if k == scattered else self.materialize(k) for k in reads]
             elif not fused and not reduction:  # a reduction reads its operands' loops, fused
                 reads = [self.materialize(k) for k in reads]
             copied, inner = _copies(e, _bytes(e.outvars[0].aval) // ways)
@@ -415,7 +455,7 @@ class _Walk:
                     k = self.buffer(_bytes(v.aval), ways)
                     self.ops.append(([], [k], 0, ""))
                 elif not fused or name in _EXPENSIVE and readers.get(v, 0) > 1 or v in unfusible:
-                    k = self.buffer(_bytes(v.aval), ways, in_place=fused)
+                    k = self.buffer(_bytes(v.aval), ways, in_place=fused or i in into)
                 else:
                     k = self.virtual(
                         _bytes(v.aval), ways, reads, view=reads[0] if name == "transpose" else None

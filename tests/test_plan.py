@@ -35,6 +35,7 @@ class Case:
     adam: bool = False  # > 0 depth: benchmarks/memory.py's stack (no embedding layer) and Adam
     norm: str = ""  # Normed(width, activation): "linear" or "tanh"
     image: int = 0  # > 0: Convolutional on image x image pictures (rows of them)
+    vocab: int = 0  # > 0: Bigram(vocab, width) on rows of 16 tokens
     min_size: int | None = None  # shard_state's (None: its default)
 
     @property
@@ -49,6 +50,7 @@ class Case:
         model = f"stack-w{self.width}-l{self.depth}{'-adam' if self.adam else ''}" if self.depth else model
         model = f"norm-{self.norm}-w{self.width}" if self.norm else model
         model = f"cnn-{self.image}x{self.image}" if self.image else model
+        model = f"bigram-v{self.vocab}-w{self.width}" if self.vocab else model
         return f"{self.layout}{units}-{mesh}-{model}-k{self.microbatches}-r{self.rows}"
 
 
@@ -82,6 +84,9 @@ CASES = [
     # backward pass's kernels down across the statistics and merges them (0.87 and 0.80 before)
     *(Case(DATA8, layout, width=64, rows=32768, norm="tanh") for layout in ("replicated", "fsdp")),
     *(Case(DATA8, "replicated", rows=n, image=hw) for hw, n in ((16, 128), (8, 64))),
+    # cross-entropy with integer labels: XLA scatters the labels' gradient into the softmax's, not
+    # into zeros added to it (1.35-1.39 before)
+    *(Case(DATA8, layout, width=32, rows=256, vocab=512) for layout in ("replicated", "fsdp")),
 ]
 MEMORY_RTOL = 0.10  # the estimate against the compiled peak (see the planning guide)
 
@@ -131,6 +136,18 @@ class Convolutional(nnx.Module):
         return self.head(x.mean((1, 2)))
 
 
+class Bigram(nnx.Module):
+    """``Embed(vocab, width)``, ``Linear(width, width)``, ReLU, ``Linear(width, vocab)``."""
+
+    def __init__(self, vocab: int, width: int) -> None:
+        rngs = nnx.Rngs(0)
+        self.embed, self.hidden = nnx.Embed(vocab, width, rngs=rngs), nnx.Linear(width, width, rngs=rngs)
+        self.head = nnx.Linear(width, vocab, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return self.head(jax.nn.relu(self.hidden(self.embed(tokens))))
+
+
 def _classify(model: nnx.Module, batch: dict) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["y"]).mean()
 
@@ -144,6 +161,11 @@ def _build(case: Case):
             "y": rng.integers(0, 10, case.rows).astype(np.int32),
         }
         return model, nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param), _classify, batch
+    if case.vocab:
+        model = Bigram(case.vocab, case.width)
+        tokens = np.random.default_rng(0).integers(0, case.vocab, (case.rows, 17)).astype(np.int32)
+        batch = {"x": tokens[:, :-1], "y": tokens[:, 1:]}
+        return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param), _classify, batch
     if case.blocks:
         lm = test_transformer_lm.load_example()
         model, optimizer = lm.make_model(d=case.width, blocks=case.blocks, seq=32)
