@@ -455,7 +455,7 @@ class _Walk:
                     k = self.buffer(_bytes(v.aval), ways)
                     self.ops.append(([], [k], 0, ""))
                 elif not fused or name in _EXPENSIVE and readers.get(v, 0) > 1 or v in unfusible:
-                    k = self.buffer(_bytes(v.aval), ways, in_place=fused or i in into)
+                    k = self.buffer(_bytes(v.aval), ways, in_place=fused)
                 else:
                     k = self.virtual(
                         _bytes(v.aval), ways, reads, view=reads[0] if name == "transpose" else None
