@@ -152,6 +152,11 @@ def _kernels(jaxpr: Any) -> tuple[dict[int, list[tuple[Any, Any]]], set[int]]:
                 and (name == "broadcast_in_dim" or name in _FUSED - _JOINS and (name, n) != ("div", 1))
             ):  # fmt: skip
                 spreads[v, shape].add(j)
+    # the ops that read a constant at a shape: one broadcast of it in XLA's program too
+    constants = collections.defaultdict(set)
+    for j, e in enumerate(eqns):
+        for key in _constants(e):
+            constants[key].add(j)
     kernels: dict[int, list[tuple[Any, Any]]] = {}
     for last, region in regions.items():
         operands: dict[Any, Any] = {}
@@ -162,8 +167,27 @@ def _kernels(jaxpr: Any) -> tuple[dict[int, list[tuple[Any, Any]]], set[int]]:
                     broadcast = eqns[j].primitive.name in _KERNEL - _SHAPING and v.aval.shape != shape
                     shared = broadcast and not spreads[v, shape] <= region
                     operands[v] = shape if shared and math.prod(v.aval.shape) > 1 else None
+            for key in _constants(eqns[j]):  # a constant another op reads too: written out
+                if not constants[key] <= region:
+                    operands[key] = key[1]
         kernels[last] = list(operands.items())
     return kernels, set(owner) - set(regions)
+
+
+def _constants(eqn: Any) -> list[tuple[Any, ...]]:
+    """The constants ``eqn`` reads broadcast to its result's shape, each as (value, shape, dtype):
+    XLA writes one broadcast for all that read it (dividing by one, it multiplies by the
+    reciprocal's)."""
+    name, out = eqn.primitive.name, eqn.outvars[0].aval if eqn.outvars else None
+    if not getattr(out, "shape", ()) or name not in _FUSED - _JOINS:
+        return []
+    found = []
+    for n, v in enumerate(eqn.invars):
+        if isinstance(v, jcore.Literal) and (name == "broadcast_in_dim" or np.shape(v.val) == ()):
+            value = np.asarray(v.val).item()
+            value = 1 / value if (name, n) == ("div", 1) and value else value
+            found.append((value, out.shape, np.dtype(out.dtype).name))
+    return found
 
 
 def _unfusible(jaxpr: Any, kernels: dict[int, list[tuple[Any, Any]]]) -> set[Any]:
@@ -360,6 +384,13 @@ class _Walk:
             return self.written[key]
         return k if self.kept(k) or not self.roots[k] else self.materialize(k)
 
+    def constant(self, key: tuple[Any, ...]) -> int:
+        """A constant's broadcast (value, shape, dtype), written once, first of all."""
+        if key not in self.written:
+            self.written[key] = self.buffer(math.prod(key[1]) * np.dtype(key[2]).itemsize, 1)
+            self.ops.append(([], [self.written[key]], 0, ""))
+        return self.written[key]
+
     def run(self, jaxpr: Any, env: dict[Any, int]) -> list[int]:
         jaxpr = _inline(jaxpr)
         for v in jaxpr.constvars:  # constants live in the program, not in its buffers
@@ -422,7 +453,10 @@ class _Walk:
             fused = i not in kernels and (name in _FUSED or i in inside or _outer(e))
             reduction = not fused and name in _REDUCTIONS
             if i in kernels:  # a kernel reads what it does not compute itself, written out
-                reads = [self.kernel_input(env[v], v, shape) for v, shape in kernels[i]]
+                reads = [
+                    self.constant(v) if isinstance(v, tuple) else self.kernel_input(env[v], v, shape)
+                    for v, shape in kernels[i]
+                ]
             elif i in into:  # the scatter, into the other addend's buffer where it dies
                 fused = False
                 scattered = env[jaxpr.eqns[into[i]].outvars[0]]
