@@ -97,7 +97,8 @@ def _kernels(jaxpr: Any) -> tuple[dict[int, list[tuple[Any, Any]]], set[int]]:
     reading what it computes, merging kernels so met. Keyed by the op whose result the kernel
     writes (its last), with the ops grown over.
 
-    A kernel's operands come each with the shape XLA broadcasts it to first (None: its own)."""
+    A kernel's operands come each with the shape XLA broadcasts it to first (None: its own); a
+    constant it reads written out comes as its ``_constants`` key."""
     eqns = jaxpr.eqns
     producer, users = {}, collections.defaultdict(set)
     for i, e in enumerate(eqns):
@@ -457,7 +458,7 @@ class _Walk:
                     self.constant(v) if isinstance(v, tuple) else self.kernel_input(env[v], v, shape)
                     for v, shape in kernels[i]
                 ]
-            elif i in into:  # the scatter, into the other addend's buffer where it dies
+            elif i in into:  # the scatter, into the other addend: a buffer of its own beside it
                 fused = False
                 scattered = env[jaxpr.eqns[into[i]].outvars[0]]
                 reads = [k if k == scattered else self.materialize(k) for k in reads]
