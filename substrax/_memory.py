@@ -110,7 +110,7 @@ def _kernels(jaxpr: Any) -> tuple[dict[int, list[tuple[Any, Any]]], set[int]]:
     regions: dict[int, set[int]] = {}  # a kernel's last op -> its ops
     owner: dict[int, int] = {}  # an op -> its kernel's last op
 
-    def grows(j: int) -> bool:  # XLA's: an op it offloads, arithmetic of 4,096 elements or more (or an operand)
+    def grows(j: int) -> bool:  # XLA: an op it offloads, arithmetic of 4,096 elements or more (or an operand)
         e = eqns[j]
         large = max(math.prod(getattr(v.aval, "shape", ())) for v in [*e.invars, *e.outvars]) >= 4096
         return e.primitive.name in _SHAPING or e.primitive.name in _KERNEL and large or _in_kernel(e)
