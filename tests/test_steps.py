@@ -428,6 +428,24 @@ def test_placed_state_compiles_one_program_for_every_call(mesh8: jax.sharding.Me
     assert not held.is_deleted() and np.array_equal(np.asarray(held), before)
 
 
+@pytest.mark.parametrize("mode", substrax.MODES)
+@pytest.mark.parametrize("layout", ["hsdp", "fsdp"])
+def test_state_split_over_an_axis_of_size_one_compiles_one_program(mode: str, layout: str) -> None:
+    """An axis of size 1 splits nothing: ``shard_state`` places no spec naming it, as jit writes
+    a step's results, so the second call does not compile the step again (HSDP on 2 devices,
+    ``(replica=2, data=1)``, compiled 2 programs; the fuzzer's draw)."""
+    mesh = create_device_mesh({"replica": 2, "data": 1} if layout == "hsdp" else {"data": 1})
+    model = MLP(din=8, width=16, dout=8)
+    optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
+    substrax.shard_state(model, optimizer, mesh=mesh, layout=layout, min_size=1)
+    assert model.hidden.kernel.get_value().sharding.spec == P()
+    step = substrax.make_train_step(mse, mode, mesh=mesh)
+    rows = 2 * mesh.size
+    for batch in regression_batches(3, rows=rows, din=8):
+        step(model, optimizer, batch)
+    assert sum(f._cache_size() for f in step._pure_steps.values()) == 1
+
+
 def test_a_train_step_takes_its_options_whole() -> None:
     with pytest.raises(TypeError, match="options must be a substrax.StepOptions; got 'implicit'"):
         substrax.TrainStep(mse, "implicit")  # the keywords belong to make_train_step

@@ -32,7 +32,7 @@ def _as_sharding(spec: Any, mesh: Mesh, where: str) -> Sharding:
     """``spec`` as a Sharding on ``mesh``; a TypeError names ``where`` it came from otherwise."""
     if isinstance(spec, PartitionSpec):
         check_spec_axes(spec, mesh, where="place_nnx_state_on_shards")
-        return NamedSharding(mesh, trimmed(spec))
+        return NamedSharding(mesh, trimmed(spec, mesh))
     if isinstance(spec, Sharding):
         return spec
     raise TypeError(

@@ -60,7 +60,7 @@ def _place(variable: nnx.Variable[Any], spec: tuple[Any, ...], mesh: Mesh) -> No
         data = _global(jax.random.key_data(value), NamedSharding(mesh, PartitionSpec()))
         variable.set_value(jax.random.wrap_key_data(data, impl=jax.random.key_impl(value)))
         return
-    variable.set_value(_global(value, NamedSharding(mesh, trimmed(spec))))
+    variable.set_value(_global(value, NamedSharding(mesh, trimmed(spec, mesh))))
     variable.set_metadata(out_sharding=spec)
 
 

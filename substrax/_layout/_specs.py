@@ -152,9 +152,16 @@ def check_mesh_axes(tree: Any, mesh: Any, owner: str) -> None:
         variable.set_metadata(out_sharding=without_axes(spec, missing), declared_sharding=said)
 
 
-def trimmed(spec: Any) -> PartitionSpec:
-    """``spec`` without trailing ``None``s, as jit writes a step's results (equal, so one program)."""
-    kept = list(spec)
+def trimmed(spec: Any, mesh: Any = None) -> PartitionSpec:
+    """``spec`` as jit writes a step's results (equal, so one program): without ``mesh``'s axes
+    of size 1 (they split nothing) and without trailing ``None``s."""
+    kept = []
+    for entry in spec:
+        names = (entry,) if isinstance(entry, str) else entry
+        if mesh is not None and isinstance(names, tuple):
+            names = tuple(n for n in names if mesh.shape[n] > 1)
+            entry = None if not names else names[0] if len(names) == 1 and isinstance(entry, str) else names
+        kept.append(entry)
     while kept and kept[-1] is None:
         kept.pop()
     return PartitionSpec(*kept)

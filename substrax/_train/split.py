@@ -288,14 +288,14 @@ def _base_count() -> int:
 
 
 def _trimmed(value: Any) -> jax.sharding.NamedSharding | None:
-    """``value``'s sharding without its spec's trailing ``None``s, as jit writes a step's results;
-    None where it has none to drop."""
+    """``value``'s sharding as jit writes a step's results (``_layout.trimmed``); None where that
+    is the sharding it has."""
     sharding = getattr(value, "sharding", None)
     if not isinstance(sharding, jax.sharding.NamedSharding) or not sharding.spec:
         return None
-    if sharding.spec[-1] is not None:
+    spec = _layout.trimmed(sharding.spec, sharding.mesh)
+    if spec == sharding.spec:
         return None
-    spec = _layout.trimmed(sharding.spec)
     return jax.sharding.NamedSharding(sharding.mesh, spec, memory_kind=sharding.memory_kind)
 
 
