@@ -157,10 +157,9 @@ def trimmed(spec: Any, mesh: Any = None) -> PartitionSpec:
     of size 1 (they split nothing) and without trailing ``None``s."""
     kept = []
     for entry in spec:
-        names = (entry,) if isinstance(entry, str) else entry
-        if mesh is not None and isinstance(names, tuple):
-            names = tuple(n for n in names if mesh.shape[n] > 1)
-            entry = None if not names else names[0] if len(names) == 1 and isinstance(entry, str) else names
+        if mesh is not None and isinstance(entry, (str, tuple)):
+            names = [n for n in ((entry,) if isinstance(entry, str) else entry) if mesh.shape[n] > 1]
+            entry = (names[0] if len(names) == 1 else tuple(names)) if names else None
         kept.append(entry)
     while kept and kept[-1] is None:
         kept.pop()
