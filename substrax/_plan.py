@@ -250,9 +250,18 @@ def _axes(rows: str | tuple[str, ...]) -> tuple[str, ...]:
 
 
 def _per_device(x: Any, rows: int) -> int:
-    """Bytes one device holds of ``x``: its shard's, or (not placed yet) its rows split ``rows`` ways."""
+    """Bytes one device holds of ``x``: its shard's, or (not placed yet) its rows split ``rows`` ways.
+
+    An abstract ``x`` (``jax.ShapeDtypeStruct``) counts its shape's bytes, by its sharding's
+    ``shard_shape`` where it has one.
+    """
     if isinstance(x, jax.Array):
         return x.addressable_shards[0].data.nbytes
+    if isinstance(x, jax.ShapeDtypeStruct):
+        itemsize = np.dtype(x.dtype).itemsize
+        if x.sharding is not None:
+            return math.prod(x.sharding.shard_shape(x.shape)) * itemsize
+        return math.prod(x.shape) * itemsize // (rows if x.ndim else 1)
     return np.asarray(x).nbytes // (rows if np.ndim(x) else 1)
 
 
