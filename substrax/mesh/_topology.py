@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -72,9 +73,13 @@ def topology_mesh(
         )
     from jax.experimental import topologies
 
+    # libtpu takes a lock file for the one process that may drive a TPU; compiling drives none
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
         desc = topologies.get_topology_desc(topology_name=topology, platform="tpu", num_slices=slices)
-    except Exception as error:  # libtpu's INVALID_ARGUMENT (a JaxRuntimeError)
+    except Exception as error:  # a JaxRuntimeError
+        if "INVALID_ARGUMENT" not in str(error):
+            raise
         raise ValueError(
             f"Unknown TPU topology {topology!r}: write the TPU type and its chips per dimension, "
             f"such as 'v5e:2x4', 'v5e:16x16', 'v5e:1x1' or 'v4:2x2x1'. libtpu said: {error}"
