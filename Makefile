@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-floor bench fuzz clean
+.PHONY: demo test test-floor test-tpu bench fuzz clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,19 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	SUBSTRAX_TEST_CACHE=$(TEST_CACHE) $(PY) -m pytest -q -n $(WORKERS) --dist loadfile -m slow
+
+# Steps compiled for TPU topologies on this machine, no TPU attached (tests/test_tpu_*.py; the guide
+# "Plan a pod from a laptop"): the tpu extra (libtpu, about 480 MB) installed into .venv beside the dev
+# one, again whenever .venv is refreshed. Without libtpu, `make test` skips these tests, saying so.
+# No compilation cache: jax cannot read back a program compiled for compile-only devices.
+TPU_STAMP := $(VENV)/.installed-tpu
+
+$(TPU_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[dev,tpu]'
+	touch $(TPU_STAMP)
+
+test-tpu: $(TPU_STAMP)
+	JAX_PLATFORMS=cpu SUBSTRAX_TEST_CACHE=off $(PY) -m pytest -q -n $(WORKERS) --dist loadfile tests/test_tpu_*.py
 
 # The documentation site (docs/, mkdocs.yml) into build/site, warnings as errors; the docs
 # extra is installed into .venv beside the dev one, again whenever .venv is refreshed.

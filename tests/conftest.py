@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -59,9 +60,12 @@ def _compilation_cache() -> None:
     ``.jax-test-cache``; past ``KEPT_CACHE_BYTES`` a run starts by removing the oldest
     entries); without it the directory is new for each run (the pytest process makes it;
     its xdist workers inherit it) and removed after. Subprocesses (notebooks, launched
-    processes) compile for themselves.
+    processes) compile for themselves. ``SUBSTRAX_TEST_CACHE=off``: no cache (``make test-tpu``:
+    jax cannot read back a program compiled for compile-only TPU devices).
     """
     directory = os.environ.get("SUBSTRAX_TEST_CACHE")
+    if directory == "off":
+        return
     if directory:
         directory = os.environ["SUBSTRAX_TEST_CACHE"] = os.path.abspath(directory)
         if "PYTEST_XDIST_WORKER" not in os.environ:  # the run's first process, before its workers
@@ -86,6 +90,13 @@ from substrax.mesh import create_device_mesh  # noqa: E402
 
 
 from models import MLP, mse, regression_batches  # noqa: E402,F401  (re-exported for the tests)
+
+
+# The compile-only TPU tests (tests/test_tpu_*.py, make test-tpu) compile for TPU topologies through libtpu.
+needs_libtpu = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason="compiles for a TPU topology: needs libtpu (pip install 'substrax[tpu]', or make test-tpu)",
+)
 
 
 # The layouts of a mesh with one data axis; "hsdp" needs a replica axis too (tests/test_hsdp.py).

@@ -28,7 +28,7 @@ from substrax._layout._specs import (
 )
 from substrax._layout._units import UnitsSpec, find_units, mark_units, stacked_modules
 from substrax._tree import adopt_assigned_arrays, path_str
-from substrax.mesh import current_mesh
+from substrax.mesh import compile_only, current_mesh
 
 __all__ = ["epoch", "shard_state"]
 
@@ -41,8 +41,14 @@ def epoch(obj: Any) -> int:
     return _EPOCHS.get(obj, 0)
 
 
-def _global(value: Any, sharding: NamedSharding) -> jax.Array:
-    """``value`` on ``sharding``; on several processes, each fills its devices from its own copy."""
+def _global(value: Any, sharding: NamedSharding) -> Any:
+    """``value`` on ``sharding``; on several processes, each fills its devices from its own copy.
+
+    An abstract ``value`` (a ``jax.ShapeDtypeStruct``, as from ``nnx.eval_shape``) stays abstract,
+    with ``sharding``: the mesh's devices may be compile-only (``substrax.mesh.topology_mesh``).
+    """
+    if isinstance(value, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding, weak_type=value.weak_type)
     if jax.process_count() > 1 and getattr(value, "is_fully_addressable", True):
         host = np.asarray(jax.device_get(value))
         return jax.make_array_from_callback(np.shape(value), sharding, lambda idx: host[idx])
@@ -55,6 +61,9 @@ def _global(value: Any, sharding: NamedSharding) -> jax.Array:
 
 def _place(variable: nnx.Variable[Any], spec: tuple[Any, ...], mesh: Mesh) -> None:
     value = variable.get_value()
+    if isinstance(value, jax.ShapeDtypeStruct) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+        variable.set_value(_global(value, NamedSharding(mesh, PartitionSpec())))
+        return
     if isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
         # A typed key array has no host form: place its raw data, then wrap it again.
         data = _global(jax.random.key_data(value), NamedSharding(mesh, PartitionSpec()))
@@ -62,6 +71,22 @@ def _place(variable: nnx.Variable[Any], spec: tuple[Any, ...], mesh: Mesh) -> No
         return
     variable.set_value(_global(value, NamedSharding(mesh, trimmed(spec, mesh))))
     variable.set_metadata(out_sharding=spec)
+
+
+def _check_abstract(model: nnx.Module, optimizer: nnx.Optimizer[Any], mesh: Mesh) -> None:
+    """Raise where the state holds an array: a compile-only mesh's devices take abstract state only."""
+    for owner, tree in (("model", model), ("optimizer", optimizer)):
+        for path, variable in flat_state(tree):
+            value = variable.get_value()
+            if hasattr(value, "shape") and not isinstance(value, jax.ShapeDtypeStruct):
+                kind = mesh.devices.flat[0].device_kind
+                raise ValueError(
+                    f"shard_state: the mesh's devices ({kind}, {mesh.size}) are compile-only, so they hold "
+                    f"no array, and {path_str(path, owner)} is one. Build the model and optimizer abstract: "
+                    f"model = nnx.eval_shape(lambda: Model(...)), optimizer = nnx.eval_shape(lambda: "
+                    f"nnx.Optimizer(Model(...), tx, wrt=nnx.Param)); see the guide 'Plan a pod from a "
+                    f"laptop'."
+                )
 
 
 def _layout_kind(layout: Any, params: bool | None) -> LayoutKind:
@@ -158,6 +183,8 @@ def shard_state(
     found = current_mesh(mesh, required_axes=(axis,))
     if not isinstance(found, Mesh):
         raise ValueError("shard_state places arrays: call it outside jax.jit, with a concrete mesh.")
+    if compile_only(found):
+        _check_abstract(model, optimizer, found)
     if layout == "hsdp" and replica_axis not in found.axis_names:
         raise ValueError(
             f"layout='hsdp' splits the state over {axis!r} within a replica and replicates it "

@@ -13,13 +13,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from substrax import _layout
 from substrax._batch.leaves import check_batch_leaves
+from substrax._layout._owners import flat_state
 from substrax._shared.options import MODES, Mode, StepOptions, options_from
 from substrax._shared.precision import MixedPrecision
 from substrax._shared.skips import DEFAULT_MAX_SKIPS, SkipWatch
 from substrax._shared.update import donated_state
 from substrax._train.bound import BoundTrainStep
 from substrax._train.split import SplitState, uncommitted_as_replicated
-from substrax._tree import PyTree
+from substrax._tree import PyTree, path_str
 from substrax.census import Comparison
 from substrax.census._step import check_communication
 from substrax.explicit import _step as explicit_step
@@ -214,6 +215,7 @@ class TrainStep:
         _STEPS[self.mode].check_placement(model)
         split = SplitState(model, optimizer, self._pure_step, donate)
         if place:
+            _check_runnable(model, optimizer)
             split.place_uncommitted(self._concrete_mesh())
         return split
 
@@ -297,3 +299,16 @@ class TrainStep:
           A ``BoundTrainStep``; see it for when ``model`` and ``optimizer`` see the result.
         """
         return BoundTrainStep(self, model, optimizer, donate=donate)
+
+
+def _check_runnable(model: nnx.Module, optimizer: nnx.Optimizer) -> None:
+    """Raise where the state holds an abstract leaf: a step runs on arrays."""
+    for owner, tree in (("model", model), ("optimizer", optimizer)):
+        for path, variable in flat_state(tree):
+            if isinstance(variable.get_value(), jax.ShapeDtypeStruct):
+                raise TypeError(
+                    f"{path_str(path, owner)} is abstract (a jax.ShapeDtypeStruct, as nnx.eval_shape makes "
+                    f"it): a step lowers and compiles for abstract state (step.lower(...).compile(), "
+                    f"check_communication, substrax.plan) but runs on arrays. Build the model and "
+                    f"optimizer outside nnx.eval_shape, on a mesh of devices that run (not topology_mesh's)."
+                )

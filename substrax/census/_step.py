@@ -39,7 +39,15 @@ from substrax.census._text import short_op
 from substrax.mesh import current_mesh_with
 from substrax.nn._declared import Declared
 
-__all__ = ["check_communication", "expected_step", "layer_items", "parameter_leaves", "update_dims", "update_items"]
+__all__ = [
+    "check_communication",
+    "expected_step",
+    "layer_items",
+    "parameter_leaves",
+    "program_platform",
+    "update_dims",
+    "update_items",
+]
 
 
 # The scope each expected buffer of the explicit step is compiled under (substrax.explicit._step, substrax.explicit._shard).
@@ -184,9 +192,20 @@ def check_communication(
     expected, notes = expected_step(
         lowered.out_info[1], model, optimizer, options,
         layers=layers, layered=layered, recomputed=recomputed, scoped=scoped,
+        platform=program_platform(compiled),
     )  # fmt: skip
     found = compare(report, expected, attribute_model=True)
     return dataclasses.replace(found, notes=found.notes + tuple(notes)) if notes else found
+
+
+def program_platform(compiled: jax.stages.Compiled) -> str:
+    """The platform ``compiled`` was compiled for (its devices': ``"tpu"`` for a topology mesh's),
+    not the host's; jax's default backend for a program with neither arguments nor results."""
+    for sharding in jax.tree.leaves((compiled.input_shardings, compiled.output_shardings)):
+        devices = getattr(sharding, "device_set", None)
+        if devices:
+            return str(next(iter(devices)).platform)
+    return jax.default_backend()
 
 
 def expected_step(
@@ -199,14 +218,17 @@ def expected_step(
     layered: dict[KeyPath, int] | None = None,
     recomputed: bool = False,
     scoped: bool = True,
+    platform: str | None = None,
 ) -> tuple[Expected, tuple[str, ...]]:
     """What a step should communicate, built without compiling it (see ``check_communication``).
 
     ``out``: the step's ``(loss, metrics)`` as shapes and dtypes (``lowered.out_info[1]``);
     ``recomputed``: the program recomputes under remat (its recomputed collectives are
-    optional); ``scoped``: the program names the library's scopes. Returns the expected
-    communication and notes on what it could not read (the update compiled alone failed, a
-    policy's narrow collectives widened on the CPU).
+    optional); ``scoped``: the program names the library's scopes; ``platform``: the one
+    the program is compiled for (``program_platform``; default: the step's mesh's devices',
+    else jax's default backend). Returns the expected communication and notes on what it
+    could not read (the update compiled alone failed, a policy's narrow collectives widened
+    by XLA's CPU compiler).
     """
     with _mesh_context(options):
         layout = layout_of(model, optimizer, mesh=options.mesh, axis=options.data_axis)
@@ -239,7 +261,10 @@ def expected_step(
         )
     precision = options.precision if options.mode == "explicit" else None
     widened = None
-    if precision is not None and jax.default_backend() == "cpu":
+    if platform is None:
+        devices = getattr(options.mesh, "devices", None)
+        platform = devices.flat[0].platform if getattr(devices, "size", 0) else jax.default_backend()
+    if precision is not None and platform == "cpu":
         narrow = [d for d in (precision.param_dtype, precision.reduce_dtype) if np.dtype(d).itemsize < 4]
         if narrow:  # measured (jax 0.12): XLA's CPU compiler moves them as float32
             widened = "float32"

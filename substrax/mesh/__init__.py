@@ -21,6 +21,7 @@ from substrax.mesh._rules import (
     fsdp_rules,
     partition_spec_for_names,
 )
+from substrax.mesh._topology import compile_only, topology_mesh
 from substrax.mesh.strategies import (
     DataParallelStrategy,
     DimensionNames,
@@ -45,6 +46,7 @@ __all__ = [
     "ShardingConfig",
     "ShardingStrategy",
     "TensorParallelStrategy",
+    "compile_only",
     "create_data_parallel_mesh",
     "create_device_mesh",
     "create_hybrid_mesh",
@@ -57,6 +59,7 @@ __all__ = [
     "get_mesh_info",
     "mesh_info",
     "partition_spec_for_names",
+    "topology_mesh",
     "use_cpu_devices",
 ]
 
@@ -97,8 +100,27 @@ def create_device_mesh(
       ValueError: If a size is not a positive int, an axis name repeats, or the shape
         needs more devices than there are; the message names the shape and the count.
     """
-    axes = _axes(mesh_shape)
     available = list(devices) if devices is not None else jax.devices()
+    axes = _checked_axes(mesh_shape, available)
+    if axis_types is None:
+        axis_types = AxisType.Auto
+    if isinstance(axis_types, AxisType):
+        axis_types = (axis_types,) * len(axes)
+    if len(axis_types) != len(axes):
+        names = [n for n, _ in axes]
+        raise ValueError(f"axis_types has {len(axis_types)} entries for {len(axes)} mesh axes {names}.")
+    needed = math.prod(s for _, s in axes)
+    return jax.make_mesh(
+        tuple(s for _, s in axes),
+        tuple(n for n, _ in axes),
+        axis_types=tuple(axis_types),
+        devices=available[:needed],
+    )
+
+
+def _checked_axes(mesh_shape: MeshShape, available: Sequence[jax.Device]) -> list[tuple[str, int]]:
+    """``mesh_shape``'s ``(name, size)`` pairs, checked against the ``available`` devices."""
+    axes = _axes(mesh_shape)
     shape_text = dict(axes) if len({n for n, _ in axes}) == len(axes) else axes
     for name, size in axes:
         if not isinstance(name, str) or not name:
@@ -122,18 +144,7 @@ def create_device_mesh(
             f"available. Use a smaller shape, or on the CPU emulate more devices with "
             f"substrax.mesh.use_cpu_devices({needed}) before jax starts."
         )
-    if axis_types is None:
-        axis_types = AxisType.Auto
-    if isinstance(axis_types, AxisType):
-        axis_types = (axis_types,) * len(axes)
-    if len(axis_types) != len(axes):
-        raise ValueError(f"axis_types has {len(axis_types)} entries for {len(axes)} mesh axes {names}.")
-    return jax.make_mesh(
-        tuple(s for _, s in axes),
-        tuple(names),
-        axis_types=tuple(axis_types),
-        devices=available[:needed],
-    )
+    return axes
 
 
 def create_data_parallel_mesh(num_devices: int | None = None, *, data_axis: str = "data") -> Mesh:

@@ -1,0 +1,112 @@
+"""Meshes of compile-only TPU devices: compile a step for a pod from a machine without one.
+
+See the guide "Plan a pod from a laptop".
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+__all__ = ["compile_only", "topology_mesh"]
+
+INSTALL = "pip install 'substrax[tpu]'"
+
+
+def compile_only(mesh: Any) -> bool:
+    """Whether ``mesh``'s devices can compile a program but not run one (``topology_mesh``'s)."""
+    devices = getattr(mesh, "devices", None)
+    if devices is None or not getattr(devices, "size", 0):
+        return False
+    client = getattr(devices.flat[0], "client", None)
+    return type(client).__name__ == "CompileOnlyPyClient"
+
+
+def topology_mesh(
+    topology: str,
+    mesh_shape: Mapping[str, int] | Sequence[tuple[str, int]],
+    *,
+    slices: int = 1,
+    axis_types: Sequence[AxisType] | AxisType | None = None,
+) -> Mesh:
+    """A mesh of the compile-only devices of a TPU topology: steps lower and compile for it, none runs.
+
+    The state to place on it is abstract (``nnx.eval_shape``); see the guide "Plan a pod
+    from a laptop". Needs ``libtpu`` (``pip install 'substrax[tpu]'``), no TPU.
+
+    Args:
+      topology: The slice's TPU type and chips, e.g. ``"v5e:2x4"`` (8 chips, 2 hosts),
+        ``"v5e:16x16"`` or ``"v5e:1x1"`` (one chip).
+      mesh_shape: Axis name to size, as ``create_device_mesh`` takes it; the sizes multiply
+        to the topology's devices (times ``slices``).
+      slices: Slices joined over the data-center network (DCN); the first axis spans them
+        (its size a multiple of ``slices``), the others stay within a slice.
+      axis_types: As ``create_device_mesh``; ``AxisType.Auto`` by default.
+
+    Returns:
+      A ``jax.sharding.Mesh`` over the topology's devices.
+
+    Raises:
+      ImportError: If ``libtpu`` is not installed (the message says what to install).
+      TypeError: If ``topology`` is not a string or ``slices`` not an int.
+      ValueError: If the topology is unknown, ``slices`` is below 1, the sizes do not multiply
+        to the device count, or the first axis does not divide by ``slices``.
+    """
+    from substrax.mesh import _axes, _checked_axes, create_device_mesh
+
+    if not isinstance(topology, str):
+        raise TypeError(f"topology must be a TPU topology name such as 'v5e:2x4'; got {topology!r}.")
+    if isinstance(slices, bool) or not isinstance(slices, int):
+        raise TypeError(f"slices must be an int (the number of TPU slices); got {slices!r}.")
+    if slices < 1:
+        raise ValueError(f"slices must be >= 1; got {slices}.")
+    if importlib.util.find_spec("libtpu") is None:
+        raise ImportError(
+            f"topology_mesh({topology!r}) compiles for TPU devices through libtpu, which is not "
+            f"installed: {INSTALL} (or pip install libtpu)."
+        )
+    from jax.experimental import topologies
+
+    # libtpu takes a lock file for the one process that may drive a TPU; compiling drives none
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    try:
+        desc = topologies.get_topology_desc(topology_name=topology, platform="tpu", num_slices=slices)
+    except Exception as error:  # a JaxRuntimeError
+        if "INVALID_ARGUMENT" not in str(error):
+            raise
+        raise ValueError(
+            f"Unknown TPU topology {topology!r}: write the TPU type and its chips per dimension, "
+            f"such as 'v5e:2x4', 'v5e:16x16', 'v5e:1x1' or 'v4:2x2x1'. libtpu said: {error}"
+        ) from None
+    devices = list(desc.devices)
+    axes = _axes(mesh_shape)
+    sizes = [s for _, s in axes]
+    counted = all(isinstance(s, int) and not isinstance(s, bool) for s in sizes)
+    if counted and math.prod(sizes) != len(devices):
+        where = f" ({slices} slices of {len(devices) // slices})" if slices > 1 else ""
+        raise ValueError(
+            f"mesh_shape {dict(axes)} holds {math.prod(sizes)} devices; {topology!r} has "
+            f"{len(devices)}{where}. Give sizes whose product is {len(devices)}."
+        )
+    if slices == 1:
+        return create_device_mesh(axes, devices, axis_types=axis_types)
+    _checked_axes(axes, devices)
+    if sizes[0] % slices:
+        raise ValueError(
+            f"The first mesh axis {axes[0][0]!r} spans the {slices} slices (over DCN): its size "
+            f"{sizes[0]} must be a multiple of {slices}."
+        )
+    from jax.experimental import mesh_utils
+
+    grid = mesh_utils.create_hybrid_device_mesh(
+        (sizes[0] // slices, *sizes[1:]), (slices, *[1] * (len(sizes) - 1)), devices
+    )
+    types = AxisType.Auto if axis_types is None else axis_types
+    types = (types,) * len(axes) if isinstance(types, AxisType) else tuple(types)
+    return Mesh(grid, tuple(n for n, _ in axes), axis_types=types)
