@@ -47,6 +47,18 @@ def results(run: Run, name: str) -> dict[str, str]:
         "hsdp_explicit",
         "gather_implicit",  # a gathered metric is replicated: np.asarray reads it on every process
         "gather_explicit",
+        # each process passes its own rows as NumPy to the plain call and .bind (FSDP with batch_spec;
+        # HSDP with the default specs, rows over (replica, data)): the one-device run on the whole batch
+        "own_rows_implicit",
+        "own_rows_explicit",
+        "own_rows_hsdp_implicit",
+        "own_rows_hsdp_explicit",
+        "own_rows_differ",  # a leaf whose rows differ between processes is refused by path, both modes
+        # masked optimizer state (optax.MaskedNode) placed by shard_state: 3 steps as on one device
+        "masked_muon_fsdp_implicit",
+        "masked_muon_replicated_explicit",
+        "masked_partition_fsdp_explicit",
+        "masked_partition_replicated_implicit",
     ],
 )
 def test_on_two_processes(checks_run: Run, name: str) -> None:

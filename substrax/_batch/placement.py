@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 from typing import Any
 
 import jax
@@ -19,6 +20,7 @@ __all__ = [
     "check_replicated_equal",
     "create_data_parallel_sharding",
     "place_batch_on_shards",
+    "place_process_rows",
 ]
 
 
@@ -156,3 +158,87 @@ def place_batch_on_shards(
         for i, arr in zip(todo, placed, strict=True):
             out[i] = arr
     return jax.tree.unflatten(treedef, out)
+
+
+_DIMS = 8  # a shape as gathered: its rank, then 8 dimensions (any beyond folded into the last)
+
+
+def _gathered_shapes(leaves: list[Any]) -> np.ndarray:
+    """Every process's shape of each leaf, in one ``process_allgather``: ``(process, leaf, 1 + _DIMS)``."""
+    rows = np.zeros((len(leaves), 1 + _DIMS), np.int32)
+    for i, leaf in enumerate(leaves):
+        shape = np.shape(leaf)
+        dims = [*shape[: _DIMS - 1], math.prod(shape[_DIMS - 1 :])] if len(shape) >= _DIMS else shape
+        rows[i, : 1 + len(dims)] = (len(shape), *dims)
+    return np.asarray(multihost_utils.process_allgather(rows))
+
+
+def place_process_rows(batch: PyTree, batch_spec: Any, mesh: Mesh, rows: str | tuple[str, ...]) -> PyTree:
+    """On several processes, a step's batch with each host leaf placed as ``place_batch_on_shards`` does.
+
+    A host leaf (a NumPy array or scalar, a ``jax.Array`` on this process's devices) holds this
+    process's rows, assembled in process order on its spec; a global ``jax.Array`` is kept as
+    it is. Every process must call it with the same tree (one ``process_allgather`` of the
+    host leaves' shapes). On one process it returns ``batch``.
+
+    Args:
+      batch: The batch this process passed to the step.
+      batch_spec: The step's ``batch_spec`` (a prefix tree of ``PartitionSpec`` or
+        ``NamedSharding``), or ``None``: rows split over ``rows``, a 0-d leaf replicated.
+      mesh: The step's mesh.
+      rows: The mesh axes the rows are split over by default.
+
+    Raises:
+      ValueError: If a host leaf's shape differs between processes (naming the leaf and each
+        process's shape), or it cannot be split as its spec says (naming the leaf).
+    """
+    if jax.process_count() == 1:
+        return batch
+    default = batch_spec is None
+    path_leaves, prefix, treedef = broadcast_prefix(
+        PartitionSpec(rows) if default else batch_spec,
+        batch,
+        lambda s: isinstance(s, (PartitionSpec, NamedSharding)),
+        what="batch_spec",
+    )
+    host = [
+        i
+        for i, (_, leaf) in enumerate(path_leaves)
+        if is_array(leaf) and getattr(leaf, "is_fully_addressable", True)
+    ]
+    if not host:
+        return batch
+    every = _gathered_shapes([path_leaves[i][1] for i in host])  # before any refusal: no process waits
+    differ = [j for j in range(len(host)) if (every[:, j] != every[0, j]).any()]
+    if differ:
+        listing = "; ".join(
+            f"{path_str(path_leaves[host[j]][0])}: "
+            + ", ".join(f"{_shape_text(every[p, j])} on process {p}" for p in range(every.shape[0]))
+            for j in differ
+        )
+        raise ValueError(
+            f"The batch's leaves differ in shape between processes ({listing}). On several "
+            f"processes each passes the rows it loaded, and the step assembles them in process "
+            f"order (as place_batch_on_shards does): every process must load the same number of "
+            f"rows of each leaf, such as x[substrax.launch.process_slice(global_rows)], and the "
+            f"same replicated values."
+        )
+    out = [leaf for _, leaf in path_leaves]
+    shardings = []
+    for i in host:
+        path, leaf = path_leaves[i]
+        spec = prefix[i].spec if isinstance(prefix[i], NamedSharding) else prefix[i]
+        if default and np.ndim(leaf) == 0:
+            spec = PartitionSpec()
+        check_fits(path, np.shape(leaf), spec, mesh, local=True)
+        shardings.append(NamedSharding(mesh, spec))
+    placed = jax.make_array_from_process_local_data(shardings, [out[i] for i in host])
+    for i, arr in zip(host, placed, strict=True):
+        out[i] = arr
+    return jax.tree.unflatten(treedef, out)
+
+
+def _shape_text(gathered: np.ndarray) -> str:
+    """A gathered shape (``_gathered_shapes``' row) as a tuple."""
+    rank = int(gathered[0])
+    return str(tuple(int(d) for d in gathered[1 : 1 + min(rank, _DIMS)]))

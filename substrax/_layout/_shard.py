@@ -49,6 +49,8 @@ def _global(value: Any, sharding: NamedSharding) -> Any:
     """
     if isinstance(value, jax.ShapeDtypeStruct):
         return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding, weak_type=value.weak_type)
+    if not jax.tree.leaves(value):  # optax.MaskedNode(): nothing to place (device_put leaves it too)
+        return value
     if jax.process_count() > 1 and getattr(value, "is_fully_addressable", True):
         host = np.asarray(jax.device_get(value))
         return jax.make_array_from_callback(np.shape(value), sharding, lambda idx: host[idx])

@@ -43,7 +43,8 @@ class BoundTrainStep:
         self._skips = SkipWatch(step.options.max_skips_in_a_row)
 
     def __call__(self, batch: PyTree) -> Any:
-        """Run one step; returns the loss (or ``(loss, metrics)``)."""
+        """Run one step; returns the loss (or ``(loss, metrics)``). On several processes a host
+        leaf of ``batch`` holds this process's rows (see the processes guide)."""
         if self._placed is False:
             self._placed = self._step.placed_specs(batch)
         consumed = self._arrays if self._arrays is not None else self._read_model()

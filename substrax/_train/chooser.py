@@ -13,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from substrax import _layout
 from substrax._batch.leaves import check_batch_leaves
+from substrax._batch.placement import place_process_rows
 from substrax._layout._owners import flat_state
 from substrax._shared.options import MODES, Mode, StepOptions, options_from
 from substrax._shared.precision import MixedPrecision
@@ -91,15 +92,18 @@ def make_train_step(
 
     Returns:
       A ``TrainStep``: ``step(model, optimizer, batch)`` updates both in place and returns
-      the loss (or ``(loss, metrics)``); ``step.bind(model, optimizer)`` for a loop.
+      the loss (or ``(loss, metrics)``); ``step.bind(model, optimizer)`` for a loop. On
+      several processes both take a host batch as this process's rows, as
+      ``place_batch_on_shards`` does (see the processes guide).
 
     Raises:
       ValueError: At once: an unknown ``mode``, ``reduce`` without ``has_aux`` or with an
         unknown operation, a ``mesh`` without ``data_axis``, ``microbatches`` below 1.
         When called: a batch that does not split over ``data_axis`` (or ``batch_spec``)
         or into ``microbatches``, an output that does not match ``has_aux``, a ``reduce``
-        metric not returned, or (explicit) state sharded other than by ``shard_state``;
-        each names the leaf, metric or parameter.
+        metric not returned, (explicit) state sharded other than by ``shard_state``, or on
+        several processes a host leaf whose shape differs between them; each names the
+        leaf, metric or parameter.
       TypeError: If ``microbatches`` is not an int.
     """
     options = options_from(locals())  # the keywords above, checked once
@@ -243,13 +247,22 @@ class TrainStep:
 
     def _run_split(self, jitted: Any, arrays: list[jax.Array], batch: PyTree, placed: Any) -> Any:
         with self.mesh_context():
-            return jitted(arrays, batch, placed=placed)
+            return jitted(arrays, self._process_rows(batch, placed), placed=placed)
+
+    def _process_rows(self, batch: PyTree, placed: _PlacedSpecs | None) -> PyTree:
+        """On several processes, each host leaf as this process's rows (``place_batch_on_shards``)."""
+        mesh = self._concrete_mesh() if jax.process_count() > 1 else None
+        if mesh is None:
+            return batch
+        spec = self.batch_spec if placed is None else placed.tree()  # placed: only without batch_spec
+        return place_process_rows(batch, spec, mesh, self.options.row_axes(mesh))
 
     def __call__(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree) -> Any:
         """Run one step, updating ``model`` and ``optimizer`` in place.
 
         The split of the two objects is kept and checked each call; a changed structure (or a
         ``shard_state`` since) re-splits. See the modes guide, "The three spellings of a step".
+        On several processes a host leaf of ``batch`` holds this process's rows (processes guide).
         """
         split = self._cached
         if split is None or not split.valid_for(model, optimizer):

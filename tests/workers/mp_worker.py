@@ -181,6 +181,28 @@ def checks() -> None:
         ref_losses = [float(ref_step(ref_model, ref_opt, jax.device_put(b, device))) for b in batches]
     ref_params = params(ref_model)
 
+    def reference(make_tx, steps: int) -> tuple[list[float], dict[str, np.ndarray]]:
+        """``steps`` of ``batches`` on one device, the whole batch, with ``make_tx()``."""
+        with jax.default_device(device):
+            model = MLP()
+            optimizer = nnx.Optimizer(model, make_tx(), wrt=nnx.Param)
+            losses = [float(ref_step(model, optimizer, jax.device_put(b, device))) for b in batches[:steps]]
+        return losses, params(model)
+
+    def assert_trained_like(model: MLP, losses: list[float], want: tuple[list[float], dict]) -> None:
+        np.testing.assert_allclose(losses, want[0], rtol=1e-5)
+        flat = nnx.to_flat_state(nnx.state(model, nnx.Param))  # split over both processes: gathered
+        got = {"/".join(map(str, k)): multihost_utils.process_allgather(v.get_value(), tiled=True)
+               for k, v in flat}  # fmt: skip
+        assert got.keys() == want[1].keys()
+        for name in want[1]:
+            np.testing.assert_allclose(got[name], want[1][name], rtol=1e-5, atol=1e-5, err_msg=name)
+
+    def own_rows(b: dict) -> dict:
+        """What this process loads of batch ``b``, as NumPy: its rows, and the batch-level value."""
+        mine = jax.tree.map(lambda a: a[process_slice(ROWS)], b["rows"])
+        return {"rows": mine, "batch_state": b["batch_state"]}
+
     def train(mode: str, steps: int, *, hold: bool = False):
         """Train ``steps`` of ``batches`` in ``mode``; ``hold``: process 1 alone holds the
         state's arrays across each step, as a save in flight does on some processes."""
@@ -246,6 +268,88 @@ def checks() -> None:
             got = params(model)
             for name in ref_params:
                 np.testing.assert_allclose(got[name], ref_params[name], rtol=1e-5, atol=1e-5, err_msg=name)
+
+    # each process passes its own rows as NumPy, to the plain call and to .bind (#51.1)
+    adam_4 = reference(lambda: optax.adam(LR), 4)
+    for mode in substrax.MODES:
+
+        @check(f"own_rows_{mode}")
+        def _(mode: str = mode) -> None:
+            with jax.set_mesh(mesh):
+                model = MLP()
+                optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
+            substrax.shard_state(model, optimizer, mesh=mesh, layout="fsdp", min_size=1)
+            step = substrax.make_train_step(
+                weighted_mse, mode, mesh=mesh, batch_spec={"rows": P("data"), "batch_state": P()}
+            )
+            losses = [float(local_value(step(model, optimizer, own_rows(b)))) for b in batches[:2]]
+            with step.bind(model, optimizer) as fast:
+                losses += [float(local_value(fast(own_rows(b)))) for b in batches[2:4]]
+            assert_trained_like(model, losses, adam_4)
+
+        @check(f"own_rows_hsdp_{mode}")
+        def _(mode: str = mode) -> None:
+            with jax.set_mesh(hybrid):
+                model = MLP()
+                optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
+            substrax.shard_state(model, optimizer, mesh=hybrid, layout="hsdp", min_size=1)
+            # the default specs: rows over (replica, data), the 0-d scale replicated
+            step = substrax.make_train_step(weighted_mse, mode, mesh=hybrid)
+            with step.bind(model, optimizer) as fast:
+                losses = [float(local_value(fast(own_rows(b)))) for b in batches[:2]]
+            losses += [float(local_value(step(model, optimizer, own_rows(b)))) for b in batches[2:4]]
+            assert_trained_like(model, losses, adam_4)
+
+    @check("own_rows_differ")
+    def _() -> None:
+        with jax.set_mesh(mesh):
+            model = MLP()
+            optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
+        before = params(model)
+        b = own_rows(batches[0])
+        if me == 1:  # process 1 loaded half the targets
+            b["rows"]["y"] = b["rows"]["y"][: ROWS // 4]
+        for mode in substrax.MODES:
+            step = substrax.make_train_step(weighted_mse, mode, mesh=mesh)
+            for call in (lambda: step(model, optimizer, b), lambda: step.bind(model, optimizer)(b)):
+                try:
+                    call()
+                except ValueError as e:
+                    msg = str(e)
+                    assert "batch['rows']['y']: (16, 1) on process 0, (8, 1) on process 1" in msg, msg
+                else:
+                    raise AssertionError("rows that differ between processes passed")
+        for name, value in params(model).items():  # nothing ran
+            np.testing.assert_array_equal(value, before[name], err_msg=name)
+
+    # masked optimizer state (optax.MaskedNode) after shard_state, on two processes (#51.2)
+    def by_kind(p: object) -> object:
+        return jax.tree.map_with_path(lambda path, _: "kernel" if "kernel" in str(path) else "bias", p)
+
+    masked = {
+        "muon": lambda: optax.contrib.muon(LR),
+        "partition": lambda: optax.partition({"kernel": optax.adam(LR), "bias": optax.sgd(LR)}, by_kind),
+    }
+    # each optimizer in both modes and both layouts, in two runs (the launch has a timeout)
+    runs = [("muon", "fsdp", "implicit"), ("muon", "replicated", "explicit"),
+            ("partition", "fsdp", "explicit"), ("partition", "replicated", "implicit")]  # fmt: skip
+    wants = {name: reference(make_tx, 3) for name, make_tx in masked.items()}
+    for name, layout, mode in runs:
+
+        @check(f"masked_{name}_{layout}_{mode}")
+        def _(name: str = name, layout: str = layout, mode: str = mode) -> None:
+            with jax.set_mesh(mesh):
+                model = MLP()
+                optimizer = nnx.Optimizer(model, masked[name](), wrt=nnx.Param)
+            substrax.shard_state(model, optimizer, mesh=mesh, layout=layout, min_size=1)
+            step = substrax.make_train_step(
+                weighted_mse, mode, mesh=mesh, batch_spec={"rows": P("data"), "batch_state": P()}
+            )
+            losses = []
+            for b in batches[:3]:
+                placed = place_batch_on_shards(own_rows(b), shardings)
+                losses.append(float(local_value(step(model, optimizer, placed))))
+            assert_trained_like(model, losses, wants[name])
 
     for mode in substrax.MODES:
 
