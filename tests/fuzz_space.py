@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -317,10 +317,72 @@ def _decay_mask(params: Any) -> Any:
     return jax.tree.map(lambda p: jnp.ndim(p) > 1, params)
 
 
+class FirstGradientState(NamedTuple):
+    count: jax.Array  # updates seen, saturating
+    gradient: Any  # the first one, as the optimizer was handed it
+
+
+def first_gradient() -> optax.GradientTransformation:
+    """Pass the updates on unchanged, keeping the first step's (the gradient, before the
+    optimizer scales it) in the state: the fuzzer holds it to the reference (``test_fuzz``)."""
+
+    def init(params: Any) -> FirstGradientState:
+        return FirstGradientState(jnp.zeros([], jnp.int32), jax.tree.map(jnp.zeros_like, params))
+
+    def update(updates: Any, state: FirstGradientState, params: Any = None) -> tuple[Any, FirstGradientState]:
+        del params
+        first = state.count == 0
+        kept = jax.tree.map(lambda g, k: jnp.where(first, g, k), updates, state.gradient)
+        return updates, FirstGradientState(optax.safe_int32_increment(state.count), kept)
+
+    return optax.GradientTransformation(init, update)
+
+
+class LeafFactorsState(NamedTuple):
+    factors: Any  # one float32 scalar per parameter leaf
+
+
+def leaf_factors() -> optax.GradientTransformation:
+    """Multiply each leaf's updates by its factor in the state (1 unless set): the mutation
+    test's injection point, one compiled program for every mutation (``mutate``)."""
+
+    def init(params: Any) -> LeafFactorsState:
+        return LeafFactorsState(jax.tree.map(lambda _: jnp.ones([], jnp.float32), params))
+
+    def update(updates: Any, state: LeafFactorsState, params: Any = None) -> tuple[Any, LeafFactorsState]:
+        del params
+        return jax.tree.map(lambda g, f: g * f.astype(g.dtype), updates, state.factors), state
+
+    return optax.GradientTransformation(init, update)
+
+
+def first_gradient_of(optimizer: nnx.Optimizer) -> dict[str, np.ndarray]:
+    """The first step's gradient the optimizer was handed (``first_gradient``'s state), by path."""
+    tapped = optimizer.opt_state[1 if isinstance(optimizer.opt_state[0], LeafFactorsState) else 0]
+    flat = nnx.to_flat_state(nnx.state(tapped.gradient))
+    return {"/".join(map(str, path)): np.asarray(var.get_value()) for path, var in flat}
+
+
+def mutate(optimizer: nnx.Optimizer, leaf: str, factor: float) -> None:
+    """Multiply parameter ``leaf``'s gradient by ``factor`` in every step of ``optimizer``
+    (built with ``mutable=True``): 0 zeroes it, -1 negates it."""
+    factors = dict(nnx.to_flat_state(nnx.state(optimizer.opt_state[0].factors)))
+    path = tuple(int(p) if p.isdigit() else p for p in leaf.split("/"))
+    if path not in factors:
+        raise ValueError(f"no parameter {leaf!r}; one of {sorted('/'.join(map(str, p)) for p in factors)}")
+    factors[path].set_value(jnp.asarray(factor, jnp.float32))
+
+
 @functools.cache
-def build_tx(name: str) -> optax.GradientTransformation:
+def build_tx(name: str, mutable: bool = False) -> optax.GradientTransformation:
     """One transformation per name, shared: it is part of the optimizer's graph, so a new one
-    (new closures) would make ``nnx.jit`` compile every run's step again."""
+    (new closures) would make ``nnx.jit`` compile every run's step again. The named optimizer
+    after ``first_gradient``; ``mutable``: after ``leaf_factors`` too (``mutate``)."""
+    taps = (leaf_factors(), first_gradient()) if mutable else (first_gradient(),)
+    return optax.chain(*taps, _named_tx(name))
+
+
+def _named_tx(name: str) -> optax.GradientTransformation:
     if name == "sgd":
         return optax.sgd(LR_SGD)
     if name == "momentum":
@@ -350,10 +412,10 @@ def build_tx(name: str) -> optax.GradientTransformation:
 
 
 def build(
-    config: Config, *, sync_axis: str | None = None, local_axis: str | None = None
+    config: Config, *, sync_axis: str | None = None, local_axis: str | None = None, mutable: bool = False
 ) -> tuple[Model, nnx.Optimizer]:
     model = build_model(config, sync_axis=sync_axis, local_axis=local_axis)
-    return model, nnx.Optimizer(model, build_tx(config.optimizer), wrt=nnx.Param)
+    return model, nnx.Optimizer(model, build_tx(config.optimizer, mutable), wrt=nnx.Param)
 
 
 # ----------------------------------------------------------------------------------------- the batch

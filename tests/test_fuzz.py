@@ -75,6 +75,30 @@ rows permuted across the slices: in bfloat16 a permutation within a slice rarely
 bit) and holds every value to the floor rule, the loss and the metrics with ``rtol BF16_RTOL``
 (one bfloat16 unit in the last place) instead of 1e-5; the measurements are at the constants.
 
+**The first step's gradient** (every draw): the optimizer's first transformation
+(``fuzz_space.first_gradient``) keeps the gradient it is handed at the first step, before
+Adam divides it by its own magnitude, and that gradient is held to the reference's, per
+parameter. A tolerance on the parameters after Adam's steps measures what round-off does to
+them, and at a leaf where that is a step's worth it cannot see the gradient zeroed or negated
+(bfloat16 + BatchNorm + Adam, seed 72: ``blocks/2/scale``'s tolerance 2e-2, its gradient
+zeroed 0.48x of it, negated 0.74x). Float32 draws hold the gradient to the floor rule, its
+floor measured over the same runs. A precision draw holds it to the float32 one-device
+gradient (the same groups of rows, no policy), within ``BF16_GRADIENT_ROUNDINGS x u x
+max|g|`` (u = 2**-8, bfloat16's unit round-off; ``max|g|`` the leaf's largest float32
+element) plus ``SAFETY x`` its floor, the largest deviation of a bfloat16 reference run from
+float32. The first term bounds the rounding of the products and partial sums a gradient
+element adds up, each at most u relative, where they do not cancel; the second what
+bfloat16 does where they do: a bias before BatchNorm has a float32 gradient of 5e-9 and a
+bfloat16 one of 6e-4, the round-off of the terms that cancel. The parameters of a precision
+draw are held to their floor as before. A leaf's zeroed gradient fails the check where its
+tolerance is below ``max|g|``: ``test_the_check_fails_when_any_leafs_gradient_is_zeroed_or_negated``
+zeroes and negates each leaf of two draws (a leaf whose gradient is zero but for round-off
+excepted: there the mutation changes nothing a check could see). A draw's line lists the
+leaves whose tolerance is at least their gradient as ``blind``: zero but for round-off (an
+attention key bias, a bias or scale before BatchNorm: every one in a sample of 36 draws),
+or one whose bfloat16 round-off is as large as it (measured: a scanned layer's bias summing
+4 rows of a classification, bfloat16 runs 0.13-0.44 x its size off float32).
+
 ``make test`` runs a fixed-seed sample (``SUBSTRAX_FUZZ`` unset: profile ``fuzz-ci``);
 ``make fuzz`` (``SUBSTRAX_FUZZ=full``) a few hundred random draws (``SUBSTRAX_FUZZ_EXAMPLES``),
 printing one line per draw. Every failing draw is listed at the end with its ``Config`` as
@@ -106,10 +130,12 @@ from fuzz_space import (
     batch_specs,
     build,
     configs,
+    first_gradient_of,
     loss_of,
     make_loss_fn,
     measurable,
     metric_name,
+    mutate,
     pack,
     per_example,
     prefetch_of,
@@ -144,6 +170,15 @@ FLOOR_RUNS = 3  # permuted reference runs per draw, besides the reference itself
 #   where every run of the floor rounded alike.
 BF16_RTOL = 2.0**-7
 BF16_SPLIT_RUNS = 9  # permuted split runs in a precision draw, besides the unpermuted one (float32: 1)
+BF16_U = 2.0**-8  # bfloat16's unit round-off
+# The first gradient's bound under a policy (module docstring, "The first step's gradient"), in
+# units of u x max|g|: a gradient element sums products whose factors (a parameter, the batch,
+# the activations and cotangents of a dozen layers) and partial sums are each rounded once to
+# bfloat16, at most u relative each. Measured on 10 precision draws against float32: kernels
+# 0.9-3.2 u; biases whose rows cancel up to 35 u, each within SAFETY x its floor (the worst
+# deviation 0.22x its tolerance; in a make fuzz sample of 36 draws, 0.26x). A zeroed gradient
+# is 16x the first term.
+BF16_GRADIENT_ROUNDINGS = 16
 
 settings.register_profile(
     "fuzz-ci",
@@ -214,6 +249,7 @@ class Run:
     losses: list[float]
     metrics: list[dict[str, np.ndarray]]
     state: dict[str, np.ndarray]
+    gradient: dict[str, np.ndarray]  # the first step's, as the optimizer was handed it
 
 
 def state_of(model: nnx.Module) -> dict[str, np.ndarray]:
@@ -422,7 +458,7 @@ def reference_runs(
                 back[rows[order]] = np.asarray(pe)
                 losses.append(float(loss))
                 metrics.append(expected_metrics(config, back))
-        runs.append(Run(losses, metrics, state_of(model)))
+        runs.append(Run(losses, metrics, state_of(model), first_gradient_of(optimizer)))
     return runs
 
 
@@ -496,8 +532,27 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0][:300] if text else ''}"
 
 
-def device_run(config: Config, batches: list[dict]) -> DeviceRun:
-    """Train with ``make_train_step`` on ``config.devices`` devices; check layout, census, gradients."""
+def _train_step(config: Config, mesh: jax.sharding.Mesh) -> substrax.TrainStep:
+    """The step under test."""
+    return substrax.make_train_step(
+        make_loss_fn(config),
+        config.mode,  # type: ignore[arg-type]
+        mesh=mesh,
+        batch_spec=batch_specs(config) if config.placement == "batch_spec" else None,
+        has_aux=config.has_aux,
+        reduce=reduce_map(config),
+        microbatches=config.microbatches,
+        precision=config.policy(),
+    )
+
+
+_kept_train_step = functools.lru_cache(maxsize=1)(_train_step)
+
+
+def device_run(config: Config, batches: list[dict], mutation: tuple[str, float] | None = None) -> DeviceRun:
+    """Train with ``make_train_step`` on ``config.devices`` devices; check layout, census, gradients.
+    ``mutation``: ``(leaf, factor)``, that parameter's gradient multiplied by factor in every
+    step (``fuzz_space.mutate``; the mutation test's)."""
     out = DeviceRun()
     devices = jax.devices()[: config.devices]
     hybrid = config.layout == "hsdp"  # the rows over (replica, data), the state split over data only
@@ -505,7 +560,10 @@ def device_run(config: Config, batches: list[dict]) -> DeviceRun:
     shape = {"replica": replicas, "data": config.devices // replicas} if hybrid else {"data": config.devices}
     mesh = create_device_mesh(shape, devices=devices)
     sync = ("replica", "data") if hybrid else "data"  # a synchronized BatchNorm sees the global batch
-    model, optimizer = build(config, sync_axis=sync if config.mode == "explicit" else None)
+    sync_axis = sync if config.mode == "explicit" else None
+    model, optimizer = build(config, sync_axis=sync_axis, mutable=mutation is not None)
+    if mutation is not None:
+        mutate(optimizer, *mutation)
     try:
         if config.layout != "replicated":
             size: dict[str, Any] = {} if config.min_size is None else {"min_size": config.min_size}
@@ -525,17 +583,9 @@ def device_run(config: Config, batches: list[dict]) -> DeviceRun:
     layout_before = substrax.layout_of(model, optimizer, mesh=mesh)
     placed_before = _shardings(model, optimizer)
     specs = batch_specs(config)
-    loss_fn = make_loss_fn(config)
-    step = substrax.make_train_step(
-        loss_fn,
-        config.mode,  # type: ignore[arg-type]
-        mesh=mesh,
-        batch_spec=specs if config.placement == "batch_spec" else None,
-        has_aux=config.has_aux,
-        reduce=reduce_map(config),
-        microbatches=config.microbatches,
-        precision=config.policy(),
-    )
+    # a mutation's step kept for the next: one program for every mutation (fuzz_space.mutate)
+    step = (_train_step if mutation is None else _kept_train_step)(config, mesh)
+    loss_fn = step.loss_fn
     if config.placement == "placed":
         shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, P))
         feed = [place_batch_on_shards(pack(config, b), shardings) for b in batches]
@@ -564,7 +614,7 @@ def device_run(config: Config, batches: list[dict]) -> DeviceRun:
     metrics = (
         [{k: np.asarray(v) for k, v in o[1].items()} for o in outs] if config.has_aux else [{}] * len(outs)
     )
-    out.run = Run(losses, metrics, state_of(model))
+    out.run = Run(losses, metrics, state_of(model), first_gradient_of(optimizer))
     # Under a policy too the loss and the floating metrics come back in float32, and the
     # parameters and the optimizer state stay float32 (every model here is built float32).
     returned = [o[0] if config.has_aux else o for o in outs] + [v for m in metrics for v in m.values()]
@@ -589,7 +639,7 @@ def device_run(config: Config, batches: list[dict]) -> DeviceRun:
         out.problems.append(f"{len(moved)} array(s) moved, e.g. {moved[0]}")
     # The census on plain-call draws: the bound step compiles the same program with donated
     # buffers, and its census would compile it once more.
-    if config.spelling == "call":
+    if config.spelling == "call" and mutation is None:  # a mutation changes no collective
         try:
             found = step.check_communication(model, optimizer, feed[0])
             out.census = "ok" if found.matches else "MISMATCH"
@@ -643,16 +693,26 @@ class Deviation:
     shapes: list[str] = dataclasses.field(default_factory=list)  # values whose shapes differ
 
     def add(
-        self, config: Config, got: Any, want: Any, floor: float, where: str, *, computed: bool = True
+        self,
+        config: Config,
+        got: Any,
+        want: Any,
+        floor: float,
+        where: str,
+        *,
+        computed: bool = True,
+        tol: float | None = None,
     ) -> None:
         """Fold in one comparison; ``computed``: a value the loss function computes (the loss, a
-        metric), not the float32 state."""
+        metric), not the float32 state; ``tol``: the tolerance, given (else the floor rule's)."""
         got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
         if got.shape != want.shape:
             self.shapes.append(f"{where}: shape {got.shape}, reference {want.shape}")
             return
         diff = np.abs(got - want)
-        tol = atol_for(config, floor) + rtol_for(config, computed=computed) * np.abs(want)
+        if tol is None:
+            tol = atol_for(config, floor) + rtol_for(config, computed=computed) * np.abs(want)
+        tol = np.broadcast_to(np.asarray(tol, np.float64), want.shape)
         ratios = diff / tol
         worst = int(np.argmax(ratios)) if ratios.size else 0
         ratio = float(ratios.flat[worst]) if ratios.size else 0.0
@@ -703,6 +763,10 @@ class Result:
     gradients: str = "-"
     seconds: float = 0.0
     cpu_seconds: float = 0.0  # this process's CPU time: the machine is shared, wall time says little
+    # parameters whose first gradient's tolerance is at least its largest element: their
+    # gradient zeroed would pass (zero but for round-off, or below bfloat16's round-off of the
+    # terms it sums)
+    blind: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -710,10 +774,11 @@ class Result:
 
     def line(self) -> str:
         devs = " ".join(f"{name} {d}" for name, d in self.deviations.items())
-        floors = "/".join(f"{self.floors.get(k, 0.0):.0e}" for k in ("loss", "state", "metrics"))
+        floors = "/".join(f"{self.floors.get(k, 0.0):.0e}" for k in ("loss", "gradient", "state", "metrics"))
         return (
             f"{'ok  ' if self.ok else 'FAIL'} {self.seconds:4.1f}s/{self.cpu_seconds:4.1f}cpu {self.config.short()} | {devs} | "
-            f"floor l/s/m {floors} | census {self.census} grads {self.gradients}"
+            f"floor l/g/s/m {floors} | census {self.census} grads {self.gradients}"
+            + ("" if not self.blind else f" | blind {','.join(self.blind)}")
             + ("" if self.ok else f" | {self.problems[0][:160]}")
         )
 
@@ -746,61 +811,133 @@ def _maxdiff(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.max(np.abs(np.asarray(a, np.float64) - b), initial=0.0))
 
 
-def check(config: Config) -> Result:
-    """Train ``config`` both ways (the step under test and the reference) and hold one against the other."""
-    start, cpu = time.perf_counter(), time.process_time()
-    batches = [batch_parts(config, s) for s in range(config.steps)]
+@dataclasses.dataclass
+class Reference:
+    """What ``check`` holds a draw to: the reference runs (the first as drawn, the rest the
+    floor's) and, under a precision policy, the first step's float32 gradient (no policy)."""
+
+    runs: list[Run]
+    gradient32: dict[str, np.ndarray] | None = None
+
+    @property
+    def gradient(self) -> dict[str, np.ndarray]:
+        """The first step's gradient the step's is held to: float32, without a policy too."""
+        return self.runs[0].gradient if self.gradient32 is None else self.gradient32
+
+
+def reference(config: Config, batches: list[dict]) -> Reference:
+    """The reference runs of ``config`` (module docstring), and its float32 gradient under a policy."""
     permutations = [within_group_permutation(config, s) for s in range(1, FLOOR_RUNS + 1)]
-    try:
-        runs = reference_runs(config, batches, [None, *permutations])
-        if config.precision is None:
-            split = [within_group_permutation(config, 0, split=True)]
-        else:  # rows moved across the slices: other partial sums (_sliced_low_precision_value_and_grad)
-            split = [within_group_permutation(config, 100 + s) for s in range(BF16_SPLIT_RUNS)]
-            # and the parts' bfloat16 gradients added in the other order, as devices add them
-            # (test_regression_bf16_gradients_added_device_by_device)
-            half = BF16_SPLIT_RUNS // 2
-            runs += reference_runs(config, batches, [None, *split[half:]], split=True, by_device=True)
-            split = split[:half]
-        runs += reference_runs(config, batches, [None, *split], split=True)
-    except Exception as e:  # noqa: BLE001  (the fuzzer's own bug: reported with the draw, not fatal)
-        problem = f"the reference raised {_first_line(e)}"
-        return Result(config, [problem], {}, {}, seconds=time.perf_counter() - start)
-    ref = runs[0]
+    runs = reference_runs(config, batches, [None, *permutations])
+    if config.precision is None:
+        split = [within_group_permutation(config, 0, split=True)]
+    else:  # rows moved across the slices: other partial sums (_sliced_low_precision_value_and_grad)
+        split = [within_group_permutation(config, 100 + s) for s in range(BF16_SPLIT_RUNS)]
+        # and the parts' bfloat16 gradients added in the other order, as devices add them
+        # (test_regression_bf16_gradients_added_device_by_device)
+        half = BF16_SPLIT_RUNS // 2
+        runs += reference_runs(config, batches, [None, *split[half:]], split=True, by_device=True)
+        split = split[:half]
+    runs += reference_runs(config, batches, [None, *split], split=True)
+    if config.precision is None:
+        return Reference(runs)
+    plain = dataclasses.replace(config, precision=None)  # the same groups of rows, in float32
+    return Reference(runs, reference_runs(plain, batches[:1], [None])[0].gradient)
+
+
+def batches_of(config: Config) -> list[dict]:
+    """Every step's batch, as named parts (``fuzz_space.batch_parts``)."""
+    return [batch_parts(config, s) for s in range(config.steps)]
+
+
+@functools.lru_cache(maxsize=32)
+def kept_reference(config: Config) -> Reference:
+    """``reference(config, batches_of(config))``, kept (a few kB a draw): the mutation test
+    holds its runs to the reference of a draw another test checks."""
+    return reference(config, batches_of(config))
+
+
+def gradient_floors(config: Config, ref: Reference) -> dict[str, float]:
+    """Each parameter's floor on the first step's gradient, by path: the largest deviation
+    between any two reference runs; under a policy, of a bfloat16 reference run from float32."""
+    if config.precision is None:
+        pairs = [(a, b) for i, a in enumerate(ref.runs) for b in ref.runs[i + 1 :]]
+        return {
+            name: max((_maxdiff(a.gradient[name], b.gradient[name]) for a, b in pairs), default=0.0)
+            for name in ref.gradient
+        }
+    return {name: max(_maxdiff(r.gradient[name], g) for r in ref.runs) for name, g in ref.gradient.items()}
+
+
+def gradient_tolerance(config: Config, want: np.ndarray, floor: float) -> float | None:
+    """A parameter's tolerance on the first step's gradient (module docstring, "The first step's
+    gradient"): None (the floor rule) without a policy; under one, ``BF16_GRADIENT_ROUNDINGS``
+    units of bfloat16 round-off of the leaf's largest float32 element, plus its floor."""
+    if config.precision is None:
+        return None
+    return BF16_GRADIENT_ROUNDINGS * BF16_U * float(np.max(np.abs(want), initial=0.0)) + SAFETY * floor
+
+
+def compare(config: Config, ref: Reference, got: DeviceRun) -> Result:
+    """Hold the step's run to the reference."""
+    runs = ref.runs
     loss_floor, metric_floors, state_floors = _floors(config, runs)
+    grad_floors = gradient_floors(config, ref)
     floors = {
         "loss": loss_floor,
         "state": max(state_floors.values(), default=0.0),
         "metrics": max(metric_floors.values(), default=0.0),
+        "gradient": max(grad_floors.values(), default=0.0),
     }
-    got = device_run(config, batches)
     problems = list(got.problems)
-    deviations = {"loss": Deviation(), "state": Deviation(), "metrics": Deviation()}
+    blind = []  # where the gradient's tolerance is as large as the gradient
+    for name, g in ref.gradient.items():
+        largest = float(np.max(np.abs(g), initial=0.0))
+        tol = gradient_tolerance(config, g, grad_floors[name])
+        if tol is None:
+            tol = atol_for(config, grad_floors[name]) + STRICT_RTOL * largest
+        if largest <= tol:
+            blind.append(name)
+    names = ("loss", "gradient", "state", "metrics")
+    deviations = {name: Deviation() for name in names}
     if got.run is not None:
-        run = got.run
-        for t, (a, b) in enumerate(zip(run.losses, ref.losses, strict=True)):
+        run, want = got.run, runs[0]
+        for t, (a, b) in enumerate(zip(run.losses, want.losses, strict=True)):
             deviations["loss"].add(config, a, b, loss_floor, f"loss[{t}]")
-        if run.state.keys() != ref.state.keys():
-            problems.append(f"state paths differ: {sorted(run.state.keys() ^ ref.state.keys())}")
-        for name in sorted(run.state.keys() & ref.state.keys()):
-            state = run.state[name], ref.state[name]
+        if run.gradient.keys() != ref.gradient.keys():
+            problems.append(f"gradient paths differ: {sorted(run.gradient.keys() ^ ref.gradient.keys())}")
+        for name in sorted(run.gradient.keys() & ref.gradient.keys()):
+            g, floor = ref.gradient[name], grad_floors[name]
+            tol = gradient_tolerance(config, g, floor)
+            deviations["gradient"].add(config, run.gradient[name], g, floor, name, computed=False, tol=tol)
+        if run.state.keys() != want.state.keys():
+            problems.append(f"state paths differ: {sorted(run.state.keys() ^ want.state.keys())}")
+        for name in sorted(run.state.keys() & want.state.keys()):
+            state = run.state[name], want.state[name]
             deviations["state"].add(config, *state, state_floors[name], name, computed=False)
-        for t, (mine, want) in enumerate(zip(run.metrics, ref.metrics, strict=True)):
-            if mine.keys() != want.keys():
-                problems.append(f"metric names {sorted(mine)}, expected {sorted(want)}")
+        for t, (mine, theirs) in enumerate(zip(run.metrics, want.metrics, strict=True)):
+            if mine.keys() != theirs.keys():
+                problems.append(f"metric names {sorted(mine)}, expected {sorted(theirs)}")
                 continue
-            for name in want:
-                deviations["metrics"].add(config, mine[name], want[name], metric_floors[name], f"{name}[{t}]")
+            for name in theirs:
+                floor = metric_floors[name]
+                deviations["metrics"].add(config, mine[name], theirs[name], floor, f"{name}[{t}]")
         problems += [f"{name} {p}" for name, d in deviations.items() for p in d.problems]
-    return Result(
-        config,
-        problems,
-        deviations,
-        floors,
-        got.census,
-        got.gradients,
-        time.perf_counter() - start,
-        time.process_time() - cpu,
+    return Result(config, problems, deviations, floors, got.census, got.gradients, blind=tuple(blind))
+
+
+def check(config: Config) -> Result:
+    """Train ``config`` both ways (the step under test and the reference) and hold one against the other."""
+    start, cpu = time.perf_counter(), time.process_time()
+    batches = batches_of(config)
+    try:
+        ref = kept_reference(config)
+    except Exception as e:  # noqa: BLE001  (the fuzzer's own bug: reported with the draw, not fatal)
+        problem = f"the reference raised {_first_line(e)}"
+        return Result(config, [problem], {}, {}, seconds=time.perf_counter() - start)
+    result = compare(config, ref, device_run(config, batches))
+    return dataclasses.replace(
+        result, seconds=time.perf_counter() - start, cpu_seconds=time.process_time() - cpu
     )
 
 
@@ -994,7 +1131,9 @@ def test_parity_fuzz() -> None:
         f"\n{len(results)} draws ({sum(r.cpu_seconds for r in results):.0f} cpu-s), "
         f"{sum(r.config.precision is not None for r in results)} with a precision policy, "
         f"{len(failed)} failed, "
-        f"{sum(r.census == 'xla-chose' for r in results)} implicit census mismatches shown; largest floors: "
+        f"{sum(r.census == 'xla-chose' for r in results)} implicit census mismatches shown, "
+        f"{sum(len(r.blind) for r in results)} leaves in {sum(bool(r.blind) for r in results)} draws blind "
+        "to a zeroed gradient (shown); largest floors: "
         + ", ".join(f"{f}/{k} {v:.1e}" for (f, k), v in sorted(floors.items())),
         flush=True,
     )
@@ -1021,6 +1160,14 @@ def test_regression_implicit_xla_gathers_a_tiny_batch() -> None:
     assert result.census == "xla-chose"
 
 
+SEED_72 = Config(
+    mode="explicit", layout="hsdp", min_size=None, devices=2, microbatches=2, rows=3, stem="conv",
+    blocks=("dropout_zero", "batchnorm", "batchnorm"), width=16, task="classify", optimizer="adam",
+    batch_tree="nested", scale=True, placement="batch_spec", metrics=("mean", "gather", None, "max"),
+    precision="bf16/bf16", scan="scan", seed=72, steps=3,
+)  # fmt: skip
+
+
 def test_regression_bf16_gradients_added_device_by_device() -> None:
     """Found by ``make fuzz`` (2026-12-06): explicit HSDP, bfloat16 gradients (``bf16/bf16``), 2
     devices x 2 microbatches, per-shard BatchNorm, Adam. ``blocks/2/scale`` ended 32x its
@@ -1030,13 +1177,8 @@ def test_regression_bf16_gradients_added_device_by_device() -> None:
     which added microbatch by microbatch, +7.6e-6, and Adam made the two signs a whole step
     apart. Rounding, not a wrong sum: split runs that add device by device
     (``by_device=True``) give the step's bits. The floor now has split runs in both orders."""
-    config = Config(
-        mode="explicit", layout="hsdp", min_size=None, devices=2, microbatches=2, rows=3, stem="conv",
-        blocks=("dropout_zero", "batchnorm", "batchnorm"), width=16, task="classify", optimizer="adam",
-        batch_tree="nested", scale=True, placement="batch_spec", metrics=("mean", "gather", None, "max"),
-        precision="bf16/bf16", scan="scan", seed=72, steps=3,
-    )  # fmt: skip
-    batches = [batch_parts(config, s) for s in range(config.steps)]
+    config = SEED_72
+    batches = batches_of(config)
     by_microbatch, by_device = (
         reference_runs(config, batches, [None], split=True, by_device=d)[0].state["blocks/2/scale"]
         for d in (False, True)
@@ -1058,3 +1200,39 @@ def test_regression_one_device_census_attributes_batchnorms_own_psum(microbatche
     result = check(config)
     result.assert_ok()
     assert result.census == "ok"
+
+
+# A leaf whose float32 gradient is below this fraction of the largest leaf's is zero but for
+# round-off: a check may be blind to it zeroed or negated (its bfloat16 round-off is larger).
+ROUND_OFF = 1e-5
+
+
+@pytest.mark.parametrize(
+    ("config", "blind"),
+    [
+        # BatchNorm normalizes away a shift of what it reads: the conv stem's bias (before the
+        # first BatchNorm) and the first BatchNorm's bias (before the second) have a gradient
+        # of zero but for round-off (5e-9, 9e-9), bfloat16's round-off of it 6e-4 and 1e-8
+        (SEED_72, {"stem/bias", "blocks/1/bias"}),
+        (CURATED[0], set()),  # float32, explicit FSDP, Adam, microbatches, Linear and LayerNorm
+    ],
+    ids=["bf16-batchnorm-adam-seed72", "f32-fsdp-adam"],
+)
+def test_the_check_fails_when_any_leafs_gradient_is_zeroed_or_negated(config: Config, blind: set) -> None:
+    """The mutation test: the step under test with one parameter's gradient multiplied by 0 or
+    -1 in every step (``fuzz_space.mutate``: the optimizer's first transformation) fails
+    ``check``'s comparison on that leaf's first gradient, for every leaf the check does not
+    report blind, and those are zero but for round-off; unmutated, the same program passes."""
+    ref, batches = kept_reference(config), batches_of(config)
+    result = compare(config, ref, device_run(config, batches, mutation=(next(iter(ref.gradient)), 1.0)))
+    result.assert_ok()
+    assert set(result.blind) == blind
+    top = max(float(np.max(np.abs(g))) for g in ref.gradient.values())
+    assert all(np.max(np.abs(ref.gradient[leaf])) < ROUND_OFF * top for leaf in blind)
+    for leaf in sorted(set(ref.gradient) - blind):
+        for factor in (0.0, -1.0):
+            result = compare(config, ref, device_run(config, batches, mutation=(leaf, factor)))
+            assert result.deviations["gradient"].where == leaf, (leaf, factor, result.report())
+            assert any(p.startswith(f"gradient off the reference: worst {leaf},") for p in result.problems), (
+                leaf, factor, result.report(),
+            )  # fmt: skip
