@@ -10,6 +10,7 @@ keeps in the compiled HLO, and still catches a buffer the library reduces twice.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import jax
@@ -387,3 +388,168 @@ def test_an_update_that_cannot_be_compiled_alone_falls_back_to_the_rule(
     assert _sources(found)["update"] == sum(
         4 * int(np.prod(v.shape)) for v in jax.tree.leaves(nnx.state(model, nnx.Param)) if v.size >= 16
     )
+
+
+# --- a scanned stack in implicit mode: each layer's gradient reduced inside the loop ----------
+
+
+class _Block(nnx.Module):
+    """Attention-like kernels (q and o 16x16, k 16x8: two shapes shared), an MLP (16x32, 32x16), a norm."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.norm = nnx.RMSNorm(16, rngs=rngs)
+        self.q = nnx.Linear(16, 16, use_bias=False, rngs=rngs)
+        self.k = nnx.Linear(16, 8, use_bias=False, rngs=rngs)
+        self.o = nnx.Linear(16, 16, use_bias=False, rngs=rngs)
+        self.up = nnx.Linear(16, 32, use_bias=False, rngs=rngs)
+        self.down = nnx.Linear(32, 16, use_bias=False, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = self.norm(x)
+        k = self.k(h)
+        att = jax.nn.softmax(jnp.einsum("btd,bsd->bts", self.q(h), jnp.concatenate([k, k], -1)), -1)
+        x = x + self.o(jnp.einsum("bts,bsd->btd", att, h))
+        return x + self.down(jnp.tanh(self.up(x)))
+
+
+class _ScannedLM(nnx.Module):
+    """A token embedding (tied as the head, or a separate head), 3 ``_Block``s stacked by ``nnx.vmap``
+    and applied by ``nnx.scan`` (under ``nnx.remat``), or by ``substrax.nn.scan_layers``."""
+
+    def __init__(self, *, tied: bool, remat: bool, scan_layers: bool = False) -> None:
+        rngs = nnx.Rngs(0)
+        self.embed = nnx.Embed(48, 16, rngs=rngs)
+
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
+        def make(rngs: nnx.Rngs) -> _Block:
+            return _Block(rngs)
+
+        self.blocks = make(rngs)
+        self.head = None if tied else nnx.Linear(16, 48, use_bias=False, rngs=rngs)
+        self.remat, self.scan_layers = remat, scan_layers
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        if self.scan_layers:
+            h = substrax.nn.scan_layers(self.blocks, self.embed(tokens), remat=self.remat)
+        else:
+
+            def body(h: jax.Array, block: _Block) -> tuple[jax.Array, None]:
+                return block(h), None
+
+            run = nnx.remat(body) if self.remat else body
+            scan = nnx.scan(run, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
+            h, _ = scan(self.embed(tokens), self.blocks)
+        return self.embed.attend(h) if self.head is None else self.head(h)
+
+
+def _next_token(model: _ScannedLM, batch: dict) -> jax.Array:
+    logits = model(batch["t"][:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["t"][:, 1:]).mean()
+
+
+def _scanned_census(
+    mesh: jax.sharding.Mesh, layout: str, microbatches: int = 1, **kw: bool
+) -> tuple[Comparison, _ScannedLM]:
+    model = _ScannedLM(**kw)
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    if layout != "replicated":
+        substrax.shard_state(model, optimizer, mesh=mesh, layout=layout, min_size=64)
+    tokens = np.random.default_rng(0).integers(0, 48, size=(16, 9)).astype(np.int32)
+    batch = place_batch_on_shards({"t": tokens}, create_data_parallel_sharding(mesh))
+    step = substrax.make_train_step(_next_token, "implicit", mesh=mesh, microbatches=microbatches)
+    return step.check_communication(model, optimizer, batch), model
+
+
+def _layer_shapes(model: nnx.Module) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """Per parameter, the shapes a buffer of it may have: whole, and (a stack's) one layer."""
+    out = {}
+    for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        shape = tuple(v.get_value().shape)
+        name = "model" + "".join(f"[{k!r}]" for k in path)
+        out[name] = (shape, shape[1:]) if "blocks" in path else (shape,)
+    return out
+
+
+def _fits(buffer: Any, shapes: tuple[tuple[int, ...], ...]) -> bool:
+    return any(sorted(d for d in buffer.shape if d != 1) == sorted(d for d in s if d != 1) for s in shapes)
+
+
+@pytest.mark.parametrize(
+    ("layout", "variant"),
+    [("replicated", "scan"), ("replicated", "remat"), ("replicated", "scan_layers"), ("fsdp", "remat")],
+)
+def test_a_scanned_models_implicit_census_says_only_what_the_program_says(
+    mesh8: jax.sharding.Mesh, layout: str, variant: str
+) -> None:
+    """Each parameter named for a buffer of its shape (or one layer of it), no gradient-shaped
+    reduction called the model's, and each too-little/extra sentence true to its own numbers."""
+    found, model = _scanned_census(
+        mesh8, layout, tied=True, remat=variant != "scan", scan_layers=variant == "scan_layers"
+    )
+    shapes = _layer_shapes(model)
+    for item, parts in found.matched:
+        if item.category in ("gradients", "parameters"):
+            for p in parts:
+                assert _fits(p.buffer, shapes[item.what]), f"{item.what} named for {p}\n{found}"
+    for d in found.differences:  # "carrying X": X has the shape of one of the row's buffers
+        if ", carrying " in d:
+            row = next(r for r in found.report.rows if f"{r.kind} {r.name} (" in d)
+            buffers = row.results if row.kind == "all-gather" else row.operands
+            for name in shapes:
+                if name in d.partition(", carrying ")[2].partition(", sits")[0]:
+                    assert any(_fits(b, shapes[name]) for b in buffers), d
+    matrices = [s for ss in shapes.values() for s in ss if sum(d > 1 for d in s) >= 2]
+    for p in found.model:
+        gradient_like = p.phase == "backward" and _fits(p.buffer, tuple(matrices))
+        assert not gradient_like, f"{p} called the model's\n{found}"
+    for d in found.differences:
+        counts = r": compiled ([\d,]+) B per step, expected ([\d,]+) B \(([\d,]+) B "
+        short = re.search(r"too little .*?" + counts + r"short\)", d)
+        more = re.search(r"extra .*?" + counts + r"more\)", d)
+        if short:
+            got, want, gap = (int(g.replace(",", "")) for g in short.groups())
+            assert want - got == gap > 0, d
+        if more:
+            got, want, gap = (int(g.replace(",", "")) for g in more.groups())
+            assert got - want == gap > 0, d
+        assert "too little" not in d or short, d
+    # the tied embedding: XLA reduces its two uses' gradients apart, each at its full size (measured)
+    if layout == "replicated":
+        (extra,) = found.unexpected
+        assert str(extra.buffer) == "f32[48,16]" and "the shape of model['embed']['embedding']" in str(found)
+
+
+@pytest.mark.parametrize("variant", ["scan", "remat"])
+def test_a_scanned_stacks_per_layer_gradient_reduction_matches_the_rule(
+    mesh8: jax.sharding.Mesh, variant: str
+) -> None:
+    """XLA reduces each layer's gradient inside the backward loop, one layer per iteration: the
+    rule's bytes, in the scanned stack's loop. It matches, and a note says so."""
+    found, model = _scanned_census(mesh8, "replicated", tied=False, remat=variant == "remat")
+    assert found.matches, str(found)
+    stacked = [i for i, _ in found.matched if i.what.startswith("model['blocks']")]
+    assert stacked and all(i.in_loop for i in stacked)
+    for item, (part,) in ((i, ps) for i, ps in found.matched if i in stacked):
+        assert part.row.trip_count == 3 and part.bytes * 3 == item.bytes and part.phase == "backward"
+    assert any("one layer per iteration, inside a loop of 3" in n for n in found.notes), str(found)
+    # q and o share a shape: which buffer is which the program does not say, and the note says so
+    assert any("['q']['kernel']" in n and "by shape alone" in n for n in found.notes), str(found)
+    assert not found.model, str(found)
+    params = jax.tree.leaves(nnx.state(model, nnx.Param))
+    assert _sources(found)["gradients"] == sum(4 * v.size for v in params)
+
+
+def test_a_scanned_stack_under_microbatches_is_the_layers_gradients_in_both_loops(
+    mesh8: jax.sharding.Mesh,
+) -> None:
+    """With 2 microbatches each layer's gradient is reduced once per layer and microbatch (6 times): not
+    the rule's bytes, a difference; still each layer's gradient, never the model's."""
+    found, _ = _scanned_census(mesh8, "replicated", microbatches=2, tied=False, remat=False)
+    assert not found.matches
+    q = "model['blocks']['q']['kernel']"
+    assert any("runs 6 times per step" in d and q in d for d in found.differences), str(found)
+    assert not any("one layer per iteration" in n for n in found.notes), str(found)
+    stacked = [ps for i, ps in found.matched if i.what.startswith("model['blocks']")]
+    assert stacked and all(len(ps) == 1 and ps[0].row.trip_count == 6 for ps in stacked), str(found)
+    assert not [p for p in found.model if p.phase == "backward"], str(found)

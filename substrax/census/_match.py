@@ -69,12 +69,19 @@ class _Matcher:
         self.taken: set[int] = set()
         self.notes: list[str] = []
         self.budget = [_SEARCH_BUDGET]
+        # over an axis the layers declare collectives on, every buffer must be one they declared
+        self.declared_axes = {a for i in self.items if i.category == "model" for a in i.axes}
+        self.layered: dict[int, int] = {}  # item -> layers: moved one layer per iteration of the stack's loop
+        if self.mode == "implicit":
+            self._per_layer()
         self._one_to_one()
         self._combined()
         left = [j for j in range(len(self.parts)) if j not in self.taken]
-        # over an axis the layers declare collectives on, every buffer must be one they declared
-        self.declared_axes = {a for i in self.items if i.category == "model" for a in i.axes}
-        self.model = [j for j in left if attribute_model and self._model_like(self.parts[j])]
+        self.model = [
+            j
+            for j in left
+            if attribute_model and self._model_like(self.parts[j]) and not self._shaped_like(j)
+        ]
         self.unexpected = [j for j in left if j not in self.model]
 
     def _fits(self, item: ExpectedCollective, part: Part) -> bool:
@@ -83,6 +90,36 @@ class _Matcher:
             and (not item.scopes or part.scope in item.scopes)
             and (not item.axes or part.row.axes is None or tuple(part.row.axes) == item.axes)
         )
+
+    def _shape_bound(self, item: ExpectedCollective) -> bool:
+        """Implicit mode names a parameter only for a buffer of its shape (what the program says)."""
+        bound = item.category in ("gradients", "parameters") and bool(_dims(item.buffer))
+        return self.mode == "implicit" and bound
+
+    def _per_layer(self) -> None:
+        """A stacked parameter ``[L, ...]`` moved one layer per iteration of a loop of ``L``: XLA's
+        choice for a stack applied by ``nnx.scan``; its bytes per step are the rule's."""
+        for i in self._order():
+            item = self.items[i]
+            dims = _dims(item.buffer)
+            if item.optional or not self._shape_bound(item) or len(dims) < 2 or dims[0] < 2:
+                continue
+            free = [
+                j
+                for j, p in enumerate(self.parts)
+                if j not in self.taken
+                and self._fits(item, p)
+                and p.row.trip_counts[-1:] == (dims[0],)
+                and p.bytes * dims[0] == item.bytes
+                and _same_shape(item.buffer, p.buffer, layer=True)
+            ]
+            if free:
+                j = min(free, key=lambda j: self._preference(item, j))
+                self.assigned[i] = [j]
+                self.taken.add(j)
+                if self.parts[j].row.trip_counts == (dims[0],):  # the stack's loop alone: once per step
+                    self.layered[i] = dims[0]
+                    self.items[i] = replace(item, in_loop=True)
 
     def _preference(self, item: ExpectedCollective, j: int) -> tuple[int, int, bool, int]:
         part = self.parts[j]
@@ -107,6 +144,7 @@ class _Matcher:
                 if j not in self.taken
                 and self._same_bytes(item, p)
                 and self._fits(item, p)
+                and (not self._shape_bound(item) or _same_shape(item.buffer, p.buffer))
             ]
             if free:
                 j = min(free, key=lambda j: self._preference(item, j))
@@ -131,7 +169,17 @@ class _Matcher:
                 groups.setdefault((kind_key(item.kind, self.mode), item.scopes), []).append(i)
         for left in groups.values():
             item = self.items[left[0]]
-            free = [j for j, p in enumerate(self.parts) if j not in self.taken and self._fits(item, p)]
+            free = [
+                j
+                for j, p in enumerate(self.parts)
+                if j not in self.taken
+                and self._fits(item, p)
+                and (
+                    not self._shape_bound(item)
+                    or len(p.buffer.shape) <= 1
+                    or any(_same_shape(self.items[i].buffer, p.buffer) for i in left)
+                )
+            ]
             total = sum(self.items[i].bytes for i in left)
             chosen = _subset_sum([self.parts[j].bytes for j in free], total, self.budget)
             if chosen is None or (len(chosen) == 1 and len(left) == 1):
@@ -142,6 +190,28 @@ class _Matcher:
             whats = shorten([self.items[i].what for i in left], 4)
             pieces = "; ".join(str(self.parts[free[k]]) for k in chosen)
             self.notes.append(f"{whats} ({total:,} B) compiled combined differently, as {pieces}")
+
+    def _shapes_of(self, part: Part) -> list[str]:
+        """The parameters (implicit mode) whose gradient or gathered value has ``part``'s shape, whole or
+        one layer of a stack: what its shape says it may be (several when parameters share a shape)."""
+        if self.mode != "implicit" or sum(d > 1 for d in part.buffer.shape) < 2:
+            return []  # a vector's shape says nothing: a norm's scale and a statistic share it
+        names = []
+        for item in self.items:
+            if item.category not in ("gradients", "parameters") or not _dims(item.buffer):
+                continue
+            if _same_shape(item.buffer, part.buffer):
+                names.append(item.what)
+            elif len(_dims(item.buffer)) >= 2 and _same_shape(item.buffer, part.buffer, layer=True):
+                names.append(f"one layer of {item.what}")
+        return list(dict.fromkeys(names))
+
+    def _shaped_like(self, j: int) -> bool:
+        """A buffer over the axis gradients were reduced on with a parameter's shape: not the model's."""
+        part = self.parts[j]
+        axes = {self.parts[k].row.axes for i, ks in self.assigned.items() for k in ks
+                if self.items[i].category in ("gradients", "parameters")}  # fmt: skip
+        return part.row.axes in axes and bool(self._shapes_of(part))
 
     def _model_like(self, part: Part) -> bool:
         """The model's own: under no library scope or a layer's, but not where layers declared."""
@@ -156,7 +226,7 @@ class _Matcher:
         differences = self._loop_differences()
         loops = bool(differences)
         differences += self._kind_differences()
-        notes = list(self.notes)
+        notes = list(self.notes) + self._layer_notes()
         for i, item in enumerate(self.items):
             if item.optional and i not in self.assigned:
                 notes.append(f"not compiled, optional: {item}" + (f": {item.why}" if item.why else ""))
@@ -187,6 +257,39 @@ class _Matcher:
             model=tuple(parts[j] for j in sorted({*declared, *self.model})),
             unexpected=tuple(parts[j] for j in self.unexpected),
         )
+
+    def _layer_notes(self) -> list[str]:
+        """What was matched one layer per iteration, and which matches the program leaves open."""
+        notes = []
+        for source, verb in (("gradients", "reduced"), ("parameters", "gathered")):
+            layered = [i for i in self.layered if self.items[i].category == source]
+            if not layered:
+                continue
+            loops = sorted({self.layered[i] for i in layered})
+            names = shorten([self.items[i].what for i in layered], 4)
+            notes.append(
+                f"implicit mode: XLA {verb} {len(layered)} stacked parameter(s) one layer per iteration, "
+                f"inside a loop of {' or '.join(map(str, loops))} (a scanned stack): {names}; each one "
+                f"layer's buffer per iteration, its bytes per step the rule's: accepted"
+            )
+        shared: dict[tuple[int, ...], dict[str, None]] = {}  # parameters matched by a shape they share
+        kinds: dict[tuple[int, ...], dict[str, None]] = {}
+        for i, js in self.assigned.items():
+            item = self.items[i]
+            if self._shape_bound(item) and len(js) == 1:
+                part = self.parts[js[0]]
+                dims = tuple(sorted(d for d in part.buffer.shape if d != 1))
+                shared.setdefault(dims, {})[item.what] = None
+                kinds.setdefault(dims, {})[part.kind] = None
+        for dims, whats in shared.items():
+            if len(whats) > 1:
+                shape = "x".join(map(str, dims)) or "scalar"
+                notes.append(
+                    f"{shorten(list(whats), 4)} have buffers of one shape ({shape}), matched to "
+                    f"{' and '.join(kinds[dims])} buffers of that shape by shape alone: which buffer is "
+                    f"which parameter's the program does not say"
+                )
+        return notes
 
     def _loop_differences(self) -> list[str]:
         rows: list[Collective] = []
@@ -235,26 +338,46 @@ class _Matcher:
                 )
             elif extra:
                 surplus = sum(p.bytes_per_step for p in extra)
+                shaped = [name for p in extra for name in self._shapes_of(p)]
+                counts = (
+                    f"compiled {got:,} B per step, expected {want:,} B ({surplus:,} B more)"
+                    if got - want == surplus
+                    else f"{surplus:,} B per step beyond the buffers matched (compiled {got:,} B per step "
+                    f"in all, expected {want:,} B)"
+                )
                 out.append(
-                    f"extra {key}: compiled {got:,} B per step, expected {want:,} B ({surplus:,} B more); "
-                    + _twice(surplus, items)
+                    f"extra {key}: {counts}; "
+                    + (_twice(surplus, items) if self.mode != "implicit" else _again(shaped))
                     + "nothing expected accounts for "
-                    + _listed(extra)
+                    + _listed([self._described(p) for p in extra], extra)
                     + self._undeclared(extra)
                 )
             if missing:
-                short = sum(i.bytes for i in missing)
                 named = _listed(missing)
                 if not any(kind_key(p.kind, mode) == key for p in self.parts):
                     out.append(
                         f"missing {key}: expected {want:,} B per step, compiled none; not compiled: {named}"
                     )
-                else:
+                elif got < want:
                     out.append(
-                        f"too little {key}: compiled {got:,} B per step, expected {want:,} B ({short:,} B short); "
-                        f"not compiled: {named}"
+                        f"too little {key}: compiled {got:,} B per step, expected {want:,} B "
+                        f"({want - got:,} B short); not compiled: {named}"
+                    )
+                else:  # the bytes are there, but not in buffers of these parameters' shapes
+                    out.append(
+                        f"{key} not compiled as expected: {named} matched no compiled buffer "
+                        f"of its shape and bytes, though the step compiles {got:,} B of {key} per step "
+                        f"against {want:,} B expected"
                     )
         return out
+
+    def _described(self, part: Part) -> str:
+        """A buffer, with the parameters whose shape it has (implicit mode), else as it is."""
+        names = self._shapes_of(part)
+        if not names:
+            return str(part)
+        which = " or ".join(names[:4]) + (f" or {len(names) - 4} more" if len(names) > 4 else "")
+        return f"{part} (the shape of {which})"
 
     def _undeclared(self, extra: Sequence[Part]) -> str:
         """What to do about buffers over an axis whose collectives the layers declare."""
@@ -332,10 +455,11 @@ def _loop_difference(row: Collective, expected: Expected, carried: Sequence[str]
 _LISTED = 4  # buffers a difference names one by one (the rest: Comparison.unexpected, .matched)
 
 
-def _listed(things: Sequence[Any]) -> str:
-    """The buffers, each named, up to ``_LISTED`` of them (then how many more, and their bytes)."""
+def _listed(things: Sequence[Any], sized: Sequence[Any] | None = None) -> str:
+    """The buffers, each named, up to ``_LISTED`` of them (then how many more, and their bytes);
+    ``sized``: the buffers ``things`` describe, when ``things`` are their texts."""
     shown = "; ".join(map(str, things[:_LISTED]))
-    rest = things[_LISTED:]
+    rest = (things if sized is None else sized)[_LISTED:]
     if not rest:
         return shown
     size = sum(getattr(t, "bytes_per_step", getattr(t, "bytes", 0)) for t in rest)
@@ -350,6 +474,27 @@ def _twice(surplus: int, items: list[ExpectedCollective]) -> str:
     return f"the surplus is the size of {shorten(same, 3)} (reduced twice?); " if same else ""
 
 
+def _again(shaped: list[str]) -> str:
+    """What the shapes of the surplus buffers say (implicit mode): only what they say."""
+    if not shaped:
+        return ""
+    names = list(dict.fromkeys(shaped))
+    return f"the surplus has the shape of {shorten(names, 3)} (moved more than once?); "
+
+
 def _row_text(row: Collective) -> str:
     where = f" from {short_op(row.op_name)}" if row.op_name else ""
     return f"{row.kind} {row.name} [{buffers_text(row)}, {row.bytes:,} B]{where}"
+
+
+def _dims(buffer: str) -> tuple[int, ...]:
+    """The dimensions an expected buffer's text names (``"f32[2,64]"`` -> ``(2, 64)``), ``()`` if none."""
+    inside = buffer.partition("[")[2].rstrip("]")
+    return tuple(int(d) for d in inside.split(",") if d.strip().isdigit()) if "[" in buffer else ()
+
+
+def _same_shape(buffer: str, compiled: Operand, layer: bool = False) -> bool:
+    """``compiled`` holds ``buffer``'s elements in some order (size-1 dimensions aside); with ``layer``,
+    one layer of it: the shape without its leading (layer) dimension."""
+    dims = _dims(buffer)[1:] if layer else _dims(buffer)
+    return sorted(d for d in dims if d != 1) == sorted(d for d in compiled.shape if d != 1)
