@@ -21,6 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from substrax import _layout, _memory
+from substrax._layout._units import find_units
 from substrax._shared.options import Mode
 from substrax._train.chooser import make_train_step
 from substrax._tree import PyTree
@@ -103,7 +104,8 @@ class PlanRow:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """The rows of ``plan``, one per configuration; ``print`` shows them as a table."""
+    """The rows of ``plan``, one per configuration; ``print`` shows them as a table, each row's
+    notes below it."""
 
     rows: tuple[PlanRow, ...]
 
@@ -137,7 +139,9 @@ class Plan:
         ]  # fmt: skip
         widths = [max(len(str(c)) for c in col) for col in zip(head, *body, strict=True)]
         lines = [" | ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)) for r in [head, *body]]
-        return "\n".join([lines[0], "-+-".join("-" * w for w in widths), *lines[1:]])
+        notes = [f"{_label(r)}: {note}" for r in self.rows for note in r.notes]
+        rule = "-+-".join("-" * w for w in widths)
+        return "\n".join([lines[0], rule, *lines[1:], *(["notes:", *notes] if notes else [])])
 
 
 def _label(row: PlanRow) -> str:
@@ -181,7 +185,8 @@ def plan(
       mode: ``"implicit"``, ``"explicit"``, or both.
       layouts: The layouts to try; default every one the mesh allows (``"hsdp"`` with a
         ``replica`` axis).
-      units: ``shard_state``'s ``units`` to try under FSDP and HSDP (``None``: none).
+      units: ``shard_state``'s ``units`` to try under FSDP and HSDP (``None``: none), e.g.
+        ``(None, Block)``.
       placement: ``shard_state``'s other keywords for every configuration (``min_size``,
         ``reshard_after_forward``, ``prefetch``, ...).
       compiled: Compile each row's step and read its memory (``memory_analysis()``) and
@@ -190,7 +195,13 @@ def plan(
 
     Returns:
       A ``Plan``; ``print`` it for the table, ``.best(memory=...)`` to choose.
+
+    Raises:
+      TypeError: If ``units`` is not an iterable of candidates (a module type given alone).
+      ValueError: If ``units`` is empty, or a candidate matches no submodule (naming the
+        model's module types).
     """
+    units = _candidates(model, units)
     meshes = [mesh] if isinstance(mesh, Mesh) else list(mesh)
     modes = [mode] if isinstance(mode, str) else list(mode)
     rows = []
@@ -206,6 +217,26 @@ def plan(
                     estimate = memory.setdefault((id(m), kind, u), {})
                     rows.append(_row(*config, memory=estimate, compiled=on_target))
     return Plan(tuple(rows))
+
+
+def _candidates(model: nnx.Module, units: Iterable[Any]) -> list[Any]:
+    """The ``units`` candidates, each checked to match a submodule of ``model``."""
+    if isinstance(units, type) or callable(units) or not isinstance(units, Iterable):
+        name = getattr(units, "__qualname__", repr(units))
+        raise TypeError(
+            f"units= takes the candidates to try, each as shard_state takes units: units=(None, {name}) "
+            f"or units=({name},); got units={name}."
+        )
+    candidates = list(units)
+    if not candidates:
+        raise ValueError(
+            "units=() tries no placement under FSDP and HSDP: pass units=(None,) (the default) for "
+            "none, or units=(None, Block) to try units as well."
+        )
+    for unit in candidates:
+        if unit is not None:
+            find_units(model, unit, reshard_after_forward=True)  # refuses one matching nothing
+    return candidates
 
 
 def _row(
@@ -229,6 +260,8 @@ def _row(
         with step.mesh_context():
             lowered = traced.lower()
     expected, notes = expected_step(lowered.out_info[1], m, o, step.options, layers=layers, layered=layered)
+    if kind != "replicated" and placed.kind == "replicated":
+        notes = (_nothing_split(placed), *notes)
     k = step.options.microbatches
     by_kind: dict[tuple[str, str], int] = {}
     optional = 0
@@ -303,6 +336,20 @@ def _shape_of(x: Any) -> Any:
     if isinstance(x, (jax.Array, np.ndarray)):
         return jax.ShapeDtypeStruct(x.shape, x.dtype)
     return x
+
+
+def _nothing_split(placed: _layout.Layout) -> str:
+    """The note of a layout that splits no parameter: the row is the replicated one."""
+    small = [math.prod(w.shape) for w in placed.left_whole if w.reason == "small" and w.shape]
+    hint = (
+        f"; placement={{'min_size': {max(small):,}}} splits the largest of those below min_size"
+        if small
+        else ""
+    )
+    return (
+        f"nothing split: layout={placed.asked!r} leaves every parameter whole, the state and its "
+        f"communication the replicated layout's ({placed.whole_summary()}){hint}"
+    )
 
 
 def _axes(rows: str | tuple[str, ...]) -> tuple[str, ...]:

@@ -211,14 +211,15 @@ def prefetch_of(config: Config) -> bool:
 
 
 def units_of(config: Config) -> Any:
-    """The ``units=`` ``shard_state`` gets: None, each block, every ``nnx.Linear``, or the scanned stack."""
+    """The ``units=`` ``shard_state`` gets: None, each block, every ``nnx.Linear``, or the scanned stack
+    (None where the model has no such module: ``shard_state`` refuses units that match nothing)."""
     if config.layout not in ("fsdp", "hsdp") or config.units is None:
         return None
     if config.units == "linear":
         return nnx.Linear
     if config.units == "stack":
-        return ScanLayer
-    return lambda path, module: len(path) == 2 and path[0] == "blocks"
+        return ScanLayer if config.scan is not None else None
+    return (lambda path, module: len(path) == 2 and path[0] == "blocks") if config.blocks else None
 
 
 # ----------------------------------------------------------------------------------------- the model

@@ -291,6 +291,41 @@ def test_best_takes_the_fewest_bytes_that_fit_and_names_the_least_requirement() 
     assert table.splitlines()[0].startswith("mode") and "all-gather (data)" in table and len(table.splitlines()) == 8
 
 
+def test_units_that_match_nothing_are_refused_before_planning() -> None:
+    # regression (#51): plan(units=(Conv,)) planned plain FSDP, units=() left FSDP out
+    model = MLP(4, 16, seed=0)
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    batch, mesh = regression_batches(1, 64)[0], create_device_mesh({"data": 8})
+    with pytest.raises(ValueError, match=r"units=Conv matched no submodule of the MLP, .* types Linear:"):
+        substrax.plan(mse, model, optimizer, batch, mesh=mesh, units=(None, nnx.Conv))
+    with pytest.raises(ValueError, match=r"units=\(\) tries no placement under FSDP and HSDP: pass"):
+        substrax.plan(mse, model, optimizer, batch, mesh=mesh, units=())
+    with pytest.raises(TypeError, match=r"units= takes the candidates to try, .* units=\(None, Linear\)"):
+        substrax.plan(mse, model, optimizer, batch, mesh=mesh, units=nnx.Linear)
+
+
+def test_a_layout_that_splits_nothing_says_so_in_its_row_and_the_table() -> None:
+    # regression (#51): below min_size the fsdp row was the replicated one, labelled fsdp, no note
+    model = MLP(4, 16, seed=0)  # 64 and 16 elements: below the default min_size
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    batch, mesh = regression_batches(1, 64)[0], create_device_mesh({"data": 8})
+    planned = substrax.plan(mse, model, optimizer, batch, mesh=mesh, layouts=("replicated", "fsdp"))
+    replicated, fsdp = planned.rows
+    assert (fsdp.state_bytes, fsdp.bytes) == (replicated.state_bytes, replicated.bytes)
+    assert replicated.notes == ()
+    (note,) = [n for n in fsdp.notes if n.startswith("nothing split")]
+    assert "4 parameters left whole: 4 of fewer than 1,024 elements (min_size)" in note, note
+    assert "placement={'min_size': 64}" in note, note
+    table = str(planned).splitlines()
+    assert table[-2:] == ["notes:", f"explicit fsdp on data=8: {note}"]
+    # split (min_size=64 splits the hidden kernel): no such note
+    split = substrax.plan(
+        mse, model, optimizer, batch, mesh=mesh, layouts=("fsdp",), placement={"min_size": 64}
+    )
+    assert split.rows[0].state_bytes < replicated.state_bytes
+    assert not any(n.startswith("nothing split") for n in split.rows[0].notes)
+
+
 @pytest.mark.parametrize("mode", substrax.MODES)
 def test_a_row_builds_its_configuration(mode: str) -> None:
     mesh = create_device_mesh({"data": 8})

@@ -141,6 +141,26 @@ def test_units_are_refused_where_they_mean_nothing() -> None:
         substrax.shard_state(model, optimizer, mesh=MESH, units=nnx.Linear, reshard_after_forward=1)
 
 
+@pytest.mark.parametrize(
+    ("units", "asked"),
+    [(nnx.Conv, "Conv"), ((), r"\(\)"), ((nnx.Conv, nnx.Dropout), r"\(Conv, Dropout\)"),
+     (lambda path, module: False, "<lambda>")],
+    ids=["type", "empty", "types", "predicate"],
+)  # fmt: skip
+def test_units_that_match_nothing_are_refused_naming_the_models_module_types(units, asked: str) -> None:
+    # regression (#51): each placed plain FSDP without a word, the units asked for lost
+    with jax.set_mesh(MESH):
+        model = Stack(2, 16)
+        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    with pytest.raises(
+        ValueError,
+        match=rf"units={asked} matched no submodule of the Stack, .* Its submodules are of the types "
+        rf"Linear, List: name one \(units=Linear\)",
+    ):
+        substrax.shard_state(model, optimizer, mesh=MESH, min_size=1, units=units)
+    assert unit_paths(model) == {}
+
+
 def test_units_change_how_parameters_move_not_where_they_live(tmp_path: Path) -> None:
     model, optimizer = _placed(2, 16, nnx.Linear)
     placed = {k: v.sharding for k, v in _params_arrays(model).items()}

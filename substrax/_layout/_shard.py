@@ -156,8 +156,9 @@ def shard_state(
 
     Raises:
       TypeError: If ``optimizer`` is not an ``nnx.Optimizer`` or ``min_size`` not an int.
-      ValueError: If ``units`` comes with a layout other than ``"fsdp"``, matches the model
-        itself or a module inside another, or ``prefetch`` comes without ``units`` or with
+      ValueError: If ``units`` comes with a layout other than ``"fsdp"``, matches no
+        submodule (naming the model's module types), the model itself or a module inside
+        another, or ``prefetch`` comes without ``units`` or with
         ``reshard_after_forward=False``; ``layout`` is unknown or contradicts ``params``;
         ``axis`` contradicts ``data_axis``; the mesh lacks the axis; ``min_size`` is
         negative; or the optimizer is not the model's. Each names the axis or leaf.

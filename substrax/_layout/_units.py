@@ -46,8 +46,9 @@ def find_units(
     Raises:
       TypeError: If ``units`` is not a type, a tuple of types or a predicate, or
         ``reshard_after_forward`` or ``prefetch`` not a bool.
-      ValueError: If a unit lies inside another (naming both), or is the model itself;
-        if ``prefetch`` comes without ``units`` or with ``reshard_after_forward=False``.
+      ValueError: If ``units`` matches no submodule (naming the model's module types), a unit
+        lies inside another (naming both), or is the model itself; if ``prefetch`` comes
+        without ``units`` or with ``reshard_after_forward=False``.
     """
     for name, flag in (("reshard_after_forward", reshard_after_forward), ("prefetch", prefetch)):
         if not isinstance(flag, bool):
@@ -74,6 +75,8 @@ def find_units(
                         "Parameters outside every unit are gathered as the root unit already."
                     )
                 found.append(tuple(path))
+        if not found:
+            raise ValueError(_matched_nothing(model, units))
     found.sort(key=len)
     for i, inner in enumerate(found):
         for outer in found[:i]:
@@ -83,6 +86,26 @@ def find_units(
                     f"may not nest. Name only the outer modules (or only the inner ones)."
                 )
     return found
+
+
+def _matched_nothing(model: nnx.Module, units: UnitsSpec) -> str:
+    """Why ``units`` was refused: what was asked, and the module types the model has."""
+    if isinstance(units, tuple):
+        asked = "(" + ", ".join(u.__name__ for u in units) + ("," if len(units) == 1 else "") + ")"
+    else:
+        asked = getattr(units, "__qualname__", repr(units))
+    kinds = sorted({type(node).__name__ for path, node in nnx.iter_graph(model)
+                    if path and isinstance(node, nnx.Module)})  # fmt: skip
+    has = (
+        f"Its submodules are of the types {', '.join(kinds)}: name one (units={kinds[0]}), a tuple of them, "
+        f"or a function (path, module) -> bool that holds for some, or drop units="
+        if kinds
+        else "It has no submodule: drop units="
+    )
+    return (
+        f"units={asked} matched no submodule of the {type(model).__name__}, so no parameter would be "
+        f"gathered as a unit (plain FSDP). {has}."
+    )
 
 
 def stacked_modules(model: nnx.Module, units: list[KeyPath]) -> set[KeyPath]:
