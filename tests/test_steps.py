@@ -165,6 +165,37 @@ def test_a_bound_step_lowers_the_program_it_runs(
     assert aliased == (state if donate else 0), (aliased, state)
 
 
+def _memory(lowered) -> tuple[int, int, int, int]:
+    m = lowered.compile().memory_analysis()
+    return m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes, m.alias_size_in_bytes
+
+
+@pytest.mark.parametrize("mode", substrax.MODES)
+def test_lower_by_default_lowers_the_program_the_plain_call_runs(mesh8: jax.sharding.Mesh, mode: str) -> None:
+    # regression (#51): lower() donated nothing while the call donates: memory_analysis() read an
+    # undonated peak (no alias, the state written to new buffers)
+    model = MLP()
+    optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
+    substrax.shard_state(model, optimizer, mesh=mesh8, layout="fsdp", min_size=16)
+    batch = place_batch_on_shards(regression_batches(1, rows=32)[0], create_data_parallel_sharding(mesh8))
+    step = substrax.make_train_step(mse, mode, mesh=mesh8)
+    lowered = step.lower(model, optimizer, batch)
+    traced = step.traced(model, optimizer, batch)
+    step(model, optimizer, batch)
+    split = step._cached  # the program the call ran: its jitted step, lowered for the same arguments
+    with step.mesh_context():
+        ran = split.jitted.lower(split.arrays(), batch, placed=step.placed_specs(batch))
+    assert lowered.as_text() == ran.as_text()
+    memory = _memory(lowered)
+    assert memory == _memory(ran)
+    with step.mesh_context():
+        assert _memory(traced.lower()) == memory
+    state = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(nnx.state((model, optimizer))))
+    assert memory[3] == state > 0, (memory, state)  # every state buffer updated in place
+    undonated = _memory(step.lower(model, optimizer, batch, donate=False))  # .bind(donate=False)'s
+    assert undonated[3] == 0 and undonated[:2] == memory[:2]
+
+
 @pytest.mark.parametrize("layout", FLAT_LAYOUTS)
 @pytest.mark.parametrize("mode", substrax.MODES)
 def test_census_of_each_step_matches_its_layout(mesh8: jax.sharding.Mesh, mode: str, layout: str) -> None:

@@ -234,10 +234,13 @@ class TrainStep:
             arrays = uncommitted_as_replicated(arrays, self._concrete_mesh())  # as the call places them
             return self._jit(*split.graph, donate=donate).lower(arrays, batch, placed=self.placed_specs(batch))
 
-    def traced(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree, *, donate: bool = False) -> Any:
+    def traced(
+        self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree, *, donate: bool = True
+    ) -> Any:
         """The jitted step traced for these arguments (``jax.stages.Traced``: ``.jaxpr``, ``.lower()``).
 
         Its arguments are the state's arrays (``nnx.state((model, optimizer))``'s leaves), then the batch's.
+        ``donate``: as in ``lower``.
         """
         split = self._split(model, optimizer, donate=False)
         with self.mesh_context():
@@ -275,11 +278,14 @@ class TrainStep:
         self._skips.push(applied)
         return out
 
-    def lower(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree, *, donate: bool = False) -> Any:
-        """Lower the jitted step for these arguments (traced afresh), e.g. ``.compile().as_text()``.
+    def lower(
+        self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree, *, donate: bool = True
+    ) -> Any:
+        """Lower the jitted step for these arguments (traced afresh), e.g. ``.compile().memory_analysis()``.
 
-        ``donate=True``: the program that runs when the state is donated (the plain call and
-        ``.bind``); lowering donates nothing.
+        ``donate=True`` (the default): the program the plain call and ``.bind`` run, the state
+        donated (updated in place); ``False``: the one ``.bind(..., donate=False)`` runs.
+        Lowering itself donates nothing.
         """
         split = self._split(model, optimizer, donate=False)
         return self._lower(split, split.arrays(), batch, donate=donate)
@@ -292,7 +298,7 @@ class TrainStep:
         """
         # what the layers declare they communicate, and which units ran one layer at a time
         with declared.recording() as layers, _layout.recording_layers() as layered:  # as it runs: donated
-            lowered = self.lower(model, optimizer, batch, donate=True)
+            lowered = self.lower(model, optimizer, batch)
         return check_communication(lowered, model, optimizer, self.options, layers=layers, layered=layered)
 
     def census(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree) -> Comparison:
