@@ -114,6 +114,15 @@ def test_every_python_block_of_the_page_runs(
     assert ran, f"{page.relative_to(ROOT)}: every Python block is marked 'not run'"
 
 
+def test_the_home_page_and_the_readme_list_every_guide() -> None:
+    # regression (#51): docs/index.md's table left the planning guide out
+    guides = sorted(p.name for p in (DOCS / "guides").glob("*.md"))
+    for page, prefix in ((DOCS / "index.md", "guides/"), (ROOT / "README.md", "docs/guides/")):
+        row = rf"^\| \[[^]]+\]\({re.escape(prefix)}([\w-]+\.md)\) \|"
+        listed = set(re.findall(row, page.read_text(), re.M))
+        assert listed == set(guides), f"{page.name}: missing {sorted(set(guides) - listed)}"
+
+
 def test_the_pages_are_found_and_blocks_not_run_say_why() -> None:
     names = {str(p.relative_to(ROOT)) for p in PAGES_WITH_CODE}
     assert {"README.md", "docs/index.md", "docs/guides/modes.md"} <= names
