@@ -94,6 +94,45 @@ def test_hsdp_refuses_a_mesh_without_the_replica_axis() -> None:
     assert model.hidden.kernel.get_value().sharding.spec == P(None, "data")
 
 
+@pytest.mark.parametrize("mode", substrax.MODES)
+def test_a_step_built_for_another_replica_axis_is_refused_naming_both(mode: str) -> None:
+    # regression (#51): the step split the rows over 'data' only (16 a device, not 8), each
+    # 'dcn' replica computing the same rows, without a word
+    named = create_device_mesh({"dcn": 2, "data": 4})
+    batches = regression_batches(2, rows=32)
+    with jax.set_mesh(named):
+        model = MLP()
+        optimizer = nnx.Optimizer(model, optax.sgd(LR, momentum=0.9), wrt=nnx.Param)
+    substrax.shard_state(model, optimizer, mesh=named, layout="hsdp", replica_axis="dcn", min_size=1)
+    assert substrax.layout_of(model, optimizer).kind == "hsdp"
+    default = substrax.make_train_step(mse, mode, mesh=named)  # replica_axis='replica'
+    with pytest.raises(
+        ValueError,
+        match=r"placed with shard_state\(\.\.\., layout='hsdp', replica_axis='dcn'\), but the step was built "
+        r"with replica_axis='replica': it would split the batch's rows over 'data' only, .* "
+        r"make_train_step\(\.\.\., replica_axis='dcn'\)",
+    ):
+        default(model, optimizer, batches[0])
+    # the state placed over the default axis, a step built for another: refused the other way round
+    other, other_opt = _placed(HYBRID, "hsdp")
+    elsewhere = substrax.make_train_step(mse, mode, mesh=HYBRID, replica_axis="dcn")
+    with pytest.raises(ValueError, match=r"'replica'\), but the step was built with replica_axis='dcn'"):
+        elsewhere.bind(other, other_opt)(batches[0])
+    # built with the state's axis: rows over ('dcn', 'data'), the one-device result
+    rows = []
+    step = substrax.make_train_step(lambda m, b: rows.append(len(b["x"])) or mse(m, b), mode, mesh=named,
+                                    replica_axis="dcn")  # fmt: skip
+    for b in batches:
+        step(model, optimizer, b)
+    assert rows[0] == (4 if mode == "explicit" else 32)  # a device's rows: 32 over 2 x 4
+    got, want = params_of(model), _one_device(batches)
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    # placed again as FSDP: nothing recorded, no replica axis asked of the step
+    substrax.shard_state(model, optimizer, mesh=named, layout="fsdp", min_size=1)
+    default(model, optimizer, batches[0])
+
+
 def test_a_checkpoint_saved_under_hsdp_restores_into_fsdp_and_replicated(tmp_path: Path) -> None:
     model, optimizer = _placed(HYBRID, "hsdp")
     step = substrax.make_train_step(mse, "explicit", mesh=HYBRID)

@@ -16,11 +16,14 @@ from substrax._layout._owners import (
 from substrax._layout._report import (
     LAYOUTS,
     REPLICA_AXIS,
+    REPLICA_KEY,
     Layout,
     LayoutKind,
     LeafPlacement,
     LeftWhole,
+    check_replica_axis,
     layout_of,
+    replica_axis_of,
 )
 from substrax._layout._shard import epoch, shard_state
 from substrax._layout._specs import (
@@ -61,6 +64,7 @@ __all__ = [
     "unit_paths",
     "LAYOUTS",
     "REPLICA_AXIS",
+    "REPLICA_KEY",
     "Layout",
     "LayoutKind",
     "LeafPlacement",
@@ -69,12 +73,14 @@ __all__ = [
     "check_declared_rank",
     "check_mesh_axes",
     "check_optimizer_of",
+    "check_replica_axis",
     "choose_split_dim",
     "declared_spec",
     "epoch",
     "follow_dim",
     "gradient_spec",
     "layout_of",
+    "replica_axis_of",
     "optimizer_followers",
     "optional_axes",
     "optimizer_mirrors",

@@ -17,11 +17,15 @@ from substrax._layout._specs import spec_tuple, split_dim_of, without_axis
 from substrax._tree import adopt_assigned_arrays, path_str
 from substrax.mesh import current_mesh, current_mesh_with
 
-__all__ = ["LAYOUTS", "REPLICA_AXIS", "Layout", "LayoutKind", "LeafPlacement", "LeftWhole", "layout_of"]
+__all__ = [
+    "LAYOUTS", "REPLICA_AXIS", "REPLICA_KEY", "Layout", "LayoutKind", "LeafPlacement", "LeftWhole",
+    "check_replica_axis", "layout_of", "replica_axis_of",
+]
 
 LayoutKind = Literal["replicated", "zero1", "fsdp", "hsdp"]
 LAYOUTS: tuple[LayoutKind, ...] = ("replicated", "zero1", "fsdp", "hsdp")
 REPLICA_AXIS = "replica"  # hybrid sharding's outer axis, by default (shard_state, the steps)
+REPLICA_KEY = "hsdp_replica_axis"  # a parameter's metadata: the replica axis shard_state placed it with
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,9 +247,33 @@ def layout_of(
         split_opt = any(r.split_dim is not None and r.owner == "optimizer" for r in rows)
         kind = "fsdp" if split_model else "zero1" if split_opt else "replicated"
         meshes = [getattr(getattr(v.get_value(), "sharding", None), "mesh", None) for v in _params_of(model)]
-        if kind == "fsdp" and any(REPLICA_AXIS in getattr(m, "axis_names", ()) for m in meshes):
+        hybrid = replica_axis_of(model) is not None
+        if kind == "fsdp" and (hybrid or any(REPLICA_AXIS in getattr(m, "axis_names", ()) for m in meshes)):
             kind = "hsdp"
     return Layout(kind, axis, axis_size, tuple(rows))
+
+
+def replica_axis_of(model: Any) -> str | None:
+    """The replica axis ``shard_state(..., layout="hsdp")`` placed ``model`` with, or None."""
+    return next((a for v in _params_of(model) if (a := v.get_metadata().get(REPLICA_KEY)) is not None), None)
+
+
+def check_replica_axis(model: Any, replica_axis: str, rows: str | tuple[str, ...]) -> None:
+    """Refuse a step built with another ``replica_axis`` than the one the state was placed with.
+
+    ``rows``: the axes the step splits the batch's rows over.
+    """
+    placed = replica_axis_of(model)
+    if placed is None or placed == replica_axis:
+        return
+    over = " and ".join(repr(a) for a in ((rows,) if isinstance(rows, str) else rows))
+    raise ValueError(
+        f"The state was placed with shard_state(..., layout='hsdp', replica_axis={placed!r}), but the "
+        f"step was built with replica_axis={replica_axis!r}: it would split the batch's rows over {over} "
+        f"only, each {placed!r} replica computing the same rows. Build the step with "
+        f"make_train_step(..., replica_axis={placed!r}), or place the state with "
+        f"replica_axis={replica_axis!r}."
+    )
 
 
 def _params_of(model: Any) -> list[Any]:

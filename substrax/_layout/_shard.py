@@ -15,7 +15,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from substrax._batch.axes import spec_axes
 from substrax._layout._owners import flat_state, follow_dim, optimizer_followers, optimizer_mirrors
-from substrax._layout._report import LAYOUTS, REPLICA_AXIS, Layout, LayoutKind, LeftWhole, layout_of
+from substrax._layout._report import (
+    LAYOUTS,
+    REPLICA_AXIS,
+    REPLICA_KEY,
+    Layout,
+    LayoutKind,
+    LeftWhole,
+    layout_of,
+)
 from substrax._layout._specs import (
     check_declared_rank,
     choose_split_dim,
@@ -148,7 +156,8 @@ def shard_state(
         (``True``, the least memory) or keep it from the forward pass (``False``).
       prefetch: With ``units``: a stacked unit run by ``substrax.nn.scan_layers`` gathers
         layer i+1 while layer i computes, forward and backward (explicit mode).
-      replica_axis: ``layout="hsdp"``'s outer axis, over which the state is replicated.
+      replica_axis: ``layout="hsdp"``'s outer axis, over which the state is replicated;
+        recorded on the parameters, the step must be built with the same one.
 
     Returns:
       The ``Layout``: which leaf went where, the bytes per device, and the parameters
@@ -265,6 +274,9 @@ def shard_state(
     split = {p for p, v in model_vars.items() if isinstance(v, nnx.Param) and layout in ("fsdp", "hsdp")
              and split_dim_of(spec_tuple(v), axis) is not None}  # fmt: skip
     mark_units(model, unit_list, reshard_after_forward, split, prefetch)
+    for variable in model_vars.values():  # the steps refuse another replica axis (check_replica_axis)
+        if isinstance(variable, nnx.Param) and (layout == "hsdp" or variable.get_metadata().get(REPLICA_KEY)):
+            variable.set_metadata(**{REPLICA_KEY: replica_axis if layout == "hsdp" else None})
     for obj in (model, optimizer):
         _EPOCHS[obj] = epoch(obj) + 1
     kind: LayoutKind = (

@@ -101,9 +101,9 @@ def make_train_step(
         unknown operation, a ``mesh`` without ``data_axis``, ``microbatches`` below 1.
         When called: a batch that does not split over ``data_axis`` (or ``batch_spec``)
         or into ``microbatches``, an output that does not match ``has_aux``, a ``reduce``
-        metric not returned, (explicit) state sharded other than by ``shard_state``, or on
-        several processes a host leaf whose shape differs between them; each names the
-        leaf, metric or parameter.
+        metric not returned, (explicit) state sharded other than by ``shard_state``,
+        ``"hsdp"`` state placed with another ``replica_axis``, or on several processes a host
+        leaf whose shape differs between them; each names the leaf, metric, parameter or axes.
       TypeError: If ``microbatches`` is not an int.
     """
     options = options_from(locals())  # the keywords above, checked once

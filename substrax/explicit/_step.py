@@ -18,7 +18,14 @@ from jax.sharding import PartitionSpec
 
 from substrax._batch.axes import spec_axes
 from substrax._batch.placement import batch_partition_specs
-from substrax._layout import UNIT_KEY, ParamSplit, gradient_spec, prefetched_units, unit_paths
+from substrax._layout import (
+    UNIT_KEY,
+    ParamSplit,
+    check_replica_axis,
+    gradient_spec,
+    prefetched_units,
+    unit_paths,
+)
 from substrax._shared import scopes
 from substrax._shared.microbatch import check_microbatches, fold_microbatch_metrics, split_rows_over
 from substrax._shared.options import StepOptions, options_from
@@ -117,6 +124,7 @@ def run_step(
     # the batch's rows: over data_axis, or over (replica, data) for hybrid sharding, where the
     # loss, the metrics and the gradient are reduced over both and the state split over data only
     hybrid = o.row_axes(mesh)
+    check_replica_axis(model, o.replica_axis, hybrid)
     specs = batch_partition_specs(batch, o.batch_spec, mesh, hybrid)
     rows = split_rows_over(specs, data_axis, hybrid)
     replicas = tuple(a for a in spec_axes(rows) if a != data_axis)

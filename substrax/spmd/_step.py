@@ -9,7 +9,7 @@ import jax
 from flax import nnx
 
 from substrax._batch.placement import batch_partition_specs
-from substrax._layout import check_mesh_axes
+from substrax._layout import check_mesh_axes, check_replica_axis
 from substrax._shared.microbatch import check_microbatches, unfold_global_gather
 from substrax._shared.options import StepOptions, options_from
 from substrax._shared.precision import MixedPrecision
@@ -98,6 +98,7 @@ def run_step(
     if found is not None:
         check_mesh_axes(model, found, "model")
         rows = o.row_axes(found)  # data, or (replica, data) for hybrid sharding
+        check_replica_axis(model, o.replica_axis, rows)
         specs = batch_partition_specs(batch, o.batch_spec, found, rows)
         check_microbatches(o.microbatches, batch, specs, found, rows)
         batch = jax.lax.with_sharding_constraint(batch, specs)
