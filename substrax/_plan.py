@@ -306,11 +306,11 @@ def _traced_gathers(items: Sequence[Any], jaxpr: Any) -> tuple[Any, ...]:
     gathers = [i for i in items if i.kind == "all-gather" and i.scopes == (scopes.UNIT,) and _shape(i.buffer)]
     for i in gathers:
         if not i.optional:
-            runs[_shape(i.buffer)] = runs.get(_shape(i.buffer), 0) - i.bytes // _one_run(i)
+            runs[_shape(i.buffer)] = runs.get(_shape(i.buffer), 0) - i.bytes // max(1, _one_run(i))
     required = set()
     order = sorted((i for i in gathers if i.optional), key=lambda i: i.what.endswith("recomputed"))
     for i in order:  # the backward gathers first, then the recomputed forward ones
-        own = i.bytes // _one_run(i)
+        own = i.bytes // max(1, _one_run(i))
         if runs.get(_shape(i.buffer), 0) >= own:
             runs[_shape(i.buffer)] -= own
             required.add(id(i))
