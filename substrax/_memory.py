@@ -62,8 +62,9 @@ _RELAID = {"all_gather": "all_gather_dimension", "reduce_scatter": "scatter_dime
 _ALIGN = 64  # bytes: XLA's CPU buffers start at multiples of it
 _CALLS = {
     "jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
-    "remat", "checkpoint", "shard_map",
+    "remat", "remat2", "checkpoint", "shard_map",
 }  # fmt: skip
+_RECOMPUTED = "rematted_computation"  # the name jax gives a forward pass recomputed under remat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -348,11 +349,17 @@ class _Walk:
         self.dot: dict[int, int] = {}  # a dot's result -> the dot's op
         self.bitcast: dict[int, int] = {}  # a reshaped view -> the op that reshapes it
         self.parameter: dict[int, int] = {}  # an argument -> the parameter XLA reads it from
+        self.recomputing = False  # the op being walked recomputes a forward pass under remat
+        self.recomputed: set[int] = set()  # the buffers such ops keep (less the parameters they gather)
+        self.gathered: set[int] = set()  # all-gathers' results, and their copies
+        self.hold_recomputed = False  # a loop body: what it recomputes lives to its end (``_loop_peak``)
 
     def buffer(self, whole: int, ways: int, *, argument: bool = False, in_place: bool = False) -> int:
         k = len(self.size) + 1
         self.size[k], self.whole[k], self.ways[k] = whole // max(1, ways), whole, ways
         self.roots[k], self.argument[k], self.in_place[k] = frozenset({k}), argument, in_place
+        if self.recomputing:
+            self.recomputed.add(k)
         return k
 
     def virtual(self, whole: int, ways: int, reads: Sequence[int], *, view: int | None = None) -> int:
@@ -372,6 +379,9 @@ class _Walk:
             return k
         if k not in self.materialized:
             self.materialized[k] = self.buffer(self.whole[k], self.ways[k], in_place=True)
+            if self.roots[k] & self.gathered:  # a gathered parameter written out: gathered
+                self.gathered.add(self.materialized[k])
+                self.recomputed.discard(self.materialized[k])
             self.ops.append(([k], [self.materialized[k]], 0, ""))
         return self.materialized[k]
 
@@ -409,6 +419,7 @@ class _Walk:
         into = _scattered(jaxpr)
         for i, e in enumerate(jaxpr.eqns):
             name = e.primitive.name
+            self.recomputing = name != "all_gather" and _RECOMPUTED in str(e.source_info.name_stack)
             vars_in = [v for v in e.invars if not isinstance(v, jcore.Literal)]
             reads = [env[v] for v in vars_in]
             if i in into.values():  # scattered into what its sum adds, there (below)
@@ -515,6 +526,8 @@ class _Walk:
                         self.ops[self.dot[k]] = (*self.ops[self.dot[k]][:3], "late")
             if name == "dot_general":
                 self.dot.update(dict.fromkeys(defined, len(self.ops)))
+            if name == "all_gather":
+                self.gathered.update(defined)
             self.ops.append((reads, defined, inner, ""))
         return [self.virtual(0, 1, []) if isinstance(v, jcore.Literal) else env[v] for v in jaxpr.outvars]
 
@@ -628,6 +641,8 @@ class _Walk:
             for r in op[0]:
                 for root in self.roots[r]:
                     last[root] = i
+        if self.hold_recomputed:  # XLA keeps the recomputed forward's values to the body's end
+            last.update((k, n - 1) for k in self.recomputed if k in last)
         output = {self.view.get(k, k) for k in outs}
         # jax writes an output into a donated argument of its size: that buffer holds nothing else
         free = list(argument_bytes) if donated else []
@@ -749,6 +764,7 @@ def _loop_peak(body: Any, sliced: int = 0) -> int:
     A scan's slice of its last ``sliced`` inputs is copied out where a dot or a collective reads it.
     """
     walk = _Walk()
+    walk.hold_recomputed = any(e.primitive.name in ("remat", "remat2", "checkpoint") for e in body.eqns)
     whole = len(body.invars) - sliced
     state = walk.buffer(0, 1, argument=True)  # the loop's state: one parameter, a tuple
     walk.parameter[state] = 0

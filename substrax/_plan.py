@@ -18,10 +18,12 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
+from jax.extend import core as jcore
 from jax.sharding import Mesh
 
 from substrax import _layout, _memory
 from substrax._layout._units import find_units
+from substrax._shared import scopes
 from substrax._shared.options import Mode
 from substrax._train.chooser import make_train_step
 from substrax._tree import PyTree
@@ -259,10 +261,15 @@ def _row(
         traced = step.traced(m, o, batch, donate=True)
         with step.mesh_context():
             lowered = traced.lower()
-    expected, notes = expected_step(lowered.out_info[1], m, o, step.options, layers=layers, layered=layered)
+    body = traced.jaxpr.jaxpr
+    expected, notes = expected_step(
+        lowered.out_info[1], m, o, step.options, layers=layers, layered=layered, recomputed=_recomputes(body)
+    )
     if kind != "replicated" and placed.kind == "replicated":
         notes = (_nothing_split(placed), *notes)
     k = step.options.microbatches
+    if mode == "explicit":  # the unit gathers the trace runs, counted: required
+        expected = dataclasses.replace(expected, items=_traced_gathers(expected.items, body))
     by_kind: dict[tuple[str, str], int] = {}
     optional = 0
     gathers = [_one_run(i) for i in expected.items if i.kind == "all-gather" and i.category == "parameters"]
@@ -379,3 +386,53 @@ def _one_run(item: Any) -> int:
         return item.bytes
     bits = int(found.group(2))
     return math.prod(int(d) for d in found.group(3).split(",") if d) * bits // 8
+
+
+def _recomputes(jaxpr: Any) -> bool:
+    """Whether the traced step recomputes under remat (``nnx.remat``, ``jax.checkpoint``), as
+    ``check_communication`` reads it from the compiled program's op names."""
+    return any("rematted_computation" in str(e.source_info.name_stack) for e, _ in _eqns(jaxpr, 1))
+
+
+def _eqns(jaxpr: Any, runs: int) -> Iterable[tuple[Any, int]]:
+    """Each equation of ``jaxpr`` and those inside it, with how often it runs (a scan's trips counted)."""
+    for e in jaxpr.eqns:
+        yield e, runs
+        inner = runs * (e.params["length"] if e.primitive.name == "scan" else 1)
+        for sub in jcore.jaxprs_in_params(e.params):
+            yield from _eqns(getattr(sub, "jaxpr", sub), inner)
+
+
+def _traced_gathers(items: Sequence[Any], jaxpr: Any) -> tuple[Any, ...]:
+    """``items`` with a unit's optional all-gathers (its backward gather, its forward gathered again
+    under remat) required where the trace runs them: per buffer shape, the runs of the unit's
+    all-gathers (``substrax.unit``) in the trace, code no result reads dropped (as XLA drops a
+    first unit's backward gather), beyond those of the required buffers."""
+    try:  # jax's own dead-code elimination, through scans and shard_map
+        from jax._src.interpreters.partial_eval import dce_jaxpr
+
+        jaxpr, _ = dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)
+    except Exception:  # noqa: BLE001  (another jax: the optional gathers stay optional)
+        return tuple(items)
+    runs: dict[tuple[int, ...], int] = {}
+    for e, n in _eqns(jaxpr, 1):
+        if e.primitive.name == "all_gather" and scopes.UNIT in str(e.source_info.name_stack):
+            shape = tuple(e.outvars[0].aval.shape)
+            runs[shape] = runs.get(shape, 0) + n
+    gathers = [i for i in items if i.kind == "all-gather" and i.scopes == (scopes.UNIT,) and _shape(i.buffer)]
+    for i in gathers:
+        if not i.optional:
+            runs[_shape(i.buffer)] = runs.get(_shape(i.buffer), 0) - i.bytes // max(1, _one_run(i))
+    required = set()
+    order = sorted((i for i in gathers if i.optional), key=lambda i: i.what.endswith("recomputed"))
+    for i in order:  # the backward gathers first, then the recomputed forward ones
+        own = i.bytes // max(1, _one_run(i))
+        if runs.get(_shape(i.buffer), 0) >= own:
+            runs[_shape(i.buffer)] -= own
+            required.add(id(i))
+    return tuple(dataclasses.replace(i, optional=False, why="") if id(i) in required else i for i in items)
+
+
+def _shape(buffer: str) -> tuple[int, ...] | None:
+    found = re.fullmatch(r"[a-z]+\d+\[([\d,]*)\]", buffer)
+    return None if found is None else tuple(int(d) for d in found.group(1).split(",") if d)
