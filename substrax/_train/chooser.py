@@ -232,7 +232,10 @@ class TrainStep:
         """The step lowered for these arguments, traced afresh (not from the jitted step's cache)."""
         with self.mesh_context():
             arrays = uncommitted_as_replicated(arrays, self._concrete_mesh())  # as the call places them
-            return self._jit(*split.graph, donate=donate).lower(arrays, batch, placed=self.placed_specs(batch))
+            placed = self.placed_specs(batch)
+            return self._jit(*split.graph, donate=donate).lower(
+                arrays, self._process_rows(batch, placed), placed=placed
+            )
 
     def traced(
         self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree, *, donate: bool = True
@@ -246,7 +249,8 @@ class TrainStep:
         with self.mesh_context():
             arrays = uncommitted_as_replicated(split.arrays(), self._concrete_mesh())
             jitted = self._jit(*split.graph, donate=donate)
-            return jitted.trace(arrays, batch, placed=self.placed_specs(batch))
+            placed = self.placed_specs(batch)
+            return jitted.trace(arrays, self._process_rows(batch, placed), placed=placed)
 
     def _run_split(self, jitted: Any, arrays: list[jax.Array], batch: PyTree, placed: Any) -> Any:
         with self.mesh_context():

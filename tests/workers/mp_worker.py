@@ -282,6 +282,10 @@ def checks() -> None:
             step = substrax.make_train_step(
                 weighted_mse, mode, mesh=mesh, batch_spec={"rows": P("data"), "batch_state": P()}
             )
+            # lowered (the census, the plan) as the call runs: the global rows, not this process's
+            lowered = step.lower(model, optimizer, own_rows(batches[0]))
+            shapes = jax.tree.map(lambda a: a.shape, lowered.args_info[0][1]["rows"])
+            assert shapes == jax.tree.map(np.shape, batches[0]["rows"]), shapes
             losses = [float(local_value(step(model, optimizer, own_rows(b)))) for b in batches[:2]]
             with step.bind(model, optimizer) as fast:
                 losses += [float(local_value(fast(own_rows(b)))) for b in batches[2:4]]
