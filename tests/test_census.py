@@ -7,10 +7,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
+from conftest import MLP, mse
+from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import substrax
 from substrax.census import census, compare, expected_communication
 from substrax.mesh import create_device_mesh
 
@@ -428,6 +432,31 @@ def test_implicit_fsdp_may_move_activations_instead(mesh8: jax.sharding.Mesh) ->
     assert result.matches and "no more than" in result.notes[0], str(result)
     explicit = compare(report, expected_communication(leaves, layout="fsdp", mode="explicit"))
     assert not explicit.matches and any("unexpected all-to-all" in d for d in explicit.differences)
+
+
+@pytest.mark.parametrize("width", [128, 256])
+def test_implicit_fsdp_gathers_parameters_not_activations(mesh8: jax.sharding.Mesh, width: int) -> None:
+    """The library's implicit step constrains each split parameter whole where it is used (spmd._grad).
+
+    Measured before, one row per device: XLA kept the weights split and moved activations (3 small
+    all-gathers of 1,792 / 3,328 B, the gradients' all-reduce 295 B); on the example transformer
+    (d=256, 4 blocks, 64 rows) that was 128.7 MB per step against the layout's 25.8 MB.
+    """
+    din, dout = width // 4, 8
+
+    def build() -> tuple[MLP, nnx.Optimizer]:
+        model = MLP(din, width, dout)
+        return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    model, optimizer = nnx.eval_shape(build)
+    substrax.shard_state(model, optimizer, mesh=mesh8, layout="fsdp")
+    step = substrax.make_train_step(mse, "implicit", mesh=mesh8)
+    batch = {"x": _spec(8, din), "y": _spec(8, dout)}
+    result = step.check_communication(model, optimizer, batch)
+    kernels = (din * width + width * dout) * F32  # the split parameters: both kernels
+    report = result.report
+    assert report.bytes("all-gather") == kernels and report.count("all-to-all") == 0, str(result)
+    assert result.matches, str(result)
 
 
 def test_bfloat16_moves_in_float32_on_cpu(mesh8: jax.sharding.Mesh) -> None:

@@ -206,7 +206,7 @@ class TrainStep:
 
     def _pure_step(self, graphdef: Any, treedef: Any, donate: bool) -> Any:
         """The jitted pure step for one graph, made once per graph (a re-split reuses it)."""
-        key = (graphdef, treedef, donate, self._platform())
+        key = (graphdef, treedef, self._platform(), donate)  # (donate last: tests read it)
         if key not in self._pure_steps:
             self._pure_steps[key] = self._jit(graphdef, treedef, donate)
         return self._pure_steps[key]
