@@ -89,3 +89,14 @@ def test_v5e_16x16_census_names_gathers_and_reductions_run_as_all_reduces(units:
     assert rewrites and len(rewrites) == len(result.differences), str(result)
     assert any(d.startswith("all-gather compiled") for d in rewrites)
     assert any(d.startswith("reduce-scatter compiled") for d in rewrites)
+
+
+def test_two_slices_census_names_the_in_slice_and_the_cross_slice_axes() -> None:
+    """The TPU compiler compiles one slice's program: groups over its 8 chips are ``data`` (ICI); its
+    send/recv pairs carry the cross-slice sum, over ``replica`` (DCN). Before: "1x8 groups", "?"."""
+    mesh = topology_mesh("v5e:2x4", {"replica": 2, "data": 8}, slices=2)
+    result = _census(mesh, 64, layout="hsdp")
+    rows = result.report.rows
+    sends = [r for r in rows if r.kind in ("send", "recv")]
+    assert sends and all(r.axes == ("replica",) for r in sends)
+    assert all(r.axes == ("data",) for r in rows if r.kind not in ("send", "recv"))
