@@ -100,3 +100,15 @@ def test_two_slices_census_names_the_in_slice_and_the_cross_slice_axes() -> None
     sends = [r for r in rows if r.kind in ("send", "recv")]
     assert sends and all(r.axes == ("replica",) for r in sends)
     assert all(r.axes == ("data",) for r in rows if r.kind not in ("send", "recv"))
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "hsdp"])
+def test_implicit_census_matches_on_v5e_2x4(layout: str) -> None:
+    """Measured before: each of the 15 parameters gathered for each use, 43 all-gathers (1.35 MB)."""
+    shape = {"replica": 2, "data": 4} if layout == "hsdp" else {"data": 8}
+    mesh = topology_mesh("v5e:2x4", shape)
+    model, optimizer, batch = _placed(mesh, 64, layout)
+    step = substrax.make_train_step(lm.loss_fn, "implicit", mesh=mesh)
+    result = step.check_communication(model, optimizer, batch)
+    assert result.matches, str(result)
+    assert result.report.count("all-gather") == 15 and result.report.count("all-to-all") == 0

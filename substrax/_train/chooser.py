@@ -199,7 +199,7 @@ class TrainStep:
                 out, applied = self._run(model, optimizer, batch, placed)
             return jax.tree.leaves(nnx.state((model, optimizer))), out, applied
 
-        options = explicit_step.compiler_options(self._concrete_mesh()) if self.mode == "explicit" else None
+        options = explicit_step.compiler_options(self._concrete_mesh(), self.mode)
         return jax.jit(
             pure, donate_argnums=0 if donate else (), static_argnames="placed", compiler_options=options
         )

@@ -49,6 +49,7 @@ from substrax.mesh import current_mesh
 
 __all__ = [
     "TPU_COMPILER_OPTIONS",
+    "TPU_IMPLICIT_COMPILER_OPTIONS",
     "BatchSpec",
     "check_placement",
     "compiler_options",
@@ -69,12 +70,21 @@ TPU_COMPILER_OPTIONS: dict[str, Any] = {
 }
 
 
-def compiler_options(mesh: Any) -> dict[str, Any] | None:
-    """The explicit step's compiler options for ``mesh``'s platform (``TPU_COMPILER_OPTIONS``), or None."""
+# The implicit step's: XLA chooses its collectives, but not to clone each gather into each use
+# (measured, FSDP and HSDP over 8 chips: 43 gathers of 15 parameters; d=256, 4 blocks: 75 gathers,
+# 52.5 MB, against 31 and 12.9 MB with it, and less temporary memory, 9.68 MB against 10.27 MB)
+TPU_IMPLICIT_COMPILER_OPTIONS: dict[str, Any] = {
+    "xla_tpu_enable_async_collective_fusion_multiple_steps": False,
+}
+
+
+def compiler_options(mesh: Any, mode: str = "explicit") -> dict[str, Any] | None:
+    """A step's compiler options for ``mesh``'s platform and ``mode`` (``TPU_COMPILER_OPTIONS``,
+    ``TPU_IMPLICIT_COMPILER_OPTIONS``), or None."""
     devices = getattr(mesh, "devices", None)
-    if devices is None or not getattr(devices, "size", 0):
+    if devices is None or not getattr(devices, "size", 0) or devices.flat[0].platform != "tpu":
         return None
-    return dict(TPU_COMPILER_OPTIONS) if devices.flat[0].platform == "tpu" else None
+    return dict(TPU_COMPILER_OPTIONS if mode == "explicit" else TPU_IMPLICIT_COMPILER_OPTIONS)
 
 M = TypeVar("M", bound=nnx.Module)
 
