@@ -110,6 +110,21 @@ def test_units_train_like_one_device_and_the_census_counts_them(mode: str, resha
         ]
 
 
+def test_a_units_reduce_scatter_is_written_as_eight_rows_per_device() -> None:
+    """The TPU compiler reduces a one-row-per-device (or flat) reduce-scatter whole (census guide,
+    "On a TPU"): each device's row, padded to a multiple of 8 elements, goes as 8 rows."""
+    model, optimizer = _placed(3, 16, _in_layers)
+    step = substrax.make_train_step(mse, "explicit", mesh=MESH)
+    comparison = step.check_communication(model, optimizer, _batch(16))
+    assert comparison.matches, str(comparison)
+    matched = comparison.matched
+    scatters = [(i, ps) for i, ps in matched if i.what.startswith("unit ") and i.kind == "reduce-scatter"]
+    # a layer: a 16x16 kernel and 16 biases over 8 devices, 34 elements each, padded to 40
+    assert len(scatters) == 3 and all(
+        [str(p.buffer) for p in parts] == ["f32[64,5]"] and i.bytes == 8 * 40 * 4 for i, parts in scatters
+    )
+
+
 def _temp_bytes(depth: int, units, width: int = 256) -> int:
     model, optimizer = _placed(depth, width, units)
     step = substrax.make_train_step(mse, "explicit", mesh=MESH)

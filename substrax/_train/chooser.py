@@ -203,11 +203,14 @@ class TrainStep:
                 out, applied = self._run(model, optimizer, batch, placed)
             return jax.tree.leaves(nnx.state((model, optimizer))), out, applied
 
-        return jax.jit(pure, donate_argnums=0 if donate else (), static_argnames="placed")
+        options = explicit_step.compiler_options(self._concrete_mesh(), self.mode)
+        return jax.jit(
+            pure, donate_argnums=0 if donate else (), static_argnames="placed", compiler_options=options
+        )
 
     def _pure_step(self, graphdef: Any, treedef: Any, donate: bool) -> Any:
         """The jitted pure step for one graph, made once per graph (a re-split reuses it)."""
-        key = (graphdef, treedef, donate)
+        key = (graphdef, treedef, self._platform(), donate)  # (donate last: tests read it)
         if key not in self._pure_steps:
             self._pure_steps[key] = self._jit(graphdef, treedef, donate)
         return self._pure_steps[key]
@@ -222,6 +225,11 @@ class TrainStep:
             _check_runnable(model, optimizer)
             split.place_uncommitted(self._concrete_mesh())
         return split
+
+    def _platform(self) -> str | None:
+        """The platform of the mesh the step runs on (its compiler options follow it), or None."""
+        mesh = self._concrete_mesh()
+        return None if mesh is None or not mesh.devices.size else mesh.devices.flat[0].platform
 
     def _concrete_mesh(self) -> Mesh | None:
         """The mesh the step runs on (its own, else ``jax.set_mesh``'s), or None inside a trace."""

@@ -21,6 +21,7 @@ from substrax._layout import (
     without_axis,
 )
 from substrax._shared import scopes
+from substrax._shared.scatter import SCATTER_ROWS, scattered_elements
 from substrax._shared.options import StepOptions
 from substrax._tree import KeyPath, path_str
 from substrax.census._expected import ExpectedCollective, _hlo_type, _itemsize
@@ -120,8 +121,13 @@ def unit_items(
     items = []
     for (unit, kind, dtype, _), elements in moved.items():
         size = _itemsize(dtype, communicated)
+        layers = layered.get(unit, 1) if unit else 1
+        buffer = f"{_hlo_type(dtype, size)}[{n},{elements // (n * layers)}]"
+        if kind == "reduce":  # written as SCATTER_ROWS rows per device, padded to them (explicit._units)
+            per_layer = scattered_elements(elements // layers, n)
+            elements = per_layer * layers
+            buffer = f"{_hlo_type(dtype, size)}[{n * SCATTER_ROWS},{per_layer // (n * SCATTER_ROWS)}]"
         if not unit:  # the root unit: gathered once before the forward pass, reduced once after
-            buffer = f"{_hlo_type(dtype, size)}[{n},{elements // n}]"
             if kind == "reduce":
                 items.append(ExpectedCollective("reduce-scatter", "root unit", elements * size, "gradients",
                                                 scopes=(scopes.GRAD_REDUCE,), buffer=buffer))  # fmt: skip
@@ -129,8 +135,6 @@ def unit_items(
                 items.append(ExpectedCollective("all-gather", "root unit", elements * size, "parameters",
                                                 scopes=(scopes.GATHER_PARAMS,), buffer=buffer))  # fmt: skip
             continue
-        layers = layered.get(unit, 1)
-        buffer = f"{_hlo_type(dtype, size)}[{n},{elements // (n * layers)}]"
         name = path_str(unit, "model")
         if unit in prefetched:  # its own loop: the first layer of each pass outside it
             items += _prefetched_items(name, kind, elements * size // layers, layers, k, buffer)

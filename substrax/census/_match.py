@@ -76,6 +76,7 @@ class _Matcher:
             self._per_layer()
         self._one_to_one()
         self._combined()
+        self.rewrites = self._rewritten()
         left = [j for j in range(len(self.parts)) if j not in self.taken]
         self.model = [
             j
@@ -213,6 +214,50 @@ class _Matcher:
                 if self.items[i].category in ("gradients", "parameters")}  # fmt: skip
         return part.row.axes in axes and bool(self._shapes_of(part))
 
+    def _rewritten(self) -> list[tuple[int, int]]:
+        """An expected reduce-scatter or all-gather compiled as an all-reduce of its whole buffer.
+
+        The TPU compiler's decomposers do this (census guide, "On a TPU"); each pairing is a
+        difference that names the rewrite and what it costs.
+        """
+        pairs = []
+        for i in self._order():
+            item = self.items[i]
+            if i in self.assigned or item.kind not in ("reduce-scatter", "all-gather"):
+                continue
+            free = [
+                j
+                for j, p in enumerate(self.parts)
+                if j not in self.taken
+                and p.kind == "all-reduce"
+                and self._same_bytes(item, p)
+                and (not item.axes or p.row.axes is None or tuple(p.row.axes) == item.axes)
+            ]
+            if free:
+                j = min(free, key=lambda j: (_shape_distance(item.buffer, self.parts[j].buffer), j))
+                self.assigned[i] = [j]
+                self.taken.add(j)
+                pairs.append((i, j))
+        return pairs
+
+    def _rewrite_differences(self) -> list[str]:
+        out = []
+        for i, j in self.rewrites:
+            item, part = self.items[i], self.parts[j]
+            n = len(part.row.groups[0]) if part.row.groups else 0
+            held = f"{item.bytes // n:,} B" if n else "a slice"
+            more = f"{item.bytes - item.bytes // n:,} B" if n else "the rest"
+            what = "sums the whole gradient and keeps it" if item.kind == "reduce-scatter" else (
+                "sums a zero-padded copy of the whole parameter"
+            )
+            out.append(
+                f"{item.kind} compiled as an all-reduce: {item.what} ({item.bytes:,} B) runs as "
+                f"{part.buffer} of all-reduce {part.row.name}, the compiler's rewrite of the step's {item.kind}: "
+                f"each device {what} ({item.bytes:,} B where the {item.kind} holds {held}: {more} more "
+                f"memory per device), and an all-reduce moves about twice the {item.kind}'s bytes over the links"
+            )
+        return out
+
     def _model_like(self, part: Part) -> bool:
         """The model's own: under no library scope or a layer's, but not where layers declared."""
         if part.row.axes and self.declared_axes & set(part.row.axes):
@@ -225,7 +270,7 @@ class _Matcher:
         expected, parts = self.expected, self.parts
         differences = self._loop_differences()
         loops = bool(differences)
-        differences += self._kind_differences()
+        differences += self._rewrite_differences() + self._kind_differences()
         notes = list(self.notes) + self._layer_notes()
         for i, item in enumerate(self.items):
             if item.optional and i not in self.assigned:

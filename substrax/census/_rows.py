@@ -190,7 +190,31 @@ def _part_buffers(row: Collective) -> tuple[Operand, ...]:
 
 def collectives(module: _hlo.Module, mesh: tuple[tuple[str, int], ...] | None) -> tuple[Collective, ...]:
     """One row per collective instruction of ``module``, in program order; ``mesh``: ``(axis, size)`` pairs."""
-    return tuple(_row(site, module, mesh) for site in _hlo.collective_sites(module))
+    local, across = _slices(module, mesh)
+    rows = tuple(_row(site, module, local) for site in _hlo.collective_sites(module))
+    if not across:
+        return rows
+    # one slice's program: its send/recv pairs carry what crosses the slices (measured, libtpu 0.0.52)
+    cross = ("send", "recv")
+    return tuple(dataclasses.replace(r, axes=across) if r.kind in cross and r.axes is None else r for r in rows)
+
+
+def _slices(
+    module: _hlo.Module, mesh: tuple[tuple[str, int], ...] | None
+) -> tuple[tuple[tuple[str, int], ...] | None, tuple[str, ...]]:
+    """``(in-slice axes, axes across slices)`` when ``module`` is one slice's program of ``mesh``.
+
+    The TPU compiler compiles a multi-slice mesh per slice: its device ids are one slice's,
+    the trailing axes of a mesh whose leading ones cross the slices (``topology_mesh``).
+    Else ``(mesh, ())``.
+    """
+    n = module.num_devices
+    if mesh is None or not n or math.prod(s for _, s in mesh) <= n:
+        return mesh, ()
+    for k in range(len(mesh)):
+        if math.prod(s for _, s in mesh[k:]) == n:
+            return mesh[k:], tuple(a for a, s in mesh[:k] if s > 1)
+    return mesh, ()
 
 
 def _row(site: _hlo.Site, module: _hlo.Module, mesh: tuple[tuple[str, int], ...] | None) -> Collective:

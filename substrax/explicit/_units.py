@@ -18,6 +18,7 @@ from jax.custom_derivatives import SymbolicZero
 from substrax._layout import note_layers
 from substrax._metrics.collectives import varying_axes, zeros_of_type
 from substrax._shared import scopes
+from substrax._shared.scatter import SCATTER_ROWS, scattered_elements
 from substrax._tree import KeyPath, merged, node_at, path_str, picked
 from substrax.explicit._prefetch import prefetched_layers
 from substrax.nn import _declared as declared
@@ -200,14 +201,31 @@ def scatter_grouped(grads: list[jax.Array], shapes: list[tuple[int, ...]], dims:
             g, d, shape = moved[i], dims[i], shapes[i]
             split = g.reshape(*shape[:d], n, shape[d], *shape[d + 1 :])
             rows.append(jnp.moveaxis(split, d, 0).reshape(n, -1))
-        with jax.named_scope(scope):
-            flat = jax.lax.psum_scatter(jnp.concatenate(rows, axis=1), axis, scatter_dimension=0, tiled=False)
+        flat = _scatter_rows(jnp.concatenate(rows, axis=1), axis, scope)
         at = 0
         for i in idx:
             size = math.prod(shapes[i])
             out[i] = flat[at : at + size].reshape(shapes[i])
             at += size
     return out
+
+
+def _scatter_rows(buffer: jax.Array, axis: str, scope: str) -> jax.Array:
+    """``psum_scatter`` of ``buffer`` ``(n, k)``: this device's summed row ``(k,)``.
+
+    Written as ``SCATTER_ROWS`` rows per device, the row padded to a multiple of them: the TPU
+    compiler (libtpu 0.0.52) turns a reduce-scatter whose blocks are one row, or a 1-D one, into
+    an all-reduce of the whole buffer (census guide, "On a TPU").
+    """
+    n, k = buffer.shape
+    width = scattered_elements(n * k, n) // n
+    if width != k:
+        buffer = jnp.pad(buffer, ((0, 0), (0, width - k)))
+    with jax.named_scope(scope):
+        block = jax.lax.psum_scatter(
+            buffer.reshape(n * SCATTER_ROWS, width // SCATTER_ROWS), axis, scatter_dimension=0, tiled=True
+        )
+    return block.reshape(width)[:k]
 
 
 def _array_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[jax.Array], Any]:

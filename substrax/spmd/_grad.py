@@ -14,13 +14,30 @@ from typing import Any
 import jax
 from flax import nnx
 
+from jax.sharding import NamedSharding, PartitionSpec
+
 from substrax._batch.axes import spec_axes
+from substrax._layout._specs import spec_tuple, without_axes
 from substrax._shared.loss import loss_and_metrics
 from substrax._shared.microbatch import microbatched, split_global_microbatches
 from substrax._shared.options import StepOptions
 from substrax._tree import PyTree
 
-__all__ = ["global_value_and_grad"]
+__all__ = ["gathered_for_use", "global_value_and_grad"]
+
+
+def gathered_for_use(model: nnx.Module, mesh: jax.sharding.Mesh, rows: tuple[str, ...]) -> None:
+    """Constrain each parameter split over ``rows`` (the batch's axes) whole over them, where it is used.
+
+    XLA then gathers the parameter and reduces its gradient, as the layout says, instead of
+    moving activations (the layouts guide). Other axes (a layer's own ``model`` split) are kept.
+    """
+    for _, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        spec = spec_tuple(variable)
+        if not spec or not set(rows) & {a for e in spec for a in spec_axes(e)}:
+            continue
+        kept = PartitionSpec(*without_axes(spec, rows))
+        variable.set_value(jax.lax.with_sharding_constraint(variable.get_value(), NamedSharding(mesh, kept)))
 
 
 def global_value_and_grad(
@@ -41,6 +58,8 @@ def global_value_and_grad(
     run_loss = loss_fn if o.precision is None else o.precision.loss_fn(loss_fn, o.has_aux)
 
     def checked_loss(model: nnx.Module, batch: PyTree) -> tuple[Any, Any]:
+        if mesh is not None:
+            gathered_for_use(model, mesh, spec_axes(o.row_axes(mesh)))
         return loss_and_metrics(run_loss(model, batch), o.has_aux)
 
     if o.precision is None:
