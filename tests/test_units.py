@@ -110,19 +110,40 @@ def test_units_train_like_one_device_and_the_census_counts_them(mode: str, resha
         ]
 
 
-def test_a_units_reduce_scatter_is_written_as_eight_rows_per_device() -> None:
+def test_a_units_reduce_scatter_is_written_for_its_platform() -> None:
     """The TPU compiler reduces a one-row-per-device (or flat) reduce-scatter whole (census guide,
-    "On a TPU"): each device's row, padded to a multiple of 8 elements, goes as 8 rows."""
+    "On a TPU"): there each device's row, padded to a multiple of 8 elements, goes as 8 rows. XLA's
+    CPU compiler copied that form's whole buffer, so a CPU step keeps one row per device."""
     model, optimizer = _placed(3, 16, _in_layers)
     step = substrax.make_train_step(mse, "explicit", mesh=MESH)
     comparison = step.check_communication(model, optimizer, _batch(16))
     assert comparison.matches, str(comparison)
-    matched = comparison.matched
-    scatters = [(i, ps) for i, ps in matched if i.what.startswith("unit ") and i.kind == "reduce-scatter"]
-    # a layer: a 16x16 kernel and 16 biases over 8 devices, 34 elements each, padded to 40
+    scatters = [(i, ps) for i, ps in comparison.matched if i.what.startswith("unit ") and i.kind == "reduce-scatter"]
+    # a layer: a 16x16 kernel and 16 biases over 8 devices, 34 elements each
     assert len(scatters) == 3 and all(
-        [str(p.buffer) for p in parts] == ["f32[64,5]"] and i.bytes == 8 * 40 * 4 for i, parts in scatters
+        [str(p.buffer) for p in parts] == ["f32[8,34]"] and i.bytes == 8 * 34 * 4 for i, parts in scatters
     )
+    # the TPU's form sums the same rows: each device's block, padded to 40 and cut back to 34
+    from substrax._shared.scatter import rows_for
+    from substrax.explicit._units import _scatter_rows
+
+    buffer = jnp.arange(8 * 8 * 34, dtype=jnp.float32).reshape(8, 8, 34)  # a (8, 34) block a device
+
+    def scattered(platform: str) -> jax.Array:
+        def per_device(b: jax.Array) -> jax.Array:
+            with rows_for(platform):
+                return _scatter_rows(b[0], "data", "test")[None]
+
+        return jax.jit(jax.shard_map(per_device, mesh=MESH, in_specs=jax.P("data"), out_specs=jax.P("data")))(buffer)
+
+    np.testing.assert_array_equal(scattered("tpu"), np.asarray(buffer).sum(axis=0))
+    np.testing.assert_array_equal(scattered("cpu"), np.asarray(buffer).sum(axis=0))
+    with rows_for("tpu"):
+        lowered = jax.jit(jax.shard_map(
+            lambda b: _scatter_rows(b[0], "data", "test")[None], mesh=MESH, in_specs=jax.P("data"),
+            out_specs=jax.P("data"),
+        )).lower(buffer).as_text()  # fmt: skip
+    assert "tensor<64x5xf32>" in lowered  # eight rows of 5 a device: 34 padded to 40
 
 
 def _temp_bytes(depth: int, units, width: int = 256) -> int:

@@ -17,6 +17,7 @@ from substrax._batch.placement import place_process_rows
 from substrax._layout._owners import flat_state
 from substrax._shared.options import MODES, Mode, StepOptions, options_from
 from substrax._shared.precision import MixedPrecision
+from substrax._shared.scatter import rows_for
 from substrax._shared.skips import DEFAULT_MAX_SKIPS, SkipWatch
 from substrax._shared.update import donated_state
 from substrax._train.bound import BoundTrainStep
@@ -199,10 +200,12 @@ class TrainStep:
             arrays: list[jax.Array], batch: PyTree, placed: _PlacedSpecs | None
         ) -> tuple[list[jax.Array], Any, Any]:
             model, optimizer = nnx.merge(graphdef, jax.tree.unflatten(treedef, arrays))
-            with donated_state(donate):  # the guarded update in place (substrax._shared.update)
+            # the guarded update in place (substrax._shared.update); reduce-scatters as the platform takes them
+            with donated_state(donate), rows_for(platform):
                 out, applied = self._run(model, optimizer, batch, placed)
             return jax.tree.leaves(nnx.state((model, optimizer))), out, applied
 
+        platform = self._platform()
         options = explicit_step.compiler_options(self._concrete_mesh(), self.mode)
         return jax.jit(
             pure, donate_argnums=0 if donate else (), static_argnames="placed", compiler_options=options

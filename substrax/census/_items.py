@@ -21,7 +21,7 @@ from substrax._layout import (
     without_axis,
 )
 from substrax._shared import scopes
-from substrax._shared.scatter import SCATTER_ROWS, scattered_elements
+from substrax._shared.scatter import rows_of, scattered_elements
 from substrax._shared.options import StepOptions
 from substrax._tree import KeyPath, path_str
 from substrax.census._expected import ExpectedCollective, _hlo_type, _itemsize
@@ -80,6 +80,7 @@ def unit_items(
     communicated: Any,
     layered: dict[KeyPath, int] | None = None,
     recomputed: bool = False,
+    platform: str | None = None,
 ) -> tuple[list[tuple[str, tuple[int, ...], Any, bool]], list[ExpectedCollective]]:
     """The leaves outside every FSDP unit, and each unit's expected buffers (explicit mode).
 
@@ -108,6 +109,7 @@ def unit_items(
             axes = {a for entry in spec_tuple(v) or () for a in spec_axes(entry)} - {options.data_axis}
             others[name] = tuple(sorted(axes))
     k = options.microbatches
+    rows = rows_of(platform)  # a grouped reduce-scatter's rows per device, as the step writes it
     # (unit, pass, dtype, other axes) -> elements: a buffer per dtype and per set of other
     # axes (a parameter split over model and one whole over it do not share one)
     moved: dict[tuple[KeyPath, str, str, tuple[str, ...]], int] = {}
@@ -123,10 +125,10 @@ def unit_items(
         size = _itemsize(dtype, communicated)
         layers = layered.get(unit, 1) if unit else 1
         buffer = f"{_hlo_type(dtype, size)}[{n},{elements // (n * layers)}]"
-        if kind == "reduce":  # written as SCATTER_ROWS rows per device, padded to them (explicit._units)
-            per_layer = scattered_elements(elements // layers, n)
+        if kind == "reduce" and rows > 1:  # on a TPU: rows per device, padded to them (explicit._units)
+            per_layer = scattered_elements(elements // layers, n, rows)
             elements = per_layer * layers
-            buffer = f"{_hlo_type(dtype, size)}[{n * SCATTER_ROWS},{per_layer // (n * SCATTER_ROWS)}]"
+            buffer = f"{_hlo_type(dtype, size)}[{n * rows},{per_layer // (n * rows)}]"
         if not unit:  # the root unit: gathered once before the forward pass, reduced once after
             if kind == "reduce":
                 items.append(ExpectedCollective("reduce-scatter", "root unit", elements * size, "gradients",

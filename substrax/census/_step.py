@@ -290,7 +290,7 @@ def expected_step(
         across = cross_replica_items(leaves, options, sizes, precision, widened)
     if options.mode == "explicit" and layout.axis_size > 1:  # a unit's parameters move together
         leaves, units = unit_items(
-            model, leaves, options, sizes[options.data_axis], precision, widened, layered, recomputed
+            model, leaves, options, sizes[options.data_axis], precision, widened, layered, recomputed, platform
         )
     expected = expected_communication(
         leaves,
