@@ -45,7 +45,7 @@ $(TPU_STAMP): $(STAMP)
 	touch $(TPU_STAMP)
 
 test-tpu: $(TPU_STAMP)
-	JAX_PLATFORMS=cpu SUBSTRAX_TEST_CACHE=off $(PY) -m pytest -q -n $(WORKERS) --dist loadfile tests/test_tpu_mesh.py tests/test_tpu_steps.py tests/test_tpu_plan.py
+	JAX_PLATFORMS=cpu SUBSTRAX_TEST_CACHE=off $(PY) -m pytest -q -n $(WORKERS) --dist loadfile tests/test_tpu_*.py
 
 # The documentation site (docs/, mkdocs.yml) into build/site, warnings as errors; the docs
 # extra is installed into .venv beside the dev one, again whenever .venv is refreshed.

@@ -1,8 +1,10 @@
 """A step's peak memory per device, from its trace: a liveness walk over the jaxpr.
 
 A model of what XLA keeps (which values it materializes, copies and combines), in the order
-XLA's CPU scheduler runs them, packed as its buffer assigner packs them: see the planning
-guide for the rules and how close it comes.
+XLA's CPU scheduler runs them, packed as its buffer assigner packs them: its rules are
+XLA:CPU's, measured against it. Other compilers (a TPU's) keep other buffers: there
+``substrax.plan`` compiles each configuration instead. See the planning guide for the rules
+and how close it comes.
 """
 
 from __future__ import annotations

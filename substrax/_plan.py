@@ -1,8 +1,10 @@
 """A plan before compiling: each configuration's communication and memory per device, from a trace.
 
 ``plan`` places a copy of the state in each candidate configuration, traces and lowers its
-step (compiling only the optimizer update, alone), applies ``TrainStep.check_communication``'s rule (``expected_step``) and
-walks the trace for the peak memory (``substrax._memory``). See the planning guide.
+step (compiling only the optimizer update, alone), applies ``TrainStep.check_communication``'s
+rule (``expected_step``) and walks the trace for the peak memory (``substrax._memory``, whose
+rules are XLA:CPU's). On a mesh of other devices (a TPU's, ``topology_mesh``'s) it compiles
+each configuration for them and reads both from the program instead. See the planning guide.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from substrax import _layout, _memory
 from substrax._shared.options import Mode
 from substrax._train.chooser import make_train_step
 from substrax._tree import PyTree
-from substrax.census._step import expected_step
+from substrax.census import census
+from substrax.census._step import expected_step, program_platform
+from substrax.mesh import compile_only
 from substrax.nn import _declared as declared
 
 __all__ = ["Plan", "PlanRow", "plan"]
@@ -44,6 +48,10 @@ class PlanRow:
       gathered_bytes: Parameters one device holds gathered at once inside the step.
       output_bytes: The step's outputs beyond those written into its donated state.
       temp_bytes: The step's temporaries at their peak (estimated: see the planning guide).
+      padding_bytes: What the compiled program's arguments hold beyond ``state_bytes`` and
+        ``batch_bytes`` (a TPU pads small arrays to tiles; random keys); 0 when estimated.
+      compiler: Where the bytes come from: ``"XLA:CPU rules (estimated)"``, or the platform
+        the step was compiled for, ``"tpu (compiled)"``.
       notes: What the prediction could not read.
       shard_options: ``shard_state``'s keywords for this configuration (mesh, layout, units...).
       step_options: ``make_train_step``'s keywords (the mesh, the plan's step options).
@@ -63,6 +71,8 @@ class PlanRow:
     gathered_bytes: int = 0
     output_bytes: int = 0
     temp_bytes: int = 0
+    padding_bytes: int = 0
+    compiler: str = "XLA:CPU rules (estimated)"
     notes: tuple[str, ...] = ()
     shard_options: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
     step_options: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
@@ -77,9 +87,9 @@ class PlanRow:
 
     @property
     def peak_bytes(self) -> int:
-        """The explicit step's peak per device, state donated (``.bind``, the plain call):
-        ``memory_analysis()``'s argument + output + temp - alias, estimated."""
-        return self.state_bytes + self.batch_bytes + self.output_bytes + self.temp_bytes
+        """The step's peak per device, state donated (``.bind``, the plain call): ``memory_analysis()``'s
+        argument + output + temp - alias; estimated (the explicit step's, by XLA:CPU's rules) or compiled."""
+        return self.state_bytes + self.batch_bytes + self.padding_bytes + self.output_bytes + self.temp_bytes
 
     @property
     def total_bytes(self) -> int:
@@ -118,7 +128,8 @@ class Plan:
     def __str__(self) -> str:
         kinds = sorted({k for r in self.rows for k in r.bytes})
         head = ["mode", "layout", "units", "mesh", *(f"{k} ({a})" for k, a in kinds)]
-        head += ["total B", "state B", "peak B (est.)"]
+        compiled = {r.compiler.endswith("(compiled)") for r in self.rows}
+        head += ["total B", "state B", "peak B (compiled)" if compiled == {True} else "peak B (est.)"]
         body = [
             [r.mode, r.layout, r.units, r.mesh, *(f"{r.bytes.get(k, 0):,}" for k in kinds),
              f"{r.total_bytes:,}", f"{r.state_bytes:,}", f"{r.peak_bytes:,}"]
@@ -149,12 +160,17 @@ def plan(
     layouts: Iterable[str] | None = None,
     units: Iterable[Any] = (None,),
     placement: Mapping[str, Any] | None = None,
+    compiled: bool | None = None,
     **step_options: Any,
 ) -> Plan:
-    """Each configuration's collective bytes and memory per device, compiling no step (its update alone).
+    """Each configuration's collective bytes and memory per device: estimated, or compiled on a TPU.
 
     Explicit-mode bytes are the compiled census's; implicit-mode rows give the layout's rule
-    (XLA chooses) and explicit mode's memory. What is not predicted: see the planning guide.
+    (XLA chooses) and explicit mode's memory, estimated by XLA:CPU's rules. On a mesh of
+    TPU devices (``substrax.mesh.topology_mesh``'s, or a real TPU's) each configuration is
+    compiled for them instead: its memory and bytes are the program's, exact, at one compile
+    per row. The model and batch may be abstract (``nnx.eval_shape``, ``jax.ShapeDtypeStruct``).
+    What is not predicted: see the planning guide.
 
     Args:
       loss_fn: As ``make_train_step`` takes it.
@@ -168,6 +184,8 @@ def plan(
       units: ``shard_state``'s ``units`` to try under FSDP and HSDP (``None``: none).
       placement: ``shard_state``'s other keywords for every configuration (``min_size``,
         ``reshard_after_forward``, ``prefetch``, ...).
+      compiled: Compile each row's step and read its memory (``memory_analysis()``) and
+        bytes (its census) from the program; ``None``: on a mesh whose devices are not CPUs.
       **step_options: ``make_train_step``'s other keywords (``microbatches``, ``has_aux``, ...).
 
     Returns:
@@ -184,16 +202,21 @@ def plan(
             for u, unit in enumerate(units if kind in ("fsdp", "hsdp") else (None,)):
                 for md in modes:
                     config = (loss_fn, model, optimizer, batch, m, md, kind, unit, placement, step_options)
-                    rows.append(_row(*config, memory=memory.setdefault((id(m), kind, u), {})))
+                    on_target = _platform(m) != "cpu" if compiled is None else compiled
+                    estimate = memory.setdefault((id(m), kind, u), {})
+                    rows.append(_row(*config, memory=estimate, compiled=on_target))
     return Plan(tuple(rows))
 
 
 def _row(
     loss_fn: Any, model: Any, optimizer: Any, batch: Any, mesh: Mesh, mode: str, kind: str, unit: Any,
     placement: Mapping[str, Any] | None, opts: dict[str, Any], *, memory: dict[str, _memory.Memory],
+    compiled: bool = False,
 ) -> PlanRow:
     """One configuration's row; ``memory`` holds its explicit step's estimate once made."""
     graphdef, state = nnx.split((model, optimizer))
+    if compile_only(mesh):  # devices that hold no array: the state's and batch's shapes alone
+        state, batch = jax.tree.map(_shape_of, (state, batch))
     m, o = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))  # new variables over the same arrays
     place = {"replica_axis": opts["replica_axis"]} if "replica_axis" in opts else {}
     place |= dict(placement or {})
@@ -222,6 +245,32 @@ def _row(
         by_kind[key] = by_kind.get(key, 0) + size
     rows = math.prod(mesh.shape[a] for a in _axes(step.options.row_axes(mesh)))
     batch_bytes = [_per_device(x, rows) for x in jax.tree.leaves(batch)]
+    if compiled:  # the program itself: its census and memory_analysis(), exact
+        program = lowered.compile()
+        by_kind, optional = {}, 0
+        for found in census(program, mesh=mesh).rows:
+            key = (found.kind, ",".join(found.axes or ()) or "unnamed groups")
+            by_kind[key] = by_kind.get(key, 0) + found.bytes_per_step
+        stats = program.memory_analysis()
+        platform = program_platform(program)
+        return PlanRow(
+            mode=mode,
+            layout=kind,
+            units="-" if unit is None else getattr(unit, "__name__", repr(unit)),
+            mesh=_mesh_label(mesh),
+            bytes=by_kind,
+            optional_bytes=optional,
+            state_bytes=placed.bytes_per_device,
+            batch_bytes=sum(batch_bytes),
+            gathered_bytes=gathered,
+            output_bytes=stats.output_size_in_bytes - stats.alias_size_in_bytes,
+            temp_bytes=stats.temp_size_in_bytes,
+            padding_bytes=stats.argument_size_in_bytes - placed.bytes_per_device - sum(batch_bytes),
+            compiler=f"{platform} (compiled)",
+            notes=notes,
+            shard_options=shard_options,
+            step_options={"mesh": mesh, **opts},
+        )
     if "explicit" not in memory:  # the memory is explicit mode's (XLA places the implicit step's)
         if mode != "explicit":
             traced = make_train_step(loss_fn, "explicit", mesh=mesh, **opts).traced(m, o, batch, donate=True)
@@ -243,6 +292,17 @@ def _row(
         shard_options=shard_options,
         step_options={"mesh": mesh, **opts},
     )
+
+
+def _platform(mesh: Mesh) -> str:
+    return str(mesh.devices.flat[0].platform)
+
+
+def _shape_of(x: Any) -> Any:
+    """An array's shape and dtype (``jax.ShapeDtypeStruct``), its sharding dropped; anything else as it is."""
+    if isinstance(x, (jax.Array, np.ndarray)):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return x
 
 
 def _axes(rows: str | tuple[str, ...]) -> tuple[str, ...]:

@@ -318,3 +318,28 @@ def test_a_row_builds_its_configuration(mode: str) -> None:
         assert float(step(model, optimizer, batch)) == float(hand_step(by_hand, by_hand_optimizer, batch))
     for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(by_hand)), strict=True):
         assert a.sharding == b.sharding and np.array_equal(a, b)
+
+
+def _abstract_mlp() -> tuple[MLP, nnx.Optimizer]:
+    def build() -> tuple[MLP, nnx.Optimizer]:
+        model = MLP(128, 512, 128)
+        return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+
+    return nnx.eval_shape(build)
+
+
+_MLP_BATCH = {k: jax.ShapeDtypeStruct((64, 128), jnp.float32) for k in ("x", "y")}
+
+
+def test_the_estimate_follows_xla_cpu_unless_asked_to_compile() -> None:
+    mesh = substrax.mesh.create_device_mesh({"data": 8})
+    estimated = substrax.plan(mse, *_abstract_mlp(), _MLP_BATCH, mesh=mesh, layouts=["fsdp"])
+    compiled = substrax.plan(mse, *_abstract_mlp(), _MLP_BATCH, mesh=mesh, layouts=["fsdp"], compiled=True)
+    assert estimated.rows[0].compiler == "XLA:CPU rules (estimated)" and "peak B (est.)" in str(estimated)
+    assert compiled.rows[0].compiler == "cpu (compiled)"
+    model, optimizer = _abstract_mlp()
+    compiled.rows[0].shard_state(model, optimizer)
+    stats = compiled.rows[0].make_train_step(mse).lower(model, optimizer, _MLP_BATCH, donate=True).compile()
+    stats = stats.memory_analysis()
+    total = stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+    assert compiled.rows[0].peak_bytes == total - stats.alias_size_in_bytes

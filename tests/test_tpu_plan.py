@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from conftest import MLP, mse, needs_libtpu
 from flax import nnx
 
 import substrax
+from substrax.census import census
 from substrax.mesh import topology_mesh
 
 pytestmark = needs_libtpu
@@ -25,9 +27,11 @@ def _abstract() -> tuple[MLP, nnx.Optimizer]:
 BATCH = {"x": jax.ShapeDtypeStruct((64, 128), jnp.float32), "y": jax.ShapeDtypeStruct((64, 128), jnp.float32)}
 
 
-def test_plan_on_v5e_2x4_gives_each_layout_and_mode_a_row() -> None:
+def test_the_estimate_on_v5e_2x4_gives_each_layout_and_mode_a_row() -> None:
     meshes = [topology_mesh("v5e:2x4", {"data": 8}), topology_mesh("v5e:2x4", {"replica": 2, "data": 4})]
-    found = substrax.plan(mse, *_abstract(), BATCH, mesh=meshes, mode=("explicit", "implicit"))
+    modes = ("explicit", "implicit")
+    found = substrax.plan(mse, *_abstract(), BATCH, mesh=meshes, mode=modes, compiled=False)
+    assert {r.compiler for r in found.rows} == {"XLA:CPU rules (estimated)"}
     rows = {(r.mode, r.layout, r.mesh): r for r in found.rows}
     assert len(rows) == len(found.rows) == 14  # 3 layouts on data=8, 4 on replica=2,data=4; both modes
     for mode in ("explicit", "implicit"):
@@ -38,3 +42,33 @@ def test_plan_on_v5e_2x4_gives_each_layout_and_mode_a_row() -> None:
     placed = substrax.shard_state(model, optimizer, mesh=meshes[1], layout="hsdp")
     assert rows["explicit", "hsdp", "replica=2,data=4"].state_bytes == placed.bytes_per_device
     assert found.best().total_bytes == min(r.total_bytes for r in found.rows)
+
+
+def test_the_plan_on_a_tpu_mesh_is_the_compiled_programs_memory() -> None:
+    """Each row's peak is the TPU compiler's memory_analysis() of the row's own step, donated."""
+    mesh = topology_mesh("v5e:2x4", {"replica": 2, "data": 4})
+    found = substrax.plan(mse, *_abstract(), BATCH, mesh=mesh, mode=("explicit", "implicit"))
+    assert len(found.rows) == 8
+    assert {r.compiler for r in found.rows} == {"tpu (compiled)"}
+    assert "peak B (compiled)" in str(found)
+    for row in found.rows:
+        model, optimizer = _abstract()
+        row.shard_state(model, optimizer)
+        program = row.make_train_step(mse).lower(model, optimizer, BATCH, donate=True).compile()
+        stats = program.memory_analysis()
+        peak = stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+        assert row.peak_bytes == peak - stats.alias_size_in_bytes, row
+        report = census(program, mesh=row.step_options["mesh"])
+        assert row.total_bytes == report.bytes_per_step() > 0
+
+
+def test_a_concrete_model_is_planned_on_a_tpu_mesh_by_its_shapes() -> None:
+    model = MLP(128, 512, 128)
+    optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    batch = {k: np.zeros(v.shape, v.dtype) for k, v in BATCH.items()}
+    mesh = topology_mesh("v5e:2x4", {"data": 8})
+    got = substrax.plan(mse, model, optimizer, batch, mesh=mesh, layouts=["fsdp"])
+    want = substrax.plan(mse, *_abstract(), BATCH, mesh=mesh, layouts=["fsdp"])
+    assert got.rows[0].peak_bytes == want.rows[0].peak_bytes and got.rows[0].bytes == want.rows[0].bytes
+    assert isinstance(model.hidden.kernel.get_value(), jax.Array)  # the model itself left as it was
+
