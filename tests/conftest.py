@@ -106,12 +106,14 @@ def _gpu_stack() -> str:
     if importlib.util.find_spec("jax_plugins.xla_cuda13") is None:
         return "jax's CUDA plugin (jax-cuda13-plugin, jax-cuda13-pjrt)"
     tools = cuda_tools()
-    return ", ".join(f"{k} ({w})" for k, w in (("ptxas", "nvidia-cuda-nvcc"), ("libdevice", "nvidia-nvvm")) if not tools[k])
+    wheels = (("ptxas", "nvidia-cuda-nvcc"), ("libdevice", "nvidia-nvvm"))
+    return ", ".join(f"{k} ({w})" for k, w in wheels if not tools[k])
 
 
 needs_cuda_plugin = pytest.mark.skipif(
     bool(_gpu_stack()),
-    reason=f"compiles for an NVIDIA GPU topology: needs {_gpu_stack()} (pip install 'substrax[gpu]', or make test-gpu)",
+    reason=f"compiles for an NVIDIA GPU topology: needs {_gpu_stack()} "
+    "(pip install 'substrax[gpu]', or make test-gpu)",
 )
 
 # The layouts of a mesh with one data axis; "hsdp" needs a replica axis too (tests/test_hsdp.py).

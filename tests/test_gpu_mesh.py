@@ -1,4 +1,4 @@
-"""``substrax.mesh.topology_mesh`` for NVIDIA GPUs: compile-only devices from jax's CUDA plugin (make test-gpu)."""
+"""``substrax.mesh.topology_mesh`` for NVIDIA GPUs: compile-only devices from jax's CUDA plugin (test-gpu)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,9 @@ from substrax.mesh import _gpu, compile_only, device_memory, topology_mesh
         ("h100:1x2x8", {"replica": 2, "data": 8}, [0] * 8 + [1] * 8),
     ],
 )
-def test_a_gpu_topology_mesh_holds_its_hosts_compile_only_h100s(topology: str, shape: dict, hosts: list) -> None:
+def test_a_gpu_topology_mesh_holds_its_hosts_compile_only_h100s(
+    topology: str, shape: dict, hosts: list
+) -> None:
     mesh = topology_mesh(topology, shape)
     assert dict(mesh.shape) == shape and mesh.axis_types == (AxisType.Auto,) * len(shape)
     assert {d.platform for d in mesh.devices.flat} == {"gpu"}
@@ -45,7 +47,9 @@ def test_the_device_memory_is_the_plugins_description() -> None:
 def test_bad_gpus_and_topologies_are_refused() -> None:
     with pytest.raises(ValueError, match=r"Unknown GPU 'NVIDIA Z1'.*'h100'.*NVIDIA H100 80GB HBM3"):
         _gpu.description("NVIDIA Z1")
-    with pytest.raises(ValueError, match=r"GPU topology '8' must read slices x hosts x GPUs per host.*'1x1x8'"):
+    with pytest.raises(
+        ValueError, match=r"GPU topology '8' must read slices x hosts x GPUs per host.*'1x1x8'"
+    ):
         topology_mesh("h100:8", {"data": 8})
     with pytest.raises(ValueError, match=r"\{'data': 8\} holds 8 devices; 'h100:1x2x8' has 16"):
         topology_mesh("h100:1x2x8", {"data": 8})
@@ -55,9 +59,11 @@ def test_bad_gpus_and_topologies_are_refused() -> None:
 
 def test_without_the_cuda_plugin_the_error_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     found = importlib.util.find_spec
-    missing = lambda name, *a: None if name == "jax_plugins.xla_cuda13" else found(name, *a)  # noqa: E731
+    missing = lambda name, *a: None if name == "jax_plugins.xla_cuda13" else found(name, *a)
     monkeypatch.setattr(importlib.util, "find_spec", missing)
-    with pytest.raises(ImportError, match=r"CUDA plugin, which is not installed: pip install 'substrax\[gpu\]'"):
+    with pytest.raises(
+        ImportError, match=r"CUDA plugin, which is not installed: pip install 'substrax\[gpu\]'"
+    ):
         topology_mesh("h100:1x1x8", {"data": 8})
 
 
@@ -67,7 +73,10 @@ def test_without_the_cuda_plugin_the_error_says_what_to_install(monkeypatch: pyt
     [
         ({"ptxas"}, r"needs CUDA's ptxas \(pip install nvidia-cuda-nvcc\), not found"),
         ({"libdevice"}, r"needs CUDA's libdevice \(pip install nvidia-nvvm\), not found"),
-        ({"ptxas", "libdevice"}, r"ptxas \(pip install nvidia-cuda-nvcc\) and libdevice \(pip install nvidia-nvvm\)"),
+        (
+            {"ptxas", "libdevice"},
+            r"ptxas \(pip install nvidia-cuda-nvcc\) and libdevice \(pip install nvidia-nvvm\)",
+        ),
     ],
 )
 def test_without_ptxas_or_libdevice_the_error_says_what_to_install(

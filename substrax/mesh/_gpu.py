@@ -42,8 +42,10 @@ def _plugin_library() -> str:
       ImportError: If the plugin is not installed; the message says what to install.
     """
     spec = importlib.util.find_spec(_PLUGIN)
-    path = None if spec is None or not spec.origin else os.path.join(
-        os.path.dirname(spec.origin), "xla_cuda_plugin.so"
+    path = (
+        None
+        if spec is None or not spec.origin
+        else os.path.join(os.path.dirname(spec.origin), "xla_cuda_plugin.so")
     )
     if path is None or not os.path.exists(path):
         raise ImportError(
@@ -109,7 +111,7 @@ def device_memory(mesh: Any) -> int | None:
             return _memory_of(text)
     try:
         stats = device.memory_stats() or {}
-    except Exception:  # compile-only and CPU devices have none
+    except (RuntimeError, NotImplementedError, AttributeError):  # compile-only devices have none
         stats = {}
     limit = stats.get("bytes_limit")
     return int(limit) if limit else None
@@ -132,8 +134,10 @@ def cuda_tools() -> dict[str, str | None]:
         if os.environ.get(variable):
             roots.append(os.environ[variable])
     roots.append("/usr/local/cuda")
-    ptxas = next((os.path.join(r, "bin", "ptxas") for r in roots if os.path.exists(os.path.join(r, "bin", "ptxas"))),
-                 None) or shutil.which("ptxas")
+    ptxas = next(
+        (os.path.join(r, "bin", "ptxas") for r in roots if os.path.exists(os.path.join(r, "bin", "ptxas"))),
+        None,
+    ) or shutil.which("ptxas")
     libdevice = next(
         (
             os.path.join(r, "nvvm", "libdevice", "libdevice.10.bc")

@@ -11,7 +11,6 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jax
 from jax.sharding import AxisType, Mesh
 
 from substrax.mesh._gpu import GPUS, gpu_devices
@@ -86,7 +85,8 @@ def topology_mesh(
 
     if not isinstance(topology, str):
         raise TypeError(
-            f"topology must be a TPU or GPU topology name such as 'v5e:2x4' or 'h100:1x1x8'; got {topology!r}."
+            f"topology must be a TPU or GPU topology name such as 'v5e:2x4' or 'h100:1x1x8'; "
+            f"got {topology!r}."
         )
     if isinstance(slices, bool) or not isinstance(slices, int):
         raise TypeError(f"slices must be an int (the number of TPU slices); got {slices!r}.")
@@ -96,7 +96,7 @@ def topology_mesh(
     if gpu.lower() in GPUS:
         if slices != 1:
             raise ValueError(
-                f"slices is for TPU topologies; write a GPU's hosts in the topology, such as 'h100:1x2x8'."
+                "slices is for TPU topologies; write a GPU's hosts in the topology, such as 'h100:1x2x8'."
             )
         devices = gpu_devices(gpu, chips)
         _check_count(mesh_shape, devices, topology, 1)

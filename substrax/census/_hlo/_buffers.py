@@ -75,7 +75,9 @@ def concatenated(instruction: Instruction, computation: Computation, module: Mod
         texts = []
         for text in root.operands:
             parameter = fused.defs.get(operand_name(text))
-            number = re.fullmatch(r"(\d+)", parameter.operands[0]) if parameter and parameter.operands else None
+            number = (
+                re.fullmatch(r"(\d+)", parameter.operands[0]) if parameter and parameter.operands else None
+            )
             if parameter is None or parameter.opcode != "parameter" or number is None:
                 return ()
             if int(number[1]) >= len(source.operands):
