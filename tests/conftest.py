@@ -98,6 +98,7 @@ needs_libtpu = pytest.mark.skipif(
     reason="compiles for a TPU topology: needs libtpu (pip install 'substrax[tpu]', or make test-tpu)",
 )
 
+
 # The compile-only GPU tests (tests/test_gpu_*.py, make test-gpu) compile for NVIDIA topologies through jax's
 # CUDA plugin, with CUDA's ptxas and libdevice.
 def _gpu_stack() -> str:
