@@ -37,7 +37,8 @@ test-slow: $(STAMP)
 # Steps compiled for TPU topologies on this machine, no TPU attached (tests/test_tpu_*.py; the guide
 # "Plan a pod from a laptop"): the tpu extra (libtpu, about 480 MB) installed into .venv beside the dev
 # one, again whenever .venv is refreshed. Without libtpu, `make test` skips these tests, saying so.
-# No compilation cache: jax cannot read back a program compiled for compile-only devices.
+# No compilation cache: jax cannot read back a program compiled for compile-only devices. Each test on
+# the next free worker (--dist load): the files are few, their tests compile for seconds each.
 TPU_STAMP := $(VENV)/.installed-tpu
 
 $(TPU_STAMP): $(STAMP)
@@ -45,7 +46,7 @@ $(TPU_STAMP): $(STAMP)
 	touch $(TPU_STAMP)
 
 test-tpu: $(TPU_STAMP)
-	JAX_PLATFORMS=cpu SUBSTRAX_TEST_CACHE=off $(PY) -m pytest -q -n $(WORKERS) --dist loadfile tests/test_tpu_*.py
+	JAX_PLATFORMS=cpu SUBSTRAX_TEST_CACHE=off $(PY) -m pytest -q -n $(WORKERS) --dist load tests/test_tpu_*.py
 
 # Steps compiled for NVIDIA H100 topologies on this machine, no GPU attached (tests/test_gpu_*.py): the gpu
 # extra (jax's CUDA plugin, ptxas, libdevice; about 390 MB of wheels) installed into .venv beside the dev one.
