@@ -17,7 +17,8 @@ FSDP_H100 = """HloModule jit_pure, num_partitions=8
   ROOT %add = f32[] add(%a, %b)
 }
 
-%wrapped_concatenate_computation.1 (param_0.240: f32[128], param_1.316: f32[512], param_2.223: f32[1]) -> f32[641] {
+%wrapped_concatenate_computation.1 (param_0.240: f32[128], param_1.316: f32[512], \
+param_2.223: f32[1]) -> f32[641] {
   %param_0.240 = f32[128]{0} parameter(0)
   %param_1.316 = f32[512]{0} parameter(1)
   %param_2.223 = f32[1]{0} parameter(2)
@@ -35,8 +36,8 @@ ENTRY %main (p0: f32[8,128], p1: f32[8,512], p2: f32[]) -> f32[641] {
 kind=kLoop, calls=%wrapped_concatenate_computation.1
   %all-reduce-start.1 = ((f32[641]{0}), f32[641]{0}) all-reduce-start(%wrapped_concatenate.1), channel_id=1, \
 replica_groups=[1,8]<=[8], use_global_device_ids=true, to_apply=%region_4.0, \
-metadata={op_name="jit(pure)/shard_map/(substrax.grad_reduce/psum_invariant:substrax.grad_reduce/psum_invariant\
-:jvp(substrax.loss)/psum_invariant)"}
+metadata={op_name="jit(pure)/shard_map/(substrax.grad_reduce/psum_invariant:\
+substrax.grad_reduce/psum_invariant:jvp(substrax.loss)/psum_invariant)"}
   ROOT %all-reduce-done.1 = f32[641]{0} all-reduce-done(%all-reduce-start.1)
 }
 """.replace("\\\n", "")
