@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-floor test-tpu bench fuzz clean
+.PHONY: demo test test-floor test-tpu test-gpu bench fuzz clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -47,6 +47,19 @@ $(TPU_STAMP): $(STAMP)
 
 test-tpu: $(TPU_STAMP)
 	JAX_PLATFORMS=cpu SUBSTRAX_TEST_CACHE=off $(PY) -m pytest -q -n $(WORKERS) --dist load tests/test_tpu_*.py
+
+# Steps compiled for NVIDIA H100 topologies on this machine, no GPU attached (tests/test_gpu_*.py): the gpu
+# extra (jax's CUDA plugin, ptxas, libdevice; about 390 MB of wheels) installed into .venv beside the dev one.
+# Without it, `make test` skips these tests, saying so. JAX_PLATFORMS=cpu: the plugin starts no GPU (it would
+# fail on cuDNN). No compilation cache, as for the TPU; each test on the next free worker (--dist load).
+GPU_STAMP := $(VENV)/.installed-gpu
+
+$(GPU_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[dev,gpu]'
+	touch $(GPU_STAMP)
+
+test-gpu: $(GPU_STAMP)
+	JAX_PLATFORMS=cpu SUBSTRAX_TEST_CACHE=off $(PY) -m pytest -q -n $(WORKERS) --dist load tests/test_gpu_*.py
 
 # The documentation site (docs/, mkdocs.yml) into build/site, warnings as errors; the docs
 # extra is installed into .venv beside the dev one, again whenever .venv is refreshed.

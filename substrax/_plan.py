@@ -29,7 +29,7 @@ from substrax._train.chooser import make_train_step
 from substrax._tree import PyTree
 from substrax.census import census
 from substrax.census._step import expected_step, program_platform
-from substrax.mesh import compile_only
+from substrax.mesh import compile_only, device_memory
 from substrax.nn import _declared as declared
 
 __all__ = ["Plan", "PlanRow", "plan"]
@@ -53,6 +53,8 @@ class PlanRow:
       temp_bytes: The step's temporaries at their peak (estimated: see the planning guide).
       padding_bytes: What the compiled program's arguments hold beyond ``state_bytes`` and
         ``batch_bytes`` (a TPU pads small arrays to tiles; random keys); 0 when estimated.
+      device_bytes: Each device's memory (``substrax.mesh.device_memory``: a GPU's from its
+        description), ``None`` where unknown (a CPU's).
       compiler: Where the bytes come from: ``"XLA:CPU rules (estimated)"``, or the platform
         the step was compiled for, ``"tpu (compiled)"``.
       notes: What the prediction could not read.
@@ -76,6 +78,7 @@ class PlanRow:
     temp_bytes: int = 0
     padding_bytes: int = 0
     compiler: str = "XLA:CPU rules (estimated)"
+    device_bytes: int | None = None
     notes: tuple[str, ...] = ()
     shard_options: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
     step_options: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
@@ -93,6 +96,12 @@ class PlanRow:
         """The step's peak per device, state donated (``.bind``, the plain call): ``memory_analysis()``'s
         argument + output + temp - alias; estimated (the explicit step's, by XLA:CPU's rules) or compiled."""
         return self.state_bytes + self.batch_bytes + self.padding_bytes + self.output_bytes + self.temp_bytes
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether ``peak_bytes`` fits ``device_bytes`` (``None`` where unknown). The GPU compiler
+        compiles a step that does not fit; this says so before it runs."""
+        return None if self.device_bytes is None else self.peak_bytes <= self.device_bytes
 
     @property
     def total_bytes(self) -> int:
@@ -115,14 +124,18 @@ class Plan:
         """The row with the fewest bytes (or seconds at ``bandwidth``) whose state fits ``memory``.
 
         ``memory``: bytes per device the step's estimated peak (``PlanRow.peak_bytes``) may
-        take; leave room for the estimate's error (see the planning guide). Raises
-        ``ValueError`` naming the smallest requirement when no row fits.
+        take; leave room for the estimate's error (see the planning guide). By default each
+        row's ``device_bytes`` where known (a GPU's, from its description: the GPU compiler
+        compiles what does not fit). Raises ``ValueError`` naming the smallest requirement
+        when no row fits.
         """
-        fits = [r for r in self.rows if memory is None or r.peak_bytes <= memory]
+        limit = lambda r: r.device_bytes if memory is None else memory  # noqa: E731
+        fits = [r for r in self.rows if limit(r) is None or r.peak_bytes <= limit(r)]
         if not fits:
             least = min(self.rows, key=lambda r: r.peak_bytes)
             raise ValueError(
-                f"No configuration fits {memory:,} bytes per device: the smallest, {_label(least)}, needs "
+                f"No configuration fits {limit(least):,} bytes per device: the smallest, "
+                f"{_label(least)}, needs "
                 f"{least.peak_bytes:,} (peak_bytes). Add devices (a larger data axis), split more "
                 f"(layout='fsdp', units=...), or raise memory=."
             )
@@ -307,6 +320,7 @@ def _row(
             temp_bytes=stats.temp_size_in_bytes,
             padding_bytes=stats.argument_size_in_bytes - placed.bytes_per_device - sum(batch_bytes),
             compiler=f"{platform} (compiled)",
+            device_bytes=device_memory(mesh),
             notes=notes,
             shard_options=shard_options,
             step_options={"mesh": mesh, **opts},
@@ -328,6 +342,7 @@ def _row(
         gathered_bytes=gathered,
         output_bytes=memory["explicit"].outputs,
         temp_bytes=memory["explicit"].temporaries,
+        device_bytes=device_memory(mesh),
         notes=notes,
         shard_options=shard_options,
         step_options={"mesh": mesh, **opts},

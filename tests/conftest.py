@@ -99,6 +99,24 @@ needs_libtpu = pytest.mark.skipif(
 )
 
 
+# The compile-only GPU tests (tests/test_gpu_*.py, make test-gpu) compile for NVIDIA topologies through jax's
+# CUDA plugin, with CUDA's ptxas and libdevice.
+def _gpu_stack() -> str:
+    from substrax.mesh._gpu import cuda_tools
+
+    if importlib.util.find_spec("jax_plugins.xla_cuda13") is None:
+        return "jax's CUDA plugin (jax-cuda13-plugin, jax-cuda13-pjrt)"
+    tools = cuda_tools()
+    wheels = (("ptxas", "nvidia-cuda-nvcc"), ("libdevice", "nvidia-nvvm"))
+    return ", ".join(f"{k} ({w})" for k, w in wheels if not tools[k])
+
+
+needs_cuda_plugin = pytest.mark.skipif(
+    bool(_gpu_stack()),
+    reason=f"compiles for an NVIDIA GPU topology: needs {_gpu_stack()} "
+    "(pip install 'substrax[gpu]', or make test-gpu)",
+)
+
 # The layouts of a mesh with one data axis; "hsdp" needs a replica axis too (tests/test_hsdp.py).
 FLAT_LAYOUTS = tuple(layout for layout in substrax.LAYOUTS if layout != "hsdp")
 

@@ -16,6 +16,7 @@ def test_the_guides_blocks_run(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(test_docs.ROOT)  # the page loads examples/transformer_lm.py
     namespace: dict[str, Any] = {"__name__": "__docs__"}
     found = test_docs.blocks(PAGE)
+    found = [b for b in found if b.not_run is None or "make test-gpu" not in b.not_run]  # test_gpu_guide
     assert len(found) == 6 and all(b.not_run is not None and "make test-tpu" in b.not_run for b in found[:5])
     for block in found[:5]:  # the last runs on the CPU mesh of docs/snippets/setup.py (test_docs.py)
         test_docs._run(block, namespace)

@@ -219,7 +219,7 @@ def _slices(
 
 def _row(site: _hlo.Site, module: _hlo.Module, mesh: tuple[tuple[str, int], ...] | None) -> Collective:
     kind, instruction, computation = site.kind, site.instruction, site.computation
-    operands = _hlo.operand_buffers(instruction, computation)
+    operands = _hlo.operand_buffers(instruction, computation, module)
     results = _hlo.result_buffers(kind, instruction, operands)
     raw, groups, hlo_axes = _hlo.replica_groups(instruction.attrs, module.num_devices)
     pairs = _hlo.source_target_pairs(instruction.attrs)

@@ -21,6 +21,7 @@ from substrax.mesh._rules import (
     fsdp_rules,
     partition_spec_for_names,
 )
+from substrax.mesh._gpu import device_memory
 from substrax.mesh._topology import compile_only, topology_mesh
 from substrax.mesh.strategies import (
     DataParallelStrategy,
@@ -55,6 +56,7 @@ __all__ = [
     "current_mesh",
     "current_mesh_with",
     "data_parallel_rules",
+    "device_memory",
     "fsdp_rules",
     "get_mesh_info",
     "mesh_info",

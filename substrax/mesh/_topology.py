@@ -1,4 +1,4 @@
-"""Meshes of compile-only TPU devices: compile a step for a pod from a machine without one.
+"""Meshes of compile-only TPU and NVIDIA GPU devices: compile a step for a pod from a machine without one.
 
 See the guide "Plan a pod from a laptop".
 """
@@ -11,8 +11,9 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jax
 from jax.sharding import AxisType, Mesh
+
+from substrax.mesh._gpu import GPUS, gpu_devices
 
 __all__ = ["compile_only", "topology_mesh"]
 
@@ -28,6 +29,20 @@ def compile_only(mesh: Any) -> bool:
     return type(client).__name__ == "CompileOnlyPyClient"
 
 
+def _check_count(mesh_shape: Any, devices: Sequence[Any], topology: str, slices: int) -> None:
+    from substrax.mesh import _axes
+
+    axes = _axes(mesh_shape)
+    sizes = [s for _, s in axes]
+    counted = all(isinstance(s, int) and not isinstance(s, bool) for s in sizes)
+    if counted and math.prod(sizes) != len(devices):
+        where = f" ({slices} slices of {len(devices) // slices})" if slices > 1 else ""
+        raise ValueError(
+            f"mesh_shape {dict(axes)} holds {math.prod(sizes)} devices; {topology!r} has "
+            f"{len(devices)}{where}. Give sizes whose product is {len(devices)}."
+        )
+
+
 def topology_mesh(
     topology: str,
     mesh_shape: Mapping[str, int] | Sequence[tuple[str, int]],
@@ -35,25 +50,33 @@ def topology_mesh(
     slices: int = 1,
     axis_types: Sequence[AxisType] | AxisType | None = None,
 ) -> Mesh:
-    """A mesh of the compile-only devices of a TPU topology: steps lower and compile for it, none runs.
+    """A mesh of the compile-only devices of a TPU or GPU topology: steps lower and compile for it, none runs.
 
     The state to place on it is abstract (``nnx.eval_shape``); see the guide "Plan a pod
-    from a laptop". Needs ``libtpu`` (``pip install 'substrax[tpu]'``), no TPU.
+    from a laptop". A TPU needs ``libtpu`` (``pip install 'substrax[tpu]'``), a GPU jax's
+    CUDA plugin, ``ptxas`` and ``libdevice`` (``pip install 'substrax[gpu]'``); neither a
+    TPU nor a GPU, and ``JAX_PLATFORMS=cpu`` for the GPU's.
 
     Args:
       topology: The slice's TPU type and chips, e.g. ``"v5e:2x4"`` (8 chips, 2 hosts),
-        ``"v5e:16x16"`` or ``"v5e:1x1"`` (one chip).
+        ``"v5e:16x16"`` or ``"v5e:1x1"`` (one chip); or a GPU and its slices x hosts x
+        GPUs per host, e.g. ``"h100:1x1x8"`` (one host of 8 H100s), ``"h100:1x2x8"`` (two);
+        the GPUs are ``substrax.mesh._gpu.GPUS``' keys (``h100``, ``h200``, ``a100``,
+        ``b200``, ...), described by the installed CUDA plugin.
       mesh_shape: Axis name to size, as ``create_device_mesh`` takes it; the sizes multiply
         to the topology's devices (times ``slices``).
-      slices: Slices joined over the data-center network (DCN); the first axis spans them
-        (its size a multiple of ``slices``), the others stay within a slice.
+      slices: TPU slices joined over the data-center network (DCN); the first axis spans
+        them (its size a multiple of ``slices``), the others stay within a slice. A GPU's
+        hosts are in its topology; its devices are laid out host after host.
       axis_types: As ``create_device_mesh``; ``AxisType.Auto`` by default.
 
     Returns:
       A ``jax.sharding.Mesh`` over the topology's devices.
 
     Raises:
-      ImportError: If ``libtpu`` is not installed (the message says what to install).
+      ImportError: If ``libtpu`` (TPU) or jax's CUDA plugin (GPU) is not installed (the
+        message says what to install).
+      RuntimeError: For a GPU, if ``ptxas`` or ``libdevice`` is missing (says what to install).
       TypeError: If ``topology`` is not a string or ``slices`` not an int.
       ValueError: If the topology is unknown, ``slices`` is below 1, the sizes do not multiply
         to the device count, or the first axis does not divide by ``slices``.
@@ -61,11 +84,23 @@ def topology_mesh(
     from substrax.mesh import _axes, _checked_axes, create_device_mesh
 
     if not isinstance(topology, str):
-        raise TypeError(f"topology must be a TPU topology name such as 'v5e:2x4'; got {topology!r}.")
+        raise TypeError(
+            f"topology must be a TPU or GPU topology name such as 'v5e:2x4' or 'h100:1x1x8'; "
+            f"got {topology!r}."
+        )
     if isinstance(slices, bool) or not isinstance(slices, int):
         raise TypeError(f"slices must be an int (the number of TPU slices); got {slices!r}.")
     if slices < 1:
         raise ValueError(f"slices must be >= 1; got {slices}.")
+    gpu, _, chips = topology.partition(":")
+    if gpu.lower() in GPUS:
+        if slices != 1:
+            raise ValueError(
+                "slices is for TPU topologies; write a GPU's hosts in the topology, such as 'h100:1x2x8'."
+            )
+        devices = gpu_devices(gpu, chips)
+        _check_count(mesh_shape, devices, topology, 1)
+        return create_device_mesh(mesh_shape, devices, axis_types=axis_types)
     if importlib.util.find_spec("libtpu") is None:
         raise ImportError(
             f"topology_mesh({topology!r}) compiles for TPU devices through libtpu, which is not "
@@ -87,13 +122,7 @@ def topology_mesh(
     devices = list(desc.devices)
     axes = _axes(mesh_shape)
     sizes = [s for _, s in axes]
-    counted = all(isinstance(s, int) and not isinstance(s, bool) for s in sizes)
-    if counted and math.prod(sizes) != len(devices):
-        where = f" ({slices} slices of {len(devices) // slices})" if slices > 1 else ""
-        raise ValueError(
-            f"mesh_shape {dict(axes)} holds {math.prod(sizes)} devices; {topology!r} has "
-            f"{len(devices)}{where}. Give sizes whose product is {len(devices)}."
-        )
+    _check_count(mesh_shape, devices, topology, slices)
     if slices == 1:
         return create_device_mesh(axes, devices, axis_types=axis_types)
     _checked_axes(axes, devices)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from ._module import Computation, Instruction, Operand, arrays, operand_name
+import re
+
+from ._module import Computation, Instruction, Module, Operand, arrays, operand_name
 
 
 def buffer_op_names(
@@ -38,9 +40,63 @@ def _split_combined(name: str) -> list[str]:
     return [prefix + piece for piece in pieces]
 
 
-def operand_buffers(instruction: Instruction, computation: Computation) -> tuple[Operand, ...]:
-    """The buffers of an instruction's operands, in order."""
+def operand_buffers(
+    instruction: Instruction, computation: Computation, module: Module | None = None
+) -> tuple[Operand, ...]:
+    """The buffers of an instruction's operands, in order.
+
+    An all-reduce of one flat buffer concatenated from several (XLA's GPU compiler concatenates
+    the all-reduces it combines) gives the concatenated buffers, each in the shape it had before
+    it was flattened (a ``bitcast``'s operand): they are what it reduces.
+    """
+    if module is not None and instruction.opcode.removesuffix("-start") == "all-reduce":
+        pieces = concatenated(instruction, computation, module)
+        if pieces:
+            return pieces
     return tuple(b for text in instruction.operands for b in _operand_buffers(text, computation))
+
+
+def concatenated(instruction: Instruction, computation: Computation, module: Module) -> tuple[Operand, ...]:
+    """The buffers a one-operand collective's operand concatenates (a ``concatenate``, or a fusion whose
+    root is one), unflattened through ``bitcast``s; ``()`` when it is not a concatenation."""
+    if len(instruction.operands) != 1:
+        return ()
+    source = computation.defs.get(operand_name(instruction.operands[0]))
+    if source is None:
+        return ()
+    if source.opcode == "concatenate":
+        texts = source.operands
+    elif source.opcode == "fusion":
+        callee = re.search(r"\bcalls=%?([\w.\-]+)", source.attrs)
+        fused = module.computations.get(callee[1]) if callee else None
+        root = fused.defs.get(fused.root) if fused is not None else None
+        if root is None or root.opcode != "concatenate":
+            return ()
+        texts = []
+        for text in root.operands:
+            parameter = fused.defs.get(operand_name(text))
+            number = (
+                re.fullmatch(r"(\d+)", parameter.operands[0]) if parameter and parameter.operands else None
+            )
+            if parameter is None or parameter.opcode != "parameter" or number is None:
+                return ()
+            if int(number[1]) >= len(source.operands):
+                return ()
+            texts.append(source.operands[int(number[1])])
+    else:
+        return ()
+    buffers = []
+    for text in texts:
+        found = _operand_buffers(text, computation)
+        before = computation.defs.get(operand_name(text))
+        if before is not None and before.opcode == "bitcast" and len(found) == 1:
+            unflat = _operand_buffers(before.operands[0], computation) if before.operands else ()
+            if len(unflat) == 1 and unflat[0].bytes == found[0].bytes and unflat[0].dtype == found[0].dtype:
+                found = unflat
+        if len(found) != 1:
+            return ()
+        buffers.append(found[0])
+    return tuple(buffers)
 
 
 def _operand_buffers(text: str, computation: Computation) -> tuple[Operand, ...]:

@@ -93,6 +93,8 @@ class Computation:
     shapes: dict[str, str] = field(default_factory=dict)
     pieces: dict[str, dict[int, str]] = field(default_factory=dict)  # tuple -> {index: op_name of its gte}
     done: dict[str, str] = field(default_factory=dict)  # an async -start -> its -done
+    defs: dict[str, Instruction] = field(default_factory=dict)  # name -> the instruction defining it
+    root: str = ""  # the name of its ROOT instruction
 
 
 @dataclass
@@ -143,6 +145,9 @@ def parse_module(text: str) -> Module:
             if instruction is not None:
                 current.instructions.append(instruction)
                 current.shapes[instruction.name] = instruction.shape
+                current.defs[instruction.name] = instruction
+                if line.lstrip().startswith("ROOT "):
+                    current.root = instruction.name
                 _note_users(current, instruction)
     if not entry:
         raise ValueError(
