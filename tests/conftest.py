@@ -102,9 +102,9 @@ needs_libtpu = pytest.mark.skipif(
 # The compile-only GPU tests (tests/test_gpu_*.py, make test-gpu) compile for NVIDIA topologies through jax's
 # CUDA plugin, with CUDA's ptxas and libdevice.
 def _gpu_stack() -> str:
-    from substrax.mesh._gpu import cuda_tools
+    from substrax.mesh._gpu import cuda_tools, plugin_installed
 
-    if importlib.util.find_spec("jax_plugins.xla_cuda13") is None:
+    if not plugin_installed():
         return "jax's CUDA plugin (jax-cuda13-plugin, jax-cuda13-pjrt)"
     tools = cuda_tools()
     wheels = (("ptxas", "nvidia-cuda-nvcc"), ("libdevice", "nvidia-nvvm"))

@@ -35,13 +35,26 @@ _PLUGIN = "jax_plugins.xla_cuda13"
 _KEY = b'device_description_str: "'
 
 
+def _plugin_spec() -> Any:
+    """The plugin's module spec, or ``None`` where it (or its namespace, ``jax_plugins``) is absent."""
+    try:
+        return importlib.util.find_spec(_PLUGIN)
+    except ModuleNotFoundError:  # find_spec imports the parent package first
+        return None
+
+
+def plugin_installed() -> bool:
+    """Whether jax's CUDA plugin is installed (``pip install 'substrax[gpu]'``)."""
+    return _plugin_spec() is not None
+
+
 def _plugin_library() -> str:
     """The path of the installed plugin's ``xla_cuda_plugin.so``.
 
     Raises:
       ImportError: If the plugin is not installed; the message says what to install.
     """
-    spec = importlib.util.find_spec(_PLUGIN)
+    spec = _plugin_spec()
     path = (
         None
         if spec is None or not spec.origin
