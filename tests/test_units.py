@@ -112,8 +112,8 @@ def test_units_train_like_one_device_and_the_census_counts_them(mode: str, resha
 
 def test_a_units_reduce_scatter_is_written_for_its_platform() -> None:
     """The TPU compiler reduces a one-row-per-device (or flat) reduce-scatter whole (census guide,
-    "On a TPU"): there each device's row, padded to a multiple of 8 elements, goes as 8 rows. XLA's
-    CPU compiler copied that form's whole buffer, so a CPU step keeps one row per device."""
+    "On a TPU"): there each device's row, padded to a multiple of 8 elements, goes as 8 rows. A CPU
+    step keeps one row per device, the program the plan's XLA:CPU estimate models."""
     model, optimizer = _placed(3, 16, _in_layers)
     step = substrax.make_train_step(mse, "explicit", mesh=MESH)
     comparison = step.check_communication(model, optimizer, _batch(16))

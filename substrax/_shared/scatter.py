@@ -16,7 +16,7 @@ _ROWS: contextvars.ContextVar[int] = contextvars.ContextVar("substrax_scatter_ro
 def rows_of(platform: str | None) -> int:
     """Rows per device a grouped reduce-scatter is written in for ``platform``: the TPU compiler
     turns one row, or a flat buffer, into an all-reduce of the whole (census guide, "On a TPU");
-    elsewhere one row (XLA's CPU compiler copied the eight-row form's whole buffer)."""
+    elsewhere one row, the program the plan's XLA:CPU estimate models."""
     return SCATTER_ROWS if platform == "tpu" else 1
 
 
