@@ -55,7 +55,7 @@ def test_bad_topologies_and_shapes_are_refused() -> None:
         topology_mesh("v5e:2x4", {"data": 2, "model": 16}, slices=4)
     with pytest.raises(ValueError, match=r"repeat"):
         topology_mesh("v5e:2x4", [("data", 4), ("data", 2)])
-    with pytest.raises(TypeError, match=r"topology must be a TPU topology name"):
+    with pytest.raises(TypeError, match=r"topology must be a TPU or GPU topology name"):
         topology_mesh(8, {"data": 8})  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"slices must be an int"):
         topology_mesh("v5e:2x4", {"data": 8}, slices=2.0)  # type: ignore[arg-type]
