@@ -232,6 +232,7 @@ class _Matcher:
                 and p.kind == "all-reduce"
                 and self._same_bytes(item, p)
                 and (not item.axes or p.row.axes is None or tuple(p.row.axes) == item.axes)
+                and not self._model_like(p)  # a layer's own all-reduce (BatchNorm's psum) is no rewrite
             ]
             if free:
                 j = min(free, key=lambda j: (_shape_distance(item.buffer, self.parts[j].buffer), j))
