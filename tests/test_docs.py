@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import doctest
 import importlib
+import importlib.metadata
 import inspect
 import linecache
 import pkgutil
@@ -38,6 +39,9 @@ PAGES = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<info>[^\n`]*)$")
 _SNIPPET = re.compile(r'^(?P<indent>[ \t]*)--8<--\s+"(?P<name>[^"]+)"\s*$')
 _NOT_RUN = re.compile(r"^<!--\s*not run:\s*(?P<reason>\S.*?)\s*-->$")
+# a block that needs a newer release than pyproject's floor: run where it is installed (make test),
+# skipped at the floor (make test-floor)
+_NEEDS = re.compile(r"^<!--\s*needs (?P<package>[\w-]+) >= (?P<version>[\d.]+)\b.*-->$")
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,17 @@ class Block:
     line: int
     code: str
     not_run: str | None
+    needs: tuple[str, str] | None = None
+
+    def runnable(self) -> bool:
+        """Not marked 'not run', and what it needs installed (``<!-- needs optax >= 0.2.8 ... -->``)."""
+        if self.not_run is not None:
+            return False
+        if self.needs is None:
+            return True
+        package, version = self.needs
+        have = tuple(int(x) for x in re.findall(r"\d+", importlib.metadata.version(package))[:3])
+        return have >= tuple(int(x) for x in version.split("."))
 
 
 def _expand(code: str) -> str:
@@ -78,9 +93,12 @@ def blocks(page: Path) -> list[Block]:
             end += 1
         if language == "python":
             previous = next((lines[j].strip() for j in range(i - 1, -1, -1) if lines[j].strip()), "")
-            reason = _NOT_RUN.match(previous)
+            reason, needs = _NOT_RUN.match(previous), _NEEDS.match(previous)
             body = [line.removeprefix(indent) for line in lines[i + 1 : end]]
-            found.append(Block(page, i + 2, _expand("\n".join(body)), reason["reason"] if reason else None))
+            found.append(Block(
+                page, i + 2, _expand("\n".join(body)), reason["reason"] if reason else None,
+                (needs["package"], needs["version"]) if needs else None,
+            ))  # fmt: skip
         i = end + 1
     return found
 
@@ -108,7 +126,7 @@ def test_every_python_block_of_the_page_runs(
     namespace: dict[str, Any] = {"__name__": "__docs__"}
     ran = 0
     for block in blocks(page):
-        if block.not_run is None:
+        if block.runnable():
             _run(block, namespace)
             ran += 1
     assert ran, f"{page.relative_to(ROOT)}: every Python block is marked 'not run'"
