@@ -298,32 +298,34 @@ def _row(
         by_kind[key] = by_kind.get(key, 0) + size
     rows = math.prod(mesh.shape[a] for a in _axes(step.options.row_axes(mesh)))
     batch_bytes = [_per_device(x, rows) for x in jax.tree.leaves(batch)]
+    row = {  # what both estimates share: the configuration, its state and batch, its notes
+        "mode": mode,
+        "layout": kind,
+        "units": "-" if unit is None else getattr(unit, "__name__", repr(unit)),
+        "mesh": _mesh_label(mesh),
+        "state_bytes": placed.bytes_per_device,
+        "batch_bytes": sum(batch_bytes),
+        "gathered_bytes": gathered,
+        "device_bytes": device_memory(mesh),
+        "notes": notes,
+        "shard_options": shard_options,
+        "step_options": {"mesh": mesh, **opts},
+    }
     if compiled:  # the program itself: its census and memory_analysis(), exact
         program = lowered.compile()
-        by_kind, optional = {}, 0
+        by_kind = {}
         for found in census(program, mesh=mesh).rows:
             key = (found.kind, ",".join(found.axes or ()) or "unnamed groups")
             by_kind[key] = by_kind.get(key, 0) + found.bytes_per_step
         stats = program.memory_analysis()
-        platform = program_platform(program)
         return PlanRow(
-            mode=mode,
-            layout=kind,
-            units="-" if unit is None else getattr(unit, "__name__", repr(unit)),
-            mesh=_mesh_label(mesh),
+            **row,
             bytes=by_kind,
-            optional_bytes=optional,
-            state_bytes=placed.bytes_per_device,
-            batch_bytes=sum(batch_bytes),
-            gathered_bytes=gathered,
+            optional_bytes=0,
             output_bytes=stats.output_size_in_bytes - stats.alias_size_in_bytes,
             temp_bytes=stats.temp_size_in_bytes,
             padding_bytes=stats.argument_size_in_bytes - placed.bytes_per_device - sum(batch_bytes),
-            compiler=f"{platform} (compiled)",
-            device_bytes=device_memory(mesh),
-            notes=notes,
-            shard_options=shard_options,
-            step_options={"mesh": mesh, **opts},
+            compiler=f"{program_platform(program)} (compiled)",
         )
     if "explicit" not in memory:  # the memory is explicit mode's (XLA places the implicit step's)
         if mode != "explicit":
@@ -331,21 +333,11 @@ def _row(
         state_bytes = [_per_device(x, 1) for x in jax.tree.leaves(nnx.state((m, o)))]
         memory["explicit"] = _memory.estimate(traced.jaxpr, state_bytes + batch_bytes, donated=True)
     return PlanRow(
-        mode=mode,
-        layout=kind,
-        units="-" if unit is None else getattr(unit, "__name__", repr(unit)),
-        mesh=_mesh_label(mesh),
+        **row,
         bytes=by_kind,
         optional_bytes=optional,
-        state_bytes=placed.bytes_per_device,
-        batch_bytes=sum(batch_bytes),
-        gathered_bytes=gathered,
         output_bytes=memory["explicit"].outputs,
         temp_bytes=memory["explicit"].temporaries,
-        device_bytes=device_memory(mesh),
-        notes=notes,
-        shard_options=shard_options,
-        step_options={"mesh": mesh, **opts},
     )
 
 
