@@ -40,6 +40,7 @@ from substrax._layout._specs import (
     without_axes,
     without_axis,
 )
+from substrax._layout._stages import STAGE_AXIS, STAGE_KEY, staged_stack
 from substrax._layout._units import (
     PREFETCH_KEY,
     RESHARD_KEY,
@@ -53,6 +54,9 @@ from substrax._layout._units import (
 )
 
 __all__ = [
+    "STAGE_AXIS",
+    "STAGE_KEY",
+    "staged_stack",
     "PREFETCH_KEY",
     "RESHARD_KEY",
     "UNIT_KEY",

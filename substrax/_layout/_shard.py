@@ -34,6 +34,7 @@ from substrax._layout._specs import (
     with_axis,
     without_axis,
 )
+from substrax._layout._stages import STAGE_AXIS, find_stages, mark_stages
 from substrax._layout._units import UnitsSpec, find_units, mark_units, stacked_modules
 from substrax._tree import adopt_assigned_arrays, path_str
 from substrax.mesh import compile_only, current_mesh
@@ -99,6 +100,14 @@ def _check_abstract(model: nnx.Module, optimizer: nnx.Optimizer[Any], mesh: Mesh
                 )
 
 
+def _without_stage(spec: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
+    """A declared spec without the ``stage`` axis: the pipeline's split is the layout's, placed anew."""
+    if spec is None:
+        return None
+    kept = [tuple(a for a in spec_axes(e) if a != STAGE_AXIS) for e in spec]
+    return tuple(None if not k else k[0] if len(k) == 1 else k for k in kept)
+
+
 def _layout_kind(layout: Any, params: bool | None) -> LayoutKind:
     """``layout`` checked, with ``params`` (its older spelling) folded in."""
     if params is not None:
@@ -129,6 +138,7 @@ def shard_state(
     reshard_after_forward: bool = True,
     prefetch: bool = False,
     replica_axis: str = REPLICA_AXIS,
+    stages: UnitsSpec = None,
 ) -> Layout:
     """Place ``model``'s and ``optimizer``'s state over ``data_axis``, in place: FSDP, ZeRO-1 or replicated.
 
@@ -158,6 +168,11 @@ def shard_state(
         layer i+1 while layer i computes, forward and backward (explicit mode).
       replica_axis: ``layout="hsdp"``'s outer axis, over which the state is replicated;
         recorded on the parameters, the step must be built with the same one.
+      stages: On a mesh with a ``stage`` axis, the stack of layers to pipeline: a module
+        type (a stack built by ``nnx.vmap`` and applied by ``substrax.nn.scan_layers``), a
+        tuple of them, or ``(path, module) -> bool``. Its parameters (and their optimizer
+        state) are split on the layer axis over ``stage``, consecutive layers a stage; the
+        layout applies within a stage (see the pipelines guide).
 
     Returns:
       The ``Layout``: which leaf went where, the bytes per device, and the parameters
@@ -168,7 +183,10 @@ def shard_state(
       ValueError: If ``units`` comes with a layout other than ``"fsdp"``, matches no
         submodule (naming the model's module types), the model itself or a module inside
         another, or ``prefetch`` comes without ``units`` or with
-        ``reshard_after_forward=False``; ``layout`` is unknown or contradicts ``params``;
+        ``reshard_after_forward=False``; the mesh has a ``stage`` axis without ``stages``,
+        or ``stages`` comes without one, with ``prefetch``, matches nothing (naming the
+        module types), a module that is no stack or two of them, or a stack whose layers
+        the stages do not divide; ``layout`` is unknown or contradicts ``params``;
         ``axis`` contradicts ``data_axis``; the mesh lacks the axis; ``min_size`` is
         negative; or the optimizer is not the model's. Each names the axis or leaf.
 
@@ -204,13 +222,20 @@ def shard_state(
             f"both, replicas outer: create_device_mesh({{{replica_axis!r}: R, {axis!r}: D}}) "
             f"(or name yours with replica_axis=), or use layout='fsdp' on this mesh."
         )
+    stage_path = find_stages(model, stages, found)
+    if stage_path is not None and prefetch:
+        raise ValueError(
+            "prefetch=True runs a stacked unit in the step's own loop, and stages= runs the stack as a "
+            "pipeline, each stage its layers; they do not combine. Drop prefetch= (units= alone gathers "
+            "each layer just in time within a stage)."
+        )
     size = found.shape[axis]
     mirrors = optimizer_mirrors(model, optimizer)
     followers = optimizer_followers(model, optimizer)
     model_vars = dict(flat_state(model))
     opt_vars = dict(flat_state(optimizer))
     declared = {  # each variable's own declaration, kept across meshes that lack an axis of it
-        id(v): v.get_metadata().get("declared_sharding") or declared_spec(v)
+        id(v): _without_stage(v.get_metadata().get("declared_sharding") or declared_spec(v))
         for variables in (model_vars, opt_vars)
         for v in variables.values()
     }
@@ -225,13 +250,15 @@ def shard_state(
         return tuple(None if not k else k[0] if len(k) == 1 else k for k in kept)
 
     unit_list = find_units(model, units, reshard_after_forward, prefetch)
-    stacks = stacked_modules(model, unit_list)
+    stacks = stacked_modules(model, unit_list + ([stage_path] if stage_path is not None else []))
     left_whole = []
     for path, mirror_paths in mirrors.items():
         variable = model_vars[path]
         shape = tuple(np.shape(variable.get_value()))
         base = base_of(variable)  # the layer's own (model-axis) splits
-        # a stack's layer axis stays whole: nnx.scan hands each layer its slice
+        if stage_path is not None and path[: len(stage_path)] == stage_path:
+            base = (STAGE_AXIS, *base[1:])  # the pipeline's: consecutive layers a stage
+        # a stack's layer axis stays whole over data: nnx.scan hands each layer its slice
         taken = ("layers", *base[1:]) if any(path[: len(u)] == u for u in stacks) else base
         dim = None if layout == "replicated" else choose_split_dim(shape, size, min_size, taken)
         if dim is None and layout != "replicated":
@@ -274,6 +301,7 @@ def shard_state(
     split = {p for p, v in model_vars.items() if isinstance(v, nnx.Param) and layout in ("fsdp", "hsdp")
              and split_dim_of(spec_tuple(v), axis) is not None}  # fmt: skip
     mark_units(model, unit_list, reshard_after_forward, split, prefetch)
+    mark_stages(model, stage_path)
     for variable in model_vars.values():  # the steps refuse another replica axis (check_replica_axis)
         if isinstance(variable, nnx.Param) and (layout == "hsdp" or variable.get_metadata().get(REPLICA_KEY)):
             variable.set_metadata(**{REPLICA_KEY: replica_axis if layout == "hsdp" else None})

@@ -17,7 +17,7 @@ from flax import nnx
 from substrax._tree import KeyPath, node_at, path_str
 
 __all__ = [
-    "PREFETCH_KEY", "RESHARD_KEY", "UNIT_KEY", "UnitsSpec", "find_units", "mark_units", "note_layers",
+    "PREFETCH_KEY", "RESHARD_KEY", "UNIT_KEY", "UnitsSpec", "find_units", "mark_units", "matched_modules", "note_layers",
     "prefetched_units", "recording_layers", "stacked_modules", "unit_paths",
 ]
 
@@ -28,13 +28,13 @@ PREFETCH_KEY = "fsdp_prefetch"
 UnitsSpec = type | tuple[type, ...] | Callable[[KeyPath, nnx.Module], bool] | None
 
 
-def _matcher(units: UnitsSpec) -> Callable[[KeyPath, Any], bool]:
+def _matcher(units: UnitsSpec, keyword: str = "units") -> Callable[[KeyPath, Any], bool]:
     if isinstance(units, type) or (isinstance(units, tuple) and all(isinstance(u, type) for u in units)):
         return lambda _, node: isinstance(node, units)  # type: ignore[arg-type]
     if callable(units):
         return lambda path, node: isinstance(node, nnx.Module) and bool(units(path, node))
     raise TypeError(
-        f"units must be a module type, a tuple of them, or a function (path, module) -> bool; got {units!r}."
+        f"{keyword} must be a module type, a tuple of them, or a function (path, module) -> bool; got {units!r}."
     )
 
 
@@ -64,19 +64,7 @@ def find_units(
             "reshard_after_forward=False would keep every layer of the stack gathered instead. "
             "Pass one or the other."
         )
-    found: list[KeyPath] = []
-    if units is not None:
-        match = _matcher(units)
-        for path, node in nnx.iter_graph(model):
-            if isinstance(node, nnx.Module) and match(tuple(path), node):
-                if not path:
-                    raise ValueError(
-                        "units= matched the model itself; a unit is a submodule (a block, a layer). "
-                        "Parameters outside every unit are gathered as the root unit already."
-                    )
-                found.append(tuple(path))
-        if not found:
-            raise ValueError(_matched_nothing(model, units))
+    found = matched_modules(model, units, "units") if units is not None else []
     found.sort(key=len)
     for i, inner in enumerate(found):
         for outer in found[:i]:
@@ -88,8 +76,28 @@ def find_units(
     return found
 
 
-def _matched_nothing(model: nnx.Module, units: UnitsSpec) -> str:
-    """Why ``units`` was refused: what was asked, and the module types the model has."""
+def matched_modules(model: nnx.Module, spec: UnitsSpec, keyword: str) -> list[KeyPath]:
+    """The paths of the submodules ``spec`` (``units=`` or ``stages=``) matches, in graph order.
+
+    Raises:
+      TypeError: If ``spec`` is not a type, a tuple of types or a predicate.
+      ValueError: If it matches no submodule (naming the model's module types), or the model itself.
+    """
+    match = _matcher(spec, keyword)
+    found: list[KeyPath] = []
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Module) and match(tuple(path), node):
+            if not path:
+                root = " Parameters outside every unit are gathered as the root unit already." * (keyword == "units")
+                raise ValueError(f"{keyword}= matched the model itself; name a submodule (a block, a layer).{root}")
+            found.append(tuple(path))
+    if not found:
+        raise ValueError(_matched_nothing(model, spec, keyword))
+    return found
+
+
+def _matched_nothing(model: nnx.Module, units: UnitsSpec, keyword: str = "units") -> str:
+    """Why ``units`` (or ``stages``) was refused: what was asked, and the module types the model has."""
     if isinstance(units, tuple):
         asked = "(" + ", ".join(u.__name__ for u in units) + ("," if len(units) == 1 else "") + ")"
     else:
@@ -97,15 +105,13 @@ def _matched_nothing(model: nnx.Module, units: UnitsSpec) -> str:
     kinds = sorted({type(node).__name__ for path, node in nnx.iter_graph(model)
                     if path and isinstance(node, nnx.Module)})  # fmt: skip
     has = (
-        f"Its submodules are of the types {', '.join(kinds)}: name one (units={kinds[0]}), a tuple of them, "
-        f"or a function (path, module) -> bool that holds for some, or drop units="
+        f"Its submodules are of the types {', '.join(kinds)}: name one ({keyword}={kinds[0]}), a tuple of "
+        f"them, or a function (path, module) -> bool that holds for some, or drop {keyword}="
         if kinds
-        else "It has no submodule: drop units="
+        else f"It has no submodule: drop {keyword}="
     )
-    return (
-        f"units={asked} matched no submodule of the {type(model).__name__}, so no parameter would be "
-        f"gathered as a unit (plain FSDP). {has}."
-    )
+    what = "gathered as a unit (plain FSDP)" if keyword == "units" else "split over the stages (no pipeline)"
+    return f"{keyword}={asked} matched no submodule of the {type(model).__name__}, so no parameter would be {what}. {has}."
 
 
 def stacked_modules(model: nnx.Module, units: list[KeyPath]) -> set[KeyPath]:

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from substrax._metrics.reductions import METRIC_REDUCTIONS
 from substrax._shared.microbatch import check_microbatches
+from substrax._shared.pipeline import check_schedule
 from substrax._shared.precision import MixedPrecision
 from substrax._shared.skips import DEFAULT_MAX_SKIPS
 
@@ -33,10 +34,12 @@ class StepOptions:
       precision: A ``MixedPrecision`` policy, or ``None``.
       max_skips_in_a_row: Skipped steps in a row after which ``TrainStep`` raises, or ``None``.
       replica_axis: The replica axis of hybrid sharding (rows split over it too: ``row_axes``).
+      schedule: ``"gpipe"`` or ``"1f1b"``: the staged stack runs as a pipeline; or ``None``.
 
     Raises:
       ValueError: If ``mode`` is unknown, ``reduce`` is given without ``has_aux`` or
-        names an unknown operation, ``microbatches`` is below 1, or
+        names an unknown operation, ``microbatches`` is below 1, ``schedule`` is unknown
+        or comes with fewer than two microbatches, or
         ``max_skips_in_a_row`` is not a positive int or ``None``.
       TypeError: If ``microbatches`` is not an int, ``skip_nonfinite`` not a bool, or
         ``precision`` not a ``MixedPrecision``.
@@ -53,6 +56,7 @@ class StepOptions:
     precision: MixedPrecision | None = None
     max_skips_in_a_row: int | None = DEFAULT_MAX_SKIPS
     replica_axis: str = "replica"
+    schedule: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -69,6 +73,7 @@ class StepOptions:
                         f"{', '.join(repr(a) for a in METRIC_REDUCTIONS)} or None (keep it unreduced)."
                     )
         check_microbatches(self.microbatches)
+        check_schedule(self.schedule, self.microbatches)
         if not isinstance(self.skip_nonfinite, bool):
             raise TypeError(f"skip_nonfinite must be True or False; got {self.skip_nonfinite!r}.")
         limit = self.max_skips_in_a_row

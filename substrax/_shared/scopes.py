@@ -9,6 +9,7 @@ __all__ = [
     "GRAD_REDUCE",
     "LOSS",
     "METRICS",
+    "PIPELINE",
     "PREFIX",
     "TENSOR_PARALLEL",
     "UNIT",
@@ -26,3 +27,4 @@ UPDATE = "substrax.update"  # the optimizer update on global arrays
 FINITE = "substrax.finite"  # the non-finite guard inside the update
 UNIT = "substrax.unit"  # a unit's gathers and reduce-scatters
 TENSOR_PARALLEL = "substrax.tensor_parallel"  # substrax.nn's layers: the model's own collectives
+PIPELINE = "substrax.pipeline"  # a pipeline's permutes between stages, its sum over stages

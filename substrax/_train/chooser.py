@@ -12,6 +12,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from substrax import _layout
+from substrax._shared.pipeline import check_stage_axis
 from substrax._batch.leaves import check_batch_leaves
 from substrax._batch.placement import place_process_rows
 from substrax._layout._owners import flat_state
@@ -62,6 +63,7 @@ def make_train_step(
     precision: MixedPrecision | None = None,
     max_skips_in_a_row: int | None = DEFAULT_MAX_SKIPS,
     replica_axis: str = "replica",
+    schedule: str | None = None,
 ) -> TrainStep:
     """Build a jitted data-parallel step ``(model, optimizer, batch) -> loss``, in either mode.
 
@@ -90,6 +92,9 @@ def make_train_step(
         row (default 10); ``None`` never raises.
       replica_axis: On a mesh with this axis, hybrid sharding: rows split over it and
         ``data_axis``, ``"hsdp"`` state replicated across it (layouts guide, "Hybrid sharding").
+      schedule: ``"gpipe"`` or ``"1f1b"``: on a mesh with a ``stage`` axis, run the stack
+        ``shard_state(..., stages=)`` split over it as a pipeline over the ``microbatches``
+        (at least 2); ``None`` (the default): no pipeline (see the pipelines guide).
 
     Returns:
       A ``TrainStep``: ``step(model, optimizer, batch)`` updates both in place and returns
@@ -99,9 +104,11 @@ def make_train_step(
 
     Raises:
       ValueError: At once: an unknown ``mode``, ``reduce`` without ``has_aux`` or with an
-        unknown operation, a ``mesh`` without ``data_axis``, ``microbatches`` below 1.
+        unknown operation, a ``mesh`` without ``data_axis``, ``microbatches`` below 1, an
+        unknown ``schedule``, one with fewer than two microbatches or a ``mesh`` without ``stage``.
         When called: a batch that does not split over ``data_axis`` (or ``batch_spec``)
-        or into ``microbatches``, an output that does not match ``has_aux``, a ``reduce``
+        or into ``microbatches``, an output that does not match ``has_aux``, ``schedule``
+        on a model without a staged stack (or a staged model without ``schedule``), a ``reduce``
         metric not returned, (explicit) state sharded other than by ``shard_state``,
         ``"hsdp"`` state placed with another ``replica_axis``, or on several processes a host
         leaf whose shape differs between them; each names the leaf, metric, parameter or axes.
@@ -135,6 +142,7 @@ class TrainStep:
         self.options = options
         if options.mesh is not None:
             current_mesh(options.mesh, required_axes=(options.data_axis,))
+            check_stage_axis(options.schedule, options.mesh)
         self.loss_fn = loss_fn
         # the chooser always reduces metrics (unlisted ones by their mean)
         self._step_options = options.replace(reduce=dict(options.reduce or {}) if options.has_aux else None)
@@ -151,6 +159,7 @@ class TrainStep:
     microbatches = property(lambda self: self.options.microbatches, doc="``StepOptions.microbatches``.")
     precision = property(lambda self: self.options.precision, doc="``StepOptions.precision``.")
     skip_nonfinite = property(lambda self: self.options.skip_nonfinite, doc="``StepOptions.skip_nonfinite``.")
+    schedule = property(lambda self: self.options.schedule, doc="``StepOptions.schedule``.")
 
     def placed_specs(self, batch: PyTree) -> _PlacedSpecs | None:
         """The batch's specs as placed on the mesh (others split over ``data_axis``).

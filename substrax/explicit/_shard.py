@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from substrax._batch.axes import spec_axes
-from substrax._layout import ParamSplit, check_declared_rank, declared_spec, spec_tuple
+from substrax._layout import STAGE_AXIS, ParamSplit, check_declared_rank, declared_spec, spec_tuple
 from substrax._metrics.collectives import to_varying, to_varying_over, varying_axes
 from substrax._shared import scopes
 from substrax._tree import KeyPath, PyTree, path_str
@@ -56,7 +56,8 @@ def check_layers_take_blocks(model: nnx.Module, data_axis: str) -> None:
             if not isinstance(variable, nnx.Param):
                 continue
             spec = spec_tuple(variable) or ()
-            others = [a for e in spec for a in spec_axes(e) if a != data_axis]
+            # (the pipeline's split of a stack's layer axis: nnx.scan hands each layer whole arrays)
+            others = [a for d, e in enumerate(spec) for a in spec_axes(e) if a != data_axis and (d, a) != (0, STAGE_AXIS)]
             if others:
                 raise ValueError(
                     f"{path_str((*path, name), 'model')} is sharded as {PartitionSpec(*spec)}, over mesh "

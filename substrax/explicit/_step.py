@@ -8,6 +8,7 @@ the global arrays. See the modes guide, "Explicit: ``substrax.explicit``".
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -19,6 +20,7 @@ from jax.sharding import PartitionSpec
 from substrax._batch.axes import spec_axes
 from substrax._batch.placement import batch_partition_specs
 from substrax._layout import (
+    STAGE_AXIS,
     UNIT_KEY,
     ParamSplit,
     check_replica_axis,
@@ -29,6 +31,7 @@ from substrax._layout import (
 from substrax._shared import scopes
 from substrax._shared.microbatch import check_microbatches, fold_microbatch_metrics, split_rows_over
 from substrax._shared.options import StepOptions, options_from
+from substrax._shared.pipeline import pipeline_of
 from substrax._shared.precision import MixedPrecision
 from substrax._shared.update import apply_update, state_values
 from substrax._tree import PyTree
@@ -44,6 +47,7 @@ from substrax.explicit._shard import (
     settle_per_device_state,
     without_axis_specs,
 )
+from substrax.explicit._pipeline import pipelined_value_and_grad
 from substrax.explicit._units import units_running
 from substrax.explicit._value_and_grad import (
     BatchSpec,
@@ -167,6 +171,12 @@ def run_step(
     replicas = tuple(a for a in spec_axes(rows) if a != data_axis)
     check_microbatches(microbatches, batch, specs, mesh, rows)
     plans = parameter_plans(model, optimizer, mesh, data_axis)
+    value_and_grad = local_value_and_grad
+    stack = pipeline_of(o, mesh, model)  # the staged stack's path, or None: no pipeline
+    if stack is not None:
+        value_and_grad = functools.partial(
+            pipelined_value_and_grad, schedule=o.schedule, stage_axis=STAGE_AXIS, stack_path=stack
+        )
     before = state_values((model, optimizer)) if o.skip_nonfinite else None
     graphdef, state = nnx.split(model)
     state_specs = nnx.get_partition_spec(state)
@@ -208,7 +218,7 @@ def run_step(
             if precision is not None:
                 for variable in param_vars(model).values():
                     variable.set_value(precision.cast_params(variable.get_value()))
-            loss, metrics, grads = local_value_and_grad(
+            loss, metrics, grads = value_and_grad(
                 model,
                 split_loss,
                 shard,
@@ -234,7 +244,7 @@ def run_step(
                 prefetched_units(model),
             )
             with per_device_random_streams(model, rows), running:
-                loss, metrics, grads = local_value_and_grad(
+                loss, metrics, grads = value_and_grad(
                     model,
                     split_loss,
                     shard,

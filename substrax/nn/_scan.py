@@ -7,7 +7,12 @@ from typing import Any
 import jax
 from flax import nnx
 
-__all__ = ["scan_layers"]
+__all__ = ["STAGE_HOOK", "scan_layers", "scan_plain"]
+
+# The attribute a pipelined step sets on a staged stack (a merged copy, inside the step's trace):
+# an object whose ``reached(stack, x, args, kwargs, remat)`` scan_layers returns instead
+# (substrax._shared.pipeline: the loss cut at the stack).
+STAGE_HOOK = "_substrax_stage"
 
 
 def scan_layers(stack: nnx.Module, x: jax.Array, *args: Any, remat: bool = False, **kwargs: Any) -> jax.Array:
@@ -16,7 +21,10 @@ def scan_layers(stack: nnx.Module, x: jax.Array, *args: Any, remat: bool = False
     ``nnx.scan`` over ``stack``'s leading (layer) axis, each step under ``nnx.remat`` with
     ``remat``. In the explicit step, a stack placed as an FSDP unit with ``prefetch=True``
     runs in the step's own loop instead, gathering layer i+1 while layer i computes (see
-    the layouts guide, "Units").
+    the layouts guide, "Units"). In a pipelined step (``make_train_step(...,
+    schedule=...)``), a stack placed over the ``stage`` axis (``shard_state(...,
+    stages=...)``) is where the step cuts the loss: each stage runs its own layers (see the
+    pipelines guide).
 
     Args:
       stack: One module whose parameters carry a leading layer axis (``nnx.vmap``).
@@ -28,9 +36,17 @@ def scan_layers(stack: nnx.Module, x: jax.Array, *args: Any, remat: bool = False
     Returns:
       The last layer's output.
     """
+    stage = vars(stack).get(STAGE_HOOK)  # set by a pipelined step on a staged stack
+    if stage is not None:
+        return stage.reached(stack, x, args, kwargs, remat)
     run = vars(stack).get("_substrax_unit")  # set by the explicit step on an FSDP unit
     if run is not None and run.prefetch:
         return run.scan(stack, x, args, kwargs)
+    return scan_plain(stack, x, args, kwargs, remat)
+
+
+def scan_plain(stack: nnx.Module, x: jax.Array, args: tuple[Any, ...], kwargs: dict[str, Any], remat: bool) -> Any:
+    """``nnx.scan`` of ``layer(h, *args, **kwargs)`` over ``stack``'s layers (``nnx.remat`` each with ``remat``)."""
 
     def body(h: jax.Array, layer: nnx.Module) -> tuple[jax.Array, None]:
         return layer(h, *args, **kwargs), None

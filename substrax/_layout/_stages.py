@@ -1,0 +1,99 @@
+"""Pipeline stages: the stack ``shard_state(..., stages=...)`` splits on its layer axis over ``stage``.
+
+Each parameter of the staged stack records the stack's path in its metadata
+(``pipeline_stack``); the steps read it back (``staged_stack``). See the pipelines guide.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from flax import nnx
+
+from substrax._layout._units import UnitsSpec, matched_modules, stacked_modules
+from substrax._tree import KeyPath, path_str
+
+__all__ = ["STAGE_AXIS", "STAGE_KEY", "find_stages", "mark_stages", "staged_stack"]
+
+STAGE_AXIS = "stage"
+STAGE_KEY = "pipeline_stack"
+
+
+def find_stages(model: nnx.Module, stages: UnitsSpec, mesh: Any, axis: str = STAGE_AXIS) -> KeyPath | None:
+    """The path of the stack ``stages`` matches, checked against ``mesh``'s ``axis`` (None: no pipeline).
+
+    Raises:
+      TypeError: If ``stages`` is not a module type, a tuple of them or a predicate.
+      ValueError: If the mesh has ``axis`` but ``stages`` is None, or ``stages`` is given on
+        a mesh without it; ``stages`` matches nothing (naming the module types), a module
+        that is not a stack of layers (``nnx.vmap``), or two stacks; or the stages do not
+        divide the stack's layers (naming the stack, its layers and the stages).
+    """
+    names = tuple(getattr(mesh, "axis_names", ()))
+    if stages is None:
+        if axis in names:
+            raise ValueError(
+                f"The mesh {dict(mesh.shape)} has a {axis!r} axis, the pipeline's, but shard_state was not "
+                f"told which stack of layers to split over it. Pass stages= the stacked block's type "
+                f"(shard_state(..., stages=Block)), or build the mesh without {axis!r}."
+            )
+        return None
+    if axis not in names:
+        raise ValueError(
+            f"stages= splits a stack of layers over the mesh's {axis!r} axis, which the mesh "
+            f"{dict(mesh.shape)} lacks. Build the mesh with it (create_device_mesh({{{axis!r}: S, "
+            f"'data': D}})), or drop stages=."
+        )
+    found = matched_modules(model, stages, "stages")
+    stacks = stacked_modules(model, found)
+    for path in found:
+        if path not in stacks or len(found) > 1:
+            break
+    else:
+        return _checked_depth(model, found[0], mesh.shape[axis], axis)
+    if len(found) > 1:
+        raise ValueError(
+            f"stages= matched {len(found)} modules ({', '.join(path_str(p, 'model') for p in found[:4])}); a "
+            f"pipeline splits one stack of layers. Stack the blocks into one module with nnx.vmap (the "
+            f"Flax NNX idiom), or name one of them with a function (path, module) -> bool."
+        )
+    raise ValueError(
+        f"stages= matched {path_str(found[0], 'model')}, which is not a stack of layers: its parameters do "
+        f"not share a leading layer axis. Build the stack with nnx.vmap (transform_metadata={{nnx."
+        f"PARTITION_NAME: None}}) and apply it with substrax.nn.scan_layers."
+    )
+
+
+def _checked_depth(model: nnx.Module, path: KeyPath, stages: int, axis: str) -> KeyPath:
+    from substrax._tree import node_at
+
+    leaves = [v for _, v in nnx.to_flat_state(nnx.state(node_at(model, path), nnx.Param))]
+    layers = int(np.shape(leaves[0].get_value())[0])
+    if layers % stages:
+        fits = [n for n in range(1, layers + 1) if layers % n == 0]
+        raise ValueError(
+            f"The stack {path_str(path, 'model')} has {layers} layers, which the {stages} stages of {axis!r} "
+            f"do not divide (each stage runs layers / stages consecutive layers). Use a {axis!r} size among "
+            f"{fits}, or a depth that is a multiple of {stages}."
+        )
+    return path
+
+
+def mark_stages(model: nnx.Module, path: KeyPath | None) -> None:
+    """Write on each parameter of the stack at ``path`` its path (``STAGE_KEY``); clear it elsewhere."""
+    for p, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        inside = path is not None and tuple(p)[: len(path)] == path
+        if inside:
+            variable.set_metadata(**{STAGE_KEY: path})
+        elif variable.get_metadata().get(STAGE_KEY) is not None:
+            variable.set_metadata(**{STAGE_KEY: None})
+
+
+def staged_stack(model: nnx.Module) -> KeyPath | None:
+    """The path of the stack ``shard_state`` split over ``stage``, read from the parameters, or None."""
+    for _, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        path = variable.get_metadata().get(STAGE_KEY)
+        if path is not None:
+            return tuple(path)
+    return None

@@ -1,0 +1,310 @@
+"""Pipelines, both modes: the schedules' tables and the loss cut at the staged stack (pipelines guide).
+
+A pipelined step runs ``loss_fn`` in three pieces, cut where ``substrax.nn.scan_layers``
+applies the stack placed over the ``stage`` axis (``shard_state(..., stages=...)``):
+
+- the *prologue*, ``(outside, microbatch) -> carry``: ``loss_fn`` up to the stack (the
+  embedding), stopped there (``scan_layers`` raises ``_Reached`` with its input);
+- the *stage*, ``(stack, carry) -> carry``: one stage's consecutive layers, ``nnx.scan``;
+- the *epilogue*, ``(outside, carry, microbatch) -> (loss, aux)``: ``loss_fn`` again, its
+  ``scan_layers`` returning the given carry (the head and the loss; the prologue's work
+  before it is dead code, removed by XLA).
+
+``outside`` is every parameter not in the stack; a carry is ``(x, arrays)``: the stack's
+input and the arrays among ``scan_layers``'s other arguments (a mask), which travel
+with it from stage to stage. The modes run the pieces on a schedule (``Schedule``):
+``substrax.explicit._pipeline`` under ``shard_map``, ``substrax.spmd._pipeline`` under ``jit``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from substrax._layout._stages import STAGE_AXIS, staged_stack
+from substrax._tree import KeyPath, PyTree, node_at, path_str
+from substrax.nn._scan import STAGE_HOOK
+
+__all__ = ["SCHEDULES", "STAGE_AXIS", "Schedule", "Staged", "bubble_fraction", "check_schedule", "check_stage_axis",
+           "pipeline_of"]
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def check_schedule(schedule: Any, microbatches: int) -> None:
+    """Refuse an unknown ``schedule``, or one with fewer than two microbatches.
+
+    Raises:
+      ValueError: Naming the schedule, or the microbatches.
+    """
+    if schedule is None:
+        return
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES} or None (no pipeline); got {schedule!r}.")
+    if microbatches < 2:
+        raise ValueError(
+            f"schedule={schedule!r} runs the stages as a pipeline over microbatches; with microbatches="
+            f"{microbatches} each stage would wait for the one before it. Pass microbatches= at least 2 "
+            f"(several times the stages: the bubble is (stages - 1) / (microbatches + stages - 1))."
+        )
+
+
+def check_stage_axis(schedule: str | None, mesh: Any) -> None:
+    """Refuse a ``schedule`` on a mesh without the ``stage`` axis (ValueError naming the mesh)."""
+    if schedule is not None and STAGE_AXIS not in tuple(getattr(mesh, "axis_names", ()) or ()):
+        raise ValueError(
+            f"schedule={schedule!r} pipelines a stack over the mesh's {STAGE_AXIS!r} axis, which the "
+            f"mesh {dict(getattr(mesh, 'shape', {}))} lacks. Build the mesh with it "
+            f"(create_device_mesh({{{STAGE_AXIS!r}: S, 'data': D}})) and place the state with "
+            f"shard_state(..., stages=Block), or drop schedule=."
+        )
+
+
+def pipeline_of(options: Any, mesh: Any, model: nnx.Module) -> KeyPath | None:
+    """The staged stack's path when ``options`` asks for a pipeline, else None; a mismatch refused.
+
+    Raises:
+      ValueError: If ``schedule`` comes with a mesh without a ``stage`` axis or a model
+        without a staged stack, or a staged model comes without ``schedule``.
+    """
+    stack = staged_stack(model)
+    names = tuple(getattr(mesh, "axis_names", ()) or ())
+    if options.schedule is None:
+        if stack is not None and STAGE_AXIS in names:
+            raise ValueError(
+                f"{path_str(stack, 'model')} is split over the {STAGE_AXIS!r} axis (shard_state(..., stages=)), "
+                f"each stage holding its own layers: the step must run it as a pipeline. Build it with "
+                f"make_train_step(..., microbatches=k, schedule='gpipe' or '1f1b'), or place the state "
+                f"on a mesh without {STAGE_AXIS!r}."
+            )
+        return None
+    check_stage_axis(options.schedule, mesh)
+    if stack is None:
+        raise ValueError(
+            f"schedule={options.schedule!r} pipelines the stack that shard_state split over {STAGE_AXIS!r}, "
+            f"and no parameter of the model is placed so. Place the state with shard_state(model, "
+            f"optimizer, mesh=mesh, stages=Block) (Block: the stacked layers' type) first."
+        )
+    return stack
+
+
+def bubble_fraction(stages: int, microbatches: int) -> float:
+    """The share of a pipelined step's ticks a stage idles: ``(stages - 1) / (microbatches + stages - 1)``."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """Which microbatch each stage runs at each tick (a tick: every stage runs one slot at once).
+
+    ``"gpipe"``: ``ticks`` forward ticks, stage ``s`` forwarding microbatch ``t - s`` at
+    tick ``t``; the backward is their transpose (autodiff), the ticks in reverse.
+    ``"1f1b"``: ``ticks`` ticks of a forward slot then a backward slot: microbatch ``t - s``
+    forward, ``t - (2 * stages - 2 - s)`` backward (the last stage runs the loss and its
+    backward in the tick its forward ends); a stage keeps at most ``stash`` stage inputs.
+
+    Attributes:
+      name: ``"gpipe"`` or ``"1f1b"``.
+      stages: The size of the ``stage`` axis.
+      microbatches: The microbatches per step.
+    """
+
+    name: str
+    stages: int
+    microbatches: int
+
+    @property
+    def ticks(self) -> int:
+        """Loop iterations: ``k + S - 1`` (GPipe's forward) or ``k + 2S - 2`` (1F1B)."""
+        extra = self.stages - 1 if self.name == "gpipe" else 2 * self.stages - 2
+        return self.microbatches + extra
+
+    @property
+    def stash(self) -> int:
+        """Stage inputs a 1F1B stage keeps for its backward slots (``2S - 1``; 0 for GPipe,
+        whose backward reads the residuals autodiff keeps: every tick's)."""
+        return 0 if self.name == "gpipe" else 2 * self.stages - 1
+
+    @property
+    def bubble(self) -> float:
+        """``bubble_fraction(stages, microbatches)``, for both schedules."""
+        return bubble_fraction(self.stages, self.microbatches)
+
+    def forward(self, tick: Any, stage: Any) -> Any:
+        """The microbatch ``stage`` forwards at ``tick`` (ints or arrays; in range only when it runs)."""
+        return tick - stage
+
+    def backward(self, tick: Any, stage: Any) -> Any:
+        """The microbatch ``stage`` runs backward at ``tick`` of a 1F1B step (in range only when it runs)."""
+        return tick - (2 * self.stages - 2 - stage)
+
+    def table(self) -> list[list[str]]:
+        """Stage by tick, what each slot runs: ``"F3"``, ``"B1"``, ``"F3 B1"`` or ``""`` (idle).
+
+        GPipe's table lists its forward ticks, then its backward ones (``2 * ticks`` columns).
+        """
+        k, rows = self.microbatches, []
+        for s in range(self.stages):
+            if self.name == "gpipe":
+                f = [f"F{t - s}" if 0 <= t - s < k else "" for t in range(self.ticks)]
+                rows.append(f + [c.replace("F", "B") for c in reversed(f)])
+            else:
+                row = []
+                for t in range(self.ticks):
+                    jf, jb = self.forward(t, s), self.backward(t, s)
+                    row.append(" ".join(x for x in (f"F{jf}" * (0 <= jf < k), f"B{jb}" * (0 <= jb < k)) if x))
+                rows.append(row)
+        return rows
+
+
+def _scan_stack(graphdef: Any, params: nnx.State, rest: nnx.State, x: Any, args: Any, kwargs: Any, remat: bool) -> Any:
+    """``scan_layers``'s ``nnx.scan`` as ``jax.lax.scan`` over the stack's state (each layer merged
+    from its slice), so that it traces at any level of the pipeline's loops and conds."""
+
+    def body(h: Any, layer: nnx.State) -> tuple[Any, None]:
+        return nnx.merge(graphdef, layer, rest)(h, *args, **kwargs), None
+
+    if remat:
+        body = jax.checkpoint(body)
+    return jax.lax.scan(body, x, params)[0]
+
+
+class _Reached(Exception):
+    """Raised by ``scan_layers`` in a prologue: the stack's input was reached."""
+
+    def __init__(self, x: Any, args: tuple[Any, ...], kwargs: dict[str, Any], remat: bool) -> None:
+        super().__init__("the staged stack was reached")
+        self.x, self.args, self.kwargs, self.remat = x, args, kwargs, remat
+
+
+class _Capture:
+    def reached(self, stack: nnx.Module, x: Any, args: tuple[Any, ...], kwargs: dict[str, Any], remat: bool) -> Any:
+        raise _Reached(x, args, kwargs, remat)
+
+
+class _Replace:
+    def __init__(self, y: Any, where: str) -> None:
+        self.y, self.where, self.used = y, where, 0
+
+    def reached(self, stack: nnx.Module, x: Any, args: tuple[Any, ...], kwargs: dict[str, Any], remat: bool) -> Any:
+        self.used += 1
+        if self.used > 1:
+            raise ValueError(
+                f"loss_fn ran the staged stack {self.where} through scan_layers twice; a pipeline runs "
+                f"its layers once per microbatch. Place a stack applied once with stages=, or pipeline "
+                f"without reusing it."
+            )
+        return self.y
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """What a stage needs besides arrays: the non-array arguments of ``scan_layers``, ``remat``."""
+
+    treedef: Any
+    leaves: tuple[Any, ...]  # None where an array goes
+    remat: bool
+
+    def rebuild(self, arrays: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        it = iter(arrays)
+        return jax.tree.unflatten(self.treedef, [next(it) if x is None else x for x in self.leaves])
+
+
+class Staged:
+    """A model cut at its staged stack: the prologue, the stage and the epilogue as functions.
+
+    Built from a model (inside the step's trace: a merged copy whose parameters are the
+    values to differentiate) and ``split_loss``, ``(model, batch) -> (loss, aux)``.
+    ``outside`` and ``stack`` are ``nnx.State``s of its parameters; the functions merge
+    them again (the stack's with paths relative to it).
+
+    Raises:
+      ValueError: If the stack holds state other than ``nnx.Param`` (its layers must be
+        pure functions of their parameters), naming it.
+    """
+
+    def __init__(self, model: nnx.Module, stack_path: KeyPath, split_loss: Callable[..., tuple[Any, Any]]) -> None:
+        self.path, self.split_loss = tuple(stack_path), split_loss
+        self.where = path_str(self.path, "model")
+        n = len(self.path)
+        self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
+        flat = [(tuple(p), v) for p, v in nnx.to_flat_state(params)]
+        self.outside = nnx.from_flat_state([(p, v) for p, v in flat if p[:n] != self.path])
+        self.stack_whole = nnx.from_flat_state([(p, v) for p, v in flat if p[:n] == self.path])
+        self.stack_graphdef, self.stack, stack_rest = nnx.split(node_at(model, self.path), nnx.Param, ...)
+        for p, v in nnx.to_flat_state(stack_rest):
+            raise ValueError(
+                f"The staged stack {self.where} holds {path_str(tuple(p), 'stack')}, an {type(v).__name__}: "
+                f"a pipeline runs each stage's layers as functions of their parameters only (no batch "
+                f"statistics, random streams or other state in the stack). Remove it from the layers "
+                f"(dropout off, LayerNorm rather than BatchNorm), or place the model without stages=."
+            )
+        self.stack_rest = stack_rest
+        self.static: _Static | None = None
+
+    def _model(self, outside: nnx.State, stack_whole: nnx.State | None = None) -> nnx.Module:
+        whole = jax.tree.map(jax.lax.stop_gradient, self.stack_whole) if stack_whole is None else stack_whole
+        return nnx.merge(self.graphdef, outside, whole, self.rest)
+
+    def _unchanged(self, model: nnx.Module, what: str) -> None:
+        """Refuse ``loss_fn`` changing the model's state other than parameters (a pipeline drops it)."""
+        before = {tuple(p): v.get_value() for p, v in nnx.to_flat_state(self.rest)}
+        for p, v in nnx.to_flat_state(nnx.state(model, nnx.Not(nnx.Param))):
+            if v.get_value() is not before.get(tuple(p)):
+                raise ValueError(
+                    f"loss_fn changed {path_str(tuple(p), 'model')} ({type(v).__name__}) {what}: a pipelined "
+                    f"step runs the loss in pieces, once per microbatch and stage, and keeps no state but "
+                    f"the parameters. Keep that state fixed in the loss (dropout off, BatchNorm in eval "
+                    f"mode, no random draws), or train without schedule=."
+                )
+
+    def prologue(self, outside: nnx.State, batch: PyTree) -> tuple[Any, list[Any]]:
+        """``loss_fn`` up to the stack: the carry ``(x, arrays)`` entering its first layer."""
+        model = self._model(outside)
+        object.__setattr__(node_at(model, self.path), STAGE_HOOK, _Capture())
+        try:
+            self.split_loss(model, batch)
+        except _Reached as r:
+            reached = r
+        else:
+            raise ValueError(
+                f"loss_fn never ran the staged stack {self.where} through substrax.nn.scan_layers: a "
+                f"pipeline cuts the loss there. Apply the stack with scan_layers(stack, x, ...), at the top "
+                f"level of the forward pass (not inside another transform)."
+            )
+        self._unchanged(model, "before the staged stack")
+        leaves, treedef = jax.tree.flatten((reached.args, reached.kwargs))
+        arrays = [x for x in leaves if isinstance(x, jax.Array)]
+        static = _Static(treedef, tuple(None if isinstance(x, jax.Array) else x for x in leaves), reached.remat)
+        if self.static is None:
+            self.static = static
+        return reached.x, arrays
+
+    def stage(self, stack: nnx.State, carry: tuple[Any, list[Any]]) -> tuple[Any, list[Any]]:
+        """One stage: ``carry``'s ``x`` through the layers of ``stack`` (this stage's slice of it)."""
+        assert self.static is not None, "the prologue is traced first"
+        x, arrays = carry
+        args, kwargs = self.static.rebuild(arrays)
+        y = _scan_stack(self.stack_graphdef, stack, self.stack_rest, x, args, kwargs, self.static.remat)
+        if jnp.shape(y) != jnp.shape(x) or jnp.result_type(y) != jnp.result_type(x):
+            raise ValueError(
+                f"The staged stack {self.where} maps its input {jax.typeof(x).str_short()} to "
+                f"{jax.typeof(y).str_short()}; its layers must keep the carry's shape and dtype."
+            )
+        return y, arrays
+
+    def epilogue(self, outside: nnx.State, carry: tuple[Any, list[Any]], batch: PyTree) -> tuple[Any, Any]:
+        """``loss_fn`` from the stack's output ``carry`` on: ``(loss, aux)``."""
+        model = self._model(outside)
+        replace = _Replace(carry[0], self.where)
+        object.__setattr__(node_at(model, self.path), STAGE_HOOK, replace)
+        out = self.split_loss(model, batch)
+        if not replace.used:
+            raise ValueError(f"loss_fn ran the staged stack {self.where} once, then not again.")
+        self._unchanged(model, "in the loss")
+        return out

@@ -1,0 +1,205 @@
+"""The explicit pipeline: one device's stage of a GPipe or 1F1B schedule inside the step's ``shard_map``.
+
+Each device holds its stage's consecutive layers (the stack split over ``stage``) and the
+whole microbatches of its rows. A tick of a ``lax.scan`` runs this stage's slot on the
+microbatch the ``Schedule`` names, under ``lax.cond`` (a slot with no microbatch, the
+bubble, runs nothing); the carry moves to the next stage by ``ppermute`` (forward) and its
+cotangent to the previous one (backward). Stage 0 runs the prologue, the last stage the
+epilogue (``substrax._shared.pipeline.Staged``). GPipe is the autodiff of the forward
+ticks; 1F1B writes each tick's forward slot and backward slot (``jax.vjp`` of the stage,
+recomputed from the stage input it stashed). See the pipelines guide.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from substrax._batch.axes import spec_axes
+from substrax._metrics.collectives import to_varying_over, varying_axes
+from substrax._shared import scopes
+from substrax._shared.microbatch import split_microbatches
+from substrax._shared.pipeline import Schedule, Staged
+from substrax._tree import KeyPath, PyTree
+
+__all__ = ["pipelined_value_and_grad"]
+
+
+def _take(tree: PyTree, i: Any) -> PyTree:
+    return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False), tree)
+
+
+def _put(tree: PyTree, i: Any, value: PyTree) -> PyTree:
+    return jax.tree.map(lambda x, v: jax.lax.dynamic_update_index_in_dim(x, v, i, 0), tree, value)
+
+
+def _typed_like(tree: PyTree, like: PyTree) -> PyTree:
+    """``tree`` cast to vary over every axis ``like``'s leaf at its place varies over."""
+    return jax.tree.map(lambda x, t: to_varying_over(x, tuple(varying_axes(t) or ())), tree, like)
+
+
+def _zeros_like(tree: PyTree, dtype: Any = None) -> PyTree:
+    """Zeros of each leaf's shape, dtype (or ``dtype``) and varying axes."""
+    return jax.tree.map(lambda x: to_varying_over(jnp.zeros(x.shape, dtype or x.dtype), tuple(varying_axes(x) or ())), tree)
+
+
+class _Stages:
+    """This device's view of the pipeline: its stage index, the pieces, the permutes."""
+
+    def __init__(self, staged: Staged, slices: PyTree, schedule: Schedule, axis: str, axes: tuple[str, ...]) -> None:
+        self.staged, self.slices, self.schedule, self.axis, self.axes = staged, slices, schedule, axis, axes
+        self.k, self.n = schedule.microbatches, schedule.stages
+        self.s = jax.lax.axis_index(axis)
+        self.first, self.last = self.s == 0, self.s == self.n - 1
+
+    def varying(self, tree: PyTree) -> PyTree:
+        return jax.tree.map(lambda x: to_varying_over(x, self.axes), tree)
+
+    def valid(self, j: Any) -> Any:
+        return (j >= 0) & (j < self.k)
+
+    def microbatch(self, j: Any) -> PyTree:
+        return _take(self.slices, jnp.clip(j, 0, self.k - 1))
+
+    def prologue(self, outside: nnx.State, j: Any) -> Any:
+        return self.varying(self.staged.prologue(outside, self.microbatch(j)))
+
+    def stage(self, stack: nnx.State, carry: Any) -> Any:
+        return _typed_like(self.varying(self.staged.stage(stack, carry)), carry)
+
+    def epilogue(self, outside: nnx.State, carry: Any, j: Any) -> tuple[Any, Any]:
+        loss, aux = self.staged.epilogue(outside, carry, self.microbatch(j))
+        return self.varying((loss, aux))
+
+    def send(self, tree: PyTree, step: int) -> PyTree:
+        """``tree`` to the next stage (``step=1``) or the previous one (``-1``); zeros arrive at the ends."""
+        if self.n == 1:
+            return _zeros_like(tree)
+        pairs = [(i, i + step) for i in range(self.n) if 0 <= i + step < self.n]
+        with jax.named_scope(scopes.PIPELINE):
+            return jax.lax.ppermute(tree, self.axis, pairs)
+
+    def carry_type(self, outside: nnx.State, stack: nnx.State) -> Any:
+        """Zeros of the carry's type: the prologue's output, varying over every axis a stage's output does."""
+        carry = self.prologue(outside, 0)
+        out = self.stage(stack, carry)
+        return _zeros_like(jax.tree.map(lambda c, o: to_varying_over(c, tuple(varying_axes(o) or ())), carry, out))
+
+    def loss_type(self, outside: nnx.State, carry: Any) -> Any:
+        return _zeros_like(self.epilogue(outside, carry, 0))
+
+
+def _gpipe(p: _Stages, outside: nnx.State, stack: nnx.State, scale: float) -> tuple[Any, tuple[Any, Any]]:
+    """This device's share of the loss, and its per-microbatch aux: GPipe's forward ticks."""
+    zero_carry = p.carry_type(outside, stack)
+    zero_out = p.loss_type(outside, zero_carry)
+    ticks = p.schedule.ticks
+
+    def tick(recv: Any, t: Any) -> tuple[Any, Any]:
+        j = p.schedule.forward(t, p.s)
+        carry = jax.lax.cond(p.first & p.valid(j), lambda: _typed_like(p.prologue(outside, j), recv), lambda: recv)
+        out = jax.lax.cond(p.valid(j), lambda: p.stage(stack, carry), lambda: carry)
+        done = jax.lax.cond(p.last & p.valid(j), lambda: p.epilogue(outside, out, j), lambda: zero_out)
+        return p.send(out, 1), done
+
+    _, (losses, aux) = jax.lax.scan(tick, zero_carry, jnp.arange(ticks))
+    first = p.n - 1  # the last stage's tick of microbatch 0
+    aux = jax.tree.map(lambda a: a[first : first + p.k], aux)
+    return jnp.sum(losses) * scale, (jnp.sum(losses), aux)
+
+
+def _one_f_one_b(p: _Stages, outside: nnx.State, stack: nnx.State, scale: float, dtype: Any) -> tuple[Any, Any, Any, Any]:
+    """1F1B's ticks: ``(loss sum, aux, outside grads, stack grads)``, this device's unreduced share."""
+    zero_carry = p.carry_type(outside, stack)
+    zero_out = p.loss_type(outside, zero_carry)
+    depth = p.schedule.stash
+
+    def backward(c: Any, g: Any, j: Any) -> tuple[Any, Any, Any, Any, Any]:
+        def f(outside: nnx.State, stack: nnx.State, c: Any) -> tuple[Any, Any]:
+            c = jax.lax.cond(p.first, lambda: _typed_like(p.prologue(outside, j), c), lambda: c)
+            out = p.stage(stack, c)
+            loss, aux = jax.lax.cond(p.last, lambda: p.epilogue(outside, out, j), lambda: zero_out)
+            return (out, loss), aux
+
+        (out, loss), vjp, aux = jax.vjp(f, outside, stack, c, has_aux=True)
+        ct = (jax.lax.cond(p.last, lambda: _zeros_like(out), lambda: g), jnp.full_like(loss, scale))
+        d_outside, d_stack, d_c = vjp(ct)
+        return d_outside, d_stack, d_c, loss, aux
+
+    zero_grads = (_zeros_like(outside, dtype), _zeros_like(stack, dtype))
+    zero_back = (_zeros_like(outside), _zeros_like(stack), zero_carry, *zero_out)
+
+    def tick(state: Any, t: Any) -> tuple[Any, None]:
+        recv, recv_g, stash, (g_out, g_stack), losses, auxes = state
+        jf = p.schedule.forward(t, p.s)
+        carry = jax.lax.cond(p.first & p.valid(jf), lambda: _typed_like(p.prologue(outside, jf), recv), lambda: recv)
+        stash = jax.lax.cond(p.valid(jf), lambda: _put(stash, jf % depth, carry), lambda: stash)
+        out = jax.lax.cond(p.valid(jf) & ~p.last, lambda: p.stage(stack, carry), lambda: carry)
+        jb = p.schedule.backward(t, p.s)
+        d_out, d_stack, d_c, loss, aux = jax.lax.cond(
+            p.valid(jb), lambda: backward(_take(stash, jb % depth), recv_g, jb), lambda: zero_back
+        )
+        grads = jax.tree.map(lambda a, d: a + d.astype(a.dtype), (g_out, g_stack), (d_out, d_stack))
+        auxes = jax.lax.cond(p.last & p.valid(jb), lambda: _put(auxes, jb, aux), lambda: auxes)
+        return (p.send(out, 1), p.send(d_c, -1), stash, grads, losses + loss, auxes), None
+
+    stash = jax.tree.map(lambda z: jnp.zeros((depth, *z.shape), z.dtype), zero_carry)
+    auxes = jax.tree.map(lambda z: jnp.zeros((p.k, *z.shape), z.dtype), zero_out[1])
+    state = (zero_carry, zero_carry, p.varying(stash), zero_grads, zero_out[0], p.varying(auxes))
+    (_, _, _, (g_out, g_stack), losses, auxes), _ = jax.lax.scan(tick, state, jnp.arange(p.schedule.ticks))
+    return losses, auxes, g_out, g_stack
+
+
+def pipelined_value_and_grad(
+    model: nnx.Module,
+    split_loss: Callable[..., tuple[Any, Any]],
+    shard: PyTree,
+    specs: PyTree,
+    *,
+    data_axis: str | tuple[str, ...],
+    microbatches: int,
+    schedule: str,
+    stage_axis: str,
+    stack_path: KeyPath,
+    one_device: bool = False,
+    accumulate_dtype: Any = None,
+) -> tuple[jax.Array, Any, nnx.State]:
+    """``local_value_and_grad``'s contract for a pipelined step: the global loss, the metrics
+    stacked over microbatches, and this device's share of the gradient, unreduced over
+    ``data_axis`` (the parameters outside the stack already summed over ``stage_axis``).
+
+    ``model``'s parameters hold their whole values over ``data_axis`` (varying there unless
+    ``one_device``: its size is 1); the stack's are this stage's layers.
+    """
+    rows = () if one_device else spec_axes(data_axis)
+    axes = (*rows, stage_axis)
+    schedule_ = Schedule(schedule, jax.lax.axis_size(stage_axis), microbatches)
+    devices = math.prod(jax.lax.axis_size(a) for a in rows)
+    slices = split_microbatches(shard, specs, data_axis, microbatches)
+    staged = Staged(model, stack_path, split_loss)
+    p = _Stages(staged, slices, schedule_, stage_axis, axes)
+    outside, stack = p.varying(staged.outside), p.varying(staged.stack)
+    scale = 1.0 / (microbatches * devices)
+    if schedule == "gpipe":
+        (_, (total, aux)), (g_out, g_stack) = jax.value_and_grad(
+            lambda o, s: _gpipe(p, o, s, scale), argnums=(0, 1), has_aux=True
+        )(outside, stack)
+    else:
+        total, aux, g_out, g_stack = _one_f_one_b(p, outside, stack, scale, accumulate_dtype)
+    with jax.named_scope(scopes.PIPELINE):  # the outside parameters' gradient, from the first and last stages
+        g_out = jax.lax.psum(g_out, stage_axis)
+    with jax.named_scope(scopes.LOSS):
+        loss = jax.lax.psum(total * scale, axes)
+    with jax.named_scope(scopes.METRICS):  # every stage's copy of the last stage's metrics
+        aux = jax.tree.map(lambda a: jax.lax.psum(jnp.where(p.last, a, jnp.zeros_like(a)), stage_axis), aux)
+    n = len(staged.path)
+    grads = [(tuple(path), v) for path, v in nnx.to_flat_state(g_out)]
+    grads += [((*staged.path, *path), v) for path, v in nnx.to_flat_state(g_stack)]
+    order = {tuple(path): i for i, (path, _) in enumerate(nnx.to_flat_state(nnx.state(model, nnx.Param)))}
+    del n
+    return loss, aux, nnx.from_flat_state(sorted(grads, key=lambda pv: order[pv[0]]))
