@@ -279,7 +279,7 @@ class Staged:
         self.stack_graphdef, self.stack, stack_rest = nnx.split(node_at(model, self.path), nnx.Param, ...)
         for p, v in nnx.to_flat_state(stack_rest):
             raise ValueError(
-                f"The staged stack {self.where} holds {path_str(tuple(p), 'stack')}, an {type(v).__name__}: "
+                f"The staged stack {self.where} holds {path_str(tuple(p), 'stack')} ({type(v).__name__}): "
                 f"a pipeline runs each stage's layers as functions of their parameters only (no batch "
                 f"statistics, random streams or other state in the stack). Remove it from the layers "
                 f"(dropout off, LayerNorm rather than BatchNorm), or place the model without stages=."
