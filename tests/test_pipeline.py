@@ -164,6 +164,31 @@ def test_adam_pipelined_trains_like_one_device_within_the_floor(mode: str, sched
         np.testing.assert_allclose(got[key], runs[0][key], rtol=1e-5, atol=tol, err_msg=f"{key} floor {floor:.2e}")
 
 
+@pytest.mark.parametrize(("mode", "schedule"), [("explicit", "1f1b"), ("implicit", "gpipe")])
+def test_metrics_come_from_the_last_stage_in_the_batchs_order(mode: str, schedule: str) -> None:
+    """``has_aux``: each row's error gathered (the batch's order), its mean and largest, and a bool."""
+
+    def with_metrics(model: Net, batch: dict) -> tuple[jax.Array, dict]:
+        err = model(batch["x"]) - batch["y"]
+        loss = jnp.mean(err**2)
+        return loss, {"err": err, "mse": loss, "worst": jnp.max(jnp.abs(err)), "small": loss < 1e3}
+
+    batch = _batches(1)[0]
+    with jax.default_device(jax.devices()[0]):
+        want = nnx.jit(with_metrics)(Net(), batch)[1]
+    mesh, model, opt = _placed({"data": 2, "stage": 4}, "replicated")
+    reduce = {"err": "gather", "mse": "mean", "worst": "max", "small": "min"}
+    step = substrax.make_train_step(
+        with_metrics, mode, mesh=mesh, microbatches=4, schedule=schedule, has_aux=True, reduce=reduce
+    )
+    loss, got = step(model, opt, batch)
+    np.testing.assert_allclose(got["err"], want["err"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got["mse"], want["mse"], rtol=1e-5)
+    np.testing.assert_allclose(loss, want["mse"], rtol=1e-5)
+    np.testing.assert_allclose(got["worst"], want["worst"], rtol=1e-5)
+    assert bool(got["small"])
+
+
 def test_shard_state_splits_the_stack_over_stage_consecutive_layers_a_stage() -> None:
     """(stage=4, data=2), FSDP: each stack parameter and its Adam state split on the layer axis over
     ``stage`` (stage s holding layers 2s, 2s + 1) and on another dimension over ``data``; the rest as

@@ -29,6 +29,7 @@ from flax import nnx
 
 from substrax._layout._stages import STAGE_AXIS, staged_stack
 from substrax._tree import KeyPath, PyTree, node_at, path_str
+from substrax.nn import _declared as declared
 from substrax.nn._scan import STAGE_HOOK
 
 __all__ = [
@@ -261,10 +262,11 @@ class _Capture:
 
 
 class _Replace:
-    def __init__(self, y: Any, where: str) -> None:
-        self.y, self.where, self.used = y, where, 0
+    def __init__(self, y: Any, where: str, resume: Callable[[], Any]) -> None:
+        self.y, self.where, self.used, self.resume = y, where, 0, resume
 
     def reached(self, stack: nnx.Module, x: Any, args: tuple[Any, ...], kwargs: dict[str, Any], remat: bool) -> Any:
+        self.resume()  # the layers after the stack run: record what they declare again
         self.used += 1
         if self.used > 1:
             raise ValueError(
@@ -374,9 +376,10 @@ class Staged:
     def epilogue(self, outside: nnx.State, carry: tuple[Any, list[Any]], batch: PyTree) -> tuple[Any, Any]:
         """``loss_fn`` from the stack's output ``carry`` on: ``(loss, aux)``."""
         model = self._model(outside)
-        replace = _Replace(carry[0], self.where)
-        object.__setattr__(node_at(model, self.path), STAGE_HOOK, replace)
-        out = self.split_loss(model, batch)
+        with declared.silenced_until() as resume:  # the prologue rerun before the cut is dead code
+            replace = _Replace(carry[0], self.where, resume)
+            object.__setattr__(node_at(model, self.path), STAGE_HOOK, replace)
+            out = self.split_loss(model, batch)
         if not replace.used:
             raise ValueError(f"loss_fn ran the staged stack {self.where} once, then not again.")
         self._unchanged(model, "in the loss")

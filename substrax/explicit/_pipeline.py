@@ -27,6 +27,7 @@ from substrax._shared import scopes
 from substrax._shared.microbatch import split_microbatches
 from substrax._shared.pipeline import Schedule, Staged, floats_of, put, take, with_floats
 from substrax._tree import KeyPath, PyTree
+from substrax.nn import _declared as declared
 
 __all__ = ["pipelined_value_and_grad"]
 
@@ -39,6 +40,13 @@ def _typed_like(tree: PyTree, like: PyTree) -> PyTree:
 def _zeros_like(tree: PyTree, dtype: Any = None) -> PyTree:
     """Zeros of each leaf's shape, dtype (or ``dtype``) and varying axes."""
     return jax.tree.map(lambda x: to_varying_over(jnp.zeros(x.shape, dtype or x.dtype), tuple(varying_axes(x) or ())), tree)
+
+
+def _from_last(x: Any, last: Any, axis: str) -> Any:
+    """The last stage's ``x`` on every stage: a ``psum`` of it and the others' zeros (exact)."""
+    wide = x.astype(jnp.int32) if x.dtype == jnp.bool_ else x
+    total = jax.lax.psum(jnp.where(last, wide, jnp.zeros_like(wide)), axis)
+    return total.astype(x.dtype)
 
 
 class _Stages:
@@ -79,12 +87,14 @@ class _Stages:
 
     def carry_type(self, outside: nnx.State, stack: nnx.State) -> Any:
         """Zeros of the carry's type: the prologue's output, varying over every axis a stage's output does."""
-        carry = self.prologue(outside, 0)
-        out = self.stage(stack, carry)
+        with declared.silenced():  # traced for its type: the ticks' own traces record the layers
+            carry = self.prologue(outside, 0)
+            out = self.stage(stack, carry)
         return _zeros_like(jax.tree.map(lambda c, o: to_varying_over(c, tuple(varying_axes(o) or ())), carry, out))
 
     def loss_type(self, outside: nnx.State, carry: Any) -> Any:
-        return _zeros_like(self.epilogue(outside, carry, 0))
+        with declared.silenced():
+            return _zeros_like(self.epilogue(outside, carry, 0))
 
 
 def _gpipe(p: _Stages, outside: nnx.State, stack: nnx.State, scale: float) -> tuple[Any, tuple[Any, Any]]:
@@ -199,7 +209,7 @@ def pipelined_value_and_grad(
     with jax.named_scope(scopes.LOSS):
         loss = jax.lax.psum(total * scale, axes)
     with jax.named_scope(scopes.METRICS):  # every stage's copy of the last stage's metrics
-        aux = jax.tree.map(lambda a: jax.lax.psum(jnp.where(p.last, a, jnp.zeros_like(a)), stage_axis), aux)
+        aux = jax.tree.map(lambda a: _from_last(a, p.last, stage_axis), aux)
     grads = [(tuple(path), v) for path, v in nnx.to_flat_state(g_out)]
     grads += [((*staged.path, *path), v) for path, v in nnx.to_flat_state(g_stack)]
     order = {tuple(path): i for i, (path, _) in enumerate(nnx.to_flat_state(nnx.state(model, nnx.Param)))}

@@ -32,6 +32,7 @@ __all__ = [
     "naming",
     "recording",
     "silenced",
+    "silenced_until",
 ]
 
 
@@ -97,6 +98,18 @@ def silenced() -> Iterator[None]:
     token = _RECORD.set(None)
     try:
         yield
+    finally:
+        _RECORD.reset(token)
+
+
+@contextlib.contextmanager
+def silenced_until() -> Iterator[Any]:
+    """Record nothing until the ``resume()`` this yields is called, then as before: for a trace
+    whose first part is dead code (a pipeline's epilogue reruns ``loss_fn`` up to the stack)."""
+    saved = _RECORD.get()
+    token = _RECORD.set(None)
+    try:
+        yield lambda: _RECORD.set(saved)
     finally:
         _RECORD.reset(token)
 

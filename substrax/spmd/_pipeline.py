@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from substrax._layout import STAGE_AXIS, spec_tuple, without_axes
 from substrax._shared.pipeline import Schedule, Staged, floats_of, put, take, with_floats
 from substrax._tree import KeyPath, PyTree
+from substrax.nn import _declared as declared
 
 __all__ = ["pipelined_value_and_grad"]
 
@@ -114,11 +115,17 @@ def _zeros(tree: PyTree, lead: tuple[int, ...] = ()) -> PyTree:
     return jax.tree.map(lambda x: jnp.zeros((*lead, *jnp.shape(x)), x.dtype), tree)
 
 
+def _types(g: _Global, outside: nnx.State) -> tuple[Any, Any]:
+    """The carry's and the epilogue's output's shapes and dtypes (traced for them alone)."""
+    with declared.silenced():
+        carry = jax.eval_shape(lambda: g.staged.prologue(outside, g.microbatch(0)))
+        return carry, jax.eval_shape(lambda: g.staged.epilogue(outside, _zeros(carry), g.microbatch(0)))
+
+
 def _gpipe(g: _Global, outside: nnx.State, stack: nnx.State) -> tuple[Any, Any]:
     """The mean loss over microbatches (and the aux stacked), GPipe's forward ticks; autodiff does the rest."""
     staged, k = g.staged, g.k
-    carry0 = jax.eval_shape(lambda: staged.prologue(outside, g.microbatch(0)))
-    out0 = jax.eval_shape(lambda: staged.epilogue(outside, _zeros(carry0), g.microbatch(0)))
+    carry0, out0 = _types(g, outside)
     masked = _masked(staged.stage)
 
     def tick(carry: Any, t: Any) -> tuple[Any, Any]:
@@ -138,8 +145,7 @@ def _gpipe(g: _Global, outside: nnx.State, stack: nnx.State) -> tuple[Any, Any]:
 def _one_f_one_b(g: _Global, outside: nnx.State, stack: nnx.State, dtype: Any) -> tuple[Any, Any, Any, Any]:
     """1F1B's ticks, every stage at once: ``(mean loss, aux, outside grads, stack grads)``."""
     staged, k, n, depth = g.staged, g.k, g.n, g.schedule.stash
-    carry0 = jax.eval_shape(lambda: staged.prologue(outside, g.microbatch(0)))
-    out0 = jax.eval_shape(lambda: staged.epilogue(outside, _zeros(carry0), g.microbatch(0)))
+    carry0, out0 = _types(g, outside)
     floats0 = floats_of(carry0)
 
     def stage_vjp(params: Any, carry: Any) -> tuple[Any, Any]:
