@@ -90,7 +90,10 @@ def _batches(steps: int = 2, rows: int = ROWS, seed: int = 0) -> list[dict]:
 
 
 def _params(model: nnx.Module) -> dict[str, np.ndarray]:
-    return {"/".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    return {
+        "/".join(map(str, p)): np.asarray(v.get_value())
+        for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+    }
 
 
 def _tx(optimizer: str) -> optax.GradientTransformation:
@@ -136,13 +139,17 @@ def _train(mode: str, schedule: str, case: str, optimizer: str = "sgd") -> tuple
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("mode", substrax.MODES)
-def test_a_pipelined_stack_trains_like_one_device(mode: str, schedule: str, case: str, sgd_reference: dict) -> None:
+def test_a_pipelined_stack_trains_like_one_device(
+    mode: str, schedule: str, case: str, sgd_reference: dict
+) -> None:
     model, _, _ = _train(mode, schedule, case)
     for path, variable in nnx.to_flat_state(nnx.state(model.layers, nnx.Param)):
         assert variable.get_value().sharding.spec[0] == "stage", path  # still split over the stages
     got = _params(model)
     for key in sgd_reference:
-        np.testing.assert_allclose(got[key], sgd_reference[key], rtol=STRICT_RTOL, atol=STRICT_ATOL, err_msg=key)
+        np.testing.assert_allclose(
+            got[key], sgd_reference[key], rtol=STRICT_RTOL, atol=STRICT_ATOL, err_msg=key
+        )
 
 
 @pytest.mark.parametrize(("mode", "schedule"), [("explicit", "1f1b"), ("implicit", "gpipe")])
@@ -161,7 +168,9 @@ def test_adam_pipelined_trains_like_one_device_within_the_floor(mode: str, sched
     for key in runs[0]:
         floor = max(float(np.max(np.abs(a[key] - b[key]))) for a in runs for b in runs)
         tol = max(1e-6, SAFETY * floor + 1e-7)
-        np.testing.assert_allclose(got[key], runs[0][key], rtol=1e-5, atol=tol, err_msg=f"{key} floor {floor:.2e}")
+        np.testing.assert_allclose(
+            got[key], runs[0][key], rtol=1e-5, atol=tol, err_msg=f"{key} floor {floor:.2e}"
+        )
 
 
 @pytest.mark.parametrize(("mode", "schedule"), [("explicit", "1f1b"), ("implicit", "gpipe")])
@@ -240,7 +249,9 @@ def test_pipelined_state_restores_onto_a_mesh_without_stage(tmp_path, sgd_refere
     substrax.make_train_step(mse, "implicit", mesh=flat)(model2, opt2, second)
     got = _params(model2)
     for key in sgd_reference:
-        np.testing.assert_allclose(got[key], sgd_reference[key], rtol=STRICT_RTOL, atol=STRICT_ATOL, err_msg=key)
+        np.testing.assert_allclose(
+            got[key], sgd_reference[key], rtol=STRICT_RTOL, atol=STRICT_ATOL, err_msg=key
+        )
 
 
 # --- the schedules -------------------------------------------------------------------------
@@ -252,7 +263,10 @@ def test_each_stage_runs_each_microbatch_forward_then_backward_once(stages: int,
         schedule = Schedule(name, stages, k)
         for s, row in enumerate(schedule.table()):
             slots = [x for cell in row for x in cell.split()]
-            assert sorted(slots) == sorted([f"F{j}" for j in range(k)] + [f"B{j}" for j in range(k)]), (name, s)
+            assert sorted(slots) == sorted([f"F{j}" for j in range(k)] + [f"B{j}" for j in range(k)]), (
+                name,
+                s,
+            )
             for j in range(k):  # a microbatch's backward after its forward, on every stage
                 f = next(i for i, c in enumerate(row) if f"F{j}" in c.split())
                 b = next(i for i, c in enumerate(row) if f"B{j}" in c.split())
@@ -279,7 +293,11 @@ def test_the_bubble_is_the_idle_share_of_each_stage() -> None:
     for stages, k in ((2, 4), (4, 4), (4, 16), (8, 8)):
         table = Schedule("gpipe", stages, k).table()
         idle = sum(c == "" for c in table[0]) / len(table[0])
-        assert idle == pytest.approx(bubble_fraction(stages, k)) == pytest.approx((stages - 1) / (k + stages - 1))
+        assert (
+            idle
+            == pytest.approx(bubble_fraction(stages, k))
+            == pytest.approx((stages - 1) / (k + stages - 1))
+        )
         phases = Schedule("1f1b", stages, k).phases
         f = sum(stop - start for start, stop, fwd, _ in phases if fwd)
         b = sum(stop - start for start, stop, _, bwd in phases if bwd)
@@ -299,7 +317,9 @@ def _unplaced(shape: dict) -> tuple[jax.sharding.Mesh, Net, nnx.Optimizer]:
 
 def test_stages_that_do_not_divide_the_stack_are_refused() -> None:
     mesh, model, opt = _unplaced({"data": 1, "stage": 3})
-    with pytest.raises(ValueError, match=r"model\['layers'\] has 8 layers, which the 3 stages of 'stage' do not divide"):
+    with pytest.raises(
+        ValueError, match=r"model\['layers'\] has 8 layers, which the 3 stages of 'stage' do not divide"
+    ):
         substrax.shard_state(model, opt, mesh=mesh, stages=Layer)
 
 
@@ -311,7 +331,10 @@ def test_a_stage_axis_without_stages_is_refused() -> None:
 
 def test_stages_matching_nothing_or_no_stack_are_refused() -> None:
     mesh, model, opt = _unplaced({"data": 2, "stage": 4})
-    with pytest.raises(ValueError, match=r"stages=BatchNorm matched no submodule of the Net, .* types ColumnParallelLinear, Layer, "):
+    with pytest.raises(
+        ValueError,
+        match=r"stages=BatchNorm matched no submodule of the Net, .* types ColumnParallelLinear, Layer, ",
+    ):
         substrax.shard_state(model, opt, mesh=mesh, stages=nnx.BatchNorm)
     with pytest.raises(ValueError, match=r"stages= matched model\['embed'\], which is not a stack of layers"):
         substrax.shard_state(model, opt, mesh=mesh, stages=lambda path, m: path == ("embed",))
@@ -336,18 +359,24 @@ def test_schedule_options_are_refused_by_name() -> None:
         substrax.make_train_step(mse, mesh=mesh, microbatches=4, schedule="zb")
     with pytest.raises(ValueError, match=r"schedule='1f1b' runs the stages as a pipeline .* microbatches=1"):
         substrax.make_train_step(mse, mesh=mesh, schedule="1f1b")
-    with pytest.raises(ValueError, match=r"schedule='gpipe' pipelines .* 'stage' axis, which the mesh \{'data': 8\} lacks"):
+    with pytest.raises(
+        ValueError, match=r"schedule='gpipe' pipelines .* 'stage' axis, which the mesh \{'data': 8\} lacks"
+    ):
         substrax.make_train_step(mse, mesh=create_device_mesh({"data": 8}), microbatches=4, schedule="gpipe")
 
 
 @pytest.mark.parametrize("mode", substrax.MODES)
 def test_a_staged_model_and_a_step_must_agree(mode: str) -> None:
     mesh, model, opt = _placed({"data": 2, "stage": 4}, "replicated")
-    with pytest.raises(ValueError, match=r"model\['layers'\] is split over the 'stage' axis .* must run it as a pipeline"):
+    with pytest.raises(
+        ValueError, match=r"model\['layers'\] is split over the 'stage' axis .* must run it as a pipeline"
+    ):
         substrax.make_train_step(mse, mode, mesh=mesh)(model, opt, _batches(1)[0])
     mesh, model, opt = _unplaced({"data": 2, "stage": 4})
     with pytest.raises(ValueError, match=r"no parameter of the model is placed so"):
-        substrax.make_train_step(mse, mode, mesh=mesh, microbatches=4, schedule="1f1b")(model, opt, _batches(1)[0])
+        substrax.make_train_step(mse, mode, mesh=mesh, microbatches=4, schedule="1f1b")(
+            model, opt, _batches(1)[0]
+        )
 
 
 def test_a_loss_that_never_runs_the_stack_through_scan_layers_is_refused() -> None:
@@ -357,8 +386,12 @@ def test_a_loss_that_never_runs_the_stack_through_scan_layers_is_refused() -> No
         h = model.embed(batch["x"])
         return jnp.mean((model.head(h)[:, 0] - batch["y"]) ** 2)
 
-    with pytest.raises(ValueError, match=r"never ran the staged stack model\['layers'\] through substrax.nn.scan_layers"):
-        substrax.make_train_step(by_hand, "explicit", mesh=mesh, microbatches=4, schedule="gpipe")(model, opt, _batches(1)[0])
+    with pytest.raises(
+        ValueError, match=r"never ran the staged stack model\['layers'\] through substrax.nn.scan_layers"
+    ):
+        substrax.make_train_step(by_hand, "explicit", mesh=mesh, microbatches=4, schedule="gpipe")(
+            model, opt, _batches(1)[0]
+        )
 
 
 def test_state_the_loss_changes_is_refused() -> None:
@@ -375,12 +408,16 @@ def test_state_the_loss_changes_is_refused() -> None:
         model.calls.set_value(model.calls.get_value() + 1)
         return mse(model, batch)
 
-    with pytest.raises(ValueError, match=r"loss_fn changed model\['calls'\] \(Counter\) before the staged stack"):
-        substrax.make_train_step(counting, "implicit", mesh=mesh, microbatches=4, schedule="1f1b")(model, opt, _batches(1)[0])
+    with pytest.raises(
+        ValueError, match=r"loss_fn changed model\['calls'\] \(Counter\) before the staged stack"
+    ):
+        substrax.make_train_step(counting, "implicit", mesh=mesh, microbatches=4, schedule="1f1b")(
+            model, opt, _batches(1)[0]
+        )
 
 
 def test_a_stack_holding_state_other_than_parameters_is_refused() -> None:
-    """A stage's layers run as functions of their parameters: BatchNorm's statistics in the stack are refused."""
+    """A stage's layers are functions of their parameters: BatchNorm's statistics in the stack are refused."""
 
     class Normed(nnx.Module):
         def __init__(self, rngs: nnx.Rngs) -> None:
@@ -411,7 +448,9 @@ def test_a_stack_holding_state_other_than_parameters_is_refused() -> None:
         opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
     substrax.shard_state(model, opt, mesh=mesh, stages=Normed)
     step = substrax.make_train_step(mse, "explicit", mesh=mesh, microbatches=4, schedule="gpipe")
-    with pytest.raises(ValueError, match=r"The staged stack model\['layers'\] holds stack\['norm'\]\['mean'\] \(BatchStat\)"):
+    with pytest.raises(
+        ValueError, match=r"The staged stack model\['layers'\] holds stack\['norm'\]\['mean'\] \(BatchStat\)"
+    ):
         step(model, opt, _batches(1)[0])
 
 
@@ -420,5 +459,8 @@ def test_precision_with_a_schedule_is_refused() -> None:
     step = substrax.make_train_step(
         mse, mesh=mesh, microbatches=4, schedule="1f1b", precision=substrax.MixedPrecision(jnp.bfloat16)
     )
-    with pytest.raises(ValueError, match=r"schedule='1f1b' with precision=: a pipelined step runs in the parameters' own dtype"):
+    with pytest.raises(
+        ValueError,
+        match=r"schedule='1f1b' with precision=: a pipelined step runs in the parameters' own dtype",
+    ):
         step(model, opt, _batches(1)[0])

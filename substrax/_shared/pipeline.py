@@ -33,8 +33,19 @@ from substrax.nn import _declared as declared
 from substrax.nn._scan import STAGE_HOOK
 
 __all__ = [
-    "SCHEDULES", "STAGE_AXIS", "PipelineSchedule", "Schedule", "Staged", "bubble_fraction", "check_schedule", "check_stage_axis",
-    "floats_of", "pipeline_of", "put", "take", "with_floats",
+    "SCHEDULES",
+    "STAGE_AXIS",
+    "PipelineSchedule",
+    "Schedule",
+    "Staged",
+    "bubble_fraction",
+    "check_schedule",
+    "check_stage_axis",
+    "floats_of",
+    "pipeline_of",
+    "put",
+    "take",
+    "with_floats",
 ]
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -87,7 +98,8 @@ def pipeline_of(options: Any, mesh: Any, model: nnx.Module) -> KeyPath | None:
     if options.schedule is None:
         if stack is not None and STAGE_AXIS in names:
             raise ValueError(
-                f"{path_str(stack, 'model')} is split over the {STAGE_AXIS!r} axis (shard_state(..., stages=)), "
+                f"{path_str(stack, 'model')} is split over the {STAGE_AXIS!r} axis "
+                f"(shard_state(..., stages=)), "
                 f"each stage holding its own layers: the step must run it as a pipeline. Build it with "
                 f"make_train_step(..., microbatches=k, schedule='gpipe' or '1f1b'), or place the state "
                 f"on a mesh without {STAGE_AXIS!r}."
@@ -152,7 +164,8 @@ class PipelineSchedule:
         rows = self.table()
         width = max(len(c) for row in rows for c in row)
         idle = fractions.Fraction(self.stages - 1, self.microbatches + self.stages - 1)
-        head = f"{self.name}, {self.stages} stages, {self.microbatches} microbatches: {self.ticks} ticks, bubble {idle}"
+        head = f"{self.name}, {self.stages} stages, {self.microbatches} microbatches: {self.ticks} ticks"
+        head += f", bubble {idle}"
         lines = [f"stage {s} | " + " | ".join(c.ljust(width) for c in row) for s, row in enumerate(rows)]
         return "\n".join([head, *(line.rstrip() for line in lines)])
 
@@ -181,7 +194,11 @@ class PipelineSchedule:
         if self.name == "gpipe":
             return ((0, self.ticks, True, False),)
         s, k = self.stages, self.microbatches
-        runs = ((0, s - 1, True, False), (s - 1, k + s - 1, True, True), (k + s - 1, k + 2 * s - 2, False, True))
+        runs = (
+            (0, s - 1, True, False),
+            (s - 1, k + s - 1, True, True),
+            (k + s - 1, k + 2 * s - 2, False, True),
+        )
         return tuple(r for r in runs if r[1] > r[0])
 
     def forward(self, tick: Any, stage: Any) -> Any:
@@ -211,7 +228,9 @@ class PipelineSchedule:
         return rows
 
 
-def _scan_stack(graphdef: Any, params: nnx.State, rest: nnx.State, x: Any, args: Any, kwargs: Any, remat: bool) -> Any:
+def _scan_stack(
+    graphdef: Any, params: nnx.State, rest: nnx.State, x: Any, args: Any, kwargs: Any, remat: bool
+) -> Any:
     """``scan_layers``'s ``nnx.scan`` as ``jax.lax.scan`` over the stack's state (each layer merged
     from its slice), so that it traces at any level of the pipeline's loops and conds."""
 
@@ -242,7 +261,9 @@ def with_floats(carry: PyTree, floats: list[Any]) -> PyTree:
     """``carry`` with its floating leaves replaced by ``floats`` (``floats_of``'s inverse)."""
     leaves, treedef = jax.tree.flatten(carry)
     it = iter(floats)
-    return jax.tree.unflatten(treedef, [next(it) if jnp.issubdtype(x.dtype, jnp.inexact) else x for x in leaves])
+    return jax.tree.unflatten(
+        treedef, [next(it) if jnp.issubdtype(x.dtype, jnp.inexact) else x for x in leaves]
+    )
 
 
 Schedule = PipelineSchedule  # the name inside the library
@@ -257,7 +278,9 @@ class _Reached(Exception):
 
 
 class _Capture:
-    def reached(self, stack: nnx.Module, x: Any, args: tuple[Any, ...], kwargs: dict[str, Any], remat: bool) -> Any:
+    def reached(
+        self, stack: nnx.Module, x: Any, args: tuple[Any, ...], kwargs: dict[str, Any], remat: bool
+    ) -> Any:
         raise _Reached(x, args, kwargs, remat)
 
 
@@ -265,7 +288,9 @@ class _Replace:
     def __init__(self, y: Any, where: str, resume: Callable[[], Any]) -> None:
         self.y, self.where, self.used, self.resume = y, where, 0, resume
 
-    def reached(self, stack: nnx.Module, x: Any, args: tuple[Any, ...], kwargs: dict[str, Any], remat: bool) -> Any:
+    def reached(
+        self, stack: nnx.Module, x: Any, args: tuple[Any, ...], kwargs: dict[str, Any], remat: bool
+    ) -> Any:
         self.resume()  # the layers after the stack run: record what they declare again
         self.used += 1
         if self.used > 1:
@@ -303,7 +328,9 @@ class Staged:
         pure functions of their parameters), naming it.
     """
 
-    def __init__(self, model: nnx.Module, stack_path: KeyPath, split_loss: Callable[..., tuple[Any, Any]]) -> None:
+    def __init__(
+        self, model: nnx.Module, stack_path: KeyPath, split_loss: Callable[..., tuple[Any, Any]]
+    ) -> None:
         self.path, self.split_loss = tuple(stack_path), split_loss
         self.where = path_str(self.path, "model")
         n = len(self.path)
@@ -355,7 +382,9 @@ class Staged:
         self._unchanged(model, "before the staged stack")
         leaves, treedef = jax.tree.flatten((reached.args, reached.kwargs))
         arrays = [x for x in leaves if isinstance(x, jax.Array)]
-        static = _Static(treedef, tuple(None if isinstance(x, jax.Array) else x for x in leaves), reached.remat)
+        static = _Static(
+            treedef, tuple(None if isinstance(x, jax.Array) else x for x in leaves), reached.remat
+        )
         if self.static is None:
             self.static = static
         return reached.x, arrays

@@ -39,7 +39,9 @@ def _typed_like(tree: PyTree, like: PyTree) -> PyTree:
 
 def _zeros_like(tree: PyTree, dtype: Any = None) -> PyTree:
     """Zeros of each leaf's shape, dtype (or ``dtype``) and varying axes."""
-    return jax.tree.map(lambda x: to_varying_over(jnp.zeros(x.shape, dtype or x.dtype), tuple(varying_axes(x) or ())), tree)
+    return jax.tree.map(
+        lambda x: to_varying_over(jnp.zeros(x.shape, dtype or x.dtype), tuple(varying_axes(x) or ())), tree
+    )
 
 
 def _from_last(x: Any, last: Any, axis: str) -> Any:
@@ -52,7 +54,9 @@ def _from_last(x: Any, last: Any, axis: str) -> Any:
 class _Stages:
     """This device's view of the pipeline: its stage index, the pieces, the permutes."""
 
-    def __init__(self, staged: Staged, slices: PyTree, schedule: Schedule, axis: str, axes: tuple[str, ...]) -> None:
+    def __init__(
+        self, staged: Staged, slices: PyTree, schedule: Schedule, axis: str, axes: tuple[str, ...]
+    ) -> None:
         self.staged, self.slices, self.schedule, self.axis, self.axes = staged, slices, schedule, axis, axes
         self.k, self.n = schedule.microbatches, schedule.stages
         self.s = jax.lax.axis_index(axis)
@@ -90,7 +94,9 @@ class _Stages:
         with declared.silenced():  # traced for its type: the ticks' own traces record the layers
             carry = self.prologue(outside, 0)
             out = self.stage(stack, carry)
-        return _zeros_like(jax.tree.map(lambda c, o: to_varying_over(c, tuple(varying_axes(o) or ())), carry, out))
+        return _zeros_like(
+            jax.tree.map(lambda c, o: to_varying_over(c, tuple(varying_axes(o) or ())), carry, out)
+        )
 
     def loss_type(self, outside: nnx.State, carry: Any) -> Any:
         with declared.silenced():
@@ -105,7 +111,9 @@ def _gpipe(p: _Stages, outside: nnx.State, stack: nnx.State, scale: float) -> tu
 
     def tick(recv: Any, t: Any) -> tuple[Any, Any]:
         j = p.schedule.forward(t, p.s)
-        carry = jax.lax.cond(p.first & p.valid(j), lambda: _typed_like(p.prologue(outside, j), recv), lambda: recv)
+        carry = jax.lax.cond(
+            p.first & p.valid(j), lambda: _typed_like(p.prologue(outside, j), recv), lambda: recv
+        )
         out = jax.lax.cond(p.valid(j), lambda: p.stage(stack, carry), lambda: carry)
         done = jax.lax.cond(p.last & p.valid(j), lambda: p.epilogue(outside, out, j), lambda: zero_out)
         return p.send(out, 1), done
@@ -116,7 +124,9 @@ def _gpipe(p: _Stages, outside: nnx.State, stack: nnx.State, scale: float) -> tu
     return jnp.sum(losses) * scale, (jnp.sum(losses), aux)
 
 
-def _one_f_one_b(p: _Stages, outside: nnx.State, stack: nnx.State, scale: float, dtype: Any) -> tuple[Any, Any, Any, Any]:
+def _one_f_one_b(
+    p: _Stages, outside: nnx.State, stack: nnx.State, scale: float, dtype: Any
+) -> tuple[Any, Any, Any, Any]:
     """1F1B's ticks: ``(loss sum, aux, outside grads, stack grads)``, this device's unreduced share."""
     zero_carry = p.carry_type(outside, stack)
     zero_out = p.loss_type(outside, zero_carry)
@@ -142,17 +152,25 @@ def _one_f_one_b(p: _Stages, outside: nnx.State, stack: nnx.State, scale: float,
 
     def tick(state: Any, t: Any, forward: bool, backward_: bool) -> tuple[Any, None]:
         recv, recv_g, stash, (g_out, g_stack), losses, auxes = state
-        if forward:  # this stage's forward slot: microbatch jf from the previous stage (stage 0: the prologue)
+        if (
+            forward
+        ):  # this stage's forward slot: microbatch jf from the previous stage (stage 0: the prologue)
             jf = p.schedule.forward(t, p.s)
-            carry = jax.lax.cond(p.first & p.valid(jf), lambda: _typed_like(p.prologue(outside, jf), recv), lambda: recv)
+            carry = jax.lax.cond(
+                p.first & p.valid(jf), lambda: _typed_like(p.prologue(outside, jf), recv), lambda: recv
+            )
             stash = jax.lax.cond(p.valid(jf), lambda: put(stash, jf % depth, carry), lambda: stash)
-            recv = p.send(jax.lax.cond(p.valid(jf) & ~p.last, lambda: p.stage(stack, carry), lambda: carry), 1)
+            recv = p.send(
+                jax.lax.cond(p.valid(jf) & ~p.last, lambda: p.stage(stack, carry), lambda: carry), 1
+            )
         if backward_:  # its backward slot: microbatch jb's cotangent from the next stage (the last: the loss)
             jb = p.schedule.backward(t, p.s)
             d_out, d_stack, d_c, loss, aux = jax.lax.cond(
                 p.valid(jb), lambda: backward(take(stash, jb % depth), recv_g, jb), lambda: zero_back
             )
-            g_out, g_stack = jax.tree.map(lambda a, d: a + d.astype(a.dtype), (g_out, g_stack), (d_out, d_stack))
+            g_out, g_stack = jax.tree.map(
+                lambda a, d: a + d.astype(a.dtype), (g_out, g_stack), (d_out, d_stack)
+            )
             auxes = jax.lax.cond(p.last & p.valid(jb), lambda: put(auxes, jb, aux), lambda: auxes)
             losses, recv_g = losses + loss, p.send(d_c, -1)
         return (recv, recv_g, stash, (g_out, g_stack), losses, auxes), None

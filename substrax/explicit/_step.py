@@ -36,6 +36,7 @@ from substrax._shared.precision import MixedPrecision
 from substrax._shared.update import apply_update, state_values
 from substrax._tree import PyTree
 from substrax.explicit._metrics import reduce_metrics_collective, reduce_metrics_on_one_device
+from substrax.explicit._pipeline import pipelined_value_and_grad
 from substrax.explicit._shard import (
     cast_like,
     check_placement,
@@ -47,7 +48,6 @@ from substrax.explicit._shard import (
     settle_per_device_state,
     without_axis_specs,
 )
-from substrax.explicit._pipeline import pipelined_value_and_grad
 from substrax.explicit._units import units_running
 from substrax.explicit._value_and_grad import (
     BatchSpec,

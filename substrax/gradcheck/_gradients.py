@@ -11,9 +11,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from substrax._batch.placement import place_batch_on_shards
+from substrax._shared.options import StepOptions
 from substrax._shared.precision import MixedPrecision
 from substrax._tree import PyTree, broadcast_prefix, map_arrays
-from substrax._shared.options import StepOptions
 from substrax.explicit._step import BatchSpec, explicit_value_and_grad, sharded_value_and_grad
 from substrax.spmd._step import global_gradients
 
@@ -167,5 +167,7 @@ def pipelined_gradients(
         placed = place_batch_on_shards(host_batch, shardings)
         return {
             "implicit": nnx.jit(lambda m, b: global_gradients(m, loss_fn, b, options)[1])(model, placed),
-            "explicit": nnx.jit(lambda m, b: sharded_value_and_grad(m, None, loss_fn, b, options)[2])(model, placed),
+            "explicit": nnx.jit(lambda m, b: sharded_value_and_grad(m, None, loss_fn, b, options)[2])(
+                model, placed
+            ),
         }

@@ -41,7 +41,9 @@ def _where(valid: Any, tree: PyTree) -> PyTree:
 class _Global:
     """The pipeline's pieces over every stage at once, with their placements."""
 
-    def __init__(self, staged: Staged, slices: PyTree, schedule: Schedule, mesh: Any, rows: tuple[str, ...]) -> None:
+    def __init__(
+        self, staged: Staged, slices: PyTree, schedule: Schedule, mesh: Any, rows: tuple[str, ...]
+    ) -> None:
         self.staged, self.slices, self.schedule, self.mesh, self.rows = staged, slices, schedule, mesh, rows
         self.k, self.n = schedule.microbatches, schedule.stages
         self.ids = jnp.arange(self.n)
@@ -60,7 +62,9 @@ class _Global:
             spec = without_axes(spec_tuple(variable) or (), (*self.rows, STAGE_AXIS))
             spec = (STAGE_AXIS, None, *spec[1:])
             stacked = value.reshape(self.n, value.shape[0] // self.n, *value.shape[1:])
-            return variable.replace(jax.lax.with_sharding_constraint(stacked, NamedSharding(self.mesh, PartitionSpec(*spec))))
+            return variable.replace(
+                jax.lax.with_sharding_constraint(stacked, NamedSharding(self.mesh, PartitionSpec(*spec)))
+            )
 
         return jax.tree.map(view, stack, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
@@ -91,7 +95,7 @@ def _first(ids: Any, like: Any) -> Any:
 
 
 def _masked(stage: Callable[..., Any]) -> Callable[..., Any]:
-    """``stage(valid, params, carry)``: the stage, its cotangents selected where ``valid``, zeros elsewhere."""
+    """``stage(valid, params, carry)``: the stage; its cotangents selected where ``valid``, else zeros."""
 
     @jax.custom_vjp
     def run(valid: Any, params: Any, carry: Any) -> Any:
@@ -123,7 +127,7 @@ def _types(g: _Global, outside: nnx.State) -> tuple[Any, Any]:
 
 
 def _gpipe(g: _Global, outside: nnx.State, stack: nnx.State) -> tuple[Any, Any]:
-    """The mean loss over microbatches (and the aux stacked), GPipe's forward ticks; autodiff does the rest."""
+    """The mean loss over microbatches (and the aux stacked): GPipe's forward ticks (autodiff: the rest)."""
     staged, k = g.staged, g.k
     carry0, out0 = _types(g, outside)
     masked = _masked(staged.stage)
@@ -134,7 +138,9 @@ def _gpipe(g: _Global, outside: nnx.State, stack: nnx.State) -> tuple[Any, Any]:
         out = g.stages(masked, g.valid(g.schedule.forward(t, g.ids)), stack, carry)
         j = t - (g.n - 1)
         last = jax.tree.map(lambda y: y[g.n - 1], out)
-        done = jax.lax.cond(j >= 0, lambda: staged.epilogue(outside, last, g.microbatch(j)), lambda: _zeros(out0))
+        done = jax.lax.cond(
+            j >= 0, lambda: staged.epilogue(outside, last, g.microbatch(j)), lambda: _zeros(out0)
+        )
         return g.shift(out, 1), done
 
     _, (losses, aux) = jax.lax.scan(tick, g.over_stages(_zeros(carry0, (g.n,))), jnp.arange(g.schedule.ticks))
@@ -170,11 +176,17 @@ def _one_f_one_b(g: _Global, outside: nnx.State, stack: nnx.State, dtype: Any) -
     def tick(state: Any, t: Any, forward: bool, backward: bool) -> tuple[Any, None]:
         carry, cts, stash, (g_out, g_stack), total, auxes = state
         if forward:  # every stage's forward slot: microbatch t - s (stage 0's from the prologue)
-            x0 = jax.lax.cond(t < k, lambda: staged.prologue(outside, g.microbatch(t)), lambda: _zeros(carry0))
+            x0 = jax.lax.cond(
+                t < k, lambda: staged.prologue(outside, g.microbatch(t)), lambda: _zeros(carry0)
+            )
             carry = g.over_stages(g.feed(carry, x0))
             jf = g.schedule.forward(t, g.ids)
-            stash = g.stages(lambda st, j, c: jax.lax.cond(g.valid(j), lambda: put(st, j % depth, c), lambda: st),
-                             stash, jf, carry)  # fmt: skip
+            stash = g.stages(
+                lambda st, j, c: jax.lax.cond(g.valid(j), lambda: put(st, j % depth, c), lambda: st),
+                stash,
+                jf,
+                carry,
+            )
             carry = g.shift(g.stages(staged.stage, stack, carry), 1)
         if backward:  # every stage's backward slot: microbatch t - (2S - 2 - s), recomputed from the stash
             jb = g.schedule.backward(t, g.ids)
@@ -191,7 +203,9 @@ def _one_f_one_b(g: _Global, outside: nnx.State, stack: nnx.State, dtype: Any) -
             d_stack, d_c = _where(g.valid(jb), d_stack), _where(g.valid(jb), d_c)
             j0 = t - (2 * n - 2)  # stage 0's: the prologue's gradient
             d_pro = jax.lax.cond(
-                g.valid(j0), lambda: prologue_vjp(j0, jax.tree.map(lambda c: c[0], d_c)), lambda: _zeros(outside)
+                g.valid(j0),
+                lambda: prologue_vjp(j0, jax.tree.map(lambda c: c[0], d_c)),
+                lambda: _zeros(outside),
             )
             g_out = jax.tree.map(lambda a, b, c: a + (b + c).astype(a.dtype), g_out, d_epi, d_pro)
             g_stack = jax.tree.map(lambda a, b: a + b.astype(a.dtype), g_stack, d_stack)
@@ -199,7 +213,7 @@ def _one_f_one_b(g: _Global, outside: nnx.State, stack: nnx.State, dtype: Any) -
             total, cts = total + loss, g.shift(d_c, -1)
         return (carry, cts, stash, (g_out, g_stack), total, auxes), None
 
-    grads = (jax.tree.map(lambda x: jnp.zeros(x.shape, dtype or x.dtype), (outside, stack)))
+    grads = jax.tree.map(lambda x: jnp.zeros(x.shape, dtype or x.dtype), (outside, stack))
     state = (
         g.over_stages(_zeros(carry0, (n,))),
         g.over_stages(_zeros(floats0, (n,))),
