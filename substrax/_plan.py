@@ -58,6 +58,8 @@ class PlanRow:
       compiler: Where the bytes come from: ``"XLA:CPU rules (estimated)"``, or the platform
         the step was compiled for, ``"tpu (compiled)"``.
       notes: What the prediction could not read.
+      refused: The TPU compiler's refusal of a step that does not fit (its message; ``peak_bytes``
+        then holds the arguments plus the temporaries it says it needed, to its 0.01 GB), else ``""``.
       shard_options: ``shard_state``'s keywords for this configuration (mesh, layout, units...).
       step_options: ``make_train_step``'s keywords (the mesh, the plan's step options).
 
@@ -80,6 +82,7 @@ class PlanRow:
     compiler: str = "XLA:CPU rules (estimated)"
     device_bytes: int | None = None
     notes: tuple[str, ...] = ()
+    refused: str = ""
     shard_options: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
     step_options: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
@@ -99,8 +102,11 @@ class PlanRow:
 
     @property
     def fits(self) -> bool | None:
-        """Whether ``peak_bytes`` fits ``device_bytes`` (``None`` where unknown). The GPU compiler
-        compiles a step that does not fit; this says so before it runs."""
+        """Whether the step fits a device: on a TPU, whether its compiler took it (it refuses a step
+        that does not fit, by its own count); else whether ``peak_bytes`` fits ``device_bytes``
+        (``None`` where unknown). The GPU compiler compiles a step that does not fit; this says so."""
+        if self.compiler.startswith("tpu"):
+            return not self.refused
         return None if self.device_bytes is None else self.peak_bytes <= self.device_bytes
 
     @property
@@ -130,7 +136,11 @@ class Plan:
         when no row fits.
         """
         limit = lambda r: r.device_bytes if memory is None else memory  # noqa: E731
-        fits = [r for r in self.rows if limit(r) is None or r.peak_bytes <= limit(r)]
+        fits = [
+            r
+            for r in self.rows
+            if not r.refused and (limit(r) is None or r.peak_bytes <= limit(r) or (memory is None and r.fits))
+        ]
         if not fits:
             least = min(self.rows, key=lambda r: r.peak_bytes)
             raise ValueError(
@@ -154,7 +164,11 @@ class Plan:
         ]  # fmt: skip
         widths = [max(len(str(c)) for c in col) for col in zip(head, *body, strict=True)]
         lines = [" | ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)) for r in [head, *body]]
-        notes = [f"{_label(r)}: {note}" for r in self.rows for note in r.notes]
+        notes = [
+            f"{_label(r)}: {note}"
+            for r in self.rows
+            for note in (*r.notes, *([f"does not fit: the TPU compiler refused it ({r.refused})"] if r.refused else []))
+        ]
         rule = "-+-".join("-" * w for w in widths)
         return "\n".join([lines[0], rule, *lines[1:], *(["notes:", *notes] if notes else [])])
 
@@ -312,7 +326,19 @@ def _row(
         "step_options": {"mesh": mesh, **opts},
     }
     if compiled:  # the program itself: its census and memory_analysis(), exact
-        program = lowered.compile()
+        try:
+            program = lowered.compile()
+        except jax.errors.JaxRuntimeError as e:
+            if (need := _hbm_refusal(str(e))) is None:
+                raise
+            return PlanRow(
+                **row,
+                bytes={},
+                optional_bytes=0,
+                temp_bytes=need,
+                compiler=f"{_platform(mesh)} (compiled)",
+                refused=str(e).splitlines()[0][:400],
+            )
         by_kind = {}
         for found in census(program, mesh=mesh).rows:
             key = (found.kind, ",".join(found.axes or ()) or "unnamed groups")
@@ -339,6 +365,12 @@ def _row(
         output_bytes=memory["explicit"].outputs,
         temp_bytes=memory["explicit"].temporaries,
     )
+
+
+def _hbm_refusal(message: str) -> int | None:
+    """The temporaries' bytes in the TPU compiler's "Ran out of memory on HBM" refusal, else ``None``."""
+    found = re.search(r"Ran out of memory on HBM.*?HLO temporaries \(([\d.]+)G\)", message, re.S)
+    return None if found is None else int(float(found.group(1)) * 2**30)
 
 
 def _platform(mesh: Mesh) -> str:
