@@ -13,7 +13,14 @@ from substrax._plan._memory import _passes
 from substrax._plan._memory import xla_cpu as rules  # the compiler modelled (the only one written)
 from substrax._plan._memory._heap import Memory, peak
 from substrax._plan._memory._jaxpr import (
-    CALLS, RECOMPUTED, called, inline, nbytes, sliced, stacked, variables,
+    CALLS,
+    RECOMPUTED,
+    called,
+    inline,
+    nbytes,
+    sliced,
+    stacked,
+    variables,
 )
 from substrax._plan._memory._program import Op, Program
 
@@ -245,8 +252,10 @@ class Walk(Program):
         k = self.virtual(whole, ways, reads, view=reads[0] if name == "transpose" else None)
         # a broadcast (an elementwise op's size-1 dimensions too) of a value, not of a constant
         # (XLA folds those), or the broadcasts it reads
-        if (reads or name == "iota") and name not in rules.JOINS and all(
-            self.whole[r] < self.whole[k] or r in self.spread.get(r, ()) for r in reads
+        if (
+            (reads or name == "iota")
+            and name not in rules.JOINS
+            and all(self.whole[r] < self.whole[k] or r in self.spread.get(r, ()) for r in reads)
         ):
             self.spread[k] = frozenset({k})
         else:

@@ -130,8 +130,10 @@ def _regions(eqns: list[Any], producer: dict[Any, int], users: dict[Any, set[int
             m = todo.popleft()
             for v in variables(eqns[m].invars):
                 p = producer.get(v)
-                if p is not None and p not in region and all(
-                    u in region for w in eqns[p].outvars for u in users[w]
+                if (
+                    p is not None
+                    and p not in region
+                    and all(u in region for w in eqns[p].outvars for u in users[w])
                 ):
                     join(p)
             (reader, *more) = {u for w in eqns[m].outvars for u in users[w]} or {-1}
