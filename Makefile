@@ -34,41 +34,26 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	SUBSTRAX_TEST_CACHE=$(TEST_CACHE) $(PY) -m pytest -q -n $(WORKERS) --dist loadfile -m slow
 
-# Steps compiled for TPU topologies on this machine, no TPU attached (tests/test_tpu_*.py; the guide
-# "Plan a pod from a laptop"): the tpu extra (libtpu, about 480 MB) installed into .venv beside the dev
-# one, again whenever .venv is refreshed. Without libtpu, `make test` skips these tests, saying so.
-# No compilation cache: jax cannot read back a program compiled for compile-only devices. Each test on
-# the next free worker (--dist load): the files are few, their tests compile for seconds each.
-TPU_STAMP := $(VENV)/.installed-tpu
+# An extra installed into .venv beside the dev one (`.venv/.installed-tpu` for the tpu extra, -gpu,
+# -docs), again whenever .venv is refreshed.
+$(VENV)/.installed-%: $(STAMP)
+	$(PY) -m pip install --quiet -e '.[dev,$*]'
+	touch $@
 
-$(TPU_STAMP): $(STAMP)
-	$(PY) -m pip install --quiet -e '.[dev,tpu]'
-	touch $(TPU_STAMP)
-
-test-tpu: $(TPU_STAMP)
-	JAX_PLATFORMS=cpu SUBSTRAX_TEST_CACHE=off $(PY) -m pytest -q -n $(WORKERS) --dist load tests/test_tpu_*.py
-
-# Steps compiled for NVIDIA H100 topologies on this machine, no GPU attached (tests/test_gpu_*.py): the gpu
-# extra (jax's CUDA plugin, ptxas, libdevice; about 390 MB of wheels) installed into .venv beside the dev one.
-# Without it, `make test` skips these tests, saying so. JAX_PLATFORMS=cpu: the plugin starts no GPU (it would
-# fail on cuDNN). No compilation cache, as for the TPU; each test on the next free worker (--dist load).
-GPU_STAMP := $(VENV)/.installed-gpu
-
-$(GPU_STAMP): $(STAMP)
-	$(PY) -m pip install --quiet -e '.[dev,gpu]'
-	touch $(GPU_STAMP)
-
-test-gpu: $(GPU_STAMP)
-	JAX_PLATFORMS=cpu SUBSTRAX_TEST_CACHE=off $(PY) -m pytest -q -n $(WORKERS) --dist load tests/test_gpu_*.py
+# Steps compiled on this machine for topologies it does not have (the tests/test_tpu_*.py or
+# tests/test_gpu_*.py): `make test-tpu` for TPU v5e topologies (the tpu extra: libtpu, about 480 MB; the
+# guide "Plan a pod from a laptop"), `make test-gpu` for NVIDIA H100 topologies (the gpu extra: jax's CUDA
+# plugin, ptxas, libdevice; about 390 MB of wheels). Without the extra, `make test` skips these tests,
+# saying so. JAX_PLATFORMS=cpu: the CUDA plugin starts no GPU (it would fail on cuDNN). No compilation
+# cache: jax cannot read back a program compiled for compile-only devices. Each test on the next free
+# worker (--dist load): the files are few, their tests compile for seconds each.
+test-tpu test-gpu: test-%: $(VENV)/.installed-%
+	JAX_PLATFORMS=cpu SUBSTRAX_TEST_CACHE=off $(PY) -m pytest -q -n $(WORKERS) --dist load tests/test_$*_*.py
 
 # The documentation site (docs/, mkdocs.yml) into build/site, warnings as errors; the docs
-# extra is installed into .venv beside the dev one, again whenever .venv is refreshed.
+# extra is installed into .venv beside the dev one.
 .PHONY: docs
 DOCS_STAMP := $(VENV)/.installed-docs
-
-$(DOCS_STAMP): $(STAMP)
-	$(PY) -m pip install --quiet -e '.[dev,docs]'
-	touch $(DOCS_STAMP)
 
 docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict

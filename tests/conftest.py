@@ -89,7 +89,7 @@ import substrax  # noqa: E402
 from substrax.mesh import create_device_mesh  # noqa: E402
 
 
-from models import MLP, mse, regression_batches  # noqa: E402,F401  (re-exported for the tests)
+from models import MLP, Normed, mse, one_device_training, regression_batches  # noqa: E402,F401  (re-exported)
 
 
 # The compile-only TPU tests (tests/test_tpu_*.py, make test-tpu) compile for TPU topologies through libtpu.
@@ -130,18 +130,8 @@ def reference_training(
     batches: list[dict], *, lr: float = 1e-2, seed: int = 0, tx: optax.GradientTransformation | None = None
 ) -> tuple[list[float], dict]:
     """Train on one device, no mesh, no sharding: the reference both paths must match (Adam by default)."""
-    device = jax.devices()[0]
-    with jax.default_device(device):
-        model = MLP(seed=seed)
-        optimizer = nnx.Optimizer(model, optax.adam(lr) if tx is None else tx, wrt=nnx.Param)
-
-        @nnx.jit
-        def step(model: MLP, optimizer: nnx.Optimizer, batch: dict) -> jax.Array:
-            loss, grads = nnx.value_and_grad(mse)(model, batch)
-            optimizer.update(model, grads)
-            return loss
-
-        losses = [float(step(model, optimizer, jax.device_put(b, device))) for b in batches]
+    tx = optax.adam(lr) if tx is None else tx
+    losses, model = one_device_training(batches, tx, model=lambda: MLP(seed=seed))
     return losses, params_of(model)
 
 

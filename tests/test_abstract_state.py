@@ -15,7 +15,7 @@ from conftest import MLP, mse
 from flax import nnx
 
 import substrax
-from substrax._plan import _per_device
+from substrax._plan._rows import _per_device
 
 
 def _concrete() -> tuple[MLP, nnx.Optimizer]:

@@ -20,26 +20,13 @@ import optax
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from models import MLP, mse, regression_batches
+from models import MLP, Normed, mse, regression_batches
 
 import substrax
 from substrax.census import Comparison, census, compare, expected_communication, library_scope, phase_of
 from substrax.spmd import create_data_parallel_sharding, place_batch_on_shards
 
 F32 = 4
-
-
-class Normed(nnx.Module):
-    """Linear, BatchNorm (16 features), Linear: 129 parameters, 32 statistics."""
-
-    def __init__(self, axis_name: str | None = None) -> None:
-        rngs = nnx.Rngs(0)
-        self.hidden = nnx.Linear(4, 16, rngs=rngs)
-        self.norm = nnx.BatchNorm(16, momentum=0.5, axis_name=axis_name, rngs=rngs)
-        self.out = nnx.Linear(16, 1, rngs=rngs)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.out(self.norm(self.hidden(x)))
 
 
 def _state(model: nnx.Module, mesh: jax.sharding.Mesh, layout: str, tx: Any = None) -> nnx.Optimizer:
@@ -56,7 +43,7 @@ def _batch(mesh: jax.sharding.Mesh) -> dict:
 def _normed_census(
     mesh: jax.sharding.Mesh, mode: str, layout: str, axis_name: str | None, k: int
 ) -> Comparison:
-    model = Normed(axis_name)
+    model = Normed(axis_name, width=16)
     optimizer = _state(model, mesh, layout)
     return substrax.make_train_step(mse, mode, mesh=mesh, microbatches=k).census(
         model, optimizer, _batch(mesh)
@@ -264,7 +251,7 @@ def test_gradients_the_step_reduces_twice_are_caught(
         return jax.tree.unflatten(treedef, [r + 0.0 * a for r, a in zip(leaves, again, strict=True)])
 
     monkeypatch.setattr(_step, "reduce_gradients", twice)
-    model = Normed("data")
+    model = Normed("data", width=16)
     optimizer = _state(model, mesh8, "replicated")
     found = substrax.make_train_step(mse, "explicit", mesh=mesh8).census(model, optimizer, _batch(mesh8))
     assert not found.matches

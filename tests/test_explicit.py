@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import MLP, mse, regression_batches
+from conftest import MLP, Normed, mse, regression_batches
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -274,17 +274,6 @@ def test_unknown_mode_and_unknown_reduction(mesh8: jax.sharding.Mesh) -> None:
             substrax.make_train_step(_metrics_loss, mode, mesh=mesh8, has_aux=True, reduce={"sse": "total"})
 
 
-class Normed(nnx.Module):
-    def __init__(self, axis_name: str | None = None) -> None:
-        rngs = nnx.Rngs(0)
-        self.hidden = nnx.Linear(4, 8, rngs=rngs)
-        self.norm = nnx.BatchNorm(8, momentum=0.5, axis_name=axis_name, rngs=rngs)
-        self.out = nnx.Linear(8, 1, rngs=rngs)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.out(self.norm(self.hidden(x)))
-
-
 def test_batch_statistics_are_averaged_over_the_data_axis(mesh8: jax.sharding.Mesh) -> None:
     batch = regression_batches(1, rows=32)[0]
     with jax.set_mesh(mesh8):
@@ -364,7 +353,6 @@ def test_each_device_draws_its_own_dropout_mask(mesh8: jax.sharding.Mesh) -> Non
     # the stream advanced by the same count on every device and its key is unchanged
     assert int(model.drop.rngs.count.get_value()) == count + 2
     np.testing.assert_array_equal(jax.random.key_data(model.drop.rngs.key.get_value()), key)
-
 
 
 # --- what loss_fn returns, and the metrics' names -------------------------------------------

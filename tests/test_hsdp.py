@@ -149,15 +149,10 @@ def test_a_checkpoint_saved_under_hsdp_restores_into_fsdp_and_replicated(tmp_pat
 @pytest.mark.parametrize("mode", substrax.MODES)
 def test_hybrid_sharding_beside_a_model_axis(mode: str, units: bool) -> None:
     """(replica, data, model): substrax.nn layers in a scanned stack, split over model, hsdp over the rest."""
-    from test_scanned import Layer, Scanned, _batches, _params
+    from test_scanned import Layer, Scanned, _batches, _params, one_device_params
     from test_scanned import mse as scanned_mse
 
-    with jax.default_device(jax.devices()[0]):
-        ref = Scanned(3, 16)
-        ref_opt = nnx.Optimizer(ref, optax.sgd(0.1), wrt=nnx.Param)
-        one = nnx.jit(lambda m, o, b: o.update(m, nnx.grad(scanned_mse)(m, b)))
-        for b in _batches():
-            one(ref, ref_opt, b)
+    want = one_device_params()
     mesh = create_device_mesh({"replica": 2, "data": 2, "model": 2})
     with jax.set_mesh(mesh):
         model = Scanned(3, 16)
@@ -167,7 +162,7 @@ def test_hybrid_sharding_beside_a_model_axis(mode: str, units: bool) -> None:
     step = substrax.make_train_step(scanned_mse, mode, mesh=mesh)
     for b in _batches():
         step(model, optimizer, b)
-    want, got = _params(ref), _params(model)
+    got = _params(model)
     for key in want:
         np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
     if mode == "explicit":

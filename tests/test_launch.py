@@ -17,7 +17,7 @@ import time
 
 import jax
 import pytest
-from workers.launching import REPO, kill_all, launch, launch_and_signal, running
+from workers.launching import REPO, launch, launch_and_signal, reaping, running
 
 import substrax.launch
 from substrax.launch import _env
@@ -62,14 +62,11 @@ def test_free_port_is_free_on_loopback() -> None:
 def test_a_failed_process_ends_the_run_and_everything_it_started(how: str, code: int, said: str) -> None:
     # The other processes ignore SIGTERM: only the escalation to SIGKILL ends them.
     run = launch(3, 1, "plain_worker.py", "fail", how, timeout=60)
-    pids = run.pids()
-    try:
+    with reaping(run.pids()) as pids:
         assert run.returncode == code, run.output
         assert f"[launch] process 1 (pid {pids[1]}) {said}" in run.stderr
         assert run.seconds < BOUND_S
         assert len(pids) == 6 and running(pids) == []
-    finally:
-        kill_all(pids)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
@@ -78,36 +75,27 @@ def test_an_interrupted_launcher_leaves_nothing_running(tmp_path, sig: int) -> N
     run = launch_and_signal(
         tmp_path, 2, 1, "plain_worker.py", "wait", sig=sig, ready=2, timeout=60, options=["--grace", "1"]
     )
-    pids = run.pids()
-    try:
+    with reaping(run.pids()) as pids:
         assert run.returncode == 128 + sig, run.output
         assert f"got {signal.Signals(sig).name}" in run.stderr
         assert run.seconds < BOUND_S
         assert len(pids) == 4 and running(pids) == []
-    finally:
-        kill_all(pids)
 
 
 def test_ctrl_c_ends_jax_processes_stuck_in_a_collective(tmp_path) -> None:
     run = launch_and_signal(tmp_path, 2, 2, "mp_worker.py", "wait", sig=signal.SIGINT, ready=2)
-    pids = run.pids()
-    try:
+    with reaping(run.pids()) as pids:
         assert run.returncode == 130, run.output
         assert run.seconds < BOUND_S
         assert len(pids) == 4 and running(pids) == []
-    finally:
-        kill_all(pids)
 
 
 def test_jax_processes_end_themselves_when_the_launcher_is_killed(tmp_path) -> None:
     # SIGKILL gives the launcher no chance to clean up; initialize()'s watchdog does it.
     run = launch_and_signal(tmp_path, 2, 2, "mp_worker.py", "wait", sig=signal.SIGKILL, ready=2)
-    pids = run.pids()
-    try:
+    with reaping(run.pids()) as pids:
         assert run.returncode == -signal.SIGKILL
         assert running(pids, settle_s=10) == []
-    finally:
-        kill_all(pids)
 
 
 def test_the_cli_refuses_a_missing_script() -> None:
@@ -232,38 +220,31 @@ def test_sys_exit_in_a_jax_process_ends_the_run_at_once_with_its_code() -> None:
     # below, which is loose enough for a loaded 2-core machine.
     run = launch(2, 2, "mp_worker.py", "exit", timeout=120, options=["--shutdown-timeout", "60"])
     ended = time.time()
-    pids = run.pids()
-    try:
+    with reaping(run.pids()) as pids:
         assert run.returncode == 3, run.output
         assert f"[launch] process 1 (pid {pids[1]}) exited with code 3" in run.stderr
         exited = float(re.search(r"\[p1\] EXITING (\S+)", run.stdout).group(1))
         assert ended - exited < 15, f"the run ended {ended - exited:.1f} s after sys.exit(3)"
         assert running(pids) == []
-    finally:
-        kill_all(pids)
 
 
 def test_an_idle_run_ends_after_the_idle_timeout_naming_what_it_waited_for() -> None:
     # Both processes print READY, then hang (they ignore SIGTERM, as a JAX process may).
     run = launch(2, 1, "plain_worker.py", "wait", timeout=60, options=["--idle-timeout", "1"])
-    pids = run.pids()
-    try:
+    with reaping(run.pids()) as pids:
         assert run.returncode == 124, run.output
         said = re.search(r"\[launch\] no process printed a line for 1 s \(--idle-timeout\): (.*)", run.stderr)
         assert said, run.stderr
         for i in (0, 1):  # quietest first: whichever printed READY first
             assert re.search(rf"(^|; )process {i} \(pid {pids[i]}\), no line for \d+ s[;.]", said[1]), said[1]
         assert run.seconds < BOUND_S and running(pids) == []
-    finally:
-        kill_all(pids)
 
 
 def test_the_idle_timeout_names_the_process_that_went_quiet_first(tmp_path) -> None:
     # Process 1 goes quiet after READY; process 0 prints for 2 s more, then both hang.
     ready = str(tmp_path / "ready")
     run = launch(2, 1, "plain_worker.py", "quiet", ready, timeout=60, options=["--idle-timeout", "1"])
-    pids = run.pids()
-    try:
+    with reaping(run.pids()) as pids:
         assert run.returncode == 124, run.output
         said = re.search(
             r"\[launch\] no process printed a line for 1 s \(--idle-timeout\): "
@@ -274,8 +255,6 @@ def test_the_idle_timeout_names_the_process_that_went_quiet_first(tmp_path) -> N
         assert said, run.stderr
         assert int(said[1]) >= int(said[2]) + 1 and int(said[2]) >= 1
         assert run.seconds < BOUND_S and running(pids) == []
-    finally:
-        kill_all(pids)
 
 
 def test_launch_refuses_a_bad_idle_timeout() -> None:

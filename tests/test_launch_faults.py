@@ -19,7 +19,7 @@ import optax
 import pytest
 from flax import nnx
 from models import MLP
-from workers.launching import REPO, Run, kill_all, launch, launch_and_signal, launcher_command, running
+from workers.launching import REPO, Run, launch, launch_and_signal, launcher_command, reaping, running
 
 import substrax.launch
 from substrax import checkpoint
@@ -51,8 +51,7 @@ def test_a_sigterm_saves_the_step_at_hand_on_every_process_and_ends_the_run_with
         options=["--grace", "60"],
         to_process=None if to == "launcher" else 1,
     )
-    pids = run.pids()
-    try:
+    with reaping(run.pids()) as pids:
         assert run.returncode == 143, run.output
         assert "NOT STOPPED" not in run.stdout
         saved = re.search(r"\[p0\] substrax\.checkpoint: SIGTERM: step (\d+) saved", run.stderr)
@@ -67,8 +66,6 @@ def test_a_sigterm_saves_the_step_at_hand_on_every_process_and_ends_the_run_with
             named = re.search(r"\[launch\] process ([01]) \(pid (\d+)\) exited with code 143", run.stderr)
             assert named and int(named.group(2)) == pids[int(named.group(1))], run.stderr
         assert run.seconds < BOUND_S and running(pids) == []
-    finally:
-        kill_all(pids)
     model = MLP()
     optimizer = nnx.Optimizer(model, optax.sgd(1e-2), wrt=nnx.Param)
     with checkpoint.CheckpointManager(directory, read_only=True) as manager:
@@ -101,14 +98,11 @@ def test_a_second_signal_kills_at_once(tmp_path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    pids = Run(proc.returncode, out.read_text(), err, seconds).pids()
-    try:
+    with reaping(Run(proc.returncode, out.read_text(), err, seconds).pids()) as pids:
         assert proc.returncode == 130, err
         assert "[launch] got SIGINT again; killing every process now." in err
         assert seconds < 2.5, seconds
         assert running(pids) == []
-    finally:
-        kill_all(pids)
 
 
 @pytest.mark.parametrize(
@@ -125,8 +119,7 @@ def test_a_failure_after_a_process_stalled_or_left_names_that_process(mode: str,
     # Process 0 exits 134 a moment after process 1 stopped itself, or exited 0: as a JAX
     # process aborts when a peer stops answering, or leaves it alone in a collective.
     run = launch(2, 1, "launch_plain.py", mode, timeout=60)
-    pids = run.pids()
-    try:
+    with reaping(run.pids()) as pids:
         assert run.returncode == 134, run.output
         said = re.search(
             r"\[launch\] process 0 \(pid \d+\) exited with code 134, probably because (.*)", run.stderr
@@ -136,8 +129,6 @@ def test_a_failure_after_a_process_stalled_or_left_names_that_process(mode: str,
         if mode == "stall":
             assert f"[launch] process 1 (pid {pids[1]}) is stopped" in run.stderr
         assert run.seconds < BOUND_S and running(pids) == []
-    finally:
-        kill_all(pids)
 
 
 def test_a_jax_process_whose_script_ended_early_is_named_when_its_peer_fails() -> None:
@@ -145,8 +136,7 @@ def test_a_jax_process_whose_script_ended_early_is_named_when_its_peer_fails() -
     # waits at JAX's shutdown barrier (1 s here), which then fails both. Whichever exits
     # first, the launcher names process 1 as the one that left.
     run = launch(2, 1, "launch_jax.py", "leave", timeout=120, options=["--shutdown-timeout", "1"])
-    pids = run.pids()
-    try:
+    with reaping(run.pids()) as pids:
         assert run.returncode != 0, run.output
         said = re.search(r"\[launch\] (process \d \(pid \d+\)) .*?, probably because (.*)", run.stderr)
         assert said, run.stderr
@@ -155,8 +145,6 @@ def test_a_jax_process_whose_script_ended_early_is_named_when_its_peer_fails() -
         assert why.startswith(f"{left} left early: its script ended"), why
         assert "process 0 (pid" not in why
         assert run.seconds < BOUND_S and running(pids) == []
-    finally:
-        kill_all(pids)
 
 
 def test_a_script_that_never_initializes_is_warned_about_and_one_that_does_is_not() -> None:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from workers.launching import Run, kill_all, launch, running
+from workers.launching import Run, launch, reaping, running
 
 from substrax.spmd import check_replicated_equal, create_data_parallel_sharding, place_batch_on_shards
 
@@ -75,15 +75,12 @@ def test_the_run_ends_cleanly_with_prefixed_output(checks_run: Run) -> None:
 def test_a_raising_jax_process_ends_the_run_fast() -> None:
     # Process 1 raises; process 0 ignores SIGTERM, as JAX's preemption handler would.
     run = launch(2, 4, "mp_worker.py", "fail", timeout=120)
-    pids = run.pids()
-    try:
+    with reaping(run.pids()) as pids:
         assert run.returncode == 1, run.output
         assert "[p1] RuntimeError: deliberate failure in process 1" in run.stderr
         assert f"[launch] process 1 (pid {pids[1]}) exited with code 1" in run.stderr
         assert run.seconds < BOUND_S
         assert len(pids) == 4 and running(pids) == []
-    finally:
-        kill_all(pids)
 
 
 def test_check_replicated_on_one_process_is_a_no_op(mesh8) -> None:

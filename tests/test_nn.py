@@ -72,14 +72,22 @@ def explicit(model: nnx.Module, mesh, x_spec: P, loss_axes):
         out_specs=(x_spec, P(), (specs, x_spec)),
         check_vma=True,
     )
-    forward = jax.shard_map(
+    forward, _ = sharded_forward(model, mesh, x_spec)
+    return jax.jit(run), jax.jit(forward), state
+
+
+def sharded_forward(model: nnx.Module, mesh, x_spec: P = P("data"), *, check_vma: bool = True):
+    """``model``'s forward pass under ``shard_map``, parameters split by their metadata; and its state."""
+    graphdef, state = nnx.split(model)
+    specs = nnx.get_partition_spec(state)
+    run = jax.shard_map(
         lambda state, x: nnx.merge(graphdef, state)(x),
         mesh=mesh,
         in_specs=(specs, x_spec),
         out_specs=x_spec,
-        check_vma=True,
+        check_vma=check_vma,
     )
-    return jax.jit(run), jax.jit(forward), state
+    return run, state
 
 
 def assert_trees_close(got, want) -> None:
@@ -446,14 +454,7 @@ def test_row_layer_names_the_input_it_wants() -> None:
     ):
         row(jnp.ones((4, 8)))
     mesh = create_device_mesh({"data": 2, "model": 4})
-    graphdef, state = nnx.split(row)
-    whole = jax.shard_map(  # the whole input, not a column layer's block
-        lambda state, x: nnx.merge(graphdef, state)(x),
-        mesh=mesh,
-        in_specs=(nnx.get_partition_spec(state), P("data")),
-        out_specs=P("data"),
-        check_vma=True,
-    )
+    whole, state = sharded_forward(row, mesh)  # the whole input, not a column layer's block
     with pytest.raises(
         ValueError,
         match=r"last dimension is 4 .*in_features=16 split over 'model' of size 4.*got shape \(2, 16\)",
@@ -466,15 +467,7 @@ def test_heads_must_divide_over_model_axis() -> None:
     message = r"num_heads=2 cannot be split over axis 'model' of size 4"
     with jax.set_mesh(mesh), pytest.raises(ValueError, match=message):
         ParallelSelfAttention(2, 8, rngs=nnx.Rngs(0))
-    model = ParallelSelfAttention(2, 8, rngs=nnx.Rngs(0))  # no mesh: built whole
-    graphdef, state = nnx.split(model)
-    run = jax.shard_map(
-        lambda state, x: nnx.merge(graphdef, state)(x),
-        mesh=mesh,
-        in_specs=(nnx.get_partition_spec(state), P("data")),
-        out_specs=P("data"),
-        check_vma=True,
-    )
+    run, state = sharded_forward(ParallelSelfAttention(2, 8, rngs=nnx.Rngs(0)), mesh)  # no mesh: built whole
     with pytest.raises(ValueError, match=message):
         run(state, batch((4, 5, 8)))
     with pytest.raises(ValueError, match="qkv_features=10 is not a multiple of num_heads=4"):
@@ -483,14 +476,7 @@ def test_heads_must_divide_over_model_axis() -> None:
 
 def test_shard_without_check_vma_is_refused() -> None:
     mesh = create_device_mesh({"data": 2, "model": 4})
-    graphdef, state = nnx.split(Block())
-    run = jax.shard_map(
-        lambda state, x: nnx.merge(graphdef, state)(x),
-        mesh=mesh,
-        in_specs=(nnx.get_partition_spec(state), P("data")),
-        out_specs=P("data"),
-        check_vma=False,
-    )
+    run, state = sharded_forward(Block(), mesh, check_vma=False)
     with pytest.raises(
         ValueError, match=r"ColumnParallelLinear: .*not typed as varying over 'model'.*check_vma=True"
     ):

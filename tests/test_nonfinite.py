@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import MLP, mse, params_of, regression_batches
+from conftest import MLP, Normed, mse, params_of, regression_batches
 from flax import nnx
 
 import substrax
@@ -63,21 +63,10 @@ def test_a_nonfinite_batch_skips_the_update_and_training_goes_on(
         assert np.all(np.isfinite(got))
 
 
-class Normed(nnx.Module):
-    def __init__(self) -> None:
-        rngs = nnx.Rngs(0)
-        self.hidden = nnx.Linear(4, 8, rngs=rngs)
-        self.norm = nnx.BatchNorm(8, rngs=rngs)
-        self.out = nnx.Linear(8, 1, rngs=rngs)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.out(self.norm(self.hidden(x)))
-
-
 @pytest.mark.parametrize("mode", substrax.MODES)
 def test_a_skipped_step_keeps_the_batch_statistics(mesh8: jax.sharding.Mesh, mode: str) -> None:
     with jax.set_mesh(mesh8):
-        model = Normed()
+        model = Normed(momentum=0.99)
         optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
     before = _state(model, optimizer)
     batch = _poisoned(regression_batches(1, rows=32)[0], "x", np.nan)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from models import Partitioned
 
 from substrax.mesh import DeviceMeshManager, create_device_mesh
 from substrax.spmd import place_nnx_state_on_shards
@@ -38,19 +38,11 @@ def test_get_mesh_info_single_axis() -> None:
     assert info == {"total_devices": 2, "axes": {"data": 2}}
 
 
-class Tower(nnx.Module):
-    def __init__(self) -> None:
-        init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
-        self.wide = nnx.Linear(4, 8, kernel_init=init, rngs=nnx.Rngs(0))
-        self.head = nnx.Linear(8, 2, rngs=nnx.Rngs(1))
-        self.count = nnx.BatchStat(jnp.zeros(()))
-
-
 @pytest.fixture(scope="module")
 def mesh_and_state() -> tuple[jax.sharding.Mesh, nnx.State]:
     mesh = create_device_mesh({"data": 2, "model": 4})
     with jax.set_mesh(mesh):
-        return mesh, nnx.state(Tower())
+        return mesh, nnx.state(Partitioned())
 
 
 def test_a_prebuilt_named_sharding_tree(mesh_and_state: tuple) -> None:

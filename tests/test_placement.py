@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
+from models import Partitioned
 
 from substrax.mesh import create_device_mesh
 from substrax.spmd import create_data_parallel_sharding, place_batch_on_shards, place_nnx_state_on_shards
@@ -98,19 +99,10 @@ def test_traced_leaf_is_refused(mesh8: jax.sharding.Mesh) -> None:
         jax.jit(lambda x: place_batch_on_shards({"x": x}, s))(np.ones(8))
 
 
-class Tower(nnx.Module):
-    def __init__(self) -> None:
-        rngs = nnx.Rngs(0)
-        init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
-        self.wide = nnx.Linear(4, 8, kernel_init=init, rngs=rngs)
-        self.head = nnx.Linear(8, 2, rngs=rngs)
-        self.count = nnx.BatchStat(jnp.zeros(()))
-
-
 def test_nnx_state_declared_filters_and_one_spec() -> None:
     mesh = create_device_mesh({"data": 2, "model": 4})
     with jax.set_mesh(mesh):
-        state = nnx.state(Tower())
+        state = nnx.state(Partitioned())
     declared = place_nnx_state_on_shards(state, mesh, None)
     assert declared["wide"]["kernel"].get_value().sharding.spec == P(None, "model")
     assert declared["head"]["kernel"].get_value().sharding.is_fully_replicated
@@ -128,12 +120,14 @@ def test_nnx_state_declared_filters_and_one_spec() -> None:
 def test_nnx_state_errors() -> None:
     mesh = create_device_mesh({"data": 2, "model": 4})
     with jax.set_mesh(mesh):
-        state = nnx.state(Tower())
+        state = nnx.state(Partitioned())
     with pytest.raises(ValueError, match=r"axis 'rows' of .* not in the mesh, whose axes are \('data', 'model'\)"):
         place_nnx_state_on_shards(state, mesh, {nnx.PathContains("kernel"): P("rows")})
     with pytest.raises(ValueError, match=r"state\['head'\]\['bias'\] has size 2 along dimension 0, which does not divide by 4.* Make that size a multiple of 4\.$"):
         place_nnx_state_on_shards(state, mesh, {nnx.PathContains("bias"): P("model")})
     with pytest.raises(ValueError, match=r"state\['head'\]\['bias'\] has shape \(2,\) .* give it a spec with no more dimensions than it has"):
         place_nnx_state_on_shards(state, mesh, {nnx.PathContains("bias"): P(None, "model")})
-    with pytest.raises(TypeError, match=r"takes a state, not the module Tower: pass nnx.state\(model\)"):
-        place_nnx_state_on_shards(Tower.__new__(Tower), mesh, P())
+    with pytest.raises(
+        TypeError, match=r"takes a state, not the module Partitioned: pass nnx.state\(model\)"
+    ):
+        place_nnx_state_on_shards(Partitioned.__new__(Partitioned), mesh, P())

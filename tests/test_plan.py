@@ -34,7 +34,7 @@ class Case:
     blocks: int = 0  # > 0: the example transformer (LayerNorm, attention), d=width, 32 tokens
     depth: int = 0  # > 0: test_units.Stack (Linear(width, width) + tanh layers)
     adam: bool = False  # > 0 depth: benchmarks/memory.py's stack (no embedding layer) and Adam
-    norm: str = ""  # Normed(width, activation): "linear" or "tanh"
+    norm: str = ""  # LayerNormed(width, activation): "linear" or "tanh"
     image: int = 0  # > 0: Convolutional on image x image pictures (rows of them)
     vocab: int = 0  # > 0: Bigram(vocab, width) on rows of 16 tokens
     min_size: int | None = None  # shard_state's (None: its default)
@@ -106,7 +106,7 @@ class Tower(nnx.Module):
         return self.head(x)[:, 0]
 
 
-class Normed(nnx.Module):
+class LayerNormed(nnx.Module):
     """``Linear(width, width)``, ``LayerNorm``, ``activation`` ("linear" or "tanh"), a
     ``Linear(width, 1)`` head."""
 
@@ -177,7 +177,7 @@ def _build(case: Case):
         optimizer = nnx.Optimizer(model, optax.adam(1e-3) if case.adam else optax.sgd(0.1), wrt=nnx.Param)
         return model, optimizer, units.mse, units._batch(case.width, case.rows)
     if case.norm:
-        model = Normed(case.width, case.norm)
+        model = LayerNormed(case.width, case.norm)
         optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
         return model, optimizer, mse, regression_batches(1, case.rows, din=case.width)[0]
     if not case.width:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import FLAT_LAYOUTS, MLP, mse, regression_batches
+from conftest import FLAT_LAYOUTS, MLP, Normed, mse, regression_batches
 from flax import nnx
 
 import substrax
@@ -155,23 +155,10 @@ def test_the_census_of_a_bfloat16_step_matches_and_says_what_the_cpu_widens(
     assert any("widens such collectives to float32" in note for note in found.notes), found.notes
 
 
-class _Normed(nnx.Module):
-    """An MLP with a BatchNorm in training mode: its statistics change in every step."""
-
-    def __init__(self, axis_name: str | None = None) -> None:
-        rngs = nnx.Rngs(0)
-        self.hidden = nnx.Linear(4, 16, rngs=rngs)
-        self.norm = nnx.BatchNorm(16, momentum=0.5, axis_name=axis_name, rngs=rngs)
-        self.out = nnx.Linear(16, 1, rngs=rngs)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.out(jnp.tanh(self.norm(self.hidden(x))))
-
-
 def _train_normed(mesh, mode: str, precision, microbatches: int):
     # explicit mode normalizes with the whole (micro)batch's statistics through axis_name, as
     # implicit mode does without it
-    model = _Normed(axis_name="data" if mode == "explicit" else None)
+    model = Normed(axis_name="data" if mode == "explicit" else None, width=16, tanh=True)
     optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
     step = substrax.make_train_step(mse, mode, mesh=mesh, precision=precision, microbatches=microbatches)
     sharding = create_data_parallel_sharding(mesh)

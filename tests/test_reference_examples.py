@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import MLP, assert_params_close, mse, params_of, regression_batches
+from conftest import MLP, assert_params_close, mse, one_device_training, params_of, regression_batches
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -44,18 +44,7 @@ def with_lam(batch: dict[str, np.ndarray], lam: Any) -> dict:
 
 def one_device(loss_fn: Callable[..., jax.Array], batches: list[Any]) -> tuple[list[float], dict]:
     """Plain nnx on one device, no mesh, no sharding: what every example must match."""
-    device = jax.devices()[0]
-    with jax.default_device(device):
-        model = MLP()
-        optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
-
-        @nnx.jit
-        def step(model: MLP, optimizer: nnx.Optimizer, batch: Any) -> jax.Array:
-            loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
-            optimizer.update(model, grads)
-            return loss
-
-        losses = [float(step(model, optimizer, jax.device_put(b, device))) for b in batches]
+    losses, model = one_device_training(batches, optax.adam(LR), loss_fn=loss_fn)
     return losses, params_of(model)
 
 

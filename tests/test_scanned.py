@@ -84,8 +84,8 @@ def _params(model: nnx.Module) -> dict[str, np.ndarray]:
     return {"/".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
-@pytest.fixture(scope="module")
-def reference() -> dict[str, np.ndarray]:
+def one_device_params() -> dict[str, np.ndarray]:
+    """``Scanned(3, 16)`` trained with SGD on ``_batches()`` on one device: the reference."""
     with jax.default_device(jax.devices()[0]):
         model = Scanned(3, 16)
         optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
@@ -93,6 +93,11 @@ def reference() -> dict[str, np.ndarray]:
         for b in _batches():
             step(model, optimizer, b)
     return _params(model)
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, np.ndarray]:
+    return one_device_params()
 
 
 def _placed(mesh: jax.sharding.Mesh, variant: str, depth: int = 3, width: int = 16) -> tuple[Scanned, nnx.Optimizer]:

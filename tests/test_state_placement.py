@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import MLP, assert_params_close, mse, params_of, regression_batches
+from conftest import MLP, assert_params_close, mse, params_of, reference_training, regression_batches
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -218,29 +218,13 @@ def test_an_optimizer_built_for_another_model_is_refused(mesh8: jax.sharding.Mes
         substrax.shard_state(model, wider, mesh=mesh8)
 
 
-def _one_device_run(name: str, batches: list[dict]) -> tuple[list[float], dict]:
-    device = jax.devices()[0]
-    with jax.default_device(device):
-        model = MLP()
-        optimizer = nnx.Optimizer(model, OPTIMIZERS[name](), wrt=nnx.Param)
-
-        @nnx.jit
-        def step(model: MLP, optimizer: nnx.Optimizer, batch: dict) -> jax.Array:
-            loss, grads = nnx.value_and_grad(mse)(model, batch)
-            optimizer.update(model, grads)
-            return loss
-
-        losses = [float(step(model, optimizer, jax.device_put(b, device))) for b in batches]
-    return losses, params_of(model)
-
-
 @pytest.mark.parametrize("fsdp", [True, False], ids=["fsdp", "zero1"])
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_implicit_mode_trains_placed_state_like_one_device(
     mesh8: jax.sharding.Mesh, name: str, fsdp: bool
 ) -> None:
     batches = regression_batches(4, rows=32)
-    want_losses, want_params = _one_device_run(name, batches)
+    want_losses, want_params = reference_training(batches, tx=OPTIMIZERS[name]())
     model, optimizer, _ = _placed((4, 16), name, fsdp, mesh8)
     step = substrax.make_train_step(mse, "implicit", mesh=mesh8)
     sharding = create_data_parallel_sharding(mesh8)

@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import FLAT_LAYOUTS, MLP, assert_params_close, mse, params_of, reference_training, regression_batches
+from conftest import (
+    FLAT_LAYOUTS,
+    MLP,
+    assert_params_close,
+    mse,
+    params_of,
+    reference_training,
+    regression_batches,
+)
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
+from models import Dropped
 
 import substrax
 from substrax.explicit import explicit_train_step
@@ -42,18 +52,27 @@ def reference(batches: list[dict]) -> tuple[list[float], dict]:
     return reference_training(batches, lr=LR)
 
 
-def test_spmd_train_step_as_the_reference_writes_it(mesh8: jax.sharding.Mesh, batches: list, reference: tuple) -> None:
-    with jax.set_mesh(mesh8):
+def _as_the_reference_writes_it(
+    step_fn: Any, mesh: jax.sharding.Mesh, batches: list
+) -> tuple[MLP, list[float]]:
+    """The test MLP trained by ``step_fn`` called as the reference calls it: in the user's
+    ``nnx.jit``, the mesh set, the batch placed; its losses."""
+    with jax.set_mesh(mesh):
         model = MLP()
         optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
 
     @nnx.jit
     def train_step(model: MLP, optimizer: nnx.Optimizer, batch: dict) -> jax.Array:
-        return spmd_train_step(model, optimizer, mse, batch)
+        return step_fn(model, optimizer, mse, batch)
 
-    sharding = create_data_parallel_sharding(mesh8)
-    with jax.set_mesh(mesh8):
+    sharding = create_data_parallel_sharding(mesh)
+    with jax.set_mesh(mesh):
         losses = [float(train_step(model, optimizer, place_batch_on_shards(b, sharding))) for b in batches]
+    return model, losses
+
+
+def test_spmd_train_step_as_the_reference_writes_it(mesh8: jax.sharding.Mesh, batches: list, reference: tuple) -> None:
+    model, losses = _as_the_reference_writes_it(spmd_train_step, mesh8, batches)
     assert model.hidden.kernel.get_value().sharding.is_fully_replicated
     np.testing.assert_allclose(losses, reference[0], rtol=1e-5)
     assert_params_close(params_of(model), reference[1])
@@ -78,17 +97,7 @@ def test_explicit_on_a_2d_mesh_reduces_over_data_only(batches: list, reference: 
 
 
 def test_explicit_step_called_directly_with_the_context_mesh(mesh8: jax.sharding.Mesh, batches: list, reference: tuple) -> None:
-    with jax.set_mesh(mesh8):
-        model = MLP()
-        optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
-
-    @nnx.jit
-    def train_step(model: MLP, optimizer: nnx.Optimizer, batch: dict) -> jax.Array:
-        return explicit_train_step(model, optimizer, mse, batch)
-
-    sharding = create_data_parallel_sharding(mesh8)
-    with jax.set_mesh(mesh8):
-        losses = [float(train_step(model, optimizer, place_batch_on_shards(b, sharding))) for b in batches[:10]]
+    _, losses = _as_the_reference_writes_it(explicit_train_step, mesh8, batches[:10])
     np.testing.assert_allclose(losses, reference[0][:10], rtol=1e-5)
 
 
@@ -270,17 +279,6 @@ def test_a_prefix_placed_batch_needs_no_batch_spec(mesh8: jax.sharding.Mesh, bat
     np.testing.assert_allclose(float(loss), results[0][0][0], rtol=1e-6)
 
 
-class _Dropped(nnx.Module):
-    def __init__(self) -> None:
-        rngs = nnx.Rngs(0, dropout=1)
-        self.hidden = nnx.Linear(4, 16, rngs=rngs)
-        self.drop = nnx.Dropout(0.5, rngs=rngs)
-        self.out = nnx.Linear(16, 1, rngs=rngs)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.out(self.drop(jnp.tanh(self.hidden(x))))
-
-
 def test_a_split_written_from_another_trace_raises_as_flax_does() -> None:
     """The plain call sets its results with one trace check for all variables (not two per
     variable): from inside a jit, where flax refuses to set a variable made outside, it still does."""
@@ -348,7 +346,7 @@ def test_a_split_sees_every_change_to_the_graph(change: str) -> None:
 def test_the_plain_call_follows_changes_to_the_model(mesh8: jax.sharding.Mesh, mode: str) -> None:
     """The split is kept between calls, but a changed graph, setting or layout is seen."""
     batch = regression_batches(1, rows=32)[0]
-    model = _Dropped()
+    model = Dropped()
     optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
     step = substrax.make_train_step(mse, mode, mesh=mesh8)
     step(model, optimizer, batch)

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from conftest import MLP, mse, needs_libtpu
 from flax import nnx
 
@@ -72,3 +73,22 @@ def test_a_concrete_model_is_planned_on_a_tpu_mesh_by_its_shapes() -> None:
     assert got.rows[0].peak_bytes == want.rows[0].peak_bytes and got.rows[0].bytes == want.rows[0].bytes
     assert isinstance(model.hidden.kernel.get_value(), jax.Array)  # the model itself left as it was
 
+
+
+def test_a_step_the_tpu_compiler_refuses_is_a_row_that_does_not_fit() -> None:
+    """One v5e chip (16,909,336,064 B): 16,384 rows through a 262,144-wide hidden layer, 16 GiB a
+    buffer, past its memory. Before: plan raised the compiler's RESOURCE_EXHAUSTED."""
+    mesh = topology_mesh("v5e:1x1", {"data": 1})
+    model, optimizer = nnx.eval_shape(
+        lambda: (m := MLP(128, 1 << 18, 128), nnx.Optimizer(m, optax.sgd(0.1), wrt=nnx.Param))
+    )
+    wide = {k: jax.ShapeDtypeStruct((16384, 128), jnp.float32) for k in ("x", "y")}
+    found = substrax.plan(mse, model, optimizer, wide, mesh=mesh, layouts=["replicated"])
+    (row,) = found.rows
+    assert row.device_bytes == 16_909_336_064  # a compile-only v5e reports none: the chip's own
+    assert row.fits is False and "Ran out of memory on HBM" in row.refused
+    assert row.peak_bytes > row.device_bytes and "does not fit: the TPU compiler refused it" in str(found)
+    with pytest.raises(ValueError, match="No configuration fits 16,909,336,064 bytes per device"):
+        found.best()
+    small = substrax.plan(mse, *_abstract(), BATCH, mesh=mesh, layouts=["replicated"])
+    assert small.rows[0].fits is True and small.best() is small.rows[0]

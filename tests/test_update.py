@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import MLP, mse, noise_floor, params_of, reference_training, regression_batches
+from conftest import MLP, Normed, mse, noise_floor, params_of, reference_training, regression_batches
 from flax import nnx
 
 import substrax
@@ -89,17 +89,6 @@ def test_replicated_state_that_varies_per_device_is_refused_not_averaged(mesh8: 
         ValueError, match=r"model\['seen'\] \(Tally, float32\) came out of the step different on each device"
     ):
         step(model, optimizer, batch)
-
-
-class Normed(nnx.Module):
-    def __init__(self, axis_name: str | None = None) -> None:
-        rngs = nnx.Rngs(0)
-        self.hidden = nnx.Linear(4, 8, rngs=rngs)
-        self.norm = nnx.BatchNorm(8, momentum=0.5, axis_name=axis_name, rngs=rngs)
-        self.out = nnx.Linear(8, 1, rngs=rngs)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.out(self.norm(self.hidden(x)))
 
 
 def _per_slice_reference(batch: dict, devices: int, microbatches: int, lr: float) -> tuple[float, Normed]:

@@ -8,7 +8,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,6 +122,15 @@ def running(pids: list[int], *, settle_s: float = 5.0) -> list[int]:
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.1)
+
+
+@contextmanager
+def reaping(pids: list[int]) -> Iterator[list[int]]:
+    """``pids``, and those of them still running when the block ends killed (``kill_all``)."""
+    try:
+        yield pids
+    finally:
+        kill_all(pids)
 
 
 def kill_all(pids: list[int]) -> None:

@@ -28,14 +28,19 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from models import MLP, mse, regression_batches  # noqa: E402  (not conftest: it sets 8 devices)
+from models import (  # noqa: E402  (not conftest: it sets 8 devices)
+    MLP,
+    Dropped,
+    mse,
+    one_device_training,
+    regression_batches,
+)
 
 import substrax  # noqa: E402
 from substrax.launch import process_slice  # noqa: E402
@@ -45,33 +50,11 @@ from substrax.spmd import create_data_parallel_sharding, place_batch_on_shards  
 STEPS, ROWS, LR, MIN_SIZE = 6, 32, 1e-2, 16
 
 
-class Dropped(nnx.Module):
-    """The test MLP with dropout: random streams (a key and a count) in the model's state."""
-
-    def __init__(self, seed: int = 0) -> None:
-        rngs = nnx.Rngs(seed, dropout=seed + 1)
-        self.hidden = nnx.Linear(4, 16, rngs=rngs)
-        self.drop = nnx.Dropout(0.25, rngs=rngs)
-        self.out = nnx.Linear(16, 1, rngs=rngs)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.out(self.drop(jnp.tanh(self.hidden(x))))
-
-
 def one_device_dropout_run(batches: list[dict]) -> tuple[list[float], list[np.ndarray]]:
     """Plain nnx on this process's first device, on the whole batches: the reference."""
-    device = jax.local_devices()[0]
-    with jax.default_device(device):
-        model = Dropped()
-        optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
-
-        @nnx.jit
-        def step(model: Dropped, optimizer: nnx.Optimizer, batch: dict) -> jax.Array:
-            loss, grads = nnx.value_and_grad(mse)(model, batch)
-            optimizer.update(model, grads)
-            return loss
-
-        losses = [float(step(model, optimizer, jax.device_put(b, device))) for b in batches]
+    losses, model = one_device_training(
+        batches, optax.adam(LR), model=lambda: Dropped(0.25), device=jax.local_devices()[0]
+    )
     return losses, [np.asarray(v) for v in jax.tree.leaves(nnx.state(model, nnx.Param))]
 
 
@@ -82,7 +65,7 @@ def rngs_checks() -> None:
     why = []
     for layout in ("fsdp", "zero1"):
         for mode in substrax.MODES:
-            model = Dropped()  # built outside any mesh: its arrays sit on one local device
+            model = Dropped(0.25)  # built outside any mesh: its arrays sit on one local device
             optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
             substrax.shard_state(model, optimizer, mesh=mesh, params=layout == "fsdp", min_size=MIN_SIZE)
             for path, variable in nnx.to_flat_state(nnx.state(model, nnx.RngKey)):

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import substrax.launch
 
@@ -41,6 +42,9 @@ from substrax.spmd import (  # noqa: E402
     create_data_parallel_sharding,
     place_batch_on_shards,
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from models import MLP, one_device_training  # noqa: E402  (not conftest: it sets 8 devices)
 
 ROWS, DIN, STEPS, LR = 32, 4, 12, 1e-2
 FAILURES: list[str] = []
@@ -67,16 +71,6 @@ def local_value(arr: jax.Array) -> np.ndarray:
         out[shard.index] = np.asarray(shard.data)
     assert not np.isnan(out).any(), "this process's shards do not cover the array"
     return out
-
-
-class MLP(nnx.Module):
-    def __init__(self, seed: int = 0) -> None:
-        rngs = nnx.Rngs(seed)
-        self.hidden = nnx.Linear(DIN, 16, rngs=rngs)
-        self.out = nnx.Linear(16, 1, rngs=rngs)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.out(jnp.tanh(self.hidden(x)))
 
 
 def weighted_mse(model: MLP, batch: dict) -> jax.Array:
@@ -168,26 +162,14 @@ def checks() -> None:
 
     batches = global_batches()
     device = jax.local_devices()[0]  # the reference: one device, the whole batch
-    with jax.default_device(device):
-        ref_model = MLP()
-        ref_opt = nnx.Optimizer(ref_model, optax.adam(LR), wrt=nnx.Param)
-
-        @nnx.jit
-        def ref_step(model: MLP, optimizer: nnx.Optimizer, batch: dict) -> jax.Array:
-            loss, grads = nnx.value_and_grad(weighted_mse)(model, batch)
-            optimizer.update(model, grads)
-            return loss
-
-        ref_losses = [float(ref_step(ref_model, ref_opt, jax.device_put(b, device))) for b in batches]
-    ref_params = params(ref_model)
 
     def reference(make_tx, steps: int) -> tuple[list[float], dict[str, np.ndarray]]:
         """``steps`` of ``batches`` on one device, the whole batch, with ``make_tx()``."""
-        with jax.default_device(device):
-            model = MLP()
-            optimizer = nnx.Optimizer(model, make_tx(), wrt=nnx.Param)
-            losses = [float(ref_step(model, optimizer, jax.device_put(b, device))) for b in batches[:steps]]
+        tx = make_tx()
+        losses, model = one_device_training(batches[:steps], tx, loss_fn=weighted_mse, device=device)
         return losses, params(model)
+
+    ref_losses, ref_params = reference(lambda: optax.adam(LR), len(batches))
 
     def assert_trained_like(model: MLP, losses: list[float], want: tuple[list[float], dict]) -> None:
         np.testing.assert_allclose(losses, want[0], rtol=1e-5)

@@ -1,0 +1,158 @@
+"""The plan's rows and table: each configuration's predicted communication and memory."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from flax import nnx
+
+from substrax import _layout
+from substrax._train.chooser import make_train_step
+
+__all__ = ["Plan", "PlanRow"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRow:
+    """One configuration's predicted communication and state, per device and per step.
+
+    Attributes:
+      mode: ``"implicit"`` or ``"explicit"``.
+      layout: ``"replicated"``, ``"zero1"``, ``"fsdp"`` or ``"hsdp"``.
+      units: The units given to ``shard_state`` (``repr``), ``"-"`` for none.
+      mesh: The mesh's shape, ``"data=4,model=2"``.
+      bytes: ``(kind, axes) -> bytes`` of the collectives the step must run.
+      optional_bytes: Bytes of collectives the compiler may leave out.
+      state_bytes: Parameters and optimizer state one device holds (exact).
+      batch_bytes: The batch one device holds.
+      gathered_bytes: Parameters one device holds gathered at once inside the step.
+      output_bytes: The step's outputs beyond those written into its donated state.
+      temp_bytes: The step's temporaries at their peak (estimated: see the planning guide).
+      padding_bytes: What the compiled program's arguments hold beyond ``state_bytes`` and
+        ``batch_bytes`` (a TPU pads small arrays to tiles; random keys); 0 when estimated.
+      device_bytes: Each device's memory (``substrax.mesh.device_memory``: a GPU's from its
+        description), ``None`` where unknown (a CPU's).
+      compiler: Where the bytes come from: ``"XLA:CPU rules (estimated)"``, or the platform
+        the step was compiled for, ``"tpu (compiled)"``.
+      notes: What the prediction could not read.
+      refused: The TPU compiler's refusal of a step that does not fit (its message; ``peak_bytes``
+        then holds the arguments plus the temporaries it says it needed, to its 0.01 GB), else ``""``.
+      shard_options: ``shard_state``'s keywords for this configuration (mesh, layout, units...).
+      step_options: ``make_train_step``'s keywords (the mesh, the plan's step options).
+
+    ``row.shard_state(model, optimizer)`` and ``row.make_train_step(loss_fn)`` build the row's
+    configuration.
+    """
+
+    mode: str
+    layout: str
+    units: str
+    mesh: str
+    bytes: dict[tuple[str, str], int]
+    optional_bytes: int
+    state_bytes: int
+    batch_bytes: int
+    gathered_bytes: int = 0
+    output_bytes: int = 0
+    temp_bytes: int = 0
+    padding_bytes: int = 0
+    compiler: str = "XLA:CPU rules (estimated)"
+    device_bytes: int | None = None
+    notes: tuple[str, ...] = ()
+    refused: str = ""
+    shard_options: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    step_options: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+    def shard_state(self, model: nnx.Module, optimizer: nnx.Optimizer[Any]) -> Any:
+        """``shard_state`` with this row's mesh, layout, units and placement."""
+        return _layout.shard_state(model, optimizer, **self.shard_options)
+
+    def make_train_step(self, loss_fn: Callable[..., Any], **options: Any) -> Any:
+        """``make_train_step`` with this row's mode, mesh and step options (``options`` added)."""
+        return make_train_step(loss_fn, self.mode, **{**self.step_options, **options})
+
+    @property
+    def peak_bytes(self) -> int:
+        """The step's peak per device, state donated (``.bind``, the plain call): ``memory_analysis()``'s
+        argument + output + temp - alias; estimated (the explicit step's, by XLA:CPU's rules) or compiled."""
+        return self.state_bytes + self.batch_bytes + self.padding_bytes + self.output_bytes + self.temp_bytes
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the step fits a device: on a TPU, whether its compiler took it (it refuses a step
+        that does not fit, by its own count); else whether ``peak_bytes`` fits ``device_bytes``
+        (``None`` where unknown). The GPU compiler compiles a step that does not fit; this says so."""
+        if self.compiler.startswith("tpu"):
+            return not self.refused
+        return None if self.device_bytes is None else self.peak_bytes <= self.device_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes every required collective moves, per device per step."""
+        return sum(self.bytes.values())
+
+    def seconds(self, bandwidth: float) -> float:
+        """Communication time at ``bandwidth`` bytes per second (collectives not overlapped)."""
+        return self.total_bytes / bandwidth
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The rows of ``plan``, one per configuration; ``print`` shows them as a table, each row's
+    notes below it."""
+
+    rows: tuple[PlanRow, ...]
+
+    def best(self, memory: int | None = None, *, bandwidth: float | None = None) -> PlanRow:
+        """The row with the fewest bytes (or seconds at ``bandwidth``) whose state fits ``memory``.
+
+        ``memory``: bytes per device the step's estimated peak (``PlanRow.peak_bytes``) may
+        take; leave room for the estimate's error (see the planning guide). By default each
+        row's ``device_bytes`` where known (a GPU's, from its description: the GPU compiler
+        compiles what does not fit). Raises ``ValueError`` naming the smallest requirement
+        when no row fits.
+        """
+        limit = lambda r: r.device_bytes if memory is None else memory  # noqa: E731
+        fits = [
+            r
+            for r in self.rows
+            if not r.refused and (limit(r) is None or r.peak_bytes <= limit(r) or (memory is None and r.fits))
+        ]
+        if not fits:
+            least = min(self.rows, key=lambda r: r.peak_bytes)
+            raise ValueError(
+                f"No configuration fits {limit(least):,} bytes per device: the smallest, "
+                f"{_label(least)}, needs "
+                f"{least.peak_bytes:,} (peak_bytes). Add devices (a larger data axis), split more "
+                f"(layout='fsdp', units=...), or raise memory=."
+            )
+        cost = (lambda r: r.seconds(bandwidth)) if bandwidth else (lambda r: r.total_bytes)
+        return min(fits, key=cost)
+
+    def __str__(self) -> str:
+        kinds = sorted({k for r in self.rows for k in r.bytes})
+        head = ["mode", "layout", "units", "mesh", *(f"{k} ({a})" for k, a in kinds)]
+        compiled = {r.compiler.endswith("(compiled)") for r in self.rows}
+        head += ["total B", "state B", "peak B (compiled)" if compiled == {True} else "peak B (est.)"]
+        body = [
+            [r.mode, r.layout, r.units, r.mesh, *(f"{r.bytes.get(k, 0):,}" for k in kinds),
+             f"{r.total_bytes:,}", f"{r.state_bytes:,}", f"{r.peak_bytes:,}"]
+            for r in self.rows
+        ]  # fmt: skip
+        widths = [max(len(str(c)) for c in col) for col in zip(head, *body, strict=True)]
+        lines = [" | ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)) for r in [head, *body]]
+        notes = [f"{_label(r)}: {note}" for r in self.rows for note in _notes(r)]
+        rule = "-+-".join("-" * w for w in widths)
+        return "\n".join([lines[0], rule, *lines[1:], *(["notes:", *notes] if notes else [])])
+
+
+def _notes(row: PlanRow) -> tuple[str, ...]:
+    refused = (f"does not fit: the TPU compiler refused it ({row.refused})",) if row.refused else ()
+    return (*row.notes, *refused)
+
+
+def _label(row: PlanRow) -> str:
+    units = "" if row.units == "-" else f", units={row.units}"
+    return f"{row.mode} {row.layout}{units} on {row.mesh}"
