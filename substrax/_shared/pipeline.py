@@ -30,8 +30,10 @@ from substrax._layout._stages import STAGE_AXIS, staged_stack
 from substrax._tree import KeyPath, PyTree, node_at, path_str
 from substrax.nn._scan import STAGE_HOOK
 
-__all__ = ["SCHEDULES", "STAGE_AXIS", "Schedule", "Staged", "bubble_fraction", "check_schedule", "check_stage_axis",
-           "pipeline_of"]
+__all__ = [
+    "SCHEDULES", "STAGE_AXIS", "Schedule", "Staged", "bubble_fraction", "check_schedule", "check_stage_axis",
+    "floats_of", "pipeline_of", "put", "take", "with_floats",
+]
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -74,6 +76,11 @@ def pipeline_of(options: Any, mesh: Any, model: nnx.Module) -> KeyPath | None:
     """
     stack = staged_stack(model)
     names = tuple(getattr(mesh, "axis_names", ()) or ())
+    if options.schedule is not None and options.precision is not None:
+        raise ValueError(
+            f"schedule={options.schedule!r} with precision=: a pipelined step runs in the parameters' own "
+            f"dtype for now. Drop precision=, or train without schedule=."
+        )
     if options.schedule is None:
         if stack is not None and STAGE_AXIS in names:
             raise ValueError(
@@ -135,6 +142,17 @@ class Schedule:
         """``bubble_fraction(stages, microbatches)``, for both schedules."""
         return bubble_fraction(self.stages, self.microbatches)
 
+    @property
+    def phases(self) -> tuple[tuple[int, int, bool, bool], ...]:
+        """1F1B's ticks as ``(start, stop, forward, backward)`` runs: the warm-up runs forward
+        slots only (no stage has a backward yet), the steady state both, the cool-down backward
+        only; each phase is one loop. GPipe: its forward ticks, one phase."""
+        if self.name == "gpipe":
+            return ((0, self.ticks, True, False),)
+        s, k = self.stages, self.microbatches
+        runs = ((0, s - 1, True, False), (s - 1, k + s - 1, True, True), (k + s - 1, k + 2 * s - 2, False, True))
+        return tuple(r for r in runs if r[1] > r[0])
+
     def forward(self, tick: Any, stage: Any) -> Any:
         """The microbatch ``stage`` forwards at ``tick`` (ints or arrays; in range only when it runs)."""
         return tick - stage
@@ -172,6 +190,28 @@ def _scan_stack(graphdef: Any, params: nnx.State, rest: nnx.State, x: Any, args:
     if remat:
         body = jax.checkpoint(body)
     return jax.lax.scan(body, x, params)[0]
+
+
+def take(tree: PyTree, i: Any) -> PyTree:
+    """Entry ``i`` (an int or a traced index) of each leaf's leading axis."""
+    return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False), tree)
+
+
+def put(tree: PyTree, i: Any, value: PyTree) -> PyTree:
+    """``tree`` with entry ``i`` of each leaf's leading axis set to ``value``'s leaf."""
+    return jax.tree.map(lambda x, v: jax.lax.dynamic_update_index_in_dim(x, v, i, 0), tree, value)
+
+
+def floats_of(carry: PyTree) -> list[Any]:
+    """The floating leaves of a carry: what a stage differentiates (a mask or positions are not)."""
+    return [x for x in jax.tree.leaves(carry) if jnp.issubdtype(x.dtype, jnp.inexact)]
+
+
+def with_floats(carry: PyTree, floats: list[Any]) -> PyTree:
+    """``carry`` with its floating leaves replaced by ``floats`` (``floats_of``'s inverse)."""
+    leaves, treedef = jax.tree.flatten(carry)
+    it = iter(floats)
+    return jax.tree.unflatten(treedef, [next(it) if jnp.issubdtype(x.dtype, jnp.inexact) else x for x in leaves])
 
 
 class _Reached(Exception):
@@ -249,7 +289,7 @@ class Staged:
 
     def _model(self, outside: nnx.State, stack_whole: nnx.State | None = None) -> nnx.Module:
         whole = jax.tree.map(jax.lax.stop_gradient, self.stack_whole) if stack_whole is None else stack_whole
-        return nnx.merge(self.graphdef, outside, whole, self.rest)
+        return nnx.merge(self.graphdef, outside, whole, self.rest, copy=True)
 
     def _unchanged(self, model: nnx.Module, what: str) -> None:
         """Refuse ``loss_fn`` changing the model's state other than parameters (a pipeline drops it)."""

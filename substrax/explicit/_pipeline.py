@@ -12,6 +12,7 @@ recomputed from the stage input it stashed). See the pipelines guide.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -24,20 +25,12 @@ from substrax._batch.axes import spec_axes
 from substrax._metrics.collectives import to_varying_over, varying_axes
 from substrax._shared import scopes
 from substrax._shared.microbatch import split_microbatches
-from substrax._shared.pipeline import Schedule, Staged
+from substrax._shared.pipeline import Schedule, Staged, floats_of, put, take, with_floats
 from substrax._shared.pipeline_record import note_pipeline
 from substrax._tree import KeyPath, PyTree
 from substrax.nn import _declared as declared
 
 __all__ = ["pipelined_value_and_grad"]
-
-
-def _take(tree: PyTree, i: Any) -> PyTree:
-    return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False), tree)
-
-
-def _put(tree: PyTree, i: Any, value: PyTree) -> PyTree:
-    return jax.tree.map(lambda x, v: jax.lax.dynamic_update_index_in_dim(x, v, i, 0), tree, value)
 
 
 def _typed_like(tree: PyTree, like: PyTree) -> PyTree:
@@ -66,7 +59,7 @@ class _Stages:
         return (j >= 0) & (j < self.k)
 
     def microbatch(self, j: Any) -> PyTree:
-        return _take(self.slices, jnp.clip(j, 0, self.k - 1))
+        return take(self.slices, jnp.clip(j, 0, self.k - 1))
 
     def prologue(self, outside: nnx.State, j: Any) -> Any:
         return self.varying(self.staged.prologue(outside, self.microbatch(j)))
@@ -125,39 +118,49 @@ def _one_f_one_b(p: _Stages, outside: nnx.State, stack: nnx.State, scale: float,
     zero_out = p.loss_type(outside, zero_carry)
     depth = p.schedule.stash
 
-    def backward(c: Any, g: Any, j: Any) -> tuple[Any, Any, Any, Any, Any]:
-        def f(outside: nnx.State, stack: nnx.State, c: Any) -> tuple[Any, Any]:
-            c = jax.lax.cond(p.first, lambda: _typed_like(p.prologue(outside, j), c), lambda: c)
-            out = p.stage(stack, c)
-            loss, aux = jax.lax.cond(p.last, lambda: p.epilogue(outside, out, j), lambda: zero_out)
-            return (out, loss), aux
+    def backward(c: Any, g: list[Any], j: Any) -> tuple[Any, Any, Any, Any, Any]:
+        """The stage's backward slot on microbatch ``j`` (its input ``c``, the output's cotangent ``g``):
+        its forward recomputed, with the prologue on stage 0 and the loss on the last stage."""
 
-        (out, loss), vjp, aux = jax.vjp(f, outside, stack, c, has_aux=True)
+        def f(outside: nnx.State, stack: nnx.State, floats: list[Any]) -> tuple[Any, Any]:
+            c_in = with_floats(c, floats)
+            c_in = jax.lax.cond(p.first, lambda: _typed_like(p.prologue(outside, j), c_in), lambda: c_in)
+            out = p.stage(stack, c_in)
+            loss, aux = jax.lax.cond(p.last, lambda: p.epilogue(outside, out, j), lambda: zero_out)
+            return (floats_of(out), loss), aux
+
+        (out, loss), vjp, aux = jax.vjp(f, outside, stack, floats_of(c), has_aux=True)
         ct = (jax.lax.cond(p.last, lambda: _zeros_like(out), lambda: g), jnp.full_like(loss, scale))
         d_outside, d_stack, d_c = vjp(ct)
         return d_outside, d_stack, d_c, loss, aux
 
-    zero_grads = (_zeros_like(outside, dtype), _zeros_like(stack, dtype))
-    zero_back = (_zeros_like(outside), _zeros_like(stack), zero_carry, *zero_out)
+    zero_back = (_zeros_like(outside), _zeros_like(stack), floats_of(zero_carry), *zero_out)
 
-    def tick(state: Any, t: Any) -> tuple[Any, None]:
+    def tick(state: Any, t: Any, forward: bool, backward_: bool) -> tuple[Any, None]:
         recv, recv_g, stash, (g_out, g_stack), losses, auxes = state
-        jf = p.schedule.forward(t, p.s)
-        carry = jax.lax.cond(p.first & p.valid(jf), lambda: _typed_like(p.prologue(outside, jf), recv), lambda: recv)
-        stash = jax.lax.cond(p.valid(jf), lambda: _put(stash, jf % depth, carry), lambda: stash)
-        out = jax.lax.cond(p.valid(jf) & ~p.last, lambda: p.stage(stack, carry), lambda: carry)
-        jb = p.schedule.backward(t, p.s)
-        d_out, d_stack, d_c, loss, aux = jax.lax.cond(
-            p.valid(jb), lambda: backward(_take(stash, jb % depth), recv_g, jb), lambda: zero_back
-        )
-        grads = jax.tree.map(lambda a, d: a + d.astype(a.dtype), (g_out, g_stack), (d_out, d_stack))
-        auxes = jax.lax.cond(p.last & p.valid(jb), lambda: _put(auxes, jb, aux), lambda: auxes)
-        return (p.send(out, 1), p.send(d_c, -1), stash, grads, losses + loss, auxes), None
+        if forward:  # this stage's forward slot: microbatch jf from the previous stage (stage 0: the prologue)
+            jf = p.schedule.forward(t, p.s)
+            carry = jax.lax.cond(p.first & p.valid(jf), lambda: _typed_like(p.prologue(outside, jf), recv), lambda: recv)
+            stash = jax.lax.cond(p.valid(jf), lambda: put(stash, jf % depth, carry), lambda: stash)
+            recv = p.send(jax.lax.cond(p.valid(jf) & ~p.last, lambda: p.stage(stack, carry), lambda: carry), 1)
+        if backward_:  # its backward slot: microbatch jb's cotangent from the next stage (the last: the loss)
+            jb = p.schedule.backward(t, p.s)
+            d_out, d_stack, d_c, loss, aux = jax.lax.cond(
+                p.valid(jb), lambda: backward(take(stash, jb % depth), recv_g, jb), lambda: zero_back
+            )
+            g_out, g_stack = jax.tree.map(lambda a, d: a + d.astype(a.dtype), (g_out, g_stack), (d_out, d_stack))
+            auxes = jax.lax.cond(p.last & p.valid(jb), lambda: put(auxes, jb, aux), lambda: auxes)
+            losses, recv_g = losses + loss, p.send(d_c, -1)
+        return (recv, recv_g, stash, (g_out, g_stack), losses, auxes), None
 
     stash = jax.tree.map(lambda z: jnp.zeros((depth, *z.shape), z.dtype), zero_carry)
     auxes = jax.tree.map(lambda z: jnp.zeros((p.k, *z.shape), z.dtype), zero_out[1])
-    state = (zero_carry, zero_carry, p.varying(stash), zero_grads, zero_out[0], p.varying(auxes))
-    (_, _, _, (g_out, g_stack), losses, auxes), _ = jax.lax.scan(tick, state, jnp.arange(p.schedule.ticks))
+    grads = (_zeros_like(outside, dtype), _zeros_like(stack, dtype))
+    state = (zero_carry, floats_of(zero_carry), p.varying(stash), grads, zero_out[0], p.varying(auxes))
+    for start, stop, forward, backward_ in p.schedule.phases:
+        body = functools.partial(tick, forward=forward, backward_=backward_)
+        state, _ = jax.lax.scan(body, state, jnp.arange(start, stop))
+    _, _, _, (g_out, g_stack), losses, auxes = state
     return losses, auxes, g_out, g_stack
 
 
@@ -205,9 +208,7 @@ def pipelined_value_and_grad(
         loss = jax.lax.psum(total * scale, axes)
     with jax.named_scope(scopes.METRICS):  # every stage's copy of the last stage's metrics
         aux = jax.tree.map(lambda a: jax.lax.psum(jnp.where(p.last, a, jnp.zeros_like(a)), stage_axis), aux)
-    n = len(staged.path)
     grads = [(tuple(path), v) for path, v in nnx.to_flat_state(g_out)]
     grads += [((*staged.path, *path), v) for path, v in nnx.to_flat_state(g_stack)]
     order = {tuple(path): i for i, (path, _) in enumerate(nnx.to_flat_state(nnx.state(model, nnx.Param)))}
-    del n
     return loss, aux, nnx.from_flat_state(sorted(grads, key=lambda pv: order[pv[0]]))

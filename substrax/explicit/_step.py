@@ -159,6 +159,21 @@ def run_step(
     Returns:
       ``(out, applied)``: what ``explicit_train_step`` returns, and ``apply_update``'s flag.
     """
+    before = state_values((model, optimizer)) if options.skip_nonfinite else None
+    loss, metrics, grads = sharded_value_and_grad(model, optimizer, loss_fn, batch, options)
+    applied = apply_update(model, optimizer, grads, loss, before)
+    return ((loss, metrics) if options.has_aux else loss), applied
+
+
+def sharded_value_and_grad(
+    model: M,
+    optimizer: nnx.Optimizer[M] | None,
+    loss_fn: Callable[[M, PyTree], Any],
+    batch: PyTree,
+    options: StepOptions,
+) -> tuple[jax.Array, Any, nnx.State]:
+    """The step's ``shard_map``: ``(loss, metrics, grads)``, each gradient reduced as the layout says
+    (``optimizer=None``: every one whole), the model's other state updated in place."""
     o = options
     data_axis, microbatches, reduce = o.data_axis, o.microbatches, o.reduce
     mesh = current_mesh(o.mesh, required_axes=(data_axis,))
@@ -177,7 +192,6 @@ def run_step(
         value_and_grad = functools.partial(
             pipelined_value_and_grad, schedule=o.schedule, stage_axis=STAGE_AXIS, stack_path=stack
         )
-    before = state_values((model, optimizer)) if o.skip_nonfinite else None
     graphdef, state = nnx.split(model)
     state_specs = nnx.get_partition_spec(state)
     rest_specs = nnx.get_partition_spec(nnx.state(model, nnx.Not(nnx.Param)))
@@ -282,5 +296,4 @@ def run_step(
     )
     rest, grads, loss, metrics = run(state, batch)
     nnx.update(model, rest)
-    applied = apply_update(model, optimizer, grads, loss, before)
-    return ((loss, metrics) if o.has_aux else loss), applied
+    return loss, metrics, grads

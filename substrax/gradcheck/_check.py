@@ -14,7 +14,7 @@ from substrax._shared.precision import MixedPrecision
 from substrax._tree import PyTree, map_arrays
 from substrax.explicit._step import BatchSpec
 from substrax.gradcheck._diagnosis import scale_and_diagnosis
-from substrax.gradcheck._gradients import data_parallel_gradients, reference_gradient
+from substrax.gradcheck._gradients import data_parallel_gradients, pipelined_gradients, reference_gradient
 from substrax.gradcheck._layers import layer_axis_names, per_shard_statistics, per_shard_statistics_text
 from substrax.gradcheck._report import (
     GradientReport,
@@ -39,6 +39,8 @@ def compare_gradients(
     batch_spec: BatchSpec | None = None,
     has_aux: bool = False,
     precision: MixedPrecision | None = None,
+    microbatches: int = 1,
+    schedule: str | None = None,
 ) -> GradientReport:
     """Compare the data-parallel gradients of ``loss_fn`` with a one-device reference.
 
@@ -61,6 +63,11 @@ def compare_gradients(
       has_aux: Whether ``loss_fn`` returns ``(loss, metrics)``; the metrics are ignored.
       precision: A ``substrax.MixedPrecision`` policy to run the two paths under, checked
         to the policy's wider tolerance.
+      microbatches: With ``schedule``, the microbatches of the pipelined steps.
+      schedule: ``"gpipe"`` or ``"1f1b"``: the implicit and explicit gradients are those of
+        the pipelined steps (``make_train_step(..., schedule=)``), on ``model`` as
+        ``shard_state(..., stages=)`` placed it on ``mesh`` (see the pipelines guide);
+        ``candidate`` and ``precision`` do not apply then.
 
     Returns:
       A ``GradientReport``; ``str(report)`` is a table with a row per parameter and,
@@ -72,6 +79,11 @@ def compare_gradients(
         (names the paths), or as the explicit step does for a batch that cannot be split
         or a loss that is not a scalar.
     """
+    if schedule is not None and (candidate is not None or precision is not None):
+        raise ValueError(
+            "compare_gradients(schedule=...) checks the gradients of the pipelined steps, in the parameters' "
+            "dtype; drop candidate= and precision= (or schedule=)."
+        )
     if has_aux:
         loss_with_aux = loss_fn
         loss_fn = lambda m, b: loss_with_aux(m, b)[0]
@@ -86,18 +98,16 @@ def compare_gradients(
         ref = widen_to_policy_error(ref, under_policy)
     per_shard = per_shard_statistics(model, state, after, data_axis)
     shard_statistics = per_shard_statistics_text(per_shard, data_axis)
-    grads = data_parallel_gradients(
-        graphdef,
-        state,
-        loss_fn,
-        host_batch,
-        mesh,
-        data_axis=data_axis,
-        batch_spec=batch_spec,
-        candidate=candidate,
-        axes=axes,
-        precision=precision,
-    )
+    if schedule is not None:
+        grads = pipelined_gradients(
+            model, loss_fn, host_batch, mesh, data_axis=data_axis, batch_spec=batch_spec,
+            microbatches=microbatches, schedule=schedule,
+        )  # fmt: skip
+    else:
+        grads = data_parallel_gradients(
+            graphdef, state, loss_fn, host_batch, mesh, data_axis=data_axis, batch_spec=batch_spec,
+            candidate=candidate, axes=axes, precision=precision,
+        )  # fmt: skip
     by_method = {method: flatten_method(method, g, ref) for method, g in grads.items()}
     rows, worst = leaf_rows(ref, by_method)
     scale, diagnosis = {}, {}

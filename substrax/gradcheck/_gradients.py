@@ -13,7 +13,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from substrax._batch.placement import place_batch_on_shards
 from substrax._shared.precision import MixedPrecision
 from substrax._tree import PyTree, broadcast_prefix, map_arrays
-from substrax.explicit._step import BatchSpec, explicit_value_and_grad
+from substrax._shared.options import StepOptions
+from substrax.explicit._step import BatchSpec, explicit_value_and_grad, sharded_value_and_grad
+from substrax.spmd._step import global_gradients
 
 
 def _rng_counts(state: nnx.State) -> dict[str, int]:
@@ -139,3 +141,31 @@ def data_parallel_gradients(
         if candidate is not None:
             grads["candidate"] = candidate(model, placed)
     return grads
+
+
+def pipelined_gradients(
+    model: Any,
+    loss_fn: Callable[[Any, PyTree], jax.Array],
+    host_batch: PyTree,
+    mesh: Mesh,
+    *,
+    data_axis: str,
+    batch_spec: BatchSpec | None,
+    microbatches: int,
+    schedule: str,
+) -> dict[str, Any]:
+    """The gradient of each mode's pipelined step (``schedule``, ``microbatches``), by mode.
+
+    ``model`` is used as placed (``shard_state(..., stages=...)`` on ``mesh``): the steps'
+    own gradient halves run on it, the pipeline's ticks and permutes included.
+    """
+    shardings = _batch_shardings(host_batch, mesh, data_axis, batch_spec)
+    options = StepOptions(
+        mesh=mesh, data_axis=data_axis, batch_spec=batch_spec, microbatches=microbatches, schedule=schedule
+    )
+    with jax.set_mesh(mesh):
+        placed = place_batch_on_shards(host_batch, shardings)
+        return {
+            "implicit": nnx.jit(lambda m, b: global_gradients(m, loss_fn, b, options)[1])(model, placed),
+            "explicit": nnx.jit(lambda m, b: sharded_value_and_grad(m, None, loss_fn, b, options)[2])(model, placed),
+        }

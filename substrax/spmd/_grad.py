@@ -21,6 +21,8 @@ from substrax._layout._specs import spec_tuple, without_axes
 from substrax._shared.loss import loss_and_metrics
 from substrax._shared.microbatch import microbatched, split_global_microbatches
 from substrax._shared.options import StepOptions
+from substrax._shared.pipeline import pipeline_of
+from substrax.spmd._pipeline import pipelined_value_and_grad
 from substrax._tree import PyTree
 
 __all__ = ["gathered_for_use", "global_value_and_grad"]
@@ -66,11 +68,19 @@ def global_value_and_grad(
         value_and_grad = nnx.value_and_grad(checked_loss, has_aux=True)
     else:
         value_and_grad = o.precision.value_and_grad(checked_loss)
-    if o.microbatches == 1:
+    stack = pipeline_of(o, mesh, model)  # the staged stack's path, or None: no pipeline
+    if o.microbatches == 1 and stack is None:
         out, grads = value_and_grad(model, batch)
         return out, grads, 1
     assert mesh is not None  # run_step refuses microbatches without a mesh
-    ways = math.prod(mesh.shape[a] for a in spec_axes(o.row_axes(mesh)))
+    rows = spec_axes(o.row_axes(mesh))
+    ways = math.prod(mesh.shape[a] for a in rows)
     slices = split_global_microbatches(batch, specs, ways, o.microbatches)
+    if stack is not None:
+        out, grads = pipelined_value_and_grad(
+            checked_loss, model, slices, mesh=mesh, rows=rows, schedule=o.schedule,
+            microbatches=o.microbatches, stack_path=stack,
+        )  # fmt: skip
+        return out, grads, ways
     out, grads = microbatched(value_and_grad, model, slices)
     return out, grads, ways

@@ -78,6 +78,27 @@ def spmd_train_step(
     return run_step(model, optimizer, loss_fn, batch, options)[0]
 
 
+def global_gradients(
+    model: M, loss_fn: Callable[[M, PyTree], Any], batch: PyTree, options: StepOptions
+) -> tuple[tuple[jax.Array, Any], nnx.State, int, Any]:
+    """The step's gradient half: ``((loss, aux), grads, ways, mesh)``; ``ways``: the devices the
+    rows are split over (with microbatches), ``mesh``: the one the batch is split over, or None."""
+    o = options
+    found = current_mesh_with(o.data_axis, o.mesh)  # the mesh the batch is split over
+    if found is None and (o.batch_spec is not None or o.microbatches > 1):
+        current_mesh(o.mesh, required_axes=(o.data_axis,))  # raises, naming what is missing
+    specs = None
+    if found is not None:
+        check_mesh_axes(model, found, "model")
+        rows = o.row_axes(found)  # data, or (replica, data) for hybrid sharding
+        check_replica_axis(model, o.replica_axis, rows)
+        specs = batch_partition_specs(batch, o.batch_spec, found, rows)
+        check_microbatches(o.microbatches, batch, specs, found, rows)
+        batch = jax.lax.with_sharding_constraint(batch, specs)
+    out, grads, ways = global_value_and_grad(loss_fn, model, batch, o, found, specs)
+    return out, grads, ways, found
+
+
 def run_step(
     model: M,
     optimizer: nnx.Optimizer[M],
@@ -91,20 +112,8 @@ def run_step(
       ``(out, applied)``: what ``spmd_train_step`` returns, and ``apply_update``'s flag.
     """
     o = options
-    found = current_mesh_with(o.data_axis, o.mesh)  # the mesh the batch is split over
-    if found is None and (o.batch_spec is not None or o.microbatches > 1):
-        current_mesh(o.mesh, required_axes=(o.data_axis,))  # raises, naming what is missing
-    specs = None
-    if found is not None:
-        check_mesh_axes(model, found, "model")
-        rows = o.row_axes(found)  # data, or (replica, data) for hybrid sharding
-        check_replica_axis(model, o.replica_axis, rows)
-        specs = batch_partition_specs(batch, o.batch_spec, found, rows)
-        check_microbatches(o.microbatches, batch, specs, found, rows)
-        batch = jax.lax.with_sharding_constraint(batch, specs)
     before = state_values((model, optimizer)) if o.skip_nonfinite else None
-
-    (loss, aux), grads, ways = global_value_and_grad(loss_fn, model, batch, o, found, specs)
+    (loss, aux), grads, ways, found = global_gradients(model, loss_fn, batch, o)
     applied = apply_update(model, optimizer, grads, loss, before)
     if not o.has_aux:
         return loss, applied
