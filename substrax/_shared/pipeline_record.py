@@ -27,7 +27,8 @@ class PipelineRun:
       schedule: ``"gpipe"`` or ``"1f1b"``.
       stages: The size of the ``stage`` axis.
       microbatches: The microbatches per step.
-      ticks: The schedule's loop iterations (``Schedule.ticks``).
+      ticks: The schedule's ticks (``Schedule.ticks``).
+      phases: ``Schedule.phases``: ``(start, stop, forward, backward)`` per loop.
       mode: ``"explicit"`` or ``"implicit"``.
       carry: One stage's carry on one device, ``(shape, dtype)`` per leaf (the stack's input
         and the arrays that travel with it).
@@ -38,6 +39,7 @@ class PipelineRun:
     stages: int
     microbatches: int
     ticks: int
+    phases: tuple[tuple[int, int, bool, bool], ...]
     mode: str
     carry: tuple[tuple[tuple[int, ...], np.dtype[Any]], ...] = ()
     aux: tuple[tuple[tuple[int, ...], np.dtype[Any]], ...] = ()
@@ -71,7 +73,7 @@ def note_pipeline(schedule: Any = None, *, mode: str = "", carry: Any = None, au
         return
     if schedule is not None:
         fields.update(schedule=schedule.name, stages=int(schedule.stages), microbatches=int(schedule.microbatches),
-                      ticks=int(schedule.ticks), mode=mode)  # fmt: skip
+                      ticks=int(schedule.ticks), phases=tuple(schedule.phases), mode=mode)  # fmt: skip
     if carry is not None:
         fields["carry"] = _avals(carry)
     if aux is not None:

@@ -12,6 +12,7 @@ loop and their transpose in another; 1F1B both permutes in one loop.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -26,7 +27,7 @@ from substrax._shared.pipeline_record import PipelineRun
 from substrax._tree import path_str
 from substrax.census._expected import ExpectedCollective, _hlo_type
 
-__all__ = ["outside_leaves", "permute_items", "pipeline_items"]
+__all__ = ["outside_leaves", "permute_items", "pipeline_items", "pipeline_note", "stage_unit_items"]
 
 _Aval = tuple[tuple[int, ...], np.dtype[Any]]
 
@@ -46,32 +47,70 @@ _DEAD = (
 )
 
 
+def _loops(run: PipelineRun) -> list[tuple[str, int, bool, bool]]:
+    """``(name, iterations, forward, backward)`` per loop of the schedule: GPipe's forward ticks
+    and their transpose; 1F1B's warm-up (forward slots), steady state (both), cool-down (backward)."""
+    if run.schedule == "gpipe":
+        return [("GPipe's forward loop", run.ticks, True, False), ("GPipe's backward loop", run.ticks, False, True)]
+    names = {(True, False): "1F1B's warm-up", (True, True): "1F1B's steady state", (False, True): "1F1B's cool-down"}
+    return [(names[f, b], stop - start, f, b) for start, stop, f, b in run.phases]
+
+_LAST = "the cool-down's last tick sends a cotangent nothing reads: XLA drops a one-tick loop's"
+
+
+def stage_unit_items(units: list[ExpectedCollective], run: PipelineRun) -> list[ExpectedCollective]:
+    """FSDP units inside a stage, per loop of the schedule: ``units`` are ``unit_items``'s for one
+    tick (one microbatch); each runs in the loops that run its slot, once per tick and layer (the
+    census counts the bubble's ticks too: the tick's ``cond`` skips them at run time). A forward
+    gather runs in the forward slots; the backward slots run the reduce-scatter, the backward
+    gather and, in 1F1B (which recomputes the stage's forward pass there), the forward gather again."""
+    out = []
+    for item in units:
+        if item.what.startswith("root unit"):  # the parameters outside every unit: once per step
+            out.append(item)
+            continue
+        recomputed = item.what.endswith("recomputed")
+        forward = item.kind == "all-gather" and not item.optional
+        for loop, ticks, has_forward, has_backward in _loops(run):
+            if not (has_forward if forward else has_backward):
+                continue
+            required = recomputed and run.schedule == "1f1b"
+            out.append(
+                dataclasses.replace(
+                    item, what=f"{item.what}, {ticks} ticks of {loop}", bytes=item.bytes * ticks, in_loop=True,
+                    optional=item.optional and not required, why="" if required else item.why,
+                )
+            )  # fmt: skip
+    return out
+
+
 def permute_items(run: PipelineRun) -> list[ExpectedCollective]:
     """Each tick's permutes of the carry (forward, ``+1``) and its cotangent (backward, ``-1``).
 
-    One buffer per carry leaf, in the loop of ``run.ticks`` iterations (bytes per step: one
-    tick's times the ticks); the cotangent only of the floating leaves. None on one stage.
+    One buffer per carry leaf and loop of the schedule (bytes per step: one tick's times the
+    loop's iterations); the cotangent only of the floating leaves. None on one stage.
     """
     if run.stages < 2:
         return []
     items = []
     floating = [a for a in run.carry if np.issubdtype(a[1], np.inexact)]
     gpipe = run.schedule == "gpipe"
-    for name, leaves, shift in (("carry", run.carry, 1), ("cotangent", floating, -1)):
-        phase = ("forward" if shift == 1 else "backward") if gpipe else None
-        loop = f"GPipe's {phase} loop" if gpipe else "1F1B's loop"
-        for i, aval in enumerate(leaves):
-            leaf = "" if len(leaves) == 1 else f" leaf {i}"
+    for loop, ticks, forward, backward in _loops(run):
+        for name, leaves, shift, on in (("carry", run.carry, 1, forward), ("cotangent", floating, -1, backward)):
+            phase = ("forward" if shift == 1 else "backward") if gpipe else None
             to = "next" if shift == 1 else "previous"
-            optional = shift == -1 and i > 0  # the stack's input's cotangent is leaf 0
-            items.append(
-                ExpectedCollective(
-                    "collective-permute", f"pipeline: {name}{leaf} to the {to} stage, per tick of {loop}",
-                    _bytes(aval) * run.ticks, "pipeline", scopes=(scopes.PIPELINE,), buffer=_buffer(aval),
-                    phase=phase, axes=(STAGE_AXIS,), in_loop=True, shift=shift, optional=optional,
-                    why=_DEAD if optional else "",
-                )
-            )  # fmt: skip
+            for i, aval in enumerate(leaves if on else ()):
+                leaf = "" if len(leaves) == 1 else f" leaf {i}"
+                # the stack's input's cotangent is leaf 0; a cool-down of one tick sends one nothing reads
+                optional = shift == -1 and (i > 0 or (ticks == 1 and not forward and not gpipe))
+                items.append(
+                    ExpectedCollective(
+                        "collective-permute", f"pipeline: {name}{leaf} to the {to} stage, {ticks} ticks of {loop}",
+                        _bytes(aval) * ticks, "pipeline", scopes=(scopes.PIPELINE,), buffer=_buffer(aval),
+                        phase=phase, axes=(STAGE_AXIS,), in_loop=ticks > 1, shift=shift, optional=optional,
+                        why=(_DEAD if i > 0 else _LAST) if optional else "",
+                    )
+                )  # fmt: skip
     return items
 
 
@@ -99,6 +138,11 @@ def pipeline_items(
     ``data_axes``: the axes the step splits rows over (``data``, with hybrid sharding the
     replica axis too); ``sizes``: the mesh's axis sizes.
     """
+    if run.mode == "implicit":  # XLA places the global view's carry: its rows split over the data axes
+        rows = math.prod(sizes.get(a, 1) for a in data_axes)
+        carry = tuple(((a[0][0] // rows, *a[0][1:]), a[1]) if a[0] and a[0][0] % rows == 0 else a for a in run.carry)
+        items = permute_items(dataclasses.replace(run, carry=carry))
+        return [dataclasses.replace(i, scopes=(), shift=None, phase=None) for i in items]
     items = permute_items(run)
     if run.stages < 2:
         return items
@@ -118,3 +162,15 @@ def pipeline_items(
     if math.prod(sizes.get(a, 1) for a in data_axes) == 1:  # else one sum over data and stage: the loss's
         items.append(ExpectedCollective("all-reduce", "loss", 4, "loss", scopes=(scopes.LOSS,), axes=(STAGE_AXIS,)))
     return items
+
+
+def pipeline_note(run: PipelineRun) -> str:
+    """The schedule in a line: its loops, their ticks, the bubble."""
+    loops = ", ".join(f"{loop} {ticks}" for loop, ticks, _, _ in _loops(run))
+    idle = run.stages - 1
+    return (
+        f"pipeline: {run.schedule} over {run.stages} stages, {run.microbatches} microbatches; ticks per loop: "
+        f"{loops}; bubble (stages - 1) / (microbatches + stages - 1) = {idle}/{run.microbatches + idle} "
+        f"({idle / (run.microbatches + idle):.0%}). The census counts a collective inside these loops once per "
+        f"tick; a stage's own work there (a unit's gathers) runs under the tick's cond, skipped in the bubble"
+    )

@@ -34,7 +34,7 @@ from substrax.census._items import (
     unit_items,
     update_dims,
 )
-from substrax.census._pipeline import pipeline_items
+from substrax.census._pipeline import pipeline_items, pipeline_note, stage_unit_items
 from substrax.census._report import CensusReport, Comparison, census, compare
 from substrax.census._rows import library_scope
 from substrax.census._text import short_op
@@ -242,7 +242,7 @@ def expected_step(
     loss_dtype = out[0].dtype if options.has_aux else out.dtype
     sizes = _axis_sizes(options, model, optimizer)
     replicas = sizes.get(options.replica_axis, 1) if options.mode == "explicit" else 1
-    piped = _pipeline_expected(pipeline, model, options, sizes, np.dtype(loss_dtype).itemsize)
+    piped, piped_notes = _pipeline_expected(pipeline, model, options, sizes, np.dtype(loss_dtype).itemsize)
     if layout.axis_size == 1 and replicas == 1:  # a data axis of size 1: nothing moves over it
         # over another axis (a tensor-parallel ``model``), the update still reduces what the
         # layers split there (a global norm, the non-finite flags): the update's own census
@@ -254,9 +254,9 @@ def expected_step(
             update=update,
         )  # fmt: skip
         # what the model issues itself (BatchNorm's psum over a size-1 axis_name) is attributed
-        return expected.with_items(layer_items(layers, options.microbatches, sizes, recomputed) + piped), ()
+        return expected.with_items(layer_items(layers, options.microbatches, sizes, recomputed) + piped), piped_notes
     metrics = _metric_items(out, options.has_aux)
-    notes = []
+    notes = list(piped_notes)
     try:
         update: list[ExpectedCollective] | None = update_items(options, model, optimizer, loss_dtype)
     except Exception as error:  # noqa: BLE001  (the census goes on with the layout's rule)
@@ -295,10 +295,12 @@ def expected_step(
     if options.mode == "explicit" and sizes.get(options.replica_axis, 1) > 1:  # hybrid sharding
         across = cross_replica_items(leaves, options, sizes, precision, widened)
     if options.mode == "explicit" and layout.axis_size > 1:  # a unit's parameters move together
-        per, again = _unit_runs(pipeline, options, recomputed)
+        per_tick = options if pipeline is None else options.replace(microbatches=1, schedule=None)
+        again = recomputed or (pipeline is not None and pipeline.schedule == "1f1b")
         leaves, units = unit_items(
-            model, leaves, per, sizes[options.data_axis], precision, widened, layered, again, platform
+            model, leaves, per_tick, sizes[options.data_axis], precision, widened, layered, again, platform
         )
+        units = units if pipeline is None else stage_unit_items(units, pipeline)
     expected = expected_communication(
         leaves,
         layout=layout.kind,
@@ -349,19 +351,12 @@ def expected_step(
 
 def _pipeline_expected(
     pipeline: PipelineRun | None, model: nnx.Module, options: StepOptions, sizes: dict[str, int], loss_bytes: int
-) -> list[ExpectedCollective]:
-    """A pipelined step's own communication over ``stage`` (``census._pipeline``), ``[]`` without one."""
+) -> tuple[list[ExpectedCollective], tuple[str, ...]]:
+    """A pipelined step's own communication over ``stage`` (``census._pipeline``) and a note on its
+    schedule; nothing without one."""
     if pipeline is None:
-        return []
+        return [], ()
     rows = tuple(a for a in (options.replica_axis, options.data_axis) if a in sizes)
     items = pipeline_items(pipeline, model, rows, sizes)
-    return [dataclasses.replace(i, bytes=loss_bytes) if i.category == "loss" else i for i in items]
-
-
-def _unit_runs(pipeline: PipelineRun | None, options: StepOptions, recomputed: bool) -> tuple[StepOptions, bool]:
-    """The options and ``recomputed`` ``unit_items`` takes: in a pipeline a unit inside the stack runs
-    once per tick of the schedule's loop (as counted: the tick's ``cond`` skips the bubble's), and
-    1F1B's backward slot recomputes the stage's forward pass, its gathers with it."""
-    if pipeline is None:
-        return options, recomputed
-    return options.replace(microbatches=pipeline.ticks), recomputed or pipeline.schedule == "1f1b"
+    items = [dataclasses.replace(i, bytes=loss_bytes) if i.category == "loss" else i for i in items]
+    return items, (pipeline_note(pipeline),)

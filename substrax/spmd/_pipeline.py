@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from substrax._layout import STAGE_AXIS, spec_tuple, without_axes
 from substrax._shared.pipeline import Schedule, Staged, floats_of, put, take, with_floats
+from substrax._shared.pipeline_record import note_pipeline
 from substrax._tree import KeyPath, PyTree
 
 __all__ = ["pipelined_value_and_grad"]
@@ -118,6 +119,7 @@ def _gpipe(g: _Global, outside: nnx.State, stack: nnx.State) -> tuple[Any, Any]:
     """The mean loss over microbatches (and the aux stacked), GPipe's forward ticks; autodiff does the rest."""
     staged, k = g.staged, g.k
     carry0 = jax.eval_shape(lambda: staged.prologue(outside, g.microbatch(0)))
+    note_pipeline(carry=carry0)  # for the census: one stage's carry, global
     out0 = jax.eval_shape(lambda: staged.epilogue(outside, _zeros(carry0), g.microbatch(0)))
     masked = _masked(staged.stage)
 
@@ -139,6 +141,7 @@ def _one_f_one_b(g: _Global, outside: nnx.State, stack: nnx.State, dtype: Any) -
     """1F1B's ticks, every stage at once: ``(mean loss, aux, outside grads, stack grads)``."""
     staged, k, n, depth = g.staged, g.k, g.n, g.schedule.stash
     carry0 = jax.eval_shape(lambda: staged.prologue(outside, g.microbatch(0)))
+    note_pipeline(carry=carry0)  # for the census: one stage's carry, global
     out0 = jax.eval_shape(lambda: staged.epilogue(outside, _zeros(carry0), g.microbatch(0)))
     floats0 = floats_of(carry0)
 
@@ -228,6 +231,7 @@ def pipelined_value_and_grad(
     """
     staged = Staged(model, stack_path, split_loss)
     g = _Global(staged, slices, Schedule(schedule, mesh.shape[STAGE_AXIS], microbatches), mesh, rows)
+    note_pipeline(g.schedule, mode="implicit")
     layers = jax.tree.leaves(staged.stack)[0].shape[0]
     stack = g.split_stack(staged.stack)
     if schedule == "gpipe":
