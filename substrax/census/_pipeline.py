@@ -47,6 +47,10 @@ _DEAD = (
 )
 
 
+def _ticks(n: int) -> str:
+    return f"{n} tick{'s' * (n != 1)}"
+
+
 def _loops(run: PipelineRun) -> list[tuple[str, int, bool, bool]]:
     """``(name, iterations, forward, backward)`` per loop of the schedule: GPipe's forward ticks
     and their transpose; 1F1B's warm-up (forward slots), steady state (both), cool-down (backward)."""
@@ -55,6 +59,7 @@ def _loops(run: PipelineRun) -> list[tuple[str, int, bool, bool]]:
     names = {(True, False): "1F1B's warm-up", (True, True): "1F1B's steady state", (False, True): "1F1B's cool-down"}
     return [(names[f, b], stop - start, f, b) for start, stop, f, b in run.phases]
 
+_IMPLICIT = "implicit mode: XLA places an argument that travels with the carry (it may stay whole on every stage)"
 _LAST = "the cool-down's last tick sends a cotangent nothing reads: XLA drops a one-tick loop's"
 
 
@@ -77,18 +82,19 @@ def stage_unit_items(units: list[ExpectedCollective], run: PipelineRun) -> list[
             required = recomputed and run.schedule == "1f1b"
             out.append(
                 dataclasses.replace(
-                    item, what=f"{item.what}, {ticks} ticks of {loop}", bytes=item.bytes * ticks, in_loop=True,
+                    item, what=f"{item.what}, {_ticks(ticks)} of {loop}", bytes=item.bytes * ticks, in_loop=True,
                     optional=item.optional and not required, why="" if required else item.why,
                 )
             )  # fmt: skip
     return out
 
 
-def permute_items(run: PipelineRun) -> list[ExpectedCollective]:
+def permute_items(run: PipelineRun, implicit: bool = False) -> list[ExpectedCollective]:
     """Each tick's permutes of the carry (forward, ``+1``) and its cotangent (backward, ``-1``).
 
     One buffer per carry leaf and loop of the schedule (bytes per step: one tick's times the
     loop's iterations); the cotangent only of the floating leaves. None on one stage.
+    ``implicit``: the leaves after the first (XLA places them) optional both ways.
     """
     if run.stages < 2:
         return []
@@ -102,13 +108,14 @@ def permute_items(run: PipelineRun) -> list[ExpectedCollective]:
             for i, aval in enumerate(leaves if on else ()):
                 leaf = "" if len(leaves) == 1 else f" leaf {i}"
                 # the stack's input's cotangent is leaf 0; a cool-down of one tick sends one nothing reads
-                optional = shift == -1 and (i > 0 or (ticks == 1 and not forward and not gpipe))
+                last = shift == -1 and ticks == 1 and not forward and not gpipe
+                optional = last or (i > 0 and (shift == -1 or implicit))
                 items.append(
                     ExpectedCollective(
-                        "collective-permute", f"pipeline: {name}{leaf} to the {to} stage, {ticks} ticks of {loop}",
+                        "collective-permute", f"pipeline: {name}{leaf} to the {to} stage, {_ticks(ticks)} of {loop}",
                         _bytes(aval) * ticks, "pipeline", scopes=(scopes.PIPELINE,), buffer=_buffer(aval),
                         phase=phase, axes=(STAGE_AXIS,), in_loop=ticks > 1, shift=shift, optional=optional,
-                        why=(_DEAD if i > 0 else _LAST) if optional else "",
+                        why=(_LAST if last else _IMPLICIT if implicit else _DEAD) if optional else "",
                     )
                 )  # fmt: skip
     return items
@@ -140,8 +147,9 @@ def pipeline_items(
     """
     if run.mode == "implicit":  # XLA places the global view's carry: its rows split over the data axes
         rows = math.prod(sizes.get(a, 1) for a in data_axes)
-        carry = tuple(((a[0][0] // rows, *a[0][1:]), a[1]) if a[0] and a[0][0] % rows == 0 else a for a in run.carry)
-        items = permute_items(dataclasses.replace(run, carry=carry))
+        x = run.carry[0]  # the stack's input, rows first (the other leaves: only leaf 0's permutes required)
+        carry = (((x[0][0] // rows, *x[0][1:]), x[1]) if x[0] and x[0][0] % rows == 0 else x, *run.carry[1:])
+        items = permute_items(dataclasses.replace(run, carry=carry), implicit=True)
         return [dataclasses.replace(i, scopes=(), shift=None, phase=None) for i in items]
     items = permute_items(run)
     if run.stages < 2:
