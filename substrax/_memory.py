@@ -429,6 +429,8 @@ class _Walk:
             if name in _CALLS:
                 self._call(e, env)
                 continue
+            if not e.outvars:  # nothing written (a loop's or cond's with no results)
+                continue
             shape = getattr(e.outvars[0].aval, "shape", ())
             same = [
                 self.ways[k]

@@ -25,6 +25,8 @@ from substrax import _layout, _memory
 from substrax._layout._units import find_units
 from substrax._shared import scopes
 from substrax._shared.options import Mode
+from substrax._shared.pipeline import STAGE_AXIS, SCHEDULES, bubble_fraction
+from substrax._shared.pipeline_record import recording_pipeline
 from substrax._train.chooser import make_train_step
 from substrax._tree import PyTree
 from substrax.census import census
@@ -58,6 +60,11 @@ class PlanRow:
       compiler: Where the bytes come from: ``"XLA:CPU rules (estimated)"``, or the platform
         the step was compiled for, ``"tpu (compiled)"``.
       notes: What the prediction could not read.
+      schedule: The pipeline's schedule (``"gpipe"``, ``"1f1b"``) on a mesh with a ``stage``
+        axis, ``"-"`` for none.
+      bubble: The share of a pipelined step's ticks a stage idles, ``(stages - 1) /
+        (microbatches + stages - 1)``; 0 without a pipeline. The peak and state bytes of a
+        pipelined row are one stage's (every device holds one stage).
       shard_options: ``shard_state``'s keywords for this configuration (mesh, layout, units...).
       step_options: ``make_train_step``'s keywords (the mesh, the plan's step options).
 
@@ -80,6 +87,8 @@ class PlanRow:
     compiler: str = "XLA:CPU rules (estimated)"
     device_bytes: int | None = None
     notes: tuple[str, ...] = ()
+    schedule: str = "-"
+    bubble: float = 0.0
     shard_options: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
     step_options: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
@@ -144,11 +153,14 @@ class Plan:
 
     def __str__(self) -> str:
         kinds = sorted({k for r in self.rows for k in r.bytes})
-        head = ["mode", "layout", "units", "mesh", *(f"{k} ({a})" for k, a in kinds)]
+        piped = any(r.schedule != "-" for r in self.rows)  # the schedule's columns only where one runs
+        head = ["mode", "layout", "units", "mesh", *(["schedule", "bubble"] if piped else [])]
+        head += [f"{k} ({a})" for k, a in kinds]
         compiled = {r.compiler.endswith("(compiled)") for r in self.rows}
         head += ["total B", "state B", "peak B (compiled)" if compiled == {True} else "peak B (est.)"]
         body = [
-            [r.mode, r.layout, r.units, r.mesh, *(f"{r.bytes.get(k, 0):,}" for k in kinds),
+            [r.mode, r.layout, r.units, r.mesh, *([r.schedule, f"{r.bubble:.0%}"] if piped else []),
+             *(f"{r.bytes.get(k, 0):,}" for k in kinds),
              f"{r.total_bytes:,}", f"{r.state_bytes:,}", f"{r.peak_bytes:,}"]
             for r in self.rows
         ]  # fmt: skip
@@ -161,7 +173,8 @@ class Plan:
 
 def _label(row: PlanRow) -> str:
     units = "" if row.units == "-" else f", units={row.units}"
-    return f"{row.mode} {row.layout}{units} on {row.mesh}"
+    schedule = "" if row.schedule == "-" else f", {row.schedule}"
+    return f"{row.mode} {row.layout}{units}{schedule} on {row.mesh}"
 
 
 def _mesh_label(mesh: Mesh) -> str:
@@ -180,6 +193,7 @@ def plan(
     units: Iterable[Any] = (None,),
     placement: Mapping[str, Any] | None = None,
     compiled: bool | None = None,
+    schedule: str | None | Sequence[str | None] = None,
     **step_options: Any,
 ) -> Plan:
     """Each configuration's collective bytes and memory per device: estimated, or compiled on a TPU.
@@ -206,6 +220,9 @@ def plan(
         ``reshard_after_forward``, ``prefetch``, ...).
       compiled: Compile each row's step and read its memory (``memory_analysis()``) and
         bytes (its census) from the program; ``None``: on a mesh whose devices are not CPUs.
+      schedule: The pipeline schedules to try on a mesh with a ``stage`` axis (``"gpipe"``,
+        ``"1f1b"``, or both; ``None``: both), the stack ``placement``'s ``stages`` names split
+        over it; a mesh without ``stage`` runs no pipeline (and drops ``stages``).
       **step_options: ``make_train_step``'s other keywords (``microbatches``, ``has_aux``, ...).
 
     Returns:
@@ -226,10 +243,11 @@ def plan(
         names = layouts or [k for k in _layout.LAYOUTS if k != "hsdp" or replica in m.axis_names]
         for kind in names:
             for u, unit in enumerate(units if kind in ("fsdp", "hsdp") else (None,)):
-                for md in modes:
-                    config = (loss_fn, model, optimizer, batch, m, md, kind, unit, placement, step_options)
+                for md, sched in ((md, sched) for md in modes for sched in _schedules(m, schedule)):
+                    place, opts = _piped(m, sched, placement, step_options)
+                    config = (loss_fn, model, optimizer, batch, m, md, kind, unit, place, opts)
                     on_target = _platform(m) != "cpu" if compiled is None else compiled
-                    estimate = memory.setdefault((id(m), kind, u), {})
+                    estimate = memory.setdefault((id(m), kind, u, sched), {})
                     rows.append(_row(*config, memory=estimate, compiled=on_target))
     return Plan(tuple(rows))
 
@@ -270,14 +288,15 @@ def _row(
     shard_options = {"mesh": mesh, "layout": kind, "units": unit, "data_axis": axis, **place}
     placed = _layout.shard_state(m, o, **shard_options)
     step = make_train_step(loss_fn, mode, mesh=mesh, **opts)
-    with declared.recording() as layers, _layout.recording_layers() as layered:
+    with declared.recording() as layers, _layout.recording_layers() as layered, recording_pipeline() as piped:
         traced = step.traced(m, o, batch, donate=True)
         with step.mesh_context():
             lowered = traced.lower()
     body = traced.jaxpr.jaxpr
     expected, notes = expected_step(
-        lowered.out_info[1], m, o, step.options, layers=layers, layered=layered, recomputed=_recomputes(body)
-    )
+        lowered.out_info[1], m, o, step.options, layers=layers, layered=layered, recomputed=_recomputes(body),
+        pipeline=piped[0] if piped else None,
+    )  # fmt: skip
     if kind != "replicated" and placed.kind == "replicated":
         notes = (_nothing_split(placed), *notes)
     k = step.options.microbatches
@@ -308,6 +327,7 @@ def _row(
         "gathered_bytes": gathered,
         "device_bytes": device_memory(mesh),
         "notes": notes,
+        **_pipeline_fields(mesh, opts),
         "shard_options": shard_options,
         "step_options": {"mesh": mesh, **opts},
     }
@@ -443,3 +463,32 @@ def _traced_gathers(items: Sequence[Any], jaxpr: Any) -> tuple[Any, ...]:
 def _shape(buffer: str) -> tuple[int, ...] | None:
     found = re.fullmatch(r"[a-z]+\d+\[([\d,]*)\]", buffer)
     return None if found is None else tuple(int(d) for d in found.group(1).split(",") if d)
+
+
+def _schedules(mesh: Mesh, schedule: str | None | Sequence[str | None]) -> list[str | None]:
+    """The schedules to try on ``mesh``: on a ``stage`` axis the candidates (both when none are
+    named), without one none (``[None]``: no pipeline)."""
+    if STAGE_AXIS not in mesh.axis_names:
+        return [None]
+    candidates = [schedule] if schedule is None or isinstance(schedule, str) else list(schedule)
+    named = [c for c in candidates if c is not None]
+    return named or list(SCHEDULES)
+
+
+def _piped(
+    mesh: Mesh, schedule: str | None, placement: Mapping[str, Any] | None, opts: Mapping[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``shard_state``'s and ``make_train_step``'s keywords with the pipeline's: ``schedule`` on a
+    ``stage`` mesh; the placement's ``stages`` only there."""
+    place = dict(placement or {})
+    if STAGE_AXIS not in mesh.axis_names:
+        place.pop("stages", None)
+    return place, {**opts, **({"schedule": schedule} if schedule is not None else {})}
+
+
+def _pipeline_fields(mesh: Mesh, opts: Mapping[str, Any]) -> dict[str, Any]:
+    """A row's ``schedule`` and ``bubble``."""
+    schedule = opts.get("schedule")
+    if schedule is None:
+        return {}
+    return {"schedule": schedule, "bubble": bubble_fraction(mesh.shape[STAGE_AXIS], opts.get("microbatches", 1))}
