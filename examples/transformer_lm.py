@@ -4,6 +4,7 @@
     python examples/transformer_lm.py --mode explicit --layout fsdp --microbatches 2
     python examples/transformer_lm.py --mesh data=4,model=2 --mode explicit --layout fsdp
     python -m substrax.launch -n 2 -d 4 examples/transformer_lm.py      # 2 processes x 4 devices
+    python examples/transformer_lm.py --mesh stage=4,data=2 --blocks 4 --scan --schedule 1f1b --microbatches 8
 
 The text is the standard library's top-level ``*.py`` files, which every Python install
 has offline, read in sorted order, so every machine with the same Python version trains
@@ -16,7 +17,11 @@ a line of text at the end.
 ``--mode`` picks the implicit or explicit step, ``--layout`` how the state lies over the
 data axis (replicated, ZeRO-1: optimizer state split, FSDP: parameters split too) and
 ``--microbatches`` how many accumulation steps each device's rows are split into; all
-give the same losses to float32 round-off. So do one process and several: every process
+give the same losses to float32 round-off. ``--mesh stage=4,data=2`` with ``--scan``
+pipelines the stacked blocks over 4 stages (``--blocks`` a multiple of them), each stage
+its consecutive blocks, ``--schedule`` ``gpipe`` or ``1f1b`` over ``--microbatches``: the
+same losses again (see the pipelines guide); a checkpoint resumes with or without a stage
+axis. So do one process and several: every process
 draws the same global batch and places only its own rows (``process_slice``); the step
 is the same.
 
@@ -67,7 +72,7 @@ from substrax.spmd import create_data_parallel_sharding, place_batch_on_shards
 
 VOCAB = 128  # ASCII; other bytes read as "?"
 HEADS = 4
-AXES = ("replica", "data", "model")  # the mesh axes --mesh may name (replica: hybrid sharding)
+AXES = ("replica", "stage", "data", "model")  # the mesh axes --mesh may name (replica: hybrid sharding)
 
 
 # --- the data: Python's standard library, as ASCII codes -----------------------------------
@@ -256,28 +261,31 @@ def parse_mesh(text: str) -> dict[str, int]:
 def mesh_shape(axes: dict[str, int], devices: int, batch: int, heads: int = HEADS) -> dict[str, int]:
     """``{"data": ..., "model": ...}`` for ``--mesh``'s axes on ``devices`` devices.
 
-    ``data`` left out takes the devices ``replica`` and ``model`` leave; ``model`` left out
+    ``data`` left out takes the devices ``replica``, ``stage`` and ``model`` leave; ``model`` left out
     is no ``model`` axis at all (the layers are then plain ones: their split over it is
-    placed whole); ``replica`` (outer: hybrid sharding, ``--layout hsdp``) likewise.
+    placed whole); ``replica`` (outer: hybrid sharding, ``--layout hsdp``) and ``stage`` (the
+    pipeline's) likewise.
 
     Raises:
       ValueError: If the sizes' product is not ``devices``, ``model`` does not divide
         ``heads``, or the rows' devices do not divide ``batch``; says which.
     """
-    model, replica = axes.get("model", 1), axes.get("replica", 1)
+    model, replica, stage = axes.get("model", 1), axes.get("replica", 1), axes.get("stage", 1)
+    others = model * replica * stage
     if "data" in axes:
         data = axes["data"]
-    elif devices % (model * replica):
-        extra = f" x replica={replica}" if replica > 1 else ""
-        raise ValueError(f"--mesh model={model}{extra}: {model * replica} does not divide the {devices} devices")
+    elif devices % others:
+        extra = "".join(f" x {a}={axes[a]}" for a in ("replica", "stage") if a in axes)
+        raise ValueError(f"--mesh model={model}{extra}: {others} does not divide the {devices} devices")
     else:
-        data = devices // (model * replica)
-    shape = ({"replica": replica} if "replica" in axes else {}) | {"data": data}
-    shape |= {"model": model} if "model" in axes else {}
-    if replica * data * model != devices:
+        data = devices // others
+    shape = ({"replica": replica} if "replica" in axes else {}) | ({"stage": stage} if "stage" in axes else {})
+    shape |= {"data": data} | ({"model": model} if "model" in axes else {})
+    if others * data != devices:
         given = ",".join(f"{k}={v}" for k, v in axes.items())
+        sizes = " x ".join(str(n) for n in shape.values())
         raise ValueError(
-            f"--mesh {given}: {replica} x {data} x {model} = {replica * data * model} devices, but there "
+            f"--mesh {given}: {sizes} = {others * data} devices, but there "
             f"are {devices}; the sizes' product must be the device count"
         )
     if heads % model:
@@ -319,6 +327,13 @@ def make_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--microbatches", type=int, default=1, help="split each device's rows into K steps of accumulation"
+    )
+    parser.add_argument("--blocks", type=int, default=2, help="transformer blocks")
+    parser.add_argument(
+        "--schedule",
+        choices=substrax.SCHEDULES,
+        default=None,
+        help="with a stage axis in --mesh and --scan: pipeline the blocks over it, over --microbatches",
     )
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=32, help="global batch size, over all processes")
@@ -375,24 +390,26 @@ def main(argv: list[str] | None = None) -> list[float]:
         shape = mesh_shape(args.mesh, jax.device_count(), args.batch)
     except ValueError as e:
         parser.error(str(e))  # exits 2, with the usage
+    if ("stage" in shape) != (args.schedule is not None) or ("stage" in shape and not args.scan):
+        parser.error("a stage axis in --mesh pipelines the blocks: pass it with --scan and --schedule (and only so)")
 
     mesh = create_device_mesh(shape)  # every device of every process, data x model
     sharding = create_data_parallel_sharding(mesh)  # rows split over data, whole on each model device
     with jax.set_mesh(mesh):
         # The same seed in every process: the same start. Under a mesh with a model axis
         # the tensor-parallel layers' parameters are placed split over it at creation.
-        model, optimizer = make_model(args.seed, args.dropout, args.lr, scan=args.scan)
+        model, optimizer = make_model(args.seed, args.dropout, args.lr, scan=args.scan, blocks=args.blocks)
     # The layers' model-axis splits stay; the layout applies over data on another dimension:
     # replicated, ZeRO-1 (optimizer state split) or FSDP (parameters too).
     layout = substrax.shard_state(
         model, optimizer, mesh=mesh, layout=args.layout, units=Block if args.units else None,
-        prefetch=args.prefetch,
+        prefetch=args.prefetch, stages=Block if "stage" in shape else None,  # the pipeline's stages
     )
     per_device = f"{layout.bytes_per_device:,} of {layout.total_bytes:,} bytes per device"
     state_note = f"{args.layout} state ({per_device})"
     precision = substrax.MixedPrecision(jnp.bfloat16) if args.precision == "bf16" else None
     train_step = substrax.make_train_step(
-        loss_fn, args.mode, mesh=mesh, microbatches=args.microbatches, precision=precision
+        loss_fn, args.mode, mesh=mesh, microbatches=args.microbatches, precision=precision, schedule=args.schedule
     )
 
     leader = jax.process_index() == 0
@@ -404,9 +421,11 @@ def main(argv: list[str] | None = None) -> list[float]:
             f"{params:,} parameters; {len(text):,} characters of Python {sys.version.split()[0]} stdlib; "
             f"{jax.process_count()} process(es), {jax.device_count()} {jax.default_backend()} devices "
             + (f"as replica={shape['replica']} x " if "replica" in shape else "as ")
+            + (f"stage={shape['stage']} x " if "stage" in shape else "")
             + f"data={shape['data']} x model={shape.get('model', 1)}; {args.mode} step, {state_note}, "
             f"global batch {args.batch} x {model.seq}"
             + (f" in {args.microbatches} microbatches" if args.microbatches != 1 else "")
+            + (f", {args.schedule} pipeline" if args.schedule else "")
             + (", bfloat16 compute" if precision is not None else ""),
             flush=True,
         )

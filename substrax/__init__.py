@@ -11,6 +11,7 @@ from substrax import explicit, gradcheck, mesh, nn, spmd
 from substrax._layout import LAYOUTS, Layout, LeafPlacement, layout_of, shard_state
 from substrax._plan import Plan, PlanRow, plan
 from substrax._shared.options import StepOptions
+from substrax._shared.pipeline import SCHEDULES, PipelineSchedule, bubble_fraction
 from substrax._shared.precision import MixedPrecision
 from substrax._shared.skips import NonFiniteStepsError, SkippedStepWarning
 from substrax._train.chooser import MODES, BoundTrainStep, TrainStep, make_train_step
@@ -35,6 +36,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "LAYOUTS",
     "MODES",
+    "SCHEDULES",
     "BoundTrainStep",
     "CensusReport",
     "Comparison",
@@ -43,12 +45,14 @@ __all__ = [
     "LeafPlacement",
     "MixedPrecision",
     "NonFiniteStepsError",
+    "PipelineSchedule",
     "Plan",
     "PlanRow",
     "SkippedStepWarning",
     "StepOptions",
     "TrainStep",
     "__version__",
+    "bubble_fraction",
     "census",
     "checkpoint",
     "compare",

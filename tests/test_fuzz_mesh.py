@@ -19,6 +19,12 @@ optimizer='adam', heads=4, causal=True, blocks=2, width=32, seed=236)``). In exp
 the step's census must match, with each layer's collectives over ``model`` expected from
 what the layers declare (``substrax.nn.declare_forward``, ...).
 
+The pipeline is an axis too (drawn last, so the other axes draw as before): ``stages``
+(none, 2 or 4: the blocks stacked by ``nnx.vmap``, as many or twice as many as the stages,
+split over a ``stage`` axis), ``schedule`` (``"gpipe"`` or ``"1f1b"``) and microbatches (2 or
+4), held to one device the same way; a pipelined draw's census is not checked (its
+permutes are not yet expected).
+
 ``make test`` runs ``CURATED``, ``make test-slow`` a fixed-seed sample (profile ``mesh-ci``);
 ``make fuzz`` (``SUBSTRAX_FUZZ=full``) ``SUBSTRAX_FUZZ_EXAMPLES`` random draws. A failing
 draw is printed as the ``MeshConfig`` that reproduces it.
@@ -82,10 +88,13 @@ class MeshConfig:
     seed: int = 0
     steps: int = 2
     units: bool = False  # under FSDP: each tensor-parallel layer (attention, up, down) an FSDP unit
+    stages: int | None = None  # the pipeline: the blocks stacked, split over a stage axis of this size
+    schedule: str = "gpipe"  # with stages: "gpipe" or "1f1b"
 
     @property
     def shape(self) -> dict[str, int]:
-        return {"data": self.data} if self.model is None else {"data": self.data, "model": self.model}
+        shape = {"data": self.data} if self.model is None else {"data": self.data, "model": self.model}
+        return shape if self.stages is None else {**shape, "stage": self.stages}
 
 
 @st.composite
@@ -95,7 +104,7 @@ def mesh_configs(draw: st.DrawFn) -> MeshConfig:
     data = draw(st.sampled_from([d for d in (1, 2, 4, 8) if d * ways <= 8]))
     heads = draw(st.sampled_from([h for h in (2, 4, 8) if h % ways == 0]))
     microbatches = draw(st.sampled_from([1, 2] if ROWS // data >= 2 else [1]))
-    return MeshConfig(
+    config = MeshConfig(
         mode=draw(st.sampled_from(substrax.MODES)),
         data=data,
         model=model,
@@ -109,6 +118,50 @@ def mesh_configs(draw: st.DrawFn) -> MeshConfig:
         seed=draw(st.integers(0, 2**16 - 1)),
         units=draw(st.booleans()),  # last: the earlier axes draw as before
     )
+    return _with_pipeline(draw, config)
+
+
+def _with_pipeline(draw: st.DrawFn, c: MeshConfig) -> MeshConfig:
+    """The pipeline axis, drawn after the others (their draws as before): stages, schedule, microbatches."""
+    stages = draw(st.sampled_from([None, 2, 4]))
+    if stages is None or c.data * (c.model or 1) * stages > 8:
+        return c
+    microbatches = draw(st.sampled_from([k for k in (2, 4) if (ROWS // c.data) % k == 0]))
+    blocks = draw(st.sampled_from([stages, 2 * stages]))
+    return dataclasses.replace(
+        c, stages=stages, schedule=draw(st.sampled_from(["gpipe", "1f1b"])), microbatches=microbatches, blocks=blocks
+    )
+
+
+class Block(nnx.Module):
+    """Attention with heads split over ``model``, then a column -> gelu -> row MLP: one layer of ``Stacked``."""
+
+    def __init__(self, c: MeshConfig, rngs: nnx.Rngs) -> None:
+        d = c.width
+        self.attn = substrax.nn.ParallelSelfAttention(c.heads, d, causal=c.causal, rngs=rngs)
+        self.norm = nnx.LayerNorm(d, rngs=rngs)
+        self.up = substrax.nn.ColumnParallelLinear(d, 2 * d, rngs=rngs)
+        self.down = substrax.nn.RowParallelLinear(2 * d, d, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x + self.attn(x)
+        return x + self.down(jax.nn.gelu(self.up(self.norm(x))))
+
+
+class Stacked(nnx.Module):
+    """``Net`` with its blocks stacked (``nnx.vmap``) and applied by ``scan_layers``: the pipeline's model."""
+
+    def __init__(self, c: MeshConfig, rngs: nnx.Rngs) -> None:
+        @nnx.split_rngs(splits=c.blocks)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
+        def stack(rngs: nnx.Rngs) -> Block:
+            return Block(c, rngs)
+
+        self.blocks = stack(rngs)
+        self.head = nnx.Linear(c.width, 1, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.head(substrax.nn.scan_layers(self.blocks, x))[..., 0]
 
 
 class Net(nnx.Module):
@@ -153,7 +206,7 @@ def _batches(c: MeshConfig) -> list[dict]:
 
 
 def _build(c: MeshConfig) -> tuple[Net, nnx.Optimizer]:
-    model = Net(c, nnx.Rngs(c.seed))
+    model = (Net if c.stages is None else Stacked)(c, nnx.Rngs(c.seed))
     return model, nnx.Optimizer(model, _tx(c), wrt=nnx.Param)
 
 
@@ -207,10 +260,14 @@ def check(c: MeshConfig) -> None:
     mesh = create_device_mesh(c.shape)
     model, optimizer = _build(c)
     units = (lambda path, _: len(path) == 2 and path[0] in ("attn", "up", "down")) if c.units else None
+    if c.stages is not None and c.units:  # the stack a unit: each layer gathered in turn, within a stage
+        units = Block
     substrax.shard_state(
-        model, optimizer, mesh=mesh, layout=c.layout, min_size=64, units=units if c.layout == "fsdp" else None
-    )
-    step = substrax.make_train_step(loss_fn, c.mode, mesh=mesh, microbatches=c.microbatches)
+        model, optimizer, mesh=mesh, layout=c.layout, min_size=64, units=units if c.layout == "fsdp" else None,
+        stages=None if c.stages is None else Block,
+    )  # fmt: skip
+    schedule = None if c.stages is None else c.schedule
+    step = substrax.make_train_step(loss_fn, c.mode, mesh=mesh, microbatches=c.microbatches, schedule=schedule)
     losses = [float(step(model, optimizer, b)) for b in batches]
     np.testing.assert_allclose(losses, want_losses, rtol=STRICT_RTOL, atol=STRICT_ATOL, err_msg=f"{c}: losses")
     got = params_of(model)
@@ -218,7 +275,7 @@ def check(c: MeshConfig) -> None:
         tol = STRICT_ATOL + SAFETY * floor[name]
         np.testing.assert_allclose(got[name], value, rtol=STRICT_RTOL, atol=tol, err_msg=f"{c}: {name}")
         assert got[name].dtype == np.float32, f"{c}: {name} is {got[name].dtype}"
-    if c.mode == "explicit":
+    if c.mode == "explicit" and c.stages is None:  # (a pipeline's census: not yet expected)
         found = step.check_communication(model, optimizer, batches[0])
         assert found.matches, f"{c}: census\n{found}"
         # expected from the layers: per block a forward psum of attention's output and of the
@@ -246,6 +303,15 @@ CURATED = [
     # each tensor-parallel layer an FSDP unit: a buffer per dtype and per model-split or not
     MeshConfig(mode="explicit", data=4, model=2, layout="fsdp", microbatches=2, blocks=2, units=True),
     MeshConfig(mode="explicit", data=1, model=8, layout="replicated", heads=8, width=32, causal=False),
+    # the pipeline axis: 1F1B beside data, model and FSDP units; GPipe under Adam on stage x data
+    MeshConfig(
+        mode="explicit", data=2, model=2, layout="fsdp", microbatches=2, blocks=4, units=True, stages=2,
+        schedule="1f1b",
+    ),  # fmt: skip
+    MeshConfig(
+        mode="implicit", data=2, model=None, layout="zero1", microbatches=4, optimizer="adam", blocks=4, stages=4,
+        schedule="gpipe",
+    ),  # fmt: skip
 ]
 
 

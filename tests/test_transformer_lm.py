@@ -1,5 +1,6 @@
 """``examples/transformer_lm.py`` trains: both modes give the same falling losses, on one
-process and on two under the launcher, on the ``data=8`` mesh and on ``data=4,model=2``.
+process and on two under the launcher, on the ``data=8`` mesh and on ``data=4,model=2``,
+and its stacked blocks pipelined over ``stage=4,data=2`` (both schedules).
 
 The two-process run starts first, in the background, and the one-process runs go on
 in this process (8 emulated devices, from conftest) while it starts up.
@@ -135,6 +136,26 @@ def test_a_run_resumes_from_its_checkpoint_with_the_same_losses(losses: dict, tm
     np.testing.assert_allclose(resumed, losses["implicit"][2:], rtol=1e-5)
 
 
+def test_pipelined_blocks_give_the_data_parallel_losses_and_resume_without_stage(tmp_path: Any) -> None:
+    """4 stacked blocks on data=8 (no pipeline), against the same blocks pipelined over stage=4,data=2
+    in 8 microbatches: explicit 1F1B for steps 1-2, saved, resumed on data=8 (no stage axis) for
+    steps 3-4; implicit GPipe for steps 1-2. (data=8 equals one device to round-off: the tests above.)"""
+    example = load_example()
+    stacked = ["--log-every", "1", "--sample", "0", "--blocks", "4", "--scan"]
+    pipe = ["--mesh", "stage=4,data=2", "--microbatches", "8", "--steps", "2"]
+    saved = ["--checkpoint-every", "2", "--checkpoint-dir", str(tmp_path)]
+    with contextlib.redirect_stdout(io.StringIO()):
+        want = example.main([*stacked, "--steps", str(STEPS), "--mesh", "data=8"])
+        first = example.main([*stacked, *pipe, *saved, "--mode", "explicit", "--schedule", "1f1b"])
+        gpipe = example.main([*stacked, *pipe, "--mode", "implicit", "--schedule", "gpipe"])
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        resumed = example.main([*stacked, *saved, "--steps", str(STEPS), "--mesh", "data=8"])
+    assert "resumed from step 2" in printed.getvalue()
+    np.testing.assert_allclose(first, want[:2], rtol=RTOL_2D)
+    np.testing.assert_allclose(gpipe, want[:2], rtol=RTOL_2D)
+    np.testing.assert_allclose(resumed, want[2:], rtol=RTOL_2D)
+
+
 def test_a_2d_mesh_gives_the_data_parallel_losses(runs: dict[str, tuple[list[float], str]]) -> None:
     """data=4,model=2 (implicit, ZeRO-1) against data=8 (replicated); it prints the splits."""
     got, out = runs["2d"]
@@ -171,6 +192,7 @@ def test_the_batch_is_split_over_data_and_whole_on_each_model_device() -> None:
         ("data=2,model=2", "2 x 2 = 4 devices, but there are 8"),
         ("data=1,model=8", "model=8 does not divide the model's 4 attention heads"),
         ("model=3", "model=3: 3 does not divide the 8 devices"),
+        ("stage=4,data=2", "a stage axis in --mesh pipelines the blocks: pass it with --scan and --schedule"),
     ],
 )
 def test_a_bad_mesh_is_a_clear_usage_error(

@@ -19,6 +19,7 @@ with it from stage to stage. The modes run the pieces on a schedule (``Schedule`
 from __future__ import annotations
 
 import dataclasses
+import fractions
 from collections.abc import Callable
 from typing import Any
 
@@ -31,11 +32,12 @@ from substrax._tree import KeyPath, PyTree, node_at, path_str
 from substrax.nn._scan import STAGE_HOOK
 
 __all__ = [
-    "SCHEDULES", "STAGE_AXIS", "Schedule", "Staged", "bubble_fraction", "check_schedule", "check_stage_axis",
+    "SCHEDULES", "STAGE_AXIS", "PipelineSchedule", "Schedule", "Staged", "bubble_fraction", "check_schedule", "check_stage_axis",
     "floats_of", "pipeline_of", "put", "take", "with_floats",
 ]
 
 SCHEDULES = ("gpipe", "1f1b")
+"""The pipeline schedules ``make_train_step(..., schedule=)`` takes (see the pipelines guide)."""
 
 
 def check_schedule(schedule: Any, microbatches: int) -> None:
@@ -106,7 +108,7 @@ def bubble_fraction(stages: int, microbatches: int) -> float:
 
 
 @dataclasses.dataclass(frozen=True)
-class Schedule:
+class PipelineSchedule:
     """Which microbatch each stage runs at each tick (a tick: every stage runs one slot at once).
 
     ``"gpipe"``: ``ticks`` forward ticks, stage ``s`` forwarding microbatch ``t - s`` at
@@ -115,15 +117,43 @@ class Schedule:
     forward, ``t - (2 * stages - 2 - s)`` backward (the last stage runs the loss and its
     backward in the tick its forward ends); a stage keeps at most ``stash`` stage inputs.
 
+    ``str()`` draws ``table()``, a row per stage. See the pipelines guide.
+
     Attributes:
       name: ``"gpipe"`` or ``"1f1b"``.
       stages: The size of the ``stage`` axis.
       microbatches: The microbatches per step.
+
+    Raises:
+      ValueError: If ``name`` is not one of ``SCHEDULES``, or ``stages`` or ``microbatches``
+        is not a positive int.
+
+    Example:
+      >>> print(substrax.PipelineSchedule("1f1b", stages=2, microbatches=3))
+      1f1b, 2 stages, 3 microbatches: 5 ticks, bubble 1/4
+      stage 0 | F0    | F1    | F2 B0 | B1    | B2
+      stage 1 |       | F0 B0 | F1 B1 | F2 B2 |
     """
 
     name: str
     stages: int
     microbatches: int
+
+    def __post_init__(self) -> None:
+        if self.name not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}; got {self.name!r}.")
+        for field in ("stages", "microbatches"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{field} must be a positive int; got {value!r}.")
+
+    def __str__(self) -> str:
+        rows = self.table()
+        width = max(len(c) for row in rows for c in row)
+        idle = fractions.Fraction(self.stages - 1, self.microbatches + self.stages - 1)
+        head = f"{self.name}, {self.stages} stages, {self.microbatches} microbatches: {self.ticks} ticks, bubble {idle}"
+        lines = [f"stage {s} | " + " | ".join(c.ljust(width) for c in row) for s, row in enumerate(rows)]
+        return "\n".join([head, *(line.rstrip() for line in lines)])
 
     @property
     def ticks(self) -> int:
@@ -214,6 +244,9 @@ def with_floats(carry: PyTree, floats: list[Any]) -> PyTree:
     return jax.tree.unflatten(treedef, [next(it) if jnp.issubdtype(x.dtype, jnp.inexact) else x for x in leaves])
 
 
+Schedule = PipelineSchedule  # the name inside the library
+
+
 class _Reached(Exception):
     """Raised by ``scan_layers`` in a prologue: the stack's input was reached."""
 
@@ -279,7 +312,7 @@ class Staged:
         self.stack_graphdef, self.stack, stack_rest = nnx.split(node_at(model, self.path), nnx.Param, ...)
         for p, v in nnx.to_flat_state(stack_rest):
             raise ValueError(
-                f"The staged stack {self.where} holds {path_str(tuple(p), 'stack')}, an {type(v).__name__}: "
+                f"The staged stack {self.where} holds {path_str(tuple(p), 'stack')} ({type(v).__name__}): "
                 f"a pipeline runs each stage's layers as functions of their parameters only (no batch "
                 f"statistics, random streams or other state in the stack). Remove it from the layers "
                 f"(dropout off, LayerNorm rather than BatchNorm), or place the model without stages=."

@@ -1,0 +1,399 @@
+"""Pipelines (#54 items 1-3): a stack split over ``stage``, GPipe and 1F1B, both modes, against one device.
+
+The model: an embedding, 8 residual layers stacked by ``nnx.vmap`` (a LayerNorm, then a
+column-parallel and a row-parallel linear: split over ``model`` on a mesh with it) applied by
+``substrax.nn.scan_layers`` with a gate computed from a parameter (an argument every stage
+reads, so its gradient is summed over the stages) and a static keyword, then a head.
+
+Parity: each mode x schedule on three meshes, ``stage=8`` (``data=1``), ``(stage=4, data=2)``
+and ``(stage=2, data=2, model=2)``, with 8, 4 and 8 microbatches and the layouts replicated,
+FSDP with each layer a unit, and ZeRO-1 (12 cases, not the full product of layouts and
+microbatches: each case compiles a step); SGD held strictly (float32 round-off), Adam to the
+noise floor measured by the reference run on permuted rows (two cases, FSDP). Then the
+placement, ``compare_gradients`` on the pipelined steps, a checkpoint restored onto a mesh
+without ``stage``, the schedules' tables, and every refusal by name.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import substrax
+from substrax import checkpoint
+from substrax._shared.pipeline import Schedule, bubble_fraction
+from substrax.explicit import compare_gradients
+from substrax.mesh import create_device_mesh
+from substrax.nn import ColumnParallelLinear, RowParallelLinear
+
+DEPTH, WIDTH, ROWS = 8, 8, 32
+STRICT_RTOL, STRICT_ATOL = 1e-5, 1e-6
+SAFETY = 4.0  # Adam: this many times the measured floor (as the mesh fuzzer)
+ADAM_EPS = 1e-3  # as the mesh fuzzer: a round-off-sized gradient moves at most lr / eps times it
+
+CASES = {  # name: (mesh, layout, microbatches)
+    "stage8": ({"data": 1, "stage": 8}, "replicated", 8),
+    "stage4-data2-units": ({"data": 2, "stage": 4}, "units", 4),
+    "stage2-data2-model2": ({"data": 2, "stage": 2, "model": 2}, "zero1", 8),
+}
+
+
+class Layer(nnx.Module):
+    """One residual layer: LayerNorm, a column-parallel up and a row-parallel down projection."""
+
+    def __init__(self, width: int, rngs: nnx.Rngs) -> None:
+        self.norm = nnx.LayerNorm(width, rngs=rngs)
+        self.up = ColumnParallelLinear(width, 2 * width, rngs=rngs)
+        self.down = RowParallelLinear(2 * width, width, rngs=rngs)
+
+    def __call__(self, x: jax.Array, gate: jax.Array, *, scale: float) -> jax.Array:
+        return x + scale * gate * self.down(jnp.tanh(self.up(self.norm(x))))
+
+
+class Net(nnx.Module):
+    def __init__(self, depth: int = DEPTH, width: int = WIDTH, seed: int = 0) -> None:
+        rngs = nnx.Rngs(seed)
+        self.embed = nnx.Linear(4, width, rngs=rngs)
+        self.gate = nnx.Param(jnp.linspace(-1.0, 1.0, width))
+
+        @nnx.split_rngs(splits=depth)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
+        def make(rngs: nnx.Rngs) -> Layer:
+            return Layer(width, rngs)
+
+        self.layers = make(rngs)
+        self.head = nnx.Linear(width, 1, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gate = jax.nn.sigmoid(self.gate.get_value())
+        h = substrax.nn.scan_layers(self.layers, self.embed(x), gate, scale=0.5)
+        return self.head(h)[:, 0]
+
+
+def mse(model: Net, batch: dict) -> jax.Array:
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def _batches(steps: int = 2, rows: int = ROWS, seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        x = rng.normal(size=(rows, 4)).astype(np.float32)
+        out.append({"x": x, "y": np.sin(x.sum(axis=1)).astype(np.float32)})
+    return out
+
+
+def _params(model: nnx.Module) -> dict[str, np.ndarray]:
+    return {"/".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def _tx(optimizer: str) -> optax.GradientTransformation:
+    return optax.sgd(0.02) if optimizer == "sgd" else optax.adam(1e-2, eps=ADAM_EPS)
+
+
+def _reference(optimizer: str, batches: list[dict]) -> dict[str, np.ndarray]:
+    with jax.default_device(jax.devices()[0]):
+        model = Net()
+        opt = nnx.Optimizer(model, _tx(optimizer), wrt=nnx.Param)
+        step = nnx.jit(lambda m, o, b: o.update(m, nnx.grad(mse)(m, b)))
+        for b in batches:
+            step(model, opt, b)
+    return _params(model)
+
+
+@pytest.fixture(scope="module")
+def sgd_reference() -> dict[str, np.ndarray]:
+    return _reference("sgd", _batches())
+
+
+def _placed(shape: dict, layout: str, optimizer: str = "sgd") -> tuple[jax.sharding.Mesh, Net, nnx.Optimizer]:
+    mesh = create_device_mesh(shape)
+    with jax.set_mesh(mesh):
+        model = Net()
+        opt = nnx.Optimizer(model, _tx(optimizer), wrt=nnx.Param)
+    units = Layer if layout == "units" else None
+    substrax.shard_state(
+        model, opt, mesh=mesh, layout="fsdp" if units else layout, min_size=1, units=units, stages=Layer
+    )
+    return mesh, model, opt
+
+
+def _train(mode: str, schedule: str, case: str, optimizer: str = "sgd") -> tuple[Net, nnx.Optimizer, object]:
+    shape, layout, k = CASES[case]
+    mesh, model, opt = _placed(shape, layout, optimizer)
+    step = substrax.make_train_step(mse, mode, mesh=mesh, microbatches=k, schedule=schedule)
+    for b in _batches():
+        step(model, opt, b)
+    return model, opt, step
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("mode", substrax.MODES)
+def test_a_pipelined_stack_trains_like_one_device(mode: str, schedule: str, case: str, sgd_reference: dict) -> None:
+    model, _, _ = _train(mode, schedule, case)
+    for path, variable in nnx.to_flat_state(nnx.state(model.layers, nnx.Param)):
+        assert variable.get_value().sharding.spec[0] == "stage", path  # still split over the stages
+    got = _params(model)
+    for key in sgd_reference:
+        np.testing.assert_allclose(got[key], sgd_reference[key], rtol=STRICT_RTOL, atol=STRICT_ATOL, err_msg=key)
+
+
+@pytest.mark.parametrize(("mode", "schedule"), [("explicit", "1f1b"), ("implicit", "gpipe")])
+def test_adam_pipelined_trains_like_one_device_within_the_floor(mode: str, schedule: str) -> None:
+    """Adam: the reference run again on the rows permuted three times; the floor is the largest
+    difference between any two runs, the tolerance ``SAFETY`` times it (the mesh fuzzer's rule)."""
+    runs = [_reference("adam", _batches())]
+    for seed in (1, 2, 3):
+        order = np.random.default_rng(seed).permutation(ROWS)
+        runs.append(_reference("adam", [{k: v[order] for k, v in b.items()} for b in _batches()]))
+    mesh, model, opt = _placed({"data": 2, "stage": 4}, "fsdp", "adam")
+    step = substrax.make_train_step(mse, mode, mesh=mesh, microbatches=4, schedule=schedule)
+    for b in _batches():
+        step(model, opt, b)
+    got = _params(model)
+    for key in runs[0]:
+        floor = max(float(np.max(np.abs(a[key] - b[key]))) for a in runs for b in runs)
+        tol = max(1e-6, SAFETY * floor + 1e-7)
+        np.testing.assert_allclose(got[key], runs[0][key], rtol=1e-5, atol=tol, err_msg=f"{key} floor {floor:.2e}")
+
+
+def test_shard_state_splits_the_stack_over_stage_consecutive_layers_a_stage() -> None:
+    """(stage=4, data=2), FSDP: each stack parameter and its Adam state split on the layer axis over
+    ``stage`` (stage s holding layers 2s, 2s + 1) and on another dimension over ``data``; the rest as
+    the layout says (over ``data`` only)."""
+    mesh, model, opt = _placed({"data": 2, "stage": 4}, "fsdp", "adam")
+    kernel = model.layers.up.kernel.get_value()  # (8, 8, 16)
+    assert kernel.sharding.spec == jax.sharding.PartitionSpec("stage", None, "data")
+    mu = opt.opt_state[0].mu["layers"]["up"]["kernel"].get_value()
+    assert mu.sharding.spec == kernel.sharding.spec
+    stage_of = {d: s for s, column in enumerate(mesh.devices.T) for d in column}  # mesh (data, stage)
+    for shard in kernel.addressable_shards:
+        layers = range(DEPTH)[shard.index[0]]
+        assert list(layers) == [2 * stage_of[shard.device], 2 * stage_of[shard.device] + 1]
+    assert "stage" not in str(model.embed.kernel.get_value().sharding.spec)
+    assert model.layers.norm.scale.get_value().sharding.spec[0] == "stage"
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_compare_gradients_checks_the_pipelined_steps(schedule: str) -> None:
+    mesh, model, _ = _placed({"data": 2, "stage": 4}, "fsdp")
+    report = compare_gradients(model, mse, _batches(1)[0], mesh, microbatches=4, schedule=schedule)
+    assert report.ok, str(report)
+    assert report.methods == ("implicit", "explicit")
+    assert report.max_abs_diff < 1e-5
+
+
+def test_the_explicit_program_permutes_between_stages() -> None:
+    """1F1B's three loops: the carry forward (warm-up, steady), its cotangent back (steady, cool-down);
+    the carry is two arrays, the stack's input and the gate every layer reads: one permute each."""
+    mesh, model, opt = _placed({"data": 2, "stage": 4}, "replicated")
+    step = substrax.make_train_step(mse, "explicit", mesh=mesh, microbatches=4, schedule="1f1b")
+    text = step.lower(model, opt, _batches(1)[0]).compile().as_text()
+    assert len(re.findall(r"= \S+ collective-permute(-start)?\(", text)) == 2 * 4
+
+
+def test_pipelined_state_restores_onto_a_mesh_without_stage(tmp_path, sgd_reference: dict) -> None:
+    """One step pipelined on (stage=4, data=2), saved; restored into FSDP on data=8; one more step there."""
+    first, second = _batches()
+    mesh, model, opt = _placed({"data": 2, "stage": 4}, "fsdp")
+    substrax.make_train_step(mse, "explicit", mesh=mesh, microbatches=4, schedule="1f1b")(model, opt, first)
+    checkpoint.save(tmp_path / "ckpt", 1, model, opt)
+    flat = create_device_mesh({"data": 8})
+    with jax.set_mesh(flat):
+        model2 = Net(seed=5)
+        opt2 = nnx.Optimizer(model2, _tx("sgd"), wrt=nnx.Param)
+    substrax.shard_state(model2, opt2, mesh=flat, layout="fsdp", min_size=1)
+    checkpoint.restore(tmp_path / "ckpt", model2, opt2)
+    assert model2.layers.up.kernel.get_value().sharding.spec == jax.sharding.PartitionSpec(None, None, "data")
+    substrax.make_train_step(mse, "implicit", mesh=flat)(model2, opt2, second)
+    got = _params(model2)
+    for key in sgd_reference:
+        np.testing.assert_allclose(got[key], sgd_reference[key], rtol=STRICT_RTOL, atol=STRICT_ATOL, err_msg=key)
+
+
+# --- the schedules -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("stages", "k"), [(2, 3), (4, 4), (4, 8), (1, 2)])
+def test_each_stage_runs_each_microbatch_forward_then_backward_once(stages: int, k: int) -> None:
+    for name in ("gpipe", "1f1b"):
+        schedule = Schedule(name, stages, k)
+        for s, row in enumerate(schedule.table()):
+            slots = [x for cell in row for x in cell.split()]
+            assert sorted(slots) == sorted([f"F{j}" for j in range(k)] + [f"B{j}" for j in range(k)]), (name, s)
+            for j in range(k):  # a microbatch's backward after its forward, on every stage
+                f = next(i for i, c in enumerate(row) if f"F{j}" in c.split())
+                b = next(i for i, c in enumerate(row) if f"B{j}" in c.split())
+                assert f < b or (name == "1f1b" and f == b and s == stages - 1)
+
+
+def test_1f1b_keeps_at_most_its_stash_and_gpipe_every_microbatch() -> None:
+    stages, k = 4, 8
+    schedule = Schedule("1f1b", stages, k)
+    for s, row in enumerate(schedule.table()):
+        live, most = set(), 0
+        for cell in row:
+            for slot in cell.split():
+                (live.add if slot[0] == "F" else live.discard)(slot[1:])
+                most = max(most, len(live))
+        assert most <= schedule.stash == 2 * stages - 1
+        assert most == 2 * (stages - 1 - s) + 1  # the round trip to the last stage and back
+    assert Schedule("gpipe", stages, k).stash == 0  # autodiff keeps every tick's residuals
+
+
+def test_the_bubble_is_the_idle_share_of_each_stage() -> None:
+    """GPipe's table: each stage idles in 2 (S - 1) of its 2 (k + S - 1) slots; 1F1B's phases take
+    the same time, ``(S - 1)`` forward-only and backward-only ticks around ``k`` full ones."""
+    for stages, k in ((2, 4), (4, 4), (4, 16), (8, 8)):
+        table = Schedule("gpipe", stages, k).table()
+        idle = sum(c == "" for c in table[0]) / len(table[0])
+        assert idle == pytest.approx(bubble_fraction(stages, k)) == pytest.approx((stages - 1) / (k + stages - 1))
+        phases = Schedule("1f1b", stages, k).phases
+        f = sum(stop - start for start, stop, fwd, _ in phases if fwd)
+        b = sum(stop - start for start, stop, _, bwd in phases if bwd)
+        assert f == b == k + stages - 1
+
+
+# --- refusals -------------------------------------------------------------------------------
+
+
+def _unplaced(shape: dict) -> tuple[jax.sharding.Mesh, Net, nnx.Optimizer]:
+    mesh = create_device_mesh(shape)
+    with jax.set_mesh(mesh):
+        model = Net()
+        opt = nnx.Optimizer(model, _tx("sgd"), wrt=nnx.Param)
+    return mesh, model, opt
+
+
+def test_stages_that_do_not_divide_the_stack_are_refused() -> None:
+    mesh, model, opt = _unplaced({"data": 1, "stage": 3})
+    with pytest.raises(ValueError, match=r"model\['layers'\] has 8 layers, which the 3 stages of 'stage' do not divide"):
+        substrax.shard_state(model, opt, mesh=mesh, stages=Layer)
+
+
+def test_a_stage_axis_without_stages_is_refused() -> None:
+    mesh, model, opt = _unplaced({"data": 2, "stage": 4})
+    with pytest.raises(ValueError, match=r"has a 'stage' axis, the pipeline's, but .* Pass stages="):
+        substrax.shard_state(model, opt, mesh=mesh)
+
+
+def test_stages_matching_nothing_or_no_stack_are_refused() -> None:
+    mesh, model, opt = _unplaced({"data": 2, "stage": 4})
+    with pytest.raises(ValueError, match=r"stages=BatchNorm matched no submodule of the Net, .* types ColumnParallelLinear, Layer, "):
+        substrax.shard_state(model, opt, mesh=mesh, stages=nnx.BatchNorm)
+    with pytest.raises(ValueError, match=r"stages= matched model\['embed'\], which is not a stack of layers"):
+        substrax.shard_state(model, opt, mesh=mesh, stages=lambda path, m: path == ("embed",))
+    with pytest.raises(ValueError, match=r"stages= matched 2 modules"):
+        substrax.shard_state(model, opt, mesh=mesh, stages=nnx.Linear)
+    with pytest.raises(TypeError, match="stages must be a module type"):
+        substrax.shard_state(model, opt, mesh=mesh, stages="Layer")
+
+
+def test_stages_on_a_mesh_without_stage_or_with_prefetch_are_refused() -> None:
+    mesh, model, opt = _unplaced({"data": 8})
+    with pytest.raises(ValueError, match=r"the mesh's 'stage' axis, which the mesh \{'data': 8\} lacks"):
+        substrax.shard_state(model, opt, mesh=mesh, stages=Layer)
+    mesh, model, opt = _unplaced({"data": 2, "stage": 4})
+    with pytest.raises(ValueError, match="prefetch=True .* and stages= runs the stack as a pipeline"):
+        substrax.shard_state(model, opt, mesh=mesh, stages=Layer, units=Layer, prefetch=True)
+
+
+def test_schedule_options_are_refused_by_name() -> None:
+    mesh = create_device_mesh({"data": 2, "stage": 4})
+    with pytest.raises(ValueError, match=r"schedule must be one of \('gpipe', '1f1b'\) or None .* got 'zb'"):
+        substrax.make_train_step(mse, mesh=mesh, microbatches=4, schedule="zb")
+    with pytest.raises(ValueError, match=r"schedule='1f1b' runs the stages as a pipeline .* microbatches=1"):
+        substrax.make_train_step(mse, mesh=mesh, schedule="1f1b")
+    with pytest.raises(ValueError, match=r"schedule='gpipe' pipelines .* 'stage' axis, which the mesh \{'data': 8\} lacks"):
+        substrax.make_train_step(mse, mesh=create_device_mesh({"data": 8}), microbatches=4, schedule="gpipe")
+
+
+@pytest.mark.parametrize("mode", substrax.MODES)
+def test_a_staged_model_and_a_step_must_agree(mode: str) -> None:
+    mesh, model, opt = _placed({"data": 2, "stage": 4}, "replicated")
+    with pytest.raises(ValueError, match=r"model\['layers'\] is split over the 'stage' axis .* must run it as a pipeline"):
+        substrax.make_train_step(mse, mode, mesh=mesh)(model, opt, _batches(1)[0])
+    mesh, model, opt = _unplaced({"data": 2, "stage": 4})
+    with pytest.raises(ValueError, match=r"no parameter of the model is placed so"):
+        substrax.make_train_step(mse, mode, mesh=mesh, microbatches=4, schedule="1f1b")(model, opt, _batches(1)[0])
+
+
+def test_a_loss_that_never_runs_the_stack_through_scan_layers_is_refused() -> None:
+    mesh, model, opt = _placed({"data": 2, "stage": 4}, "replicated")
+
+    def by_hand(model: Net, batch: dict) -> jax.Array:
+        h = model.embed(batch["x"])
+        return jnp.mean((model.head(h)[:, 0] - batch["y"]) ** 2)
+
+    with pytest.raises(ValueError, match=r"never ran the staged stack model\['layers'\] through substrax.nn.scan_layers"):
+        substrax.make_train_step(by_hand, "explicit", mesh=mesh, microbatches=4, schedule="gpipe")(model, opt, _batches(1)[0])
+
+
+def test_state_the_loss_changes_is_refused() -> None:
+    """A pipeline keeps only the parameters: a loss that counts its calls in a variable is refused."""
+
+    class Counter(nnx.Variable):
+        pass
+
+    mesh, model, opt = _unplaced({"data": 2, "stage": 4})
+    model.calls = Counter(jnp.zeros((), jnp.int32))
+    substrax.shard_state(model, opt, mesh=mesh, stages=Layer)
+
+    def counting(model: Net, batch: dict) -> jax.Array:
+        model.calls.set_value(model.calls.get_value() + 1)
+        return mse(model, batch)
+
+    with pytest.raises(ValueError, match=r"loss_fn changed model\['calls'\] \(Counter\) before the staged stack"):
+        substrax.make_train_step(counting, "implicit", mesh=mesh, microbatches=4, schedule="1f1b")(model, opt, _batches(1)[0])
+
+
+def test_a_stack_holding_state_other_than_parameters_is_refused() -> None:
+    """A stage's layers run as functions of their parameters: BatchNorm's statistics in the stack are refused."""
+
+    class Normed(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            self.linear = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+            self.norm = nnx.BatchNorm(WIDTH, rngs=rngs)
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return x + self.norm(self.linear(x))
+
+    class Stacked(nnx.Module):
+        def __init__(self) -> None:
+            rngs = nnx.Rngs(0)
+            self.embed = nnx.Linear(4, WIDTH, rngs=rngs)
+
+            @nnx.split_rngs(splits=4)
+            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
+            def make(rngs: nnx.Rngs) -> Normed:
+                return Normed(rngs)
+
+            self.layers = make(rngs)
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return substrax.nn.scan_layers(self.layers, self.embed(x)).sum(axis=1)
+
+    mesh = create_device_mesh({"data": 2, "stage": 4})
+    with jax.set_mesh(mesh):
+        model = Stacked()
+        opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    substrax.shard_state(model, opt, mesh=mesh, stages=Normed)
+    step = substrax.make_train_step(mse, "explicit", mesh=mesh, microbatches=4, schedule="gpipe")
+    with pytest.raises(ValueError, match=r"The staged stack model\['layers'\] holds stack\['norm'\]\['mean'\] \(BatchStat\)"):
+        step(model, opt, _batches(1)[0])
+
+
+def test_precision_with_a_schedule_is_refused() -> None:
+    mesh, model, opt = _placed({"data": 2, "stage": 4}, "replicated")
+    step = substrax.make_train_step(
+        mse, mesh=mesh, microbatches=4, schedule="1f1b", precision=substrax.MixedPrecision(jnp.bfloat16)
+    )
+    with pytest.raises(ValueError, match=r"schedule='1f1b' with precision=: a pipelined step runs in the parameters' own dtype"):
+        step(model, opt, _batches(1)[0])
