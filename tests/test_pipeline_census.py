@@ -24,7 +24,7 @@ import pytest
 from flax import nnx
 
 import substrax
-from substrax._shared.pipeline import Schedule
+
 from substrax.census import compare
 from substrax.census._hlo import pair_shift
 from substrax.mesh import create_device_mesh
@@ -107,7 +107,7 @@ def checked(mode: str, case: Case):  # noqa: ANN201
     return _RESULTS[mode, case]
 
 
-def loops(schedule: Schedule) -> list[tuple[int, int]]:
+def loops(schedule: substrax.PipelineSchedule) -> list[tuple[int, int]]:
     """``(ticks, direction)`` per loop and permute: GPipe's forward loop sends on, its transpose back;
     1F1B's warm-up sends on, its steady state both ways, its cool-down back."""
     if schedule.name == "gpipe":
@@ -123,7 +123,7 @@ def test_explicit_census_matches_each_schedule(case: Case) -> None:
     found = checked("explicit", case)
     assert found.matches, str(found)
     sizes = dict(case.mesh)
-    schedule = Schedule(case.schedule, sizes["stage"], case.microbatches)
+    schedule = substrax.PipelineSchedule(case.schedule, sizes["stage"], case.microbatches)
     rows = ROWS // case.microbatches // sizes["data"]  # one microbatch's rows on one device
     carry = rows * WIDTH * F32  # the stack's input; the gate (WIDTH floats) travels with it
     permutes = [r for r in found.report.rows if r.kind == "collective-permute"]
@@ -147,7 +147,7 @@ def test_explicit_census_matches_each_schedule(case: Case) -> None:
 @pytest.mark.parametrize("case", IMPLICIT, ids=str)
 def test_implicit_census_finds_the_permutes_xla_wrote(case: Case) -> None:
     found = checked("implicit", case)
-    schedule = Schedule(case.schedule, 4, case.microbatches)
+    schedule = substrax.PipelineSchedule(case.schedule, 4, case.microbatches)
     carry = ROWS // case.microbatches // 2 * WIDTH * F32
     rows = [r for r in found.report.rows if r.kind == "collective-permute"]
     assert {r.axes for r in rows} == {("stage",)}
