@@ -88,6 +88,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/collectives.py --quick --json benchmarks/results/collectives_quick.json
 	$(PY) benchmarks/layouts.py --quick --json benchmarks/results/layouts_quick.json
 	$(PY) benchmarks/accumulation.py --quick --json benchmarks/results/accumulation_quick.json
+	$(PY) benchmarks/pipeline.py --quick --json benchmarks/results/pipeline_quick.json
 	$(PY) benchmarks/precision.py --quick --json benchmarks/results/precision_quick.json
 	$(PY) benchmarks/tensor_parallel.py --quick --json benchmarks/results/tensor_parallel_quick.json
 	$(PY) benchmarks/memory.py --quick --json benchmarks/results/memory_quick.json

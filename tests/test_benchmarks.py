@@ -32,6 +32,7 @@ TIMED = {  # in the order they are started: the longest first
     "precision": "time_us",
     "tensor_parallel": "median_us",
     "accumulation": "median_us",
+    "pipeline": "median_us",
     "layouts": "median_us",
     "collectives": "median_us",
     "memory": "peak_bytes",  # compiled, not run: its rows measure memory

@@ -22,8 +22,8 @@ what the layers declare (``substrax.nn.declare_forward``, ...).
 The pipeline is an axis too (drawn last, so the other axes draw as before): ``stages``
 (none, 2 or 4: the blocks stacked by ``nnx.vmap``, as many or twice as many as the stages,
 split over a ``stage`` axis), ``schedule`` (``"gpipe"`` or ``"1f1b"``) and microbatches (2 or
-4), held to one device the same way; a pipelined draw's census is not checked (its
-permutes are not yet expected).
+4), held to one device the same way; in explicit mode a pipelined draw's census must match
+too (its permutes per tick and loop, its sums over ``stage``: the census guide, "Pipelines").
 
 ``make test`` runs ``CURATED``, ``make test-slow`` a fixed-seed sample (profile ``mesh-ci``);
 ``make fuzz`` (``SUBSTRAX_FUZZ=full``) ``SUBSTRAX_FUZZ_EXAMPLES`` random draws. A failing
@@ -275,9 +275,11 @@ def check(c: MeshConfig) -> None:
         tol = STRICT_ATOL + SAFETY * floor[name]
         np.testing.assert_allclose(got[name], value, rtol=STRICT_RTOL, atol=tol, err_msg=f"{c}: {name}")
         assert got[name].dtype == np.float32, f"{c}: {name} is {got[name].dtype}"
-    if c.mode == "explicit" and c.stages is None:  # (a pipeline's census: not yet expected)
+    if c.mode == "explicit":
         found = step.check_communication(model, optimizer, batches[0])
         assert found.matches, f"{c}: census\n{found}"
+        if c.stages is not None:  # (the layers' collectives below are counted per unrolled block)
+            return
         # expected from the layers: per block a forward psum of attention's output and of the
         # MLP's, a backward psum of the MLP's input and, but for the first block (fed by the
         # batch), of attention's; none on a model axis of one device (the layers run as plain ones)

@@ -16,9 +16,10 @@ from jax.sharding import Mesh
 
 from substrax import _layout
 from substrax._layout._units import find_units
-from substrax._plan import _items, _memory
+from substrax._plan import _items, _memory, _pipeline
 from substrax._plan._table import Plan, PlanRow
 from substrax._shared.options import Mode
+from substrax._shared.pipeline_record import recording_pipeline
 from substrax._train.chooser import make_train_step
 from substrax._tree import PyTree
 from substrax.census import census
@@ -45,6 +46,7 @@ def plan(
     units: Iterable[Any] = (None,),
     placement: Mapping[str, Any] | None = None,
     compiled: bool | None = None,
+    schedule: str | None | Sequence[str | None] = None,
     **step_options: Any,
 ) -> Plan:
     """Each configuration's collective bytes and memory per device: estimated, or compiled on a TPU.
@@ -73,6 +75,9 @@ def plan(
         ``reshard_after_forward``, ``prefetch``, ...).
       compiled: Compile each row's step and read its memory (``memory_analysis()``) and
         bytes (its census) from the program; ``None``: on a mesh whose devices are not CPUs.
+      schedule: The pipeline schedules to try on a mesh with a ``stage`` axis (``"gpipe"``,
+        ``"1f1b"``, or both; ``None``: both), the stack ``placement``'s ``stages`` names split
+        over it; a mesh without ``stage`` runs no pipeline (and drops ``stages``).
       **step_options: ``make_train_step``'s other keywords (``microbatches``, ``has_aux``, ...).
 
     Returns:
@@ -93,10 +98,11 @@ def plan(
         names = layouts or [k for k in _layout.LAYOUTS if k != "hsdp" or replica in m.axis_names]
         for kind in names:
             for u, unit in enumerate(units if kind in ("fsdp", "hsdp") else (None,)):
-                for md in modes:
-                    config = (loss_fn, model, optimizer, batch, m, md, kind, unit, placement, step_options)
+                for md, sched in ((md, sched) for md in modes for sched in _pipeline.schedules(m, schedule)):
+                    place, opts = _pipeline.piped(m, sched, placement, step_options)
+                    config = (loss_fn, model, optimizer, batch, m, md, kind, unit, place, opts)
                     on_target = _platform(m) != "cpu" if compiled is None else compiled
-                    estimate = memory.setdefault((id(m), kind, u), {})
+                    estimate = memory.setdefault((id(m), kind, u, sched), {})
                     rows.append(_row(*config, memory=estimate, compiled=on_target))
     return Plan(tuple(rows))
 
@@ -137,15 +143,16 @@ def _row(
     shard_options = {"mesh": mesh, "layout": kind, "units": unit, "data_axis": axis, **place}
     placed = _layout.shard_state(m, o, **shard_options)
     step = make_train_step(loss_fn, mode, mesh=mesh, **opts)
-    with declared.recording() as layers, _layout.recording_layers() as layered:
+    with declared.recording() as layers, _layout.recording_layers() as layered, recording_pipeline() as piped:
         traced = step.traced(m, o, batch, donate=True)
         with step.mesh_context():
             lowered = traced.lower()
     body = traced.jaxpr.jaxpr
     recomputed = _items.recomputes(body)
     expected, notes = expected_step(
-        lowered.out_info[1], m, o, step.options, layers=layers, layered=layered, recomputed=recomputed
-    )
+        lowered.out_info[1], m, o, step.options, layers=layers, layered=layered, recomputed=recomputed,
+        pipeline=piped[0] if piped else None,
+    )  # fmt: skip
     if kind != "replicated" and placed.kind == "replicated":
         notes = (_nothing_split(placed), *notes)
     if mode == "explicit":  # the unit gathers the trace runs, counted: required
@@ -163,6 +170,7 @@ def _row(
         "gathered_bytes": _items.gathered(expected.items, kind, unit is not None and mode == "explicit"),
         "device_bytes": device_memory(mesh),
         "notes": notes,
+        **_pipeline.fields(mesh, opts),
         "shard_options": shard_options,
         "step_options": {"mesh": mesh, **opts},
     }

@@ -37,6 +37,11 @@ class PlanRow:
       compiler: Where the bytes come from: ``"XLA:CPU rules (estimated)"``, or the platform
         the step was compiled for, ``"tpu (compiled)"``.
       notes: What the prediction could not read.
+      schedule: The pipeline's schedule (``"gpipe"``, ``"1f1b"``) on a mesh with a ``stage``
+        axis, ``"-"`` for none.
+      bubble: The share of a pipelined step's ticks a stage idles, ``(stages - 1) /
+        (microbatches + stages - 1)``; 0 without a pipeline. The peak and state bytes of a
+        pipelined row are one stage's (every device holds one stage).
       refused: The TPU compiler's refusal of a step that does not fit (its message; ``peak_bytes``
         then holds the arguments plus the temporaries it says it needed, to its 0.01 GB), else ``""``.
       shard_options: ``shard_state``'s keywords for this configuration (mesh, layout, units...).
@@ -62,6 +67,8 @@ class PlanRow:
     device_bytes: int | None = None
     notes: tuple[str, ...] = ()
     refused: str = ""
+    schedule: str = "-"
+    bubble: float = 0.0
     shard_options: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
     step_options: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
@@ -133,11 +140,14 @@ class Plan:
 
     def __str__(self) -> str:
         kinds = sorted({k for r in self.rows for k in r.bytes})
-        head = ["mode", "layout", "units", "mesh", *(f"{k} ({a})" for k, a in kinds)]
+        piped = any(r.schedule != "-" for r in self.rows)  # the schedule's columns only where one runs
+        head = ["mode", "layout", "units", "mesh", *(["schedule", "bubble"] if piped else [])]
+        head += [f"{k} ({a})" for k, a in kinds]
         compiled = {r.compiler.endswith("(compiled)") for r in self.rows}
         head += ["total B", "state B", "peak B (compiled)" if compiled == {True} else "peak B (est.)"]
         body = [
-            [r.mode, r.layout, r.units, r.mesh, *(f"{r.bytes.get(k, 0):,}" for k in kinds),
+            [r.mode, r.layout, r.units, r.mesh, *([r.schedule, f"{r.bubble:.0%}"] if piped else []),
+             *(f"{r.bytes.get(k, 0):,}" for k in kinds),
              f"{r.total_bytes:,}", f"{r.state_bytes:,}", f"{r.peak_bytes:,}"]
             for r in self.rows
         ]  # fmt: skip
@@ -155,4 +165,5 @@ def _notes(row: PlanRow) -> tuple[str, ...]:
 
 def _label(row: PlanRow) -> str:
     units = "" if row.units == "-" else f", units={row.units}"
-    return f"{row.mode} {row.layout}{units} on {row.mesh}"
+    schedule = "" if row.schedule == "-" else f", {row.schedule}"
+    return f"{row.mode} {row.layout}{units}{schedule} on {row.mesh}"

@@ -13,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from substrax import _layout
 from substrax._shared.pipeline import check_stage_axis
+from substrax._shared.pipeline_record import recording_pipeline
 from substrax._batch.leaves import check_batch_leaves
 from substrax._batch.placement import place_process_rows
 from substrax._layout._owners import flat_state
@@ -321,9 +322,11 @@ class TrainStep:
         See the census guide and ``substrax.compare``.
         """
         # what the layers declare they communicate, and which units ran one layer at a time
-        with declared.recording() as layers, _layout.recording_layers() as layered:  # as it runs: donated
-            lowered = self.lower(model, optimizer, batch)
-        return check_communication(lowered, model, optimizer, self.options, layers=layers, layered=layered)
+        with declared.recording() as layers, _layout.recording_layers() as layered, recording_pipeline() as piped:
+            lowered = self.lower(model, optimizer, batch)  # as it runs: donated
+        return check_communication(
+            lowered, model, optimizer, self.options, layers=layers, layered=layered, pipeline=piped[0] if piped else None
+        )
 
     def census(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree) -> Comparison:
         """Alias of ``check_communication`` (a ``Comparison``; the ``CensusReport`` is its ``.report``)."""

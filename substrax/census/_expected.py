@@ -28,7 +28,7 @@ __all__ = [
 MODES = ("implicit", "explicit")
 REDUCTIONS = ("all-reduce", "reduce-scatter")
 
-SOURCES = ("gradients", "parameters", "loss", "metrics", "batch stats", "update", "model")
+SOURCES = ("gradients", "parameters", "loss", "metrics", "batch stats", "update", "model", "pipeline")
 """What an expected buffer is for, in the order ``str()`` lists them.
 
 ``"gradients"``: a gradient's reduction; ``"parameters"``: an FSDP parameter gathered
@@ -37,7 +37,8 @@ step's average of a BatchNorm statistic; ``"update"``: what the optimizer update
 step's non-finite guard) communicates; ``"model"``: a collective the model's own forward or
 backward pass issues: expected per layer from what ``substrax.nn``'s layers say they
 write (explicit mode), or attributed from the compiled program (``compare(...,
-attribute_model=True)``).
+attribute_model=True)``); ``"pipeline"``: a pipelined step's permutes between stages and
+its sums over the ``stage`` axis (census guide, "Pipelines").
 """
 
 
@@ -59,6 +60,8 @@ class ExpectedCollective:
       axes: the mesh axes its device groups span (``("model",)``); ``()``: any.
       in_loop: it runs once per microbatch, inside the loop (``bytes`` counts every run).
       per_run: ``bytes`` is one run's; the program's loops say how often it runs.
+      shift: for a collective-permute, the step each device sends along ``axes`` (``+1``:
+        to the next stage, ``-1``: to the previous); ``None``: any.
     """
 
     kind: str
@@ -73,6 +76,7 @@ class ExpectedCollective:
     axes: tuple[str, ...] = ()
     in_loop: bool = False
     per_run: bool = False
+    shift: int | None = None
 
     @property
     def category(self) -> str:

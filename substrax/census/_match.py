@@ -90,6 +90,7 @@ class _Matcher:
             kind_key(item.kind, self.mode) == kind_key(part.kind, self.mode)
             and (not item.scopes or part.scope in item.scopes)
             and (not item.axes or part.row.axes is None or tuple(part.row.axes) == item.axes)
+            and (item.shift is None or part.row.axes is None or part.row.shift == item.shift)
         )
 
     def _shape_bound(self, item: ExpectedCollective) -> bool:

@@ -32,6 +32,9 @@ class Collective:
       groups: the device groups as logical device ids, or ``None`` when not readable.
       axes: the mesh axes the groups span (from ``mesh=``, else the HLO's names), or ``None``.
       source_target_pairs: a collective-permute's ``(source, target)`` pairs.
+      shift: a collective-permute's step along the one mesh axis all its pairs move on
+        (``+1``: each device sends to the next along ``axes``, ``-1``: to the previous);
+        ``None`` when they move otherwise (a wrap-around) or the mesh is not known.
       trip_counts: the trip count of each ``while`` loop around it, outermost first
         (``None`` where not stated); ``()`` outside loops.
       op_name: the JAX operation it came from (all of them for a combined one), or ``""``.
@@ -49,6 +52,7 @@ class Collective:
     groups: tuple[tuple[int, ...], ...] | None = None
     axes: tuple[str, ...] | None = None
     source_target_pairs: tuple[tuple[int, int], ...] | None = None
+    shift: int | None = None
     trip_counts: tuple[int | None, ...] = ()
     op_name: str = ""
     buffer_op_names: tuple[str, ...] = ()
@@ -236,6 +240,7 @@ def _row(site: _hlo.Site, module: _hlo.Module, mesh: tuple[tuple[str, int], ...]
         groups=groups,
         axes=_hlo.mesh_axes(groups, pairs, hlo_axes, mesh),
         source_target_pairs=pairs,
+        shift=_hlo.pair_shift(pairs, mesh),
         trip_counts=site.trip_counts,
         op_name=name,
     )

@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from substrax._layout import gradient_spec, layout_of, prefetched_units
 from substrax._shared import scopes
 from substrax._shared.options import StepOptions
+from substrax._shared.pipeline_record import PipelineRun
 from substrax._shared.update import apply_update, donated_state, state_values
 from substrax._tree import KeyPath
 from substrax.census._expected import Expected, ExpectedCollective, expected_communication
@@ -33,6 +34,7 @@ from substrax.census._items import (
     unit_items,
     update_dims,
 )
+from substrax.census._pipeline import pipeline_items, pipeline_note, stage_unit_items
 from substrax.census._report import CensusReport, Comparison, census, compare
 from substrax.census._rows import library_scope
 from substrax.census._text import short_op
@@ -178,12 +180,14 @@ def check_communication(
     *,
     layers: Sequence[Declared] = (),
     layered: dict[KeyPath, int] | None = None,
+    pipeline: PipelineRun | None = None,
 ) -> Comparison:
     """Compile a lowered step, take its census, and compare it with what the step should communicate.
 
     ``lowered`` is the step lowered for ``model``, ``optimizer`` and a batch; ``options`` its
-    ``StepOptions``; ``layers`` and ``layered`` what the layers declared and the FSDP units
-    that ran one layer at a time while it was traced. See the census guide.
+    ``StepOptions``; ``layers``, ``layered`` and ``pipeline`` what the layers declared, the FSDP
+    units that ran one layer at a time and the pipeline that ran, while it was traced. See the
+    census guide.
     """
     compiled = lowered.compile()
     report = census(compiled, mesh=options.mesh)
@@ -192,7 +196,7 @@ def check_communication(
     expected, notes = expected_step(
         lowered.out_info[1], model, optimizer, options,
         layers=layers, layered=layered, recomputed=recomputed, scoped=scoped,
-        platform=program_platform(compiled),
+        platform=program_platform(compiled), pipeline=pipeline,
     )  # fmt: skip
     found = compare(report, expected, attribute_model=True)
     return dataclasses.replace(found, notes=found.notes + tuple(notes)) if notes else found
@@ -219,6 +223,7 @@ def expected_step(
     recomputed: bool = False,
     scoped: bool = True,
     platform: str | None = None,
+    pipeline: PipelineRun | None = None,
 ) -> tuple[Expected, tuple[str, ...]]:
     """What a step should communicate, built without compiling it (see ``check_communication``).
 
@@ -226,7 +231,7 @@ def expected_step(
     ``recomputed``: the program recomputes under remat (its recomputed collectives are
     optional); ``scoped``: the program names the library's scopes; ``platform``: the one
     the program is compiled for (``program_platform``; default: the step's mesh's devices',
-    else jax's default backend). Returns the expected communication and notes on what it
+    else jax's default backend); ``pipeline``: the pipeline the step ran. Returns the expected communication and notes on what it
     could not read (the update compiled alone failed, a policy's narrow collectives widened
     by XLA's CPU compiler).
     """
@@ -237,6 +242,7 @@ def expected_step(
     loss_dtype = out[0].dtype if options.has_aux else out.dtype
     sizes = _axis_sizes(options, model, optimizer)
     replicas = sizes.get(options.replica_axis, 1) if options.mode == "explicit" else 1
+    piped, piped_notes = _pipeline_expected(pipeline, model, options, sizes, np.dtype(loss_dtype).itemsize)
     if layout.axis_size == 1 and replicas == 1:  # a data axis of size 1: nothing moves over it
         # over another axis (a tensor-parallel ``model``), the update still reduces what the
         # layers split there (a global norm, the non-finite flags): the update's own census
@@ -248,9 +254,9 @@ def expected_step(
             update=update,
         )  # fmt: skip
         # what the model issues itself (BatchNorm's psum over a size-1 axis_name) is attributed
-        return expected.with_items(layer_items(layers, options.microbatches, sizes, recomputed)), ()
+        return expected.with_items(layer_items(layers, options.microbatches, sizes, recomputed) + piped), piped_notes
     metrics = _metric_items(out, options.has_aux)
-    notes = []
+    notes = list(piped_notes)
     try:
         update: list[ExpectedCollective] | None = update_items(options, model, optimizer, loss_dtype)
     except Exception as error:  # noqa: BLE001  (the census goes on with the layout's rule)
@@ -289,9 +295,12 @@ def expected_step(
     if options.mode == "explicit" and sizes.get(options.replica_axis, 1) > 1:  # hybrid sharding
         across = cross_replica_items(leaves, options, sizes, precision, widened)
     if options.mode == "explicit" and layout.axis_size > 1:  # a unit's parameters move together
+        per_tick = options if pipeline is None else options.replace(microbatches=1, schedule=None)
+        again = recomputed or (pipeline is not None and pipeline.schedule == "1f1b")
         leaves, units = unit_items(
-            model, leaves, options, sizes[options.data_axis], precision, widened, layered, recomputed, platform
+            model, leaves, per_tick, sizes[options.data_axis], precision, widened, layered, again, platform
         )
+        units = units if pipeline is None else stage_unit_items(units, pipeline)
     expected = expected_communication(
         leaves,
         layout=layout.kind,
@@ -303,6 +312,7 @@ def expected_step(
         communicated_dtype=widened,
     )
     items = [*expected.items, *units, *across, *metrics, *layer_items(layers, options.microbatches, sizes, recomputed)]
+    items += piped
     gathered = any(i.kind == "all-gather" for i in metrics)
     if options.mode == "explicit":
         items += batch_stat_items(model, options.data_axis)
@@ -337,3 +347,16 @@ def expected_step(
     if not scoped:  # a step that names no scope (or compiled none of its collectives): anywhere
         items = [dataclasses.replace(i, scopes=()) for i in items]
     return dataclasses.replace(expected, items=tuple(items)), tuple(notes)
+
+
+def _pipeline_expected(
+    pipeline: PipelineRun | None, model: nnx.Module, options: StepOptions, sizes: dict[str, int], loss_bytes: int
+) -> tuple[list[ExpectedCollective], tuple[str, ...]]:
+    """A pipelined step's own communication over ``stage`` (``census._pipeline``) and a note on its
+    schedule; nothing without one."""
+    if pipeline is None:
+        return [], ()
+    rows = tuple(a for a in (options.replica_axis, options.data_axis) if a in sizes)
+    items = pipeline_items(pipeline, model, rows, sizes)
+    items = [dataclasses.replace(i, bytes=loss_bytes) if i.category == "loss" else i for i in items]
+    return items, (pipeline_note(pipeline),)

@@ -26,6 +26,7 @@ from substrax._metrics.collectives import to_varying_over, varying_axes
 from substrax._shared import scopes
 from substrax._shared.microbatch import split_microbatches
 from substrax._shared.pipeline import Schedule, Staged, floats_of, put, take, with_floats
+from substrax._shared.pipeline_record import note_pipeline
 from substrax._tree import KeyPath, PyTree
 from substrax.nn import _declared as declared
 
@@ -91,12 +92,13 @@ class _Stages:
 
     def carry_type(self, outside: nnx.State, stack: nnx.State) -> Any:
         """Zeros of the carry's type: the prologue's output, varying over every axis a stage's output does."""
-        with declared.silenced():  # traced for its type: the ticks' own traces record the layers
+        with declared.silenced():  # a trace for types: the ticks' own traces record the layers' collectives
             carry = self.prologue(outside, 0)
             out = self.stage(stack, carry)
-        return _zeros_like(
-            jax.tree.map(lambda c, o: to_varying_over(c, tuple(varying_axes(o) or ())), carry, out)
-        )
+        typed = jax.tree.map(lambda c, o: to_varying_over(c, tuple(varying_axes(o) or ())), carry, out)
+        zeros = _zeros_like(typed)
+        note_pipeline(carry=zeros)  # for the census: the permutes' buffers
+        return zeros
 
     def loss_type(self, outside: nnx.State, carry: Any) -> Any:
         with declared.silenced():
@@ -210,6 +212,7 @@ def pipelined_value_and_grad(
     rows = () if one_device else spec_axes(data_axis)
     axes = (*rows, stage_axis)
     schedule_ = Schedule(schedule, jax.lax.axis_size(stage_axis), microbatches)
+    note_pipeline(schedule_, mode="explicit")
     devices = math.prod(jax.lax.axis_size(a) for a in rows)
     slices = split_microbatches(shard, specs, data_axis, microbatches)
     staged = Staged(model, stack_path, split_loss)
@@ -222,6 +225,7 @@ def pipelined_value_and_grad(
         )(outside, stack)
     else:
         total, aux, g_out, g_stack = _one_f_one_b(p, outside, stack, scale, accumulate_dtype)
+    note_pipeline(aux=aux)
     with jax.named_scope(scopes.PIPELINE):  # the outside parameters' gradient, from the first and last stages
         g_out = jax.lax.psum(g_out, stage_axis)
     with jax.named_scope(scopes.LOSS):

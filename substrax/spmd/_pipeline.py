@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from substrax._layout import STAGE_AXIS, spec_tuple, without_axes
 from substrax._shared.pipeline import Schedule, Staged, floats_of, put, take, with_floats
+from substrax._shared.pipeline_record import note_pipeline
 from substrax._tree import KeyPath, PyTree
 from substrax.nn import _declared as declared
 
@@ -130,6 +131,7 @@ def _gpipe(g: _Global, outside: nnx.State, stack: nnx.State) -> tuple[Any, Any]:
     """The mean loss over microbatches (and the aux stacked): GPipe's forward ticks (autodiff: the rest)."""
     staged, k = g.staged, g.k
     carry0, out0 = _types(g, outside)
+    note_pipeline(carry=carry0)  # for the census: one stage's carry, global
     masked = _masked(staged.stage)
 
     def tick(carry: Any, t: Any) -> tuple[Any, Any]:
@@ -152,6 +154,7 @@ def _one_f_one_b(g: _Global, outside: nnx.State, stack: nnx.State, dtype: Any) -
     """1F1B's ticks, every stage at once: ``(mean loss, aux, outside grads, stack grads)``."""
     staged, k, n, depth = g.staged, g.k, g.n, g.schedule.stash
     carry0, out0 = _types(g, outside)
+    note_pipeline(carry=carry0)  # for the census: one stage's carry, global
     floats0 = floats_of(carry0)
 
     def stage_vjp(params: Any, carry: Any) -> tuple[Any, Any]:
@@ -248,6 +251,7 @@ def pipelined_value_and_grad(
     """
     staged = Staged(model, stack_path, split_loss)
     g = _Global(staged, slices, Schedule(schedule, mesh.shape[STAGE_AXIS], microbatches), mesh, rows)
+    note_pipeline(g.schedule, mode="implicit")
     layers = jax.tree.leaves(staged.stack)[0].shape[0]
     stack = g.split_stack(staged.stack)
     if schedule == "gpipe":

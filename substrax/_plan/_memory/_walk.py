@@ -120,6 +120,8 @@ class Walk(Program):
                     env[v] = self.virtual(0, 1, [])
             elif name in rules.VIEW and i not in facts.kernels:
                 self._view(e, env, reads)
+            elif not e.outvars:  # nothing written (a loop's or cond's with no results)
+                continue
             else:
                 shape = getattr(e.outvars[0].aval, "shape", ())
                 same = [

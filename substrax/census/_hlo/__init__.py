@@ -5,7 +5,7 @@ import only ``_module``.
 """
 
 from ._buffers import buffer_op_names, operand_buffers, result_buffers
-from ._groups import Groups, mesh_axes, replica_groups, source_target_pairs
+from ._groups import Groups, mesh_axes, pair_shift, replica_groups, source_target_pairs
 from ._module import KINDS, Computation, Instruction, Module, Operand, op_name, parse_module
 from ._sites import Site, collective_sites
 
@@ -21,6 +21,7 @@ __all__ = [
     "collective_sites",
     "mesh_axes",
     "op_name",
+    "pair_shift",
     "operand_buffers",
     "parse_module",
     "replica_groups",

@@ -119,3 +119,22 @@ def _axes_of_pairs(
         a, b = np.unravel_index(s, sizes), np.unravel_index(t, sizes)
         differ |= {i for i in range(len(sizes)) if a[i] != b[i]}
     return tuple(mesh[i][0] for i in sorted(differ))
+
+
+def pair_shift(pairs: tuple[tuple[int, int], ...] | None, mesh: tuple[tuple[str, int], ...] | None) -> int | None:
+    """The one step every pair of a permute moves along the one mesh axis it moves on (``+1``: to
+    the next index, no wrap-around), ``None`` when the pairs or the mesh do not say one."""
+    if not pairs or mesh is None:
+        return None
+    sizes = [size for _, size in mesh]
+    total = math.prod(sizes)
+    if any(not (0 <= s < total and 0 <= t < total) for s, t in pairs):
+        return None
+    steps = set()
+    for s, t in pairs:
+        moved = np.asarray(np.unravel_index(t, sizes)) - np.asarray(np.unravel_index(s, sizes))
+        axes = np.flatnonzero(moved)
+        steps.add((int(axes[0]), int(moved[axes[0]])) if len(axes) == 1 else None)
+    if len(steps) != 1 or None in steps:
+        return None
+    return next(iter(steps))[1]

@@ -1,0 +1,40 @@
+"""The plan's pipeline axis: which schedules a mesh tries, their keywords, a row's bubble."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from jax.sharding import Mesh
+
+from substrax._shared.pipeline import SCHEDULES, STAGE_AXIS, bubble_fraction
+
+
+def schedules(mesh: Mesh, schedule: str | None | Sequence[str | None]) -> list[str | None]:
+    """The schedules to try on ``mesh``: on a ``stage`` axis the candidates (both when none are
+    named), without one none (``[None]``: no pipeline)."""
+    if STAGE_AXIS not in mesh.axis_names:
+        return [None]
+    candidates = [schedule] if schedule is None or isinstance(schedule, str) else list(schedule)
+    named = [c for c in candidates if c is not None]
+    return named or list(SCHEDULES)
+
+
+def piped(
+    mesh: Mesh, schedule: str | None, placement: Mapping[str, Any] | None, opts: Mapping[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``shard_state``'s and ``make_train_step``'s keywords with the pipeline's: ``schedule`` on a
+    ``stage`` mesh; the placement's ``stages`` only there."""
+    place = dict(placement or {})
+    if STAGE_AXIS not in mesh.axis_names:
+        place.pop("stages", None)
+    return place, {**opts, **({"schedule": schedule} if schedule is not None else {})}
+
+
+def fields(mesh: Mesh, opts: Mapping[str, Any]) -> dict[str, Any]:
+    """A row's ``schedule`` and ``bubble``."""
+    schedule = opts.get("schedule")
+    if schedule is None:
+        return {}
+    bubble = bubble_fraction(mesh.shape[STAGE_AXIS], opts.get("microbatches", 1))
+    return {"schedule": schedule, "bubble": bubble}

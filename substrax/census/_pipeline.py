@@ -1,0 +1,184 @@
+"""The expected communication of a pipelined step (census guide, "Pipelines").
+
+A pipeline adds, beside its layout's collectives over ``data`` (each once per step): per
+tick of the schedule's loop a permute of one stage's carry (the microbatch's activation,
+and the arrays that travel with it) to the next stage, and of its cotangent (the
+floating leaves) to the previous one; after the loop the sum over ``stage`` of the
+gradient of the parameters outside the stack (the first and last stages hold their
+shares) and of the metrics stacked over microbatches (the last stage's); on a ``data``
+axis of one device, the loss's sum over ``stage``. GPipe runs its forward ticks in one
+loop and their transpose in another; 1F1B both permutes in one loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+from flax import nnx
+
+from substrax._batch.axes import spec_axes
+from substrax._layout import STAGE_AXIS, spec_tuple, without_axis
+from substrax._layout._stages import STAGE_KEY
+from substrax._shared import scopes
+from substrax._shared.pipeline_record import PipelineRun
+from substrax._tree import path_str
+from substrax.census._expected import ExpectedCollective, _hlo_type
+
+__all__ = ["outside_leaves", "permute_items", "pipeline_items", "pipeline_note", "stage_unit_items"]
+
+_Aval = tuple[tuple[int, ...], np.dtype[Any]]
+
+
+def _buffer(aval: _Aval) -> str:
+    shape, dtype = aval
+    return f"{_hlo_type(dtype, dtype.itemsize)}[{','.join(map(str, shape))}]"
+
+
+def _bytes(aval: _Aval) -> int:
+    return math.prod(aval[0]) * aval[1].itemsize
+
+
+_DEAD = (
+    "XLA drops a loop's cotangent that no gradient reads: that of an argument the parameters do not "
+    "reach (a mask computed by a comparison)"
+)
+
+
+def _ticks(n: int) -> str:
+    return f"{n} tick{'s' * (n != 1)}"
+
+
+def _loops(run: PipelineRun) -> list[tuple[str, int, bool, bool]]:
+    """``(name, iterations, forward, backward)`` per loop of the schedule: GPipe's forward ticks
+    and their transpose; 1F1B's warm-up (forward slots), steady state (both), cool-down (backward)."""
+    if run.schedule == "gpipe":
+        return [("GPipe's forward loop", run.ticks, True, False), ("GPipe's backward loop", run.ticks, False, True)]
+    names = {(True, False): "1F1B's warm-up", (True, True): "1F1B's steady state", (False, True): "1F1B's cool-down"}
+    return [(names[f, b], stop - start, f, b) for start, stop, f, b in run.phases]
+
+_IMPLICIT = "implicit mode: XLA places an argument that travels with the carry (it may stay whole on every stage)"
+_LAST = "the cool-down's last tick sends a cotangent nothing reads: XLA drops a one-tick loop's"
+
+
+def stage_unit_items(units: list[ExpectedCollective], run: PipelineRun) -> list[ExpectedCollective]:
+    """FSDP units inside a stage, per loop of the schedule: ``units`` are ``unit_items``'s for one
+    tick (one microbatch); each runs in the loops that run its slot, once per tick and layer (the
+    census counts the bubble's ticks too: the tick's ``cond`` skips them at run time). A forward
+    gather runs in the forward slots; the backward slots run the reduce-scatter, the backward
+    gather and, in 1F1B (which recomputes the stage's forward pass there), the forward gather again."""
+    out = []
+    for item in units:
+        if item.what.startswith("root unit"):  # the parameters outside every unit: once per step
+            out.append(item)
+            continue
+        recomputed = item.what.endswith("recomputed")
+        forward = item.kind == "all-gather" and not item.optional
+        for loop, ticks, has_forward, has_backward in _loops(run):
+            if not (has_forward if forward else has_backward):
+                continue
+            required = recomputed and run.schedule == "1f1b"
+            out.append(
+                dataclasses.replace(
+                    item, what=f"{item.what}, {_ticks(ticks)} of {loop}", bytes=item.bytes * ticks, in_loop=True,
+                    optional=item.optional and not required, why="" if required else item.why,
+                )
+            )  # fmt: skip
+    return out
+
+
+def permute_items(run: PipelineRun, implicit: bool = False) -> list[ExpectedCollective]:
+    """Each tick's permutes of the carry (forward, ``+1``) and its cotangent (backward, ``-1``).
+
+    One buffer per carry leaf and loop of the schedule (bytes per step: one tick's times the
+    loop's iterations); the cotangent only of the floating leaves. None on one stage.
+    ``implicit``: the leaves after the first (XLA places them) optional both ways.
+    """
+    if run.stages < 2:
+        return []
+    items = []
+    floating = [a for a in run.carry if np.issubdtype(a[1], np.inexact)]
+    gpipe = run.schedule == "gpipe"
+    for loop, ticks, forward, backward in _loops(run):
+        for name, leaves, shift, on in (("carry", run.carry, 1, forward), ("cotangent", floating, -1, backward)):
+            phase = ("forward" if shift == 1 else "backward") if gpipe else None
+            to = "next" if shift == 1 else "previous"
+            for i, aval in enumerate(leaves if on else ()):
+                leaf = "" if len(leaves) == 1 else f" leaf {i}"
+                # the stack's input's cotangent is leaf 0; a cool-down of one tick sends one nothing reads
+                last = shift == -1 and ticks == 1 and not forward and not gpipe
+                optional = last or (i > 0 and (shift == -1 or implicit))
+                items.append(
+                    ExpectedCollective(
+                        "collective-permute", f"pipeline: {name}{leaf} to the {to} stage, {_ticks(ticks)} of {loop}",
+                        _bytes(aval) * ticks, "pipeline", scopes=(scopes.PIPELINE,), buffer=_buffer(aval),
+                        phase=phase, axes=(STAGE_AXIS,), in_loop=ticks > 1, shift=shift, optional=optional,
+                        why=(_LAST if last else _IMPLICIT if implicit else _DEAD) if optional else "",
+                    )
+                )  # fmt: skip
+    return items
+
+
+def outside_leaves(model: nnx.Module, data_axes: tuple[str, ...], sizes: dict[str, int]) -> list[tuple[str, _Aval]]:
+    """Each parameter outside the staged stack: its path and gradient on one device, whole over
+    ``data_axes`` (split over any other axis, as its layer places it)."""
+    out = []
+    for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        if variable.get_metadata().get(STAGE_KEY) is not None:
+            continue
+        value = variable.get_value()
+        spec = spec_tuple(variable)
+        for axis in data_axes:
+            spec = without_axis(spec, value.ndim, axis)
+        shape = tuple(n // math.prod(sizes.get(a, 1) for a in spec_axes(e)) for n, e in zip(value.shape, spec, strict=True))
+        out.append((path_str(tuple(path), "model"), (shape, np.dtype(value.dtype))))
+    return out
+
+
+def pipeline_items(
+    run: PipelineRun, model: nnx.Module, data_axes: tuple[str, ...], sizes: dict[str, int]
+) -> list[ExpectedCollective]:
+    """What a pipelined step communicates over ``stage`` (explicit mode), per device and step.
+
+    ``data_axes``: the axes the step splits rows over (``data``, with hybrid sharding the
+    replica axis too); ``sizes``: the mesh's axis sizes.
+    """
+    if run.mode == "implicit":  # XLA places the global view's carry: its rows split over the data axes
+        rows = math.prod(sizes.get(a, 1) for a in data_axes)
+        x = run.carry[0]  # the stack's input, rows first (the other leaves: only leaf 0's permutes required)
+        carry = (((x[0][0] // rows, *x[0][1:]), x[1]) if x[0] and x[0][0] % rows == 0 else x, *run.carry[1:])
+        items = permute_items(dataclasses.replace(run, carry=carry), implicit=True)
+        return [dataclasses.replace(i, scopes=(), shift=None, phase=None) for i in items]
+    items = permute_items(run)
+    if run.stages < 2:
+        return items
+    common = dict(scopes=(scopes.PIPELINE,), axes=(STAGE_AXIS,))
+    for path, aval in outside_leaves(model, data_axes, sizes):
+        items.append(
+            ExpectedCollective("all-reduce", f"pipeline: {path}'s gradient, over stages", _bytes(aval), "pipeline",
+                               buffer=_buffer(aval), **common)  # fmt: skip
+        )
+    for i, aval in enumerate(run.aux):
+        items.append(
+            ExpectedCollective(
+                "all-reduce", f"pipeline: metrics leaf {i}, the last stage's, over stages", _bytes(aval), "pipeline",
+                scopes=(scopes.METRICS,), axes=(STAGE_AXIS,), buffer=_buffer(aval),
+            )
+        )  # fmt: skip
+    if math.prod(sizes.get(a, 1) for a in data_axes) == 1:  # else one sum over data and stage: the loss's
+        items.append(ExpectedCollective("all-reduce", "loss", 4, "loss", scopes=(scopes.LOSS,), axes=(STAGE_AXIS,)))
+    return items
+
+
+def pipeline_note(run: PipelineRun) -> str:
+    """The schedule in a line: its loops, their ticks, the bubble."""
+    loops = ", ".join(f"{loop} {ticks}" for loop, ticks, _, _ in _loops(run))
+    idle = run.stages - 1
+    return (
+        f"pipeline: {run.schedule} over {run.stages} stages, {run.microbatches} microbatches; ticks per loop: "
+        f"{loops}; bubble (stages - 1) / (microbatches + stages - 1) = {idle}/{run.microbatches + idle} "
+        f"({idle / (run.microbatches + idle):.0%}). The census counts a collective inside these loops once per "
+        f"tick; a stage's own work there (a unit's gathers) runs under the tick's cond, skipped in the bubble"
+    )

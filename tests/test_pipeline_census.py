@@ -1,0 +1,178 @@
+"""The census of a pipelined step (#54 item 4): each schedule's permutes per tick between
+neighbouring stages, the sums over ``stage`` once per step, the gradients over ``data`` once
+per step, held against the compiled program.
+
+The model: an embedding, 8 residual layers stacked by ``nnx.vmap`` (a column-parallel and a
+row-parallel linear: split over ``model`` on a mesh with it) applied by
+``substrax.nn.scan_layers`` with a gate computed from a parameter (an argument that travels
+with the carry, its gradient summed over the stages), then a head. Explicit mode: the census
+matches, its permutes' bytes are the carry's (computed here from the shapes) times the
+ticks, each sent one stage on (forward) or back (backward). Implicit mode: XLA writes the
+permutes; the census finds the carry's forward and backward ones in every loop of the
+schedule and reports the rest as XLA chose it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import substrax
+
+from substrax.census import compare
+from substrax.census._hlo import pair_shift
+from substrax.mesh import create_device_mesh
+from substrax.nn import ColumnParallelLinear, RowParallelLinear
+
+DEPTH, WIDTH, ROWS = 8, 8, 32
+F32 = 4
+
+
+class Layer(nnx.Module):
+    def __init__(self, width: int, rngs: nnx.Rngs) -> None:
+        self.up = ColumnParallelLinear(width, 2 * width, rngs=rngs)
+        self.down = RowParallelLinear(2 * width, width, rngs=rngs)
+
+    def __call__(self, x: jax.Array, gate: jax.Array) -> jax.Array:
+        return x + gate * self.down(jnp.tanh(self.up(x)))
+
+
+class Net(nnx.Module):
+    def __init__(self, depth: int = DEPTH, width: int = WIDTH) -> None:
+        rngs = nnx.Rngs(0)
+        self.embed = nnx.Linear(4, width, rngs=rngs)
+        self.gate = nnx.Param(jnp.linspace(-1.0, 1.0, width))
+
+        @nnx.split_rngs(splits=depth)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
+        def make(rngs: nnx.Rngs) -> Layer:
+            return Layer(width, rngs)
+
+        self.layers = make(rngs)
+        self.head = nnx.Linear(width, 1, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = substrax.nn.scan_layers(self.layers, self.embed(x), jax.nn.sigmoid(self.gate.get_value()))
+        return self.head(h)[:, 0]
+
+
+def mse(model: Net, batch: dict) -> jax.Array:
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def batch() -> dict:
+    x = np.random.default_rng(0).normal(size=(ROWS, 4)).astype(np.float32)
+    return {"x": x, "y": np.sin(x.sum(axis=1)).astype(np.float32)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    schedule: str
+    mesh: tuple[tuple[str, int], ...]
+    layout: str
+    microbatches: int
+
+    def __str__(self) -> str:
+        return f"{self.schedule}-{'-'.join(f'{a}{n}' for a, n in self.mesh)}-{self.layout}-k{self.microbatches}"
+
+
+EXPLICIT = [
+    Case("gpipe", (("data", 2), ("stage", 4)), "units", 4),
+    Case("1f1b", (("data", 2), ("stage", 4)), "units", 8),
+    Case("gpipe", (("data", 2), ("stage", 2), ("model", 2)), "replicated", 8),
+    Case("1f1b", (("data", 1), ("stage", 8)), "replicated", 8),
+]
+IMPLICIT = [Case(s, (("data", 2), ("stage", 4)), "replicated", 4) for s in ("gpipe", "1f1b")]
+_RESULTS: dict[tuple[str, Case], object] = {}
+
+
+def checked(mode: str, case: Case):  # noqa: ANN201
+    """The step's ``check_communication`` for ``case`` (compiled once per module)."""
+    if (mode, case) not in _RESULTS:
+        mesh = create_device_mesh(dict(case.mesh))
+        with jax.set_mesh(mesh):
+            model = Net()
+            optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+        units = Layer if case.layout == "units" else None
+        layout = "fsdp" if units else case.layout
+        substrax.shard_state(model, optimizer, mesh=mesh, layout=layout, units=units, stages=Layer, min_size=1)
+        step = substrax.make_train_step(mse, mode, mesh=mesh, microbatches=case.microbatches, schedule=case.schedule)
+        _RESULTS[mode, case] = step.check_communication(model, optimizer, batch())
+    return _RESULTS[mode, case]
+
+
+def loops(schedule: substrax.PipelineSchedule) -> list[tuple[int, int]]:
+    """``(ticks, direction)`` per loop and permute: GPipe's forward loop sends on, its transpose back;
+    1F1B's warm-up sends on, its steady state both ways, its cool-down back."""
+    if schedule.name == "gpipe":
+        return [(schedule.ticks, 1), (schedule.ticks, -1)]
+    out = []
+    for start, stop, forward, backward in schedule.phases:
+        out += [(stop - start, 1)] * forward + [(stop - start, -1)] * backward
+    return out
+
+
+@pytest.mark.parametrize("case", EXPLICIT, ids=str)
+def test_explicit_census_matches_each_schedule(case: Case) -> None:
+    found = checked("explicit", case)
+    assert found.matches, str(found)
+    sizes = dict(case.mesh)
+    schedule = substrax.PipelineSchedule(case.schedule, sizes["stage"], case.microbatches)
+    rows = ROWS // case.microbatches // sizes["data"]  # one microbatch's rows on one device
+    carry = rows * WIDTH * F32  # the stack's input; the gate (WIDTH floats) travels with it
+    permutes = [r for r in found.report.rows if r.kind == "collective-permute"]
+    assert {r.axes for r in permutes} == {("stage",)}
+    assert {r.shift for r in permutes} == {1, -1}
+    # per loop and direction: the carry's permute, as often as the loop has ticks (1F1B's
+    # cool-down of one tick sends a cotangent nothing reads: XLA may drop it)
+    want = sorted((n, shift, carry) for n, shift in loops(schedule) if not (n == 1 and shift == -1))
+    got = sorted((r.trip_count or 1, r.shift, r.bytes) for r in permutes if r.bytes == carry)
+    assert [w for w in want if w not in got] == [], (want, got)
+    assert {r.bytes for r in permutes} <= {carry, WIDTH * F32}
+    # the gradients' reductions over data and the sums over stage: outside every loop, once per step
+    once = [r for r in found.report.rows if r.kind != "collective-permute" and "model" not in (r.axes or ())]
+    assert all(not r.in_loop or "substrax.unit" in r.op_name for r in once), [str(r) for r in once if r.in_loop]
+    pipeline = [i for i, _ in found.matched if i.category == "pipeline" and i.kind == "all-reduce"]
+    outside = (4 * WIDTH + WIDTH + WIDTH + WIDTH + 1) * F32  # embed, gate, head: the parameters outside the stack
+    assert sum(i.bytes for i in pipeline) == outside
+    assert any(n.startswith(f"pipeline: {case.schedule} over {sizes['stage']} stages") for n in found.notes)
+
+
+@pytest.mark.parametrize("case", IMPLICIT, ids=str)
+def test_implicit_census_finds_the_permutes_xla_wrote(case: Case) -> None:
+    found = checked("implicit", case)
+    schedule = substrax.PipelineSchedule(case.schedule, 4, case.microbatches)
+    carry = ROWS // case.microbatches // 2 * WIDTH * F32
+    rows = [r for r in found.report.rows if r.kind == "collective-permute"]
+    assert {r.axes for r in rows} == {("stage",)}
+    runs = sorted((r.trip_count or 1) for r in rows if r.bytes == carry)
+    for n, _ in loops(schedule):  # each loop's carry (on) and cotangent (back) moves every tick
+        assert n in runs, (n, runs)
+        runs.remove(n)
+    permutes = [(i, parts) for i, parts in found.matched if i.category == "pipeline"]
+    assert permutes and all(parts for i, parts in permutes if not i.optional), str(found)
+
+
+def test_a_permute_the_other_way_does_not_match() -> None:
+    found = checked("explicit", EXPLICIT[0])
+    # every permute expected one stage back: the forward ones (one stage on) are then nobody's
+    flipped = [dataclasses.replace(i, shift=-1) if i.shift else i for i in found.expected.items]
+    again = compare(found.report, dataclasses.replace(found.expected, items=tuple(flipped)), attribute_model=True)
+    assert found.matches and not again.matches
+    assert any("collective-permute" in d for d in again.differences), again.differences
+
+
+def test_pair_shift() -> None:
+    mesh = (("data", 2), ("stage", 4))  # device d sits at (d // 4, d % 4)
+    assert pair_shift(((0, 1), (1, 2), (2, 3), (4, 5), (5, 6), (6, 7)), mesh) == 1
+    assert pair_shift(((1, 0), (2, 1), (7, 6)), mesh) == -1
+    assert pair_shift(((0, 1), (3, 0)), mesh) is None  # a ring's wrap-around
+    assert pair_shift(((0, 4),), mesh) == 1  # one step along data
+    assert pair_shift(((0, 5),), mesh) is None  # two axes at once
+    assert pair_shift(((0, 1),), None) is None and pair_shift((), mesh) is None
