@@ -57,6 +57,7 @@ from substrax.mesh import current_mesh
 __all__ = [
     "TPU_COMPILER_OPTIONS",
     "TPU_IMPLICIT_COMPILER_OPTIONS",
+    "TPU_REFUSED_OPTIONS",
     "BatchSpec",
     "check_placement",
     "compiler_options",
@@ -74,7 +75,17 @@ TPU_COMPILER_OPTIONS: dict[str, Any] = {
     # async collective fusion in several steps: each gather cloned into each of its uses (43 gathers
     # of 15 parameters)
     "xla_tpu_enable_async_collective_fusion_multiple_steps": False,
+    # its all-gather and reduce-scatter decomposers: over 16 chips and more (v5e 4x4, 8x8, 16x16;
+    # not 2x4 or 4x8) every reduce-scatter, over 64 and more a gather of a small block, and anywhere
+    # a one-row block or one across a tile's lanes, run as an all-reduce of the (zero-padded) whole;
+    # the step writes its reduce-scatters in blocks the TPU emits (substrax._shared.scatter)
+    "xla_disable_hlo_passes": "reduce-scatter-decomposer,all_gather_decomposer",
 }
+
+# Where the TPU compiler refuses a reduce-scatter as written (UNIMPLEMENTED: a block it cannot emit,
+# as a loss function's own psum_scatter of a small activation may be), the program compiles again
+# with its reduce-scatter decomposer on (substrax._train.pinned), warning; the census names the rest
+TPU_REFUSED_OPTIONS: dict[str, Any] = {**TPU_COMPILER_OPTIONS, "xla_disable_hlo_passes": "all_gather_decomposer"}
 
 
 # The implicit step's: XLA chooses its collectives, but not to clone each gather into each use
