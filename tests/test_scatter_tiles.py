@@ -27,13 +27,14 @@ from substrax.mesh import create_device_mesh
         (34, 4, (8, 128)),  # one tile, padded
         (1024, 4, (8, 128)),
         (1025, 4, (8, 256)),
-        (16 * 1024, 4, (8, 2048)),  # sixteen tiles wide, the most
-        (17 * 1024, 4, (16, 2048)),  # then more rows
+        (16 * 1024, 4, (8, 2048)),  # sixteen tiles in a row, the most
+        (17 * 1024, 4, (24, 1024)),  # then rows of 8 tiles: 24 tiles
+        (1000 * 1024 + 1, 4, (1008, 1024)),  # 1,001 tiles padded to 1,008
         (100, 2, (16, 128)),  # a 2-byte tile holds 16 rows
         (100, 1, (32, 128)),
     ],
 )
-def test_a_tpu_block_is_whole_tiles_at_most_sixteen_wide(elements: int, itemsize: int, block: tuple) -> None:
+def test_a_tpu_block_is_whole_tiles_in_counts_the_tpu_emits(elements: int, itemsize: int, block: tuple) -> None:
     assert scatter.block_shape(elements, itemsize, True) == block
     assert scatter.block_shape(elements, itemsize, False) == (1, elements)
     assert scatter.scattered_elements(elements * 8, 8, itemsize, True) == 8 * block[0] * block[1]

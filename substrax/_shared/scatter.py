@@ -1,8 +1,9 @@
 """The shape of the explicit step's reduce-scatters, shared by the step and the census.
 
 On a TPU each device's block is written as whole ``(8, 128)`` tiles (16 rows for a 2-byte type,
-32 for a 1-byte one), at most ``MAX_TILES_WIDE`` tiles wide: the blocks the TPU compiler
-(libtpu 0.0.52) emits as a reduce-scatter (census guide, "On a TPU"). Elsewhere one row.
+32 for a 1-byte one), padded: up to ``MAX_TILES`` tiles in one row of tiles, more as rows of
+``TILES_WIDE`` tiles, a multiple of 8 in all: the blocks the TPU compiler (libtpu 0.0.52) emits as
+a reduce-scatter (census guide, "On a TPU"). Elsewhere one row.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ __all__ = ["block_shape", "on_tpu", "rows_for", "scattered_elements", "tiled"]
 
 LANES = 128  # a TPU tile's columns
 ROW_BYTES = 32  # a TPU tile's rows hold 8 four-byte elements, 16 two-byte ones, 32 one-byte ones
-# widths of more tiles the TPU compiler refuses for some counts ("no feasible span count": 17, 19,
-# 23, 25, 29, 31, 34, ... tiles of float32 over 256 chips); up to 16, every count compiled
-MAX_TILES_WIDE = 16
+# measured over 256 chips: every block of 1 to 16 tiles, and of any multiple of 8, compiled; of 17,
+# 19, 23, 25, 29, 31, 34, 37, 38, 41, 43, 46 and 47 tiles the TPU compiler refused ("no feasible span count")
+MAX_TILES = 16
+TILES_WIDE = 8
 
 _TILED: contextvars.ContextVar[bool] = contextvars.ContextVar("substrax_scatter_tiled", default=False)
 
@@ -48,8 +50,10 @@ def block_shape(elements: int, itemsize: int, tiles: bool) -> tuple[int, int]:
     if not tiles:
         return 1, elements
     rows = max(8, ROW_BYTES // itemsize)
-    wide = min(MAX_TILES_WIDE, max(1, -(-elements // (rows * LANES))))
-    return rows * -(-elements // (rows * LANES * wide)), LANES * wide
+    count = max(1, -(-elements // (rows * LANES)))
+    if count <= MAX_TILES:
+        return rows, LANES * count
+    return rows * -(-count // TILES_WIDE), LANES * TILES_WIDE
 
 
 def scattered_elements(elements: int, n: int, itemsize: int = 4, tiles: bool = False) -> int:
