@@ -47,7 +47,7 @@ def _dtypes(result: Comparison, kind: str) -> set[str]:
 
 
 def _split(model: nnx.Module, axis: str = "data") -> list[tuple]:
-    """The paths of the parameters split over ``axis`` (one gather, one reduce-scatter each, without units)."""
+    """The paths of the parameters split over ``axis`` (a gather and a reduce-scatter each, without units)."""
     split = []
     for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         spec = variable.get_value().sharding.spec
@@ -101,6 +101,27 @@ def test_fsdp_census_matches_on_v5e_16x16(units: bool, d: int) -> None:
         _matches_as_written(result, 2 + 2 + root, 2 + root)
     else:
         _matches_as_written(result, len(split), len(split))
+
+
+def test_explicit_train_step_in_your_own_jit_takes_the_steps_compiler_options() -> None:
+    """Inside your own jax.jit the step writes its reduce-scatters for the mesh's platform, but the
+    compiler options are that jit's: over 256 chips, without them every gather and reduce-scatter
+    runs as an all-reduce; with ``substrax.explicit.compiler_options(mesh)`` each is as written."""
+    mesh = topology_mesh("v5e:16x16", {"data": 256})
+    model, optimizer, batch = _placed(mesh, 64)
+    graphdef, state = nnx.split((model, optimizer))
+
+    def step(state: nnx.State, batch: dict) -> tuple:
+        model, optimizer = nnx.merge(graphdef, state)
+        loss = substrax.explicit.explicit_train_step(model, optimizer, lm.loss_fn, batch)
+        return nnx.state((model, optimizer)), loss
+
+    found = []
+    for options in (None, substrax.explicit.compiler_options(mesh)):
+        with jax.set_mesh(mesh):
+            report = substrax.census(jax.jit(step, compiler_options=options).lower(state, batch), mesh=mesh)
+        found.append((report.count("all-gather"), report.count("reduce-scatter")))
+    assert found == [(0, 0), (len(_split(model)),) * 2]
 
 
 def test_a_reduce_scatter_the_tpu_cannot_emit_compiles_with_its_decomposer() -> None:

@@ -11,8 +11,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator
+from typing import Any
 
-__all__ = ["block_shape", "on_tpu", "rows_for", "scattered_elements", "tiled"]
+import jax
+
+__all__ = ["block_shape", "on_tpu", "platform_of", "rows_for", "scattered_elements", "tiled"]
 
 LANES = 128  # a TPU tile's columns
 ROW_BYTES = 32  # a TPU tile's rows hold 8 four-byte elements, 16 two-byte ones, 32 one-byte ones
@@ -27,6 +30,13 @@ _TILED: contextvars.ContextVar[bool] = contextvars.ContextVar("substrax_scatter_
 def on_tpu(platform: str | None) -> bool:
     """Whether a step for ``platform`` writes its reduce-scatters in tiles (``block_shape``)."""
     return platform == "tpu"
+
+
+def platform_of(mesh: Any) -> str | None:
+    """The platform of ``mesh``'s devices (of an abstract mesh's, inside ``jax.jit``), or None."""
+    if isinstance(mesh, jax.sharding.Mesh):
+        return str(mesh.devices.flat[0].platform) if mesh.devices.size else None
+    return getattr(getattr(mesh, "abstract_device", None), "platform", None)
 
 
 @contextlib.contextmanager

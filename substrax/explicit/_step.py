@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import jax
 from flax import nnx
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import PartitionSpec
 
 from substrax._batch.axes import spec_axes
 from substrax._batch.placement import batch_partition_specs
@@ -31,7 +31,7 @@ from substrax._shared import scopes
 from substrax._shared.microbatch import check_microbatches, fold_microbatch_metrics, split_rows_over
 from substrax._shared.options import StepOptions, options_from
 from substrax._shared.precision import MixedPrecision
-from substrax._shared.scatter import rows_for
+from substrax._shared.scatter import platform_of, rows_for
 from substrax._shared.update import apply_update, state_values
 from substrax._tree import PyTree
 from substrax.explicit._metrics import reduce_metrics_collective, reduce_metrics_on_one_device
@@ -295,7 +295,7 @@ def run_step(
         check_vma=True,
     )
     # reduce-scatters in the form the mesh's platform takes (the TrainStep's own jit sets it too)
-    platform = mesh.devices.flat[0].platform if isinstance(mesh, Mesh) and mesh.devices.size else None
+    platform = platform_of(mesh)
     with rows_for(platform) if platform else contextlib.nullcontext():
         rest, grads, loss, metrics = run(state, batch)
     nnx.update(model, rest)
