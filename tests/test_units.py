@@ -112,8 +112,8 @@ def test_units_train_like_one_device_and_the_census_counts_them(mode: str, resha
 
 def test_a_units_reduce_scatter_is_written_for_its_platform() -> None:
     """The TPU compiler reduces a one-row-per-device (or flat) reduce-scatter whole (census guide,
-    "On a TPU"): there each device's row, padded to a multiple of 8 elements, goes as 8 rows. A CPU
-    step keeps one row per device, the program the plan's XLA:CPU estimate models."""
+    "On a TPU"): there each device's row goes as whole (8, 128) tiles, padded to them. A CPU step
+    keeps one row per device, the program the plan's XLA:CPU estimate models."""
     model, optimizer = _placed(3, 16, _in_layers)
     step = substrax.make_train_step(mse, "explicit", mesh=MESH)
     comparison = step.check_communication(model, optimizer, _batch(16))
@@ -123,7 +123,7 @@ def test_a_units_reduce_scatter_is_written_for_its_platform() -> None:
     assert len(scatters) == 3 and all(
         [str(p.buffer) for p in parts] == ["f32[8,34]"] and i.bytes == 8 * 34 * 4 for i, parts in scatters
     )
-    # the TPU's form sums the same rows: each device's block, padded to 40 and cut back to 34
+    # the TPU's form sums the same rows: each device's block, padded to a tile and cut back to 34
     from substrax._shared.scatter import rows_for
     from substrax.explicit._units import _scatter_rows
 
@@ -143,7 +143,7 @@ def test_a_units_reduce_scatter_is_written_for_its_platform() -> None:
             lambda b: _scatter_rows(b[0], "data", "test")[None], mesh=MESH, in_specs=jax.P("data"),
             out_specs=jax.P("data"),
         )).lower(buffer).as_text()  # fmt: skip
-    assert "tensor<64x5xf32>" in lowered  # eight rows of 5 a device: 34 padded to 40
+    assert "tensor<64x128xf32>" in lowered  # a (8, 128) tile a device: 34 padded to 1,024
 
 
 def _temp_bytes(depth: int, units, width: int = 256) -> int:

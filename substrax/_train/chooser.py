@@ -23,6 +23,7 @@ from substrax._shared.scatter import rows_for
 from substrax._shared.skips import DEFAULT_MAX_SKIPS, SkipWatch
 from substrax._shared.update import donated_state
 from substrax._train.bound import BoundTrainStep
+from substrax._train.pinned import pinned_jit
 from substrax._train.split import SplitState, uncommitted_as_replicated
 from substrax._tree import PyTree, path_str
 from substrax.census import Comparison
@@ -217,9 +218,7 @@ class TrainStep:
 
         platform = self._platform()
         options = explicit_step.compiler_options(self._concrete_mesh(), self.mode)
-        return jax.jit(
-            pure, donate_argnums=0 if donate else (), static_argnames="placed", compiler_options=options
-        )
+        return pinned_jit(pure, options, donate_argnums=0 if donate else (), static_argnames="placed")
 
     def _pure_step(self, graphdef: Any, treedef: Any, donate: bool) -> Any:
         """The jitted pure step for one graph, made once per graph (a re-split reuses it)."""

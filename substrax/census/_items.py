@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -21,7 +22,7 @@ from substrax._layout import (
     without_axis,
 )
 from substrax._shared import scopes
-from substrax._shared.scatter import rows_of, scattered_elements
+from substrax._shared.scatter import block_shape, on_tpu
 from substrax._shared.options import StepOptions
 from substrax._tree import KeyPath, path_str
 from substrax.census._expected import ExpectedCollective, _hlo_type, _itemsize
@@ -109,7 +110,7 @@ def unit_items(
             axes = {a for entry in spec_tuple(v) or () for a in spec_axes(entry)} - {options.data_axis}
             others[name] = tuple(sorted(axes))
     k = options.microbatches
-    rows = rows_of(platform)  # a grouped reduce-scatter's rows per device, as the step writes it
+    tiles = on_tpu(platform)  # a reduce-scatter's blocks, as the step writes it (_shared.scatter)
     # (unit, pass, dtype, other axes) -> elements: a buffer per dtype and per set of other
     # axes (a parameter split over model and one whole over it do not share one)
     moved: dict[tuple[KeyPath, str, str, tuple[str, ...]], int] = {}
@@ -125,10 +126,9 @@ def unit_items(
         size = _itemsize(dtype, communicated)
         layers = layered.get(unit, 1) if unit else 1
         buffer = f"{_hlo_type(dtype, size)}[{n},{elements // (n * layers)}]"
-        if kind == "reduce" and rows > 1:  # on a TPU: rows per device, padded to them (explicit._units)
-            per_layer = scattered_elements(elements // layers, n, rows)
+        if kind == "reduce" and tiles:  # on a TPU: tiles per device, padded to them (explicit._units)
+            per_layer, buffer = scatter_buffer(elements // layers, n, dtype, size, tiles)
             elements = per_layer * layers
-            buffer = f"{_hlo_type(dtype, size)}[{n * rows},{per_layer // (n * rows)}]"
         if not unit:  # the root unit: gathered once before the forward pass, reduced once after
             if kind == "reduce":
                 items.append(ExpectedCollective("reduce-scatter", "root unit", elements * size, "gradients",
@@ -162,6 +162,36 @@ def unit_items(
                 )
             )  # fmt: skip
     return [leaf for leaf in leaves if leaf[0] not in owner], items
+
+
+def scatter_buffer(elements: int, n: int, dtype: Any, itemsize: int, tiles: bool) -> tuple[int, str]:
+    """The elements and the buffer (``"f32[64,128]"``) of the explicit step's reduce-scatter of
+    ``elements`` over ``n`` devices: one row a device, or with ``tiles`` a TPU's (``block_shape``)."""
+    rows, columns = block_shape(-(-elements // n), np.dtype(dtype).itemsize, tiles)
+    return n * rows * columns, f"{_hlo_type(dtype, itemsize)}[{n * rows},{columns}]"
+
+
+def tiled_scatters(
+    items: Sequence[ExpectedCollective],
+    leaves: list[tuple[str, tuple[int, ...], Any, bool]],
+    n: int,
+    platform: str | None,
+) -> list[ExpectedCollective]:
+    """``items`` with each split parameter's own reduce-scatter as the explicit step writes it for
+    ``platform``: on a TPU in tiles, padded (``substrax._shared.scatter``); elsewhere unchanged."""
+    if not on_tpu(platform):
+        return list(items)
+    elements = {path: math.prod(shape) for path, shape, _, split in leaves if split}
+    out = []
+    for item in items:
+        if item.kind == "reduce-scatter" and item.what in elements and item.buffer:
+            e, kind = elements[item.what], item.buffer.split("[")[0]
+            rows, columns = block_shape(-(-e // n), item.bytes // e, True)
+            item = dataclasses.replace(
+                item, bytes=n * rows * columns * item.bytes // e, buffer=f"{kind}[{n * rows},{columns}]"
+            )
+        out.append(item)
+    return out
 
 
 def _prefetched_items(name: str, kind: str, layer: int, layers: int, k: int, buffer: str) -> list[ExpectedCollective]:

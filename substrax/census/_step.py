@@ -31,6 +31,7 @@ from substrax.census._items import (
     cross_replica_items,
     layer_items,
     parameter_leaves,
+    tiled_scatters,
     unit_items,
     update_dims,
 )
@@ -311,7 +312,15 @@ def expected_step(
         precision=precision,
         communicated_dtype=widened,
     )
-    items = [*expected.items, *units, *across, *metrics, *layer_items(layers, options.microbatches, sizes, recomputed)]
+    written = expected.items  # the explicit step writes each split gradient's reduce-scatter for its platform
+    if options.mode == "explicit" and layout.axis_size > 1:
+        written = tiled_scatters(written, leaves, sizes[options.data_axis], platform)
+        if across:  # each whole gradient summed over the replica and data axes at once (not a slice's sum)
+            over = tuple(a for a in sizes if a in (options.replica_axis, options.data_axis))
+            whole = [i.kind == "all-reduce" and i.category == "gradients" for i in written]
+            written = [dataclasses.replace(i, axes=over) if w else i for i, w in zip(written, whole, strict=True)]
+    items = [*written, *units, *across, *metrics]
+    items += layer_items(layers, options.microbatches, sizes, recomputed)
     items += piped
     gathered = any(i.kind == "all-gather" for i in metrics)
     if options.mode == "explicit":

@@ -9,10 +9,11 @@ from typing import Any
 from substrax._batch.leaves import batch_partition_specs
 from substrax.explicit._grad import data_parallel_value_and_grad, varying_axes
 from substrax.explicit._metrics import reduce_metrics_collective
-from substrax.explicit._step import explicit_train_step, explicit_value_and_grad
+from substrax.explicit._step import compiler_options, explicit_train_step, explicit_value_and_grad
 
 __all__ = [
     "batch_partition_specs",
+    "compiler_options",
     "data_parallel_value_and_grad",
     "explicit_train_step",
     "explicit_value_and_grad",

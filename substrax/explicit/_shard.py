@@ -19,6 +19,7 @@ from substrax._batch.axes import spec_axes
 from substrax._layout import STAGE_AXIS, ParamSplit, check_declared_rank, declared_spec, spec_tuple
 from substrax._metrics.collectives import to_varying, to_varying_over, varying_axes
 from substrax._shared import scopes
+from substrax._shared.scatter import tiled
 from substrax._tree import KeyPath, PyTree, path_str
 from substrax.explicit._units import gather_grouped, scatter_grouped, varying_other
 from substrax.nn import _declared as declared
@@ -179,13 +180,17 @@ def reduce_gradients(
         summed = jax.lax.psum([flat[i][1].get_value() for i in whole], over) if whole else []
     out = dict(zip(whole, summed, strict=True))
     out.update({i: v.get_value() for i, (p, v) in enumerate(flat) if p in done})
-    if grouped and split:
+    if split and (grouped or tiled()):  # on a TPU each its own group, in tiles (_shared.scatter)
         n = jax.lax.axis_size(data_axis)
         values = [flat[i][1].get_value() for i in split]
         dims = [plans[flat[i][0]].update_dim for i in split]
         shapes = [tuple(s // n if d == k else s for k, s in enumerate(v.shape)) for v, d in zip(values, dims)]
         types = [varying_other(v, data_axis) for v in values]
-        out.update(zip(split, scatter_grouped(values, shapes, dims, data_axis, None, types, scopes.GRAD_REDUCE)))
+        groups = [list(range(len(split)))] if grouped else [[j] for j in range(len(split))]
+        for g in groups:
+            reduced = scatter_grouped([values[j] for j in g], [shapes[j] for j in g], [dims[j] for j in g],
+                                      data_axis, None, [types[j] for j in g], scopes.GRAD_REDUCE)  # fmt: skip
+            out.update(zip([split[j] for j in g], reduced, strict=True))
     else:
         with jax.named_scope(scopes.GRAD_REDUCE):
             for i in split:

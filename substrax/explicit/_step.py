@@ -8,6 +8,7 @@ the global arrays. See the modes guide, "Explicit: ``substrax.explicit``".
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable, Mapping
@@ -33,6 +34,7 @@ from substrax._shared.microbatch import check_microbatches, fold_microbatch_metr
 from substrax._shared.options import StepOptions, options_from
 from substrax._shared.pipeline import pipeline_of
 from substrax._shared.precision import MixedPrecision
+from substrax._shared.scatter import platform_of, rows_for
 from substrax._shared.update import apply_update, state_values
 from substrax._tree import PyTree
 from substrax.explicit._metrics import reduce_metrics_collective, reduce_metrics_on_one_device
@@ -61,6 +63,7 @@ from substrax.mesh import current_mesh
 __all__ = [
     "TPU_COMPILER_OPTIONS",
     "TPU_IMPLICIT_COMPILER_OPTIONS",
+    "TPU_REFUSED_OPTIONS",
     "BatchSpec",
     "check_placement",
     "compiler_options",
@@ -78,20 +81,41 @@ TPU_COMPILER_OPTIONS: dict[str, Any] = {
     # async collective fusion in several steps: each gather cloned into each of its uses (43 gathers
     # of 15 parameters)
     "xla_tpu_enable_async_collective_fusion_multiple_steps": False,
+    # its all-gather and reduce-scatter decomposers, which run a collective as an all-reduce of the
+    # (zero-padded) whole: on v5e 4x4, 8x8, 8x16 and 16x16 every reduce-scatter, on 8x8 and up a
+    # gather of a small block (8x8: of any), anywhere a one-row block or one across a tile's lanes
+    # (census guide, "On a TPU"); the step writes its reduce-scatters in blocks the TPU emits
+    # without them (substrax._shared.scatter)
+    "xla_disable_hlo_passes": "reduce-scatter-decomposer,all_gather_decomposer",
+}
+
+# Where the TPU compiler refuses a reduce-scatter as written (UNIMPLEMENTED: a block it cannot emit,
+# as a loss function's own psum_scatter of a small activation may be), the program compiles again
+# with its reduce-scatter decomposer on (substrax._train.pinned), warning; the census names the rest
+TPU_REFUSED_OPTIONS: dict[str, Any] = {
+    **TPU_COMPILER_OPTIONS,
+    "xla_disable_hlo_passes": "all_gather_decomposer",
 }
 
 
 # The implicit step's: XLA chooses its collectives, but not to clone each gather into each use
 # (measured, FSDP and HSDP over 8 chips: 43 gathers of 15 parameters; d=256, 4 blocks: 75 gathers,
-# 52.5 MB, against 31 and 12.9 MB with it, and less temporary memory, 9.68 MB against 10.27 MB)
+# 52.5 MB, against 31 and 12.9 MB with it, and less temporary memory, 9.68 MB against 10.27 MB),
+# nor to run its gathers as all-reduces of the whole (FSDP over a v5e 16x16, d=64: 262,144 B of
+# gathers as all-reduces without it)
 TPU_IMPLICIT_COMPILER_OPTIONS: dict[str, Any] = {
     "xla_tpu_enable_async_collective_fusion_multiple_steps": False,
+    "xla_disable_hlo_passes": "all_gather_decomposer",
 }
 
 
 def compiler_options(mesh: Any, mode: str = "explicit") -> dict[str, Any] | None:
-    """A step's compiler options for ``mesh``'s platform and ``mode`` (``TPU_COMPILER_OPTIONS``,
-    ``TPU_IMPLICIT_COMPILER_OPTIONS``), or None."""
+    """The compiler options a step of ``mode`` compiles with on ``mesh``'s platform, or None.
+
+    ``make_train_step`` sets them; a step called inside your own ``jax.jit`` takes them as
+    ``jax.jit(..., compiler_options=compiler_options(mesh))`` (census guide, "On a TPU").
+    On a TPU: ``TPU_COMPILER_OPTIONS`` (explicit) or ``TPU_IMPLICIT_COMPILER_OPTIONS``.
+    """
     devices = getattr(mesh, "devices", None)
     if devices is None or not getattr(devices, "size", 0) or devices.flat[0].platform != "tpu":
         return None
@@ -294,6 +318,9 @@ def sharded_value_and_grad(
         out_specs=(rest_specs, grad_specs, PartitionSpec(), PartitionSpec()),
         check_vma=True,
     )
-    rest, grads, loss, metrics = run(state, batch)
+    # reduce-scatters in the form the mesh's platform takes (the TrainStep's own jit sets it too)
+    platform = platform_of(mesh)
+    with rows_for(platform) if platform else contextlib.nullcontext():
+        rest, grads, loss, metrics = run(state, batch)
     nnx.update(model, rest)
     return loss, metrics, grads

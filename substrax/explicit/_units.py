@@ -18,7 +18,7 @@ from jax.custom_derivatives import SymbolicZero
 from substrax._layout import note_layers
 from substrax._metrics.collectives import varying_axes, zeros_of_type
 from substrax._shared import scopes
-from substrax._shared.scatter import scatter_rows, scattered_elements
+from substrax._shared.scatter import block_shape, tiled
 from substrax._tree import KeyPath, merged, node_at, path_str, picked
 from substrax.explicit._prefetch import prefetched_layers
 from substrax.nn import _declared as declared
@@ -213,23 +213,20 @@ def scatter_grouped(grads: list[jax.Array], shapes: list[tuple[int, ...]], dims:
 def _scatter_rows(buffer: jax.Array, axis: str, scope: str) -> jax.Array:
     """``psum_scatter`` of ``buffer`` ``(n, k)``: this device's summed row ``(k,)``.
 
-    On a TPU written as ``SCATTER_ROWS`` rows per device, the row padded to a multiple of them
-    (``substrax._shared.scatter``): the TPU compiler (libtpu 0.0.52) turns a reduce-scatter whose
-    blocks are one row, or a 1-D one, into an all-reduce of the whole buffer (census guide, "On a TPU").
+    On a TPU each device's row goes as a block of whole tiles, padded to them
+    (``substrax._shared.scatter.block_shape``): the TPU compiler (libtpu 0.0.52) reduces a
+    one-row block, a flat one or one across a tile's lanes whole (census guide, "On a TPU").
     """
-    rows = scatter_rows()
+    n, k = buffer.shape
+    rows, columns = block_shape(k, buffer.dtype.itemsize, tiled())
     if rows == 1:
         with jax.named_scope(scope):
             return jax.lax.psum_scatter(buffer, axis, scatter_dimension=0, tiled=False)
-    n, k = buffer.shape
-    width = scattered_elements(n * k, n, rows) // n
-    if width != k:
-        buffer = jnp.pad(buffer, ((0, 0), (0, width - k)))
+    if rows * columns != k:
+        buffer = jnp.pad(buffer, ((0, 0), (0, rows * columns - k)))
     with jax.named_scope(scope):
-        block = jax.lax.psum_scatter(
-            buffer.reshape(n * rows, width // rows), axis, scatter_dimension=0, tiled=True
-        )
-    return block.reshape(width)[:k]
+        block = jax.lax.psum_scatter(buffer.reshape(n * rows, columns), axis, scatter_dimension=0, tiled=True)
+    return block.reshape(rows * columns)[:k]
 
 
 def _array_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[jax.Array], Any]:
