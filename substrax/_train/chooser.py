@@ -11,10 +11,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from substrax import _declared as declared
 from substrax import _layout
 from substrax._batch.leaves import check_batch_leaves
 from substrax._batch.placement import place_process_rows
-from substrax._layout._owners import flat_state
 from substrax._shared.options import MODES, Mode, StepOptions, options_from
 from substrax._shared.precision import MixedPrecision
 from substrax._shared.scatter import rows_for
@@ -28,7 +28,6 @@ from substrax.census._step import check_communication
 from substrax.explicit import _step as explicit_step
 from substrax.explicit._step import BatchSpec
 from substrax.mesh import current_mesh, current_mesh_with
-from substrax.nn import _declared as declared
 from substrax.spmd import _step as implicit_step
 
 __all__ = ["MODES", "BoundTrainStep", "TrainStep", "make_train_step"]
@@ -338,7 +337,7 @@ class TrainStep:
 def _check_runnable(model: nnx.Module, optimizer: nnx.Optimizer) -> None:
     """Raise where the state holds an abstract leaf: a step runs on arrays."""
     for owner, tree in (("model", model), ("optimizer", optimizer)):
-        for path, variable in flat_state(tree):
+        for path, variable in _layout.flat_state(tree):
             if isinstance(variable.get_value(), jax.ShapeDtypeStruct):
                 raise TypeError(
                     f"{path_str(path, owner)} is abstract (a jax.ShapeDtypeStruct, as nnx.eval_shape makes "

@@ -25,7 +25,7 @@ from substrax._shared.scatter import rows_of, scattered_elements
 from substrax._shared.options import StepOptions
 from substrax._tree import KeyPath, path_str
 from substrax.census._expected import ExpectedCollective, _hlo_type, _itemsize
-from substrax.nn._declared import Declared
+from substrax._declared import Declared
 
 __all__ = [
     "batch_stat_items",
@@ -216,7 +216,7 @@ def layer_items(
 ) -> list[ExpectedCollective]:
     """One expected buffer per collective a layer declared (``substrax.nn.declare_forward``, ...).
 
-    ``layers``: what ``substrax.nn._declared.recording`` collected while the step was
+    ``layers``: what ``substrax._declared.recording`` collected while the step was
     traced: each layer's collectives per execution, forward and backward. They run as
     often as the program's loops run the layer (``per_run``: once per microbatch inside
     the accumulation loop, once per layer of a scanned stack). Each must

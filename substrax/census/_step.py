@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from substrax._declared import Declared
 from substrax._layout import gradient_spec, layout_of, prefetched_units
 from substrax._shared import scopes
 from substrax._shared.options import StepOptions
@@ -37,7 +38,6 @@ from substrax.census._report import CensusReport, Comparison, census, compare
 from substrax.census._rows import library_scope
 from substrax.census._text import short_op
 from substrax.mesh import current_mesh_with
-from substrax.nn._declared import Declared
 
 __all__ = [
     "check_communication",

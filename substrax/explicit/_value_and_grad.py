@@ -8,9 +8,11 @@ from typing import Any, TypeVar
 
 import jax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
+from substrax import _declared as declared
 from substrax._batch.axes import spec_axes
+from substrax._batch.leaves import BatchSpec
 from substrax._batch.placement import batch_partition_specs
 from substrax._layout import REPLICA_AXIS, ParamSplit, check_mesh_axes, gradient_spec, parameter_splits
 from substrax._shared import scopes
@@ -27,12 +29,10 @@ from substrax.explicit._shard import (
     varying_carry,
 )
 from substrax.mesh import current_mesh
-from substrax.nn import _declared as declared
 
 __all__ = ["BatchSpec", "explicit_value_and_grad", "local_value_and_grad", "parameter_plans", "with_aux"]
 
 M = TypeVar("M", bound=nnx.Module)
-BatchSpec = PartitionSpec | NamedSharding | PyTree
 
 
 def with_aux(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., tuple[Any, Any]]:

@@ -10,10 +10,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from substrax._batch.leaves import BatchSpec
 from substrax._batch.placement import place_batch_on_shards
 from substrax._shared.precision import MixedPrecision
 from substrax._tree import PyTree, broadcast_prefix, map_arrays
-from substrax.explicit._step import BatchSpec, explicit_value_and_grad
+from substrax.explicit import explicit_value_and_grad
 
 
 def _rng_counts(state: nnx.State) -> dict[str, int]:

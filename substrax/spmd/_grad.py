@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from substrax._batch.axes import spec_axes
-from substrax._layout._specs import spec_tuple, without_axes
+from substrax._layout import spec_tuple, without_axes
 from substrax._shared.loss import loss_and_metrics
 from substrax._shared.microbatch import microbatched, split_global_microbatches
 from substrax._shared.options import StepOptions
