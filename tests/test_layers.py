@@ -33,7 +33,7 @@ def tiers() -> dict[str, int]:
 
 
 def unit_of(path: Path) -> str:
-    """The package (``census``) or root module (``_tree``, ``__init__``) ``path`` belongs to."""
+    """The package (``census``) or root module (``demo``, ``__init__``) ``path`` belongs to."""
     parts = path.relative_to(PACKAGE).with_suffix("").parts
     return parts[0]
 
@@ -44,7 +44,7 @@ def module_of(path: Path) -> str:
 
 
 def imports(path: Path) -> Iterator[str]:
-    """The substrax modules ``path`` imports (``from substrax import _tree`` as ``substrax._tree``),
+    """The substrax modules ``path`` imports (``from substrax._base import scopes`` as ``substrax._base.scopes``),
     at its top or inside a function, under ``TYPE_CHECKING`` too."""
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):

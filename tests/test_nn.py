@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 from models import mse
 
 import substrax
-from substrax import _declared as declared
+from substrax._base import declared
 from substrax import census
 from substrax.census import phase_of
 from substrax.mesh import create_device_mesh
@@ -398,7 +398,7 @@ LAYER_RUNS = {
 @pytest.mark.parametrize("name", list(LAYER_RUNS))
 def test_layers_say_every_collective_they_compile_to(name) -> None:
     """What the layers declare while traced (the census's expectation over ``model``,
-    ``substrax._declared``) is, buffer for buffer and phase for phase, what XLA compiled
+    ``substrax._base.declared``) is, buffer for buffer and phase for phase, what XLA compiled
     over ``model``: forward and backward, the input's gradient psum-ed only when taken."""
     mesh = create_device_mesh({"data": 2, "model": 4})
     run, args = LAYER_RUNS[name](mesh)

@@ -10,8 +10,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from substrax._batch.axes import check_fits, check_spec_axes, spec_axes
-from substrax._tree import KeyPath, PyTree, broadcast_prefix, path_str
+from substrax._base.specs import check_fits, check_spec_axes, spec_axes
+from substrax._base.trees import KeyPath, PyTree, broadcast_prefix, path_str
 
 __all__ = ["BatchSpec", "batch_partition_specs", "check_batch_leaves", "check_same_rows", "warn_float64"]
 

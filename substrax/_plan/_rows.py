@@ -13,13 +13,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from substrax import _declared as declared
+from substrax._base import declared
 from substrax import _layout
 from substrax._plan import _items, _memory
 from substrax._plan._table import Plan, PlanRow
 from substrax._shared.options import Mode
 from substrax._train.chooser import make_train_step
-from substrax._tree import PyTree
+from substrax._base.trees import PyTree
 from substrax.census import census
 from substrax.census._step import expected_step, program_platform
 from substrax.mesh import compile_only, device_memory

@@ -11,7 +11,7 @@ from flax import nnx
 from substrax._shared.options import StepOptions
 from substrax._shared.skips import SkipWatch
 from substrax._train.split import SplitState
-from substrax._tree import PyTree
+from substrax._base.trees import PyTree
 from substrax.census import Comparison
 
 __all__ = ["BoundTrainStep"]

@@ -11,7 +11,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from substrax import _declared as declared
+from substrax._base import declared
 from substrax import _layout
 from substrax._batch.leaves import check_batch_leaves
 from substrax._batch.placement import place_process_rows
@@ -22,7 +22,7 @@ from substrax._shared.skips import DEFAULT_MAX_SKIPS, SkipWatch
 from substrax._shared.update import donated_state
 from substrax._train.bound import BoundTrainStep
 from substrax._train.split import SplitState, uncommitted_as_replicated
-from substrax._tree import PyTree, path_str
+from substrax._base.trees import PyTree, path_str
 from substrax.census import Comparison
 from substrax.census._step import check_communication
 from substrax.explicit import _step as explicit_step

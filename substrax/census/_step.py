@@ -18,12 +18,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from substrax._declared import Declared
+from substrax._base.declared import Declared
 from substrax._layout import gradient_spec, layout_of, prefetched_units
-from substrax._shared import scopes
+from substrax._base import scopes
 from substrax._shared.options import StepOptions
 from substrax._shared.update import apply_update, donated_state, state_values
-from substrax._tree import KeyPath
+from substrax._base.trees import KeyPath
 from substrax.census._expected import Expected, ExpectedCollective, expected_communication
 from substrax.census._items import (
     _metric_items,

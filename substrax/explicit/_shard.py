@@ -15,12 +15,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from substrax import _declared as declared
-from substrax._batch.axes import spec_axes
+from substrax._base import declared
+from substrax._base.specs import spec_axes
 from substrax._layout import ParamSplit, check_declared_rank, declared_spec, spec_tuple
 from substrax._metrics.collectives import to_varying, to_varying_over, varying_axes
-from substrax._shared import scopes
-from substrax._tree import KeyPath, PyTree, path_str
+from substrax._base import scopes
+from substrax._base.trees import KeyPath, PyTree, path_str
 from substrax.explicit._units import gather_grouped, scatter_grouped, varying_other
 
 __all__ = [

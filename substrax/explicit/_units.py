@@ -15,12 +15,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.custom_derivatives import SymbolicZero
 
-from substrax import _declared as declared
+from substrax._base import declared
 from substrax._layout import note_layers
 from substrax._metrics.collectives import varying_axes, zeros_of_type
-from substrax._shared import scopes
+from substrax._base import scopes
 from substrax._shared.scatter import scatter_rows, scattered_elements
-from substrax._tree import KeyPath, merged, node_at, path_str, picked
+from substrax._base.trees import KeyPath, merged, node_at, path_str, picked
 from substrax.explicit._prefetch import prefetched_layers
 
 __all__ = ["gather_grouped", "run_unit", "scatter_grouped", "units_running", "varying_other"]

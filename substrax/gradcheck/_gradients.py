@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from substrax._batch.leaves import BatchSpec
 from substrax._batch.placement import place_batch_on_shards
 from substrax._shared.precision import MixedPrecision
-from substrax._tree import PyTree, broadcast_prefix, map_arrays
+from substrax._base.trees import PyTree, broadcast_prefix, map_arrays
 from substrax.explicit import explicit_value_and_grad
 
 

@@ -8,7 +8,7 @@ attention compute. See the tensor-parallelism guide. ``scan_layers`` runs a stac
 layers made by ``nnx.vmap`` (the layouts guide, "Units").
 """
 
-from substrax._declared import Declared
+from substrax._base.declared import Declared
 from substrax.nn._attention import ParallelSelfAttention
 from substrax.nn._declare import declare_backward, declare_forward
 from substrax.nn._embed import ParallelEmbedding

@@ -1,6 +1,6 @@
 """What a tensor-parallel layer communicates, declared by the layer where it writes it.
 
-``declare_forward`` and ``declare_backward`` record nothing outside ``substrax._declared``'s
+``declare_forward`` and ``declare_backward`` record nothing outside ``substrax._base.declared``'s
 ``recording()``, where ``TrainStep.check_communication`` traces the step; the census expects
 exactly the declared collectives, per layer and phase. See the tensor-parallelism guide,
 "A layer of your own".
@@ -14,9 +14,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from substrax._declared import KINDS, Declared, name_of, recorder
+from substrax._base.declared import KINDS, Declared, name_of, recorder
 from substrax._metrics.collectives import to_varying, varying_axes
-from substrax._shared import scopes
+from substrax._base import scopes
 
 __all__ = ["Declared", "copy_to_model_axis", "declare_backward", "declare_forward"]
 

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from substrax._tree import path_str
+from substrax._base.trees import path_str
 
 __all__ = ["KINDS", "Declared", "name_of", "naming", "recorder", "recording", "silenced"]
 
