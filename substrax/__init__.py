@@ -2,12 +2,12 @@
 
 ``make_train_step(loss_fn, mode)`` picks the implicit (``substrax.spmd``) or explicit
 (``substrax.explicit``) step; ``shard_state`` splits the state. See the guides.
-``census(compiled)`` rebinds ``substrax.census`` from the package to the function.
+``substrax.census`` is the census package, callable as its function: ``substrax.census(compiled)``.
 """
 
 import importlib
 
-from substrax import explicit, gradcheck, mesh, nn, spmd
+from substrax import census, explicit, gradcheck, mesh, nn, spmd
 from substrax._layout import LAYOUTS, Layout, LeafPlacement, layout_of, shard_state
 from substrax._plan import Plan, PlanRow, plan
 from substrax._shared.options import StepOptions
@@ -15,9 +15,14 @@ from substrax._shared.pipeline import SCHEDULES, PipelineSchedule, bubble_fracti
 from substrax._shared.precision import MixedPrecision
 from substrax._shared.skips import NonFiniteStepsError, SkippedStepWarning
 from substrax._train.chooser import MODES, BoundTrainStep, TrainStep, make_train_step
-from substrax.census import CensusReport, Comparison, Expected, census, compare, expected_communication
+from substrax.census import CensusReport, Comparison, Expected, compare, expected_communication
 
 __version__ = "0.1.0"
+
+# substrax.explicit's aliases of the gradient check, set here: gradcheck imports explicit, so
+# explicit cannot import it
+explicit.compare_gradients = gradcheck.compare_gradients
+explicit.GradientReport = gradcheck.GradientReport
 
 _LAZY = ("checkpoint",)  # imported on first use: it imports orbax
 

@@ -13,11 +13,18 @@ from jax.sharding import PartitionSpec as P
 from models import mse
 
 import substrax
+from substrax._base import declared
 from substrax import census
 from substrax.census import phase_of
-from substrax.nn import _declared as declared
 from substrax.mesh import create_device_mesh
-from substrax.nn import ColumnParallelLinear, ParallelEmbedding, ParallelSelfAttention, RowParallelLinear
+from substrax.nn import (
+    ColumnParallelLinear,
+    ParallelEmbedding,
+    ParallelSelfAttention,
+    RowParallelLinear,
+    declare_backward,
+    declare_forward,
+)
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
@@ -391,7 +398,7 @@ LAYER_RUNS = {
 @pytest.mark.parametrize("name", list(LAYER_RUNS))
 def test_layers_say_every_collective_they_compile_to(name) -> None:
     """What the layers declare while traced (the census's expectation over ``model``,
-    ``substrax.nn._declared``) is, buffer for buffer and phase for phase, what XLA compiled
+    ``substrax._base.declared``) is, buffer for buffer and phase for phase, what XLA compiled
     over ``model``: forward and backward, the input's gradient psum-ed only when taken."""
     mesh = create_device_mesh({"data": 2, "model": 4})
     run, args = LAYER_RUNS[name](mesh)
@@ -409,14 +416,14 @@ def test_a_declaration_names_a_kind_the_census_counts_and_one_axis() -> None:
     assert set(declared.KINDS) <= set(KINDS)
     model, x = Block(), batch()
     with pytest.raises(ValueError, match=r"declare_forward: 'allreduce' is not a collective.*'all-reduce'"):
-        declared.declare_forward(model, "allreduce", "model", x, "why")  # checked outside a recording too
+        declare_forward(model, "allreduce", "model", x, "why")  # checked outside a recording too
     with pytest.raises(TypeError, match=r"declare_backward: axis must be one mesh axis name.*\('data', 'model'\)"):
-        declared.declare_backward(model, "all-reduce", ("data", "model"), x, "why")
+        declare_backward(model, "all-reduce", ("data", "model"), x, "why")
 
 
 def test_nothing_is_declared_outside_a_recording_or_without_a_split() -> None:
     model, x = Block(), batch()
-    assert declared.declare_backward(model, "all-reduce", "model", x, "why") is x  # the program as written
+    assert declare_backward(model, "all-reduce", "model", x, "why") is x  # the program as written
     with declared.recording() as said:
         jax.grad(lambda m, x: jnp.mean(m(x) ** 2), argnums=1)(model, x)  # one device: no collective
     assert said == []

@@ -10,10 +10,12 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from substrax._batch.axes import check_fits, check_spec_axes, spec_axes
-from substrax._tree import KeyPath, PyTree, broadcast_prefix, path_str
+from substrax._base.specs import check_fits, check_spec_axes, spec_axes
+from substrax._base.trees import KeyPath, PyTree, broadcast_prefix, path_str
 
-__all__ = ["batch_partition_specs", "check_batch_leaves", "check_same_rows", "warn_float64"]
+__all__ = ["BatchSpec", "batch_partition_specs", "check_batch_leaves", "check_same_rows", "warn_float64"]
+
+BatchSpec = PartitionSpec | NamedSharding | PyTree  # a batch's placement: one spec, or a prefix tree of them
 
 
 def _is_python_number(x: Any) -> bool:

@@ -11,9 +11,9 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
-from substrax._batch.axes import check_fits, check_spec_axes
+from substrax._base.specs import check_fits, check_spec_axes
 from substrax._batch.leaves import batch_partition_specs, warn_float64
-from substrax._tree import KeyPath, PyTree, broadcast_prefix, is_array, path_str
+from substrax._base.trees import KeyPath, PyTree, broadcast_prefix, is_array, path_str
 
 __all__ = [
     "batch_partition_specs",  # imported from here by the steps; it lives in _batch_specs

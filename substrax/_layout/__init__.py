@@ -8,11 +8,13 @@ parameter and optimizer leaf is split where: see the layouts guide.
 from substrax._layout._owners import (
     ParamSplit,
     check_optimizer_of,
+    flat_state,
     follow_dim,
     optimizer_followers,
     optimizer_mirrors,
     parameter_splits,
 )
+from substrax._layout._place import place_nnx_state_on_shards
 from substrax._layout._report import (
     LAYOUTS,
     REPLICA_AXIS,
@@ -46,6 +48,7 @@ from substrax._layout._units import (
     RESHARD_KEY,
     UNIT_KEY,
     UnitsSpec,
+    find_units,
     mark_units,
     note_layers,
     prefetched_units,
@@ -61,6 +64,8 @@ __all__ = [
     "RESHARD_KEY",
     "UNIT_KEY",
     "UnitsSpec",
+    "find_units",
+    "flat_state",
     "mark_units",
     "note_layers",
     "prefetched_units",
@@ -89,6 +94,7 @@ __all__ = [
     "optional_axes",
     "optimizer_mirrors",
     "parameter_splits",
+    "place_nnx_state_on_shards",
     "shard_state",
     "spec_tuple",
     "split_dim_of",

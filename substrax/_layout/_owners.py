@@ -11,7 +11,7 @@ import numpy as np
 from flax import nnx
 
 from substrax._layout._specs import spec_tuple, split_dim_of
-from substrax._tree import path_str
+from substrax._base.trees import path_str
 
 __all__ = [
     "ParamSplit",

@@ -10,9 +10,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
-from substrax._batch.axes import check_fits, check_spec_axes
+from substrax._base.specs import check_fits, check_spec_axes
 from substrax._layout._specs import trimmed
-from substrax._tree import is_array, path_str
+from substrax._base.trees import is_array, path_str
 
 __all__ = ["FilterSharding", "place_nnx_state_on_shards"]
 

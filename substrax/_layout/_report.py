@@ -11,10 +11,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from substrax._batch.axes import spec_axes
+from substrax._base.specs import spec_axes
 from substrax._layout._owners import flat_state
 from substrax._layout._specs import spec_tuple, split_dim_of, without_axis
-from substrax._tree import adopt_assigned_arrays, path_str
+from substrax._base.trees import adopt_assigned_arrays, path_str
 from substrax.mesh import current_mesh, current_mesh_with
 
 __all__ = [

@@ -13,7 +13,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from substrax._batch.axes import spec_axes
+from substrax._base.specs import spec_axes
 from substrax._layout._owners import flat_state, follow_dim, optimizer_followers, optimizer_mirrors
 from substrax._layout._report import (
     LAYOUTS,
@@ -36,7 +36,7 @@ from substrax._layout._specs import (
 )
 from substrax._layout._stages import STAGE_AXIS, find_stages, mark_stages
 from substrax._layout._units import UnitsSpec, find_units, mark_units, stacked_modules
-from substrax._tree import adopt_assigned_arrays, path_str
+from substrax._base.trees import adopt_assigned_arrays, path_str
 from substrax.mesh import compile_only, current_mesh
 
 __all__ = ["epoch", "shard_state"]

@@ -10,8 +10,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from substrax._batch.axes import spec_axes
-from substrax._tree import path_str
+from substrax._base.specs import spec_axes
+from substrax._base.trees import path_str
 
 __all__ = [
     "check_mesh_axes",

@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 
 from substrax._layout._units import UnitsSpec, matched_modules, stacked_modules
-from substrax._tree import KeyPath, path_str
+from substrax._base.trees import KeyPath, path_str
 
 __all__ = ["STAGE_AXIS", "STAGE_KEY", "find_stages", "mark_stages", "staged_stack"]
 
@@ -66,7 +66,7 @@ def find_stages(model: nnx.Module, stages: UnitsSpec, mesh: Any, axis: str = STA
 
 
 def _checked_depth(model: nnx.Module, path: KeyPath, stages: int, axis: str) -> KeyPath:
-    from substrax._tree import node_at
+    from substrax._base.trees import node_at
 
     leaves = [v for _, v in nnx.to_flat_state(nnx.state(node_at(model, path), nnx.Param))]
     layers = int(np.shape(leaves[0].get_value())[0])

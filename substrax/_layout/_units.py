@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from substrax._tree import KeyPath, node_at, path_str
+from substrax._base.trees import KeyPath, node_at, path_str
 
 __all__ = [
     "PREFETCH_KEY", "RESHARD_KEY", "UNIT_KEY", "UnitsSpec", "find_units", "mark_units", "matched_modules", "note_layers",

@@ -9,9 +9,9 @@ from typing import Any, TypeVar
 import jax
 import numpy as np
 
-from substrax._batch.axes import spec_axes
+from substrax._base.specs import spec_axes
 from substrax._metrics.reductions import REDUCTION_OPS
-from substrax._tree import is_array, map_arrays
+from substrax._base.trees import is_array, map_arrays
 
 __all__ = [
     "all_gather",

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from substrax._tree import describe, is_array
+from substrax._base.trees import describe, is_array
 
 
 @dataclass(frozen=True)

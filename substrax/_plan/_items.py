@@ -11,7 +11,7 @@ from typing import Any
 
 from jax.extend import core as jcore
 
-from substrax._shared import scopes
+from substrax._base import scopes
 
 __all__ = ["gathered", "one_run", "recomputes", "required", "traced_gathers"]
 

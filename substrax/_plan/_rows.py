@@ -14,18 +14,17 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from substrax._base import declared
 from substrax import _layout
-from substrax._layout._units import find_units
 from substrax._plan import _items, _memory, _pipeline
 from substrax._plan._table import Plan, PlanRow
 from substrax._shared.options import Mode
 from substrax._shared.pipeline_record import recording_pipeline
 from substrax._train.chooser import make_train_step
-from substrax._tree import PyTree
+from substrax._base.trees import PyTree
 from substrax.census import census
 from substrax.census._step import expected_step, program_platform
 from substrax.mesh import compile_only, device_memory
-from substrax.nn import _declared as declared
 
 __all__ = ["plan"]
 
@@ -123,7 +122,7 @@ def _candidates(model: nnx.Module, units: Iterable[Any]) -> list[Any]:
         )
     for unit in candidates:
         if unit is not None:
-            find_units(model, unit, reshard_after_forward=True)  # refuses one matching nothing
+            _layout.find_units(model, unit, reshard_after_forward=True)  # refuses one matching nothing
     return candidates
 
 

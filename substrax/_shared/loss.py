@@ -7,7 +7,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from substrax._tree import describe, is_array
+from substrax._base.trees import describe, is_array
 
 __all__ = ["loss_and_metrics"]
 

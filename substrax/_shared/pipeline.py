@@ -28,8 +28,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from substrax._layout._stages import STAGE_AXIS, staged_stack
-from substrax._tree import KeyPath, PyTree, node_at, path_str
-from substrax.nn import _declared as declared
+from substrax._base.trees import KeyPath, PyTree, node_at, path_str
+from substrax._base import declared
 from substrax.nn._scan import STAGE_HOOK
 
 __all__ = [

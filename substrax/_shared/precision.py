@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from substrax._tree import PyTree
+from substrax._base.trees import PyTree
 
 __all__ = ["MixedPrecision"]
 

@@ -18,8 +18,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from substrax._layout import optional_axes, spec_tuple, without_axes
-from substrax._shared import scopes
-from substrax._tree import path_str
+from substrax._base import scopes
+from substrax._base.trees import path_str
 
 __all__ = ["all_finite", "apply_update", "donated_state", "pin_layout", "state_values"]
 

@@ -3,19 +3,38 @@
 from __future__ import annotations
 
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self
+from typing import Any, Protocol, Self
 
 import jax
 from flax import nnx
 
+from substrax._shared.options import StepOptions
 from substrax._shared.skips import SkipWatch
-from substrax._tree import PyTree
+from substrax._train.split import SplitState
+from substrax._base.trees import PyTree
 from substrax.census import Comparison
 
-if TYPE_CHECKING:
-    from substrax._train.chooser import TrainStep
-
 __all__ = ["BoundTrainStep"]
+
+
+class Step(Protocol):
+    """What a bound step calls on its ``TrainStep``."""
+
+    options: StepOptions
+
+    def placed_specs(self, batch: PyTree) -> Any: ...
+
+    def _split(
+        self, model: nnx.Module, optimizer: nnx.Optimizer, *, donate: bool, place: bool
+    ) -> SplitState: ...
+
+    def _run_split(self, jitted: Any, arrays: list[jax.Array], batch: PyTree, placed: Any) -> Any: ...
+
+    def _lower(self, split: SplitState, arrays: list[jax.Array], batch: PyTree, donate: bool) -> Any: ...
+
+    def check_communication(
+        self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree
+    ) -> Comparison: ...
 
 
 class BoundTrainStep:
@@ -31,7 +50,7 @@ class BoundTrainStep:
     """
 
     def __init__(
-        self, step: TrainStep, model: nnx.Module, optimizer: nnx.Optimizer, *, donate: bool = True
+        self, step: Step, model: nnx.Module, optimizer: nnx.Optimizer, *, donate: bool = True
     ) -> None:
         self.model = model
         self.optimizer = optimizer

@@ -11,12 +11,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from substrax._base import declared
 from substrax import _layout
 from substrax._shared.pipeline import check_stage_axis
 from substrax._shared.pipeline_record import recording_pipeline
 from substrax._batch.leaves import check_batch_leaves
 from substrax._batch.placement import place_process_rows
-from substrax._layout._owners import flat_state
 from substrax._shared.options import MODES, Mode, StepOptions, options_from
 from substrax._shared.precision import MixedPrecision
 from substrax._shared.scatter import rows_for
@@ -25,13 +25,12 @@ from substrax._shared.update import donated_state
 from substrax._train.bound import BoundTrainStep
 from substrax._train.pinned import pinned_jit
 from substrax._train.split import SplitState, uncommitted_as_replicated
-from substrax._tree import PyTree, path_str
+from substrax._base.trees import PyTree, path_str
 from substrax.census import Comparison
 from substrax.census._step import check_communication
 from substrax.explicit import _step as explicit_step
 from substrax.explicit._step import BatchSpec
 from substrax.mesh import current_mesh, current_mesh_with
-from substrax.nn import _declared as declared
 from substrax.spmd import _step as implicit_step
 
 __all__ = ["MODES", "BoundTrainStep", "TrainStep", "make_train_step"]
@@ -349,7 +348,7 @@ class TrainStep:
 def _check_runnable(model: nnx.Module, optimizer: nnx.Optimizer) -> None:
     """Raise where the state holds an abstract leaf: a step runs on arrays."""
     for owner, tree in (("model", model), ("optimizer", optimizer)):
-        for path, variable in flat_state(tree):
+        for path, variable in _layout.flat_state(tree):
             if isinstance(variable.get_value(), jax.ShapeDtypeStruct):
                 raise TypeError(
                     f"{path_str(path, owner)} is abstract (a jax.ShapeDtypeStruct, as nnx.eval_shape makes "

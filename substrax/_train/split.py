@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from substrax import _layout
-from substrax._tree import adopt_assigned_arrays
+from substrax._base.trees import adopt_assigned_arrays
 
 __all__ = ["SplitState"]
 

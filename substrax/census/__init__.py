@@ -1,8 +1,12 @@
 """The communication census: every collective of a compiled program, counted, sized, and checked.
 
-See the census guide. ``substrax.census`` is the function, not this package
-(``substrax/__init__.py`` rebinds it); take the package's names with ``from substrax.census import ...``.
+See the census guide. This package is callable as its function ``census``:
+``substrax.census(compiled)`` is ``substrax.census.census(compiled)``.
 """
+
+import sys
+import types
+from typing import Any
 
 from substrax.census._expected import SOURCES, Expected, ExpectedCollective, expected_communication
 from substrax.census._hlo import KINDS, Operand
@@ -26,3 +30,14 @@ __all__ = [
     "library_scope",
     "phase_of",
 ]
+
+
+class _Census(types.ModuleType):
+    """The census package, called as its ``census`` function."""
+
+    def __call__(self, compiled: Any, *, mesh: Any = None) -> CensusReport:
+        """``census(compiled, mesh=mesh)``: every collective of a compiled program."""
+        return census(compiled, mesh=mesh)
+
+
+sys.modules[__name__].__class__ = _Census

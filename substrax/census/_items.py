@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from substrax._batch.axes import spec_axes
+from substrax._base.specs import spec_axes
 from substrax._layout import (
     UNIT_KEY,
     parameter_splits,
@@ -21,12 +21,12 @@ from substrax._layout import (
     unit_paths,
     without_axis,
 )
-from substrax._shared import scopes
+from substrax._base import scopes
 from substrax._shared.scatter import block_shape, on_tpu
 from substrax._shared.options import StepOptions
-from substrax._tree import KeyPath, path_str
+from substrax._base.trees import KeyPath, path_str
 from substrax.census._expected import ExpectedCollective, _hlo_type, _itemsize
-from substrax.nn._declared import Declared
+from substrax._base.declared import Declared
 
 __all__ = [
     "batch_stat_items",
@@ -246,7 +246,7 @@ def layer_items(
 ) -> list[ExpectedCollective]:
     """One expected buffer per collective a layer declared (``substrax.nn.declare_forward``, ...).
 
-    ``layers``: what ``substrax.nn._declared.recording`` collected while the step was
+    ``layers``: what ``substrax._base.declared.recording`` collected while the step was
     traced: each layer's collectives per execution, forward and backward. They run as
     often as the program's loops run the layer (``per_run``: once per microbatch inside
     the accumulation loop, once per layer of a scanned stack). Each must

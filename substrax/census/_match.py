@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from substrax._shared import scopes
+from substrax._base import scopes
 from substrax.census._expected import REDUCTIONS, Expected, ExpectedCollective
 from substrax.census._hlo import KINDS, Operand
 from substrax.census._rows import Collective, Part, buffers_text

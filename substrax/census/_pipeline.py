@@ -19,12 +19,12 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from substrax._batch.axes import spec_axes
+from substrax._base.specs import spec_axes
 from substrax._layout import STAGE_AXIS, spec_tuple, without_axis
 from substrax._layout._stages import STAGE_KEY
-from substrax._shared import scopes
+from substrax._base import scopes
 from substrax._shared.pipeline_record import PipelineRun
-from substrax._tree import path_str
+from substrax._base.trees import path_str
 from substrax.census._expected import ExpectedCollective, _hlo_type
 
 __all__ = ["outside_leaves", "permute_items", "pipeline_items", "pipeline_note", "stage_unit_items"]

@@ -7,7 +7,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from substrax._shared import scopes
+from substrax._base import scopes
 from substrax.census import _hlo
 from substrax.census._hlo import Operand
 from substrax.census._text import short_op, shorten

@@ -18,12 +18,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from substrax._base.declared import Declared
 from substrax._layout import gradient_spec, layout_of, prefetched_units
-from substrax._shared import scopes
+from substrax._base import scopes
 from substrax._shared.options import StepOptions
 from substrax._shared.pipeline_record import PipelineRun
 from substrax._shared.update import apply_update, donated_state, state_values
-from substrax._tree import KeyPath
+from substrax._base.trees import KeyPath
 from substrax.census._expected import Expected, ExpectedCollective, expected_communication
 from substrax.census._items import (
     _metric_items,
@@ -40,7 +41,6 @@ from substrax.census._report import CensusReport, Comparison, census, compare
 from substrax.census._rows import library_scope
 from substrax.census._text import short_op
 from substrax.mesh import current_mesh_with
-from substrax.nn._declared import Declared
 
 __all__ = [
     "check_communication",

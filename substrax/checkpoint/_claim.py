@@ -15,7 +15,7 @@ import warnings
 from typing import Any
 
 from substrax.checkpoint._errors import DirectoryInUseError
-from substrax.launch._env import launch_env
+from substrax.launch import launch_env
 
 __all__ = ["LOCK_FILE", "claim_directory", "release_claim"]
 

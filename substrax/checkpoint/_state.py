@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from substrax._tree import adopt_assigned_arrays, path_str
+from substrax._base.trees import adopt_assigned_arrays, path_str
 
 __all__ = [
     "ROOTS",

@@ -1,10 +1,9 @@
 """The data-parallel step under ``jax.shard_map``, with every collective in plain sight.
 
 ``explicit_train_step`` and the helpers it is built from, for your own shard_map steps.
-``compare_gradients`` and ``GradientReport`` are aliases of ``substrax.gradcheck``'s (read lazily).
+``compare_gradients`` and ``GradientReport`` are aliases of ``substrax.gradcheck``'s, which
+``substrax/__init__.py`` sets here (``gradcheck`` imports this package, not the other way).
 """
-
-from typing import Any
 
 from substrax._batch.leaves import batch_partition_specs
 from substrax.explicit._grad import data_parallel_value_and_grad, varying_axes
@@ -20,11 +19,3 @@ __all__ = [
     "reduce_metrics_collective",
     "varying_axes",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    if name in ("GradientReport", "compare_gradients"):
-        from substrax import gradcheck
-
-        return getattr(gradcheck, name)
-    raise AttributeError(f"module 'substrax.explicit' has no attribute {name!r}")

@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
+from substrax._base import declared
 from substrax._metrics.collectives import zeros_of_type
-from substrax._tree import merged, picked
-from substrax.nn import _declared as declared
+from substrax._base.trees import merged, picked
 
 __all__ = ["prefetched_layers"]
 

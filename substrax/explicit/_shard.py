@@ -15,14 +15,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from substrax._batch.axes import spec_axes
+from substrax._base import declared, scopes
+from substrax._base.specs import spec_axes
+from substrax._base.trees import KeyPath, PyTree, path_str
 from substrax._layout import STAGE_AXIS, ParamSplit, check_declared_rank, declared_spec, spec_tuple
 from substrax._metrics.collectives import to_varying, to_varying_over, varying_axes
-from substrax._shared import scopes
 from substrax._shared.scatter import tiled
-from substrax._tree import KeyPath, PyTree, path_str
 from substrax.explicit._units import gather_grouped, scatter_grouped, varying_other
-from substrax.nn import _declared as declared
 
 __all__ = [
     "cast_like",

@@ -18,7 +18,7 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from substrax._batch.axes import spec_axes
+from substrax._base.specs import spec_axes
 from substrax._batch.placement import batch_partition_specs
 from substrax._layout import (
     STAGE_AXIS,
@@ -29,14 +29,14 @@ from substrax._layout import (
     prefetched_units,
     unit_paths,
 )
-from substrax._shared import scopes
+from substrax._base import scopes
 from substrax._shared.microbatch import check_microbatches, fold_microbatch_metrics, split_rows_over
 from substrax._shared.options import StepOptions, options_from
 from substrax._shared.pipeline import pipeline_of
 from substrax._shared.precision import MixedPrecision
 from substrax._shared.scatter import platform_of, rows_for
 from substrax._shared.update import apply_update, state_values
-from substrax._tree import PyTree
+from substrax._base.trees import PyTree
 from substrax.explicit._metrics import reduce_metrics_collective, reduce_metrics_on_one_device
 from substrax.explicit._pipeline import pipelined_value_and_grad
 from substrax.explicit._shard import (

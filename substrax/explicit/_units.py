@@ -15,13 +15,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.custom_derivatives import SymbolicZero
 
+from substrax._base import declared
 from substrax._layout import note_layers
 from substrax._metrics.collectives import varying_axes, zeros_of_type
-from substrax._shared import scopes
+from substrax._base import scopes
+from substrax._base.trees import KeyPath, merged, node_at, path_str, picked
 from substrax._shared.scatter import block_shape, tiled
-from substrax._tree import KeyPath, merged, node_at, path_str, picked
 from substrax.explicit._prefetch import prefetched_layers
-from substrax.nn import _declared as declared
 
 __all__ = ["gather_grouped", "run_unit", "scatter_grouped", "units_running", "varying_other"]
 

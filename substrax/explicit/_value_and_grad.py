@@ -8,16 +8,18 @@ from typing import Any, TypeVar
 
 import jax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
-from substrax._batch.axes import spec_axes
+from substrax._base import declared
+from substrax._base.specs import spec_axes
+from substrax._batch.leaves import BatchSpec
 from substrax._batch.placement import batch_partition_specs
 from substrax._layout import REPLICA_AXIS, ParamSplit, check_mesh_axes, gradient_spec, parameter_splits
-from substrax._shared import scopes
+from substrax._base import scopes
 from substrax._shared.loss import loss_and_metrics
 from substrax._shared.microbatch import microbatched, split_microbatches, split_rows_over
 from substrax._shared.precision import MixedPrecision
-from substrax._tree import KeyPath, PyTree
+from substrax._base.trees import KeyPath, PyTree
 from substrax.explicit._grad import data_parallel_value_and_grad
 from substrax.explicit._shard import (
     cast_like,
@@ -27,12 +29,10 @@ from substrax.explicit._shard import (
     varying_carry,
 )
 from substrax.mesh import current_mesh
-from substrax.nn import _declared as declared
 
 __all__ = ["BatchSpec", "explicit_value_and_grad", "local_value_and_grad", "parameter_plans", "with_aux"]
 
 M = TypeVar("M", bound=nnx.Module)
-BatchSpec = PartitionSpec | NamedSharding | PyTree
 
 
 def with_aux(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., tuple[Any, Any]]:

@@ -10,11 +10,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from substrax._batch.leaves import BatchSpec
 from substrax._batch.placement import place_batch_on_shards
 from substrax._shared.options import StepOptions
 from substrax._shared.precision import MixedPrecision
-from substrax._tree import PyTree, broadcast_prefix, map_arrays
-from substrax.explicit._step import BatchSpec, explicit_value_and_grad, sharded_value_and_grad
+from substrax._base.trees import PyTree, broadcast_prefix, map_arrays
+from substrax.explicit._step import explicit_value_and_grad, sharded_value_and_grad
 from substrax.spmd._step import global_gradients
 
 

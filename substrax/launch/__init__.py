@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 
 from substrax.launch._child import initialize_launched
-from substrax.launch._env import detect_cluster, launch_env
+from substrax.launch._env import detect_cluster, launch_env  # launch_env: also substrax.checkpoint's
 from substrax.launch._launcher import launch
 from substrax.launch._port import free_port
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import jax
 from jax.sharding import Mesh
 
+from substrax.mesh._meshes import create_device_mesh
+
 __all__ = ["ParallelismConfig", "ShardingConfig"]
 
 def _size(value: object, what: str) -> int:
@@ -158,8 +160,6 @@ class ParallelismConfig:
           ValueError: If the configuration is not valid (names both device counts), or there
             are too few devices.
         """
-        from substrax.mesh import create_device_mesh  # substrax.mesh imports this module
-
         if not self.is_valid:
             raise ValueError(
                 f"ParallelismConfig.create_mesh: mesh_shape {self.mesh_shape} holds "

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from substrax._batch.axes import spec_axes
+from substrax._base.specs import spec_axes
 
 __all__ = ["DimensionNames", "checked_names", "needs_a_dimension", "one_dimension", "place"]
 

@@ -14,6 +14,7 @@ from typing import Any
 from jax.sharding import AxisType, Mesh
 
 from substrax.mesh._gpu import GPUS, gpu_devices
+from substrax.mesh._meshes import _axes, _checked_axes, create_device_mesh
 
 __all__ = ["compile_only", "topology_mesh"]
 
@@ -30,8 +31,6 @@ def compile_only(mesh: Any) -> bool:
 
 
 def _check_count(mesh_shape: Any, devices: Sequence[Any], topology: str, slices: int) -> None:
-    from substrax.mesh import _axes
-
     axes = _axes(mesh_shape)
     sizes = [s for _, s in axes]
     counted = all(isinstance(s, int) and not isinstance(s, bool) for s in sizes)
@@ -81,8 +80,6 @@ def topology_mesh(
       ValueError: If the topology is unknown, ``slices`` is below 1, the sizes do not multiply
         to the device count, or the first axis does not divide by ``slices``.
     """
-    from substrax.mesh import _axes, _checked_axes, create_device_mesh
-
     if not isinstance(topology, str):
         raise TypeError(
             f"topology must be a TPU or GPU topology name such as 'v5e:2x4' or 'h100:1x1x8'; "

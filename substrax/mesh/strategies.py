@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from substrax._batch.axes import spec_axes
+from substrax._base.specs import spec_axes
 from substrax.mesh._configs import ParallelismConfig, ShardingConfig, _name, _size
 from substrax.mesh._dimensions import DimensionNames, checked_names, needs_a_dimension, one_dimension, place
 

@@ -8,8 +8,9 @@ attention compute. See the tensor-parallelism guide. ``scan_layers`` runs a stac
 layers made by ``nnx.vmap`` (the layouts guide, "Units").
 """
 
+from substrax._base.declared import Declared
 from substrax.nn._attention import ParallelSelfAttention
-from substrax.nn._declared import Declared, declare_backward, declare_forward
+from substrax.nn._declare import declare_backward, declare_forward
 from substrax.nn._embed import ParallelEmbedding
 from substrax.nn._linear import ColumnParallelLinear, RowParallelLinear
 from substrax.nn._scan import scan_layers

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from substrax.mesh import current_mesh_with
-from substrax.nn._declared import copy_to_model_axis
+from substrax.nn._declare import copy_to_model_axis
 from substrax.nn._linear import (
     BIAS_INIT,
     KERNEL_INIT,

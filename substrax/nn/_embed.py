@@ -10,8 +10,8 @@ from flax import nnx
 from flax.nnx.nn import dtypes
 
 from substrax._metrics.collectives import gather_invariant
-from substrax._shared import scopes
-from substrax.nn._declared import copy_to_model_axis, declare_forward
+from substrax._base import scopes
+from substrax.nn._declare import copy_to_model_axis, declare_forward
 from substrax.nn._linear import Initializer, sharded_param, split_over
 
 __all__ = ["ParallelEmbedding"]

@@ -10,9 +10,9 @@ from flax import nnx
 from flax.nnx.nn import dtypes
 
 from substrax._metrics.collectives import varying_axes
-from substrax._shared import scopes
+from substrax._base import scopes
 from substrax.mesh import current_mesh_with
-from substrax.nn._declared import copy_to_model_axis, declare_backward, declare_forward
+from substrax.nn._declare import copy_to_model_axis, declare_backward, declare_forward
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 

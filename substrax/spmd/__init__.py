@@ -10,7 +10,7 @@ from substrax._batch.placement import (
     create_data_parallel_sharding,
     place_batch_on_shards,
 )
-from substrax._layout._place import place_nnx_state_on_shards
+from substrax._layout import place_nnx_state_on_shards
 from substrax._metrics.collectives import (
     all_gather,
     collect_from_devices,

@@ -15,13 +15,13 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from substrax._batch.axes import spec_axes
-from substrax._layout._specs import spec_tuple, without_axes
+from substrax._base.specs import spec_axes
+from substrax._layout import spec_tuple, without_axes
 from substrax._shared.loss import loss_and_metrics
 from substrax._shared.microbatch import microbatched, split_global_microbatches
 from substrax._shared.options import StepOptions
+from substrax._base.trees import PyTree
 from substrax._shared.pipeline import pipeline_of
-from substrax._tree import PyTree
 from substrax.spmd._pipeline import pipelined_value_and_grad
 
 __all__ = ["gathered_for_use", "global_value_and_grad"]

@@ -23,8 +23,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from substrax._layout import STAGE_AXIS, spec_tuple, without_axes
 from substrax._shared.pipeline import Schedule, Staged, floats_of, put, take, with_floats
 from substrax._shared.pipeline_record import note_pipeline
-from substrax._tree import KeyPath, PyTree
-from substrax.nn import _declared as declared
+from substrax._base.trees import KeyPath, PyTree
+from substrax._base import declared
 
 __all__ = ["pipelined_value_and_grad"]
 

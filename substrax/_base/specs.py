@@ -8,7 +8,7 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec
 
-from substrax._tree import KeyPath, path_str
+from substrax._base.trees import KeyPath, path_str
 
 
 def spec_axes(entry: Any) -> tuple[str, ...]:
