@@ -19,7 +19,7 @@ import jax
 
 from substrax.explicit._step import TPU_COMPILER_OPTIONS, TPU_REFUSED_OPTIONS
 
-__all__ = ["PinnedLowered", "pinned_jit", "refused"]
+__all__ = ["PinnedLowered", "PinnedTraced", "pinned_jit", "refused"]
 
 
 def refused(error: BaseException) -> bool:
@@ -55,6 +55,20 @@ class PinnedLowered(jax.stages.Lowered):
             return super().compile({**TPU_REFUSED_OPTIONS, **(compiler_options or {})}, **kwargs)
 
 
+class PinnedTraced(jax.stages.Traced):
+    """A traced step whose ``lower`` gives a ``PinnedLowered``."""
+
+    __slots__ = ()
+
+    def lower(self, *args: Any, **kwargs: Any) -> PinnedLowered:
+        return _pinned(super().lower(*args, **kwargs), PinnedLowered)
+
+
+def _pinned(stage: Any, cls: type) -> Any:
+    stage.__class__ = cls  # the same object, its next stage falling back (cls adds no state)
+    return stage
+
+
 class _PinnedJit:
     """``jax.jit(fun, compiler_options=TPU_COMPILER_OPTIONS)``, made again with ``TPU_REFUSED_OPTIONS``
     once refused."""
@@ -74,11 +88,12 @@ class _PinnedJit:
             return self._jit(*args, **kwargs)
 
     def lower(self, *args: Any, **kwargs: Any) -> PinnedLowered:
-        lowered = self._jit.lower(*args, **kwargs)
-        lowered.__class__ = PinnedLowered  # the same object, its compile falling back
-        return lowered
+        return _pinned(self._jit.lower(*args, **kwargs), PinnedLowered)
 
-    def __getattr__(self, name: str) -> Any:  # trace, _cache_size, ...
+    def trace(self, *args: Any, **kwargs: Any) -> PinnedTraced:
+        return _pinned(self._jit.trace(*args, **kwargs), PinnedTraced)
+
+    def __getattr__(self, name: str) -> Any:  # _cache_size, ...
         return getattr(self._jit, name)
 
 
