@@ -7,7 +7,7 @@ floating leaves) to the previous one; after the loop the sum over ``stage`` of t
 gradient of the parameters outside the stack (the first and last stages hold their
 shares) and of the metrics stacked over microbatches (the last stage's); on a ``data``
 axis of one device, the loss's sum over ``stage``. GPipe runs its forward ticks in one
-loop and their transpose in another; 1F1B both permutes in one loop.
+loop and their transpose in another; 1F1B its warm-up, steady state and cool-down in three.
 """
 
 from __future__ import annotations
@@ -30,6 +30,12 @@ from substrax.census._expected import ExpectedCollective, _hlo_type
 __all__ = ["outside_leaves", "permute_items", "pipeline_items", "pipeline_note", "stage_unit_items"]
 
 _Aval = tuple[tuple[int, ...], np.dtype[Any]]
+_DEAD = (
+    "XLA drops a loop's cotangent that no gradient reads: that of an argument the parameters do not "
+    "reach (a mask computed by a comparison)"
+)
+_IMPLICIT = "implicit mode: XLA places an argument that travels with the carry (it may stay whole on every stage)"
+_LAST = "the cool-down's last tick sends a cotangent nothing reads: XLA drops a one-tick loop's"
 
 
 def _buffer(aval: _Aval) -> str:
@@ -39,12 +45,6 @@ def _buffer(aval: _Aval) -> str:
 
 def _bytes(aval: _Aval) -> int:
     return math.prod(aval[0]) * aval[1].itemsize
-
-
-_DEAD = (
-    "XLA drops a loop's cotangent that no gradient reads: that of an argument the parameters do not "
-    "reach (a mask computed by a comparison)"
-)
 
 
 def _ticks(n: int) -> str:
@@ -58,9 +58,6 @@ def _loops(run: PipelineRun) -> list[tuple[str, int, bool, bool]]:
         return [("GPipe's forward loop", run.ticks, True, False), ("GPipe's backward loop", run.ticks, False, True)]
     names = {(True, False): "1F1B's warm-up", (True, True): "1F1B's steady state", (False, True): "1F1B's cool-down"}
     return [(names[f, b], stop - start, f, b) for start, stop, f, b in run.phases]
-
-_IMPLICIT = "implicit mode: XLA places an argument that travels with the carry (it may stay whole on every stage)"
-_LAST = "the cool-down's last tick sends a cotangent nothing reads: XLA drops a one-tick loop's"
 
 
 def stage_unit_items(units: list[ExpectedCollective], run: PipelineRun) -> list[ExpectedCollective]:
@@ -132,7 +129,8 @@ def outside_leaves(model: nnx.Module, data_axes: tuple[str, ...], sizes: dict[st
         spec = spec_tuple(variable)
         for axis in data_axes:
             spec = without_axis(spec, value.ndim, axis)
-        shape = tuple(n // math.prod(sizes.get(a, 1) for a in spec_axes(e)) for n, e in zip(value.shape, spec, strict=True))
+        ways = [math.prod(sizes.get(a, 1) for a in spec_axes(e)) for e in spec]
+        shape = tuple(n // w for n, w in zip(value.shape, ways, strict=True))
         out.append((path_str(tuple(path), "model"), (shape, np.dtype(value.dtype))))
     return out
 

@@ -232,9 +232,9 @@ def expected_step(
     ``recomputed``: the program recomputes under remat (its recomputed collectives are
     optional); ``scoped``: the program names the library's scopes; ``platform``: the one
     the program is compiled for (``program_platform``; default: the step's mesh's devices',
-    else jax's default backend); ``pipeline``: the pipeline the step ran. Returns the expected communication and notes on what it
-    could not read (the update compiled alone failed, a policy's narrow collectives widened
-    by XLA's CPU compiler).
+    else jax's default backend); ``pipeline``: the pipeline the step ran. Returns the expected
+    communication and notes on what it could not read (the update compiled alone failed, a
+    policy's narrow collectives widened by XLA's CPU compiler) and on the pipeline's schedule.
     """
     with _mesh_context(options):
         layout = layout_of(model, optimizer, mesh=options.mesh, axis=options.data_axis)

@@ -252,6 +252,24 @@ def _merged_module(graphdef: Any, flat: list[Any], split_at: list[int], wholes: 
     return nnx.merge(graphdef, nnx.from_flat_state([(p, v.replace(x)) for (p, v), x in zip(flat, values, strict=True)]))
 
 
+def _retraced(traced: list[Any]) -> int:
+    """Forget what a unit call's last trace recorded (``traced``); the recorder's length now, -1: none."""
+    records = declared.recorder()
+    if records is None:
+        return -1
+    if traced:
+        records[:] = [r for r in records if all(r is not q for q in traced)]
+        traced.clear()
+    return len(records)
+
+
+def _traced(traced: list[Any], start: int) -> None:
+    """Keep in ``traced`` what the trace begun at ``start`` recorded."""
+    records = declared.recorder()
+    if records is not None and start >= 0:
+        traced.extend(records[start:])
+
+
 def run_unit(module: nnx.Module, call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Call ``module`` (a unit) on ``args``, its split parameters gathered just in time (layouts guide)."""
     run: _UnitRun = vars(module)["_substrax_unit"]
@@ -283,12 +301,27 @@ def run_unit(module: nnx.Module, call: Any, args: tuple[Any, ...], kwargs: dict[
 
     cast = run.cast
 
+    # What this call's latest trace recorded: jax traces the primal alone where the unit is not
+    # differentiated (a pipeline's forward slot), ``forward`` alone under AD, both where AD
+    # follows a staged trace (a scan's body), ``forward`` twice for a scan's tangents: each trace
+    # records the layers' collectives anew, in place of the last one's.
+    traced: list[Any] = []
+
     @jax.custom_vjp
     def unit(shards: list[Any], others: list[Any], arrays: list[Any]) -> tuple[Any, list[Any]]:
-        with declared.silenced():  # traced beside ``forward``, which records the layers' collectives
-            return apply(gather_grouped(cast([_after(s, arrays) for s in shards]), dims, run.axis), others, arrays)
+        start = _retraced(traced)
+        out = apply(gather_grouped(cast([_after(s, arrays) for s in shards]), dims, run.axis), others, arrays)
+        _traced(traced, start)
+        return out
 
     def forward(shards: list[Any], others: list[Any], arrays: list[Any]) -> tuple[Any, Any]:
+        start = _retraced(traced)
+        try:
+            return _forward(shards, others, arrays)
+        finally:
+            _traced(traced, start)
+
+    def _forward(shards: list[Any], others: list[Any], arrays: list[Any]) -> tuple[Any, Any]:
         # each input arrives as CustomVJPPrimal(value, perturbed) (symbolic_zeros=True): the VJP
         # is taken with respect to the perturbed ones only, so a unit whose input needs no
         # gradient (the batch) transposes nothing of that path, as AD without a unit would not
