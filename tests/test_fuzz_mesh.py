@@ -218,21 +218,44 @@ def _build(c: MeshConfig) -> tuple[Net, nnx.Optimizer]:
     return model, nnx.Optimizer(model, _tx(c), wrt=nnx.Param)
 
 
-def _one_device(c: MeshConfig, runs: list[list[dict]]) -> list[tuple[list[float], dict]]:
-    """Each run of batches trained from the same start on one device, by one compiled step."""
+def _one_device(
+    c: MeshConfig, runs: list[list[dict]], scales: list[np.ndarray] | None = None, *, x64: bool = False
+) -> list[tuple[list[float], dict]]:
+    """Each run of batches trained from the same start on one device, by one compiled step;
+    ``scales``: per run, each parameter's gradient times its entry (in ``params_of`` order; a
+    mutation, one traced argument: one compile); ``x64``: in float64 (the same start, cast)."""
 
     @nnx.jit
-    def step(model: Net, optimizer: nnx.Optimizer, batch: dict) -> jax.Array:
+    def step(model: Net, optimizer: nnx.Optimizer, batch: dict, scale: jax.Array) -> jax.Array:
         loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
-        optimizer.update(model, grads)
+        leaves, treedef = jax.tree.flatten(grads)
+        optimizer.update(model, jax.tree.unflatten(treedef, [g * scale[i] for i, g in enumerate(leaves)]))
         return loss
 
+    dtype = jnp.float64 if x64 else jnp.float32
     out = []
-    with jax.default_device(jax.devices()[0]):
-        for batches in runs:
-            model, optimizer = _build(c)
-            out.append(([float(step(model, optimizer, b)) for b in batches], params_of(model)))
+    with jax.default_device(jax.devices()[0]), _x64(x64):
+        for i, batches in enumerate(runs):
+            model, _ = _build(c)
+            if x64:  # built in float32 (the same start), then cast
+                graphdef, state = nnx.split(model)
+                model = nnx.merge(graphdef, jax.tree.map(lambda v: v.astype(dtype) if jnp.issubdtype(v.dtype, jnp.floating) else v, state))
+            optimizer = nnx.Optimizer(model, _tx(c), wrt=nnx.Param)
+            count = len(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+            scale = jnp.asarray(np.ones(count) if scales is None else scales[i], dtype)
+            batches = [{k: jnp.asarray(v, dtype) for k, v in b.items()} for b in batches]
+            out.append(([float(step(model, optimizer, b, scale)) for b in batches], params_of(model)))
     return out
+
+
+def _x64(on: bool):  # noqa: ANN202
+    """float64 within the block only (``jax.enable_x64``, or ``jax.experimental``'s before it)."""
+    import contextlib
+
+    if not on:
+        return contextlib.nullcontext()
+    scoped = getattr(jax, "enable_x64", None)
+    return scoped(True) if callable(scoped) else jax.experimental.enable_x64()
 
 
 def _round_off_leaves(c: MeshConfig, batch: dict) -> set[str]:
@@ -244,27 +267,45 @@ def _round_off_leaves(c: MeshConfig, batch: dict) -> set[str]:
     return {name for name, g in flat.items() if float(g.max()) < ROUND_OFF * largest}
 
 
+def reference(c: MeshConfig) -> tuple[list[float], dict, dict]:
+    """The one-device reference of ``c``: its float32 losses, the parameters a candidate is held
+    to and each parameter's floor. SGD: the float32 run, floor 0 (strict). Adam: the float64 run
+    (the same start and batches, cast), the floor the farthest any valid float32 one-device run
+    (the reference and ``FLOOR_RUNS`` on permuted rows) ended from it, per parameter."""
+    batches = _batches(c)
+    runs = [batches]
+    if c.optimizer == "sgd":
+        losses, want = _one_device(c, runs)[0]
+        return losses, want, {name: 0.0 for name in want}
+    rng = np.random.default_rng(c.seed + 1)  # the same means, summed in other orders
+    for _ in range(FLOOR_RUNS):
+        order = rng.permutation(ROWS)
+        runs.append([{k: v[order] for k, v in b.items()} for b in batches])
+    trained = _one_device(c, runs)
+    (_, exact), = _one_device(c, [batches], x64=True)
+    floor = {name: max(float(np.max(np.abs(p[name] - e))) for _, p in trained) for name, e in exact.items()}
+    for name in _round_off_leaves(c, batches[0]):  # Adam steps ~lr on round-off: see the docstring
+        floor[name] = max(floor[name], 2 * ADAM_LR * c.steps / SAFETY)
+    return trained[0][0], exact, floor
+
+
+def off_reference(c: MeshConfig, got: dict, want: dict, floor: dict) -> dict[str, str]:
+    """Each parameter of ``got`` beyond ``STRICT_ATOL + SAFETY x floor + STRICT_RTOL x |want|``
+    of ``want`` (or not float32), with what was found there."""
+    off = {}
+    for name, value in want.items():
+        tol = STRICT_ATOL + SAFETY * floor[name] + STRICT_RTOL * np.abs(value)
+        excess = np.abs(got[name] - value) - tol
+        if got[name].dtype != np.float32 or not np.all(excess <= 0):
+            i = np.unravel_index(int(np.argmax(excess)), excess.shape)
+            off[name] = f"{got[name].dtype}, |diff| {abs(got[name][i] - value[i]):.2e} at {i}, tolerance {tol if np.ndim(tol) == 0 else tol[i]:.2e}"
+    return off
+
+
 def check(c: MeshConfig) -> None:
     """Train ``c`` on its mesh and on one device; raise AssertionError naming what differs."""
     batches = _batches(c)
-    runs = [batches]
-    if c.optimizer == "adam":  # the same means, summed in other orders: what round-off alone moves
-        rng = np.random.default_rng(c.seed + 1)
-        for _ in range(FLOOR_RUNS):
-            order = rng.permutation(ROWS)
-            runs.append([{k: v[order] for k, v in b.items()} for b in batches])
-    trained = _one_device(c, runs)
-    want_losses, want = trained[0]
-    floor = {
-        name: max(
-            (float(np.max(np.abs(a[1][name] - b[1][name]))) for i, a in enumerate(trained) for b in trained[i + 1 :]),
-            default=0.0,
-        )
-        for name in want
-    }
-    if c.optimizer == "adam":
-        for name in _round_off_leaves(c, batches[0]):  # Adam steps ~lr on round-off: see the docstring
-            floor[name] = max(floor[name], 2 * ADAM_LR * c.steps / SAFETY)
+    want_losses, want, floor = reference(c)
     mesh = create_device_mesh(c.shape)
     model, optimizer = _build(c)
     units = (lambda path, _: len(path) == 2 and path[0] in ("attn", "up", "down")) if c.units else None
@@ -278,11 +319,8 @@ def check(c: MeshConfig) -> None:
     step = substrax.make_train_step(loss_fn, c.mode, mesh=mesh, microbatches=c.microbatches, schedule=schedule)
     losses = [float(step(model, optimizer, b)) for b in batches]
     np.testing.assert_allclose(losses, want_losses, rtol=STRICT_RTOL, atol=STRICT_ATOL, err_msg=f"{c}: losses")
-    got = params_of(model)
-    for name, value in want.items():
-        tol = STRICT_ATOL + SAFETY * floor[name]
-        np.testing.assert_allclose(got[name], value, rtol=STRICT_RTOL, atol=tol, err_msg=f"{c}: {name}")
-        assert got[name].dtype == np.float32, f"{c}: {name} is {got[name].dtype}"
+    off = off_reference(c, params_of(model), want, floor)
+    assert not off, f"{c}: parameters off the reference: {off}"
     if c.mode == "explicit":
         found = step.check_communication(model, optimizer, batches[0])
         assert found.matches, f"{c}: census\n{found}"
