@@ -27,10 +27,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from substrax._layout._stages import STAGE_AXIS, staged_stack
+from substrax._layout import STAGE_AXIS, staged_stack
 from substrax._base.trees import KeyPath, PyTree, node_at, path_str
 from substrax._base import declared
-from substrax.nn._scan import STAGE_HOOK
+from substrax._base.hooks import STAGE_HOOK
 
 __all__ = [
     "SCHEDULES",

@@ -20,8 +20,7 @@ import numpy as np
 from flax import nnx
 
 from substrax._base.specs import spec_axes
-from substrax._layout import STAGE_AXIS, spec_tuple, without_axis
-from substrax._layout._stages import STAGE_KEY
+from substrax._layout import STAGE_AXIS, STAGE_KEY, spec_tuple, without_axis
 from substrax._base import scopes
 from substrax._shared.pipeline_record import PipelineRun
 from substrax._base.trees import path_str

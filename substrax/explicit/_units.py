@@ -19,6 +19,7 @@ from substrax._base import declared
 from substrax._layout import note_layers
 from substrax._metrics.collectives import varying_axes, zeros_of_type
 from substrax._base import scopes
+from substrax._base.hooks import UNIT_HOOK
 from substrax._base.trees import KeyPath, merged, node_at, path_str, picked
 from substrax._shared.scatter import block_shape, tiled
 from substrax.explicit._prefetch import prefetched_layers
@@ -59,7 +60,7 @@ def units_running(model: nnx.Module, units: dict[KeyPath, bool], data_axis: str,
         for rel, variable in nnx.to_flat_state(nnx.state(node, nnx.Param)):
             if tuple(rel) in run.dims:
                 run.shapes[tuple(rel)] = tuple(variable.get_value().shape)
-        object.__setattr__(node, "_substrax_unit", run)
+        object.__setattr__(node, UNIT_HOOK, run)
         swapped.append((node, type(node)))
         object.__setattr__(node, "__class__", _unit_class(type(node)))
     try:
@@ -67,7 +68,7 @@ def units_running(model: nnx.Module, units: dict[KeyPath, bool], data_axis: str,
     finally:
         for node, cls in swapped:
             object.__setattr__(node, "__class__", cls)
-            vars(node).pop("_substrax_unit", None)
+            vars(node).pop(UNIT_HOOK, None)
 
 
 class _UnitRun:
@@ -272,7 +273,7 @@ def _traced(traced: list[Any], start: int) -> None:
 
 def run_unit(module: nnx.Module, call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Call ``module`` (a unit) on ``args``, its split parameters gathered just in time (layouts guide)."""
-    run: _UnitRun = vars(module)["_substrax_unit"]
+    run: _UnitRun = vars(module)[UNIT_HOOK]
     if run.prefetch:
         raise ValueError(
             f"FSDP unit {path_str(run.path, 'model')} was placed with prefetch=True but called "

@@ -7,12 +7,10 @@ from typing import Any
 import jax
 from flax import nnx
 
+from substrax._base.hooks import STAGE_HOOK, UNIT_HOOK
+
 __all__ = ["STAGE_HOOK", "scan_layers", "scan_plain"]
 
-# The attribute a pipelined step sets on a staged stack (a merged copy, inside the step's trace):
-# an object whose ``reached(stack, x, args, kwargs, remat)`` scan_layers returns instead
-# (substrax._shared.pipeline: the loss cut at the stack).
-STAGE_HOOK = "_substrax_stage"
 
 
 def scan_layers(stack: nnx.Module, x: jax.Array, *args: Any, remat: bool = False, **kwargs: Any) -> jax.Array:
@@ -39,7 +37,7 @@ def scan_layers(stack: nnx.Module, x: jax.Array, *args: Any, remat: bool = False
     stage = vars(stack).get(STAGE_HOOK)  # set by a pipelined step on a staged stack
     if stage is not None:
         return stage.reached(stack, x, args, kwargs, remat)
-    run = vars(stack).get("_substrax_unit")  # set by the explicit step on an FSDP unit
+    run = vars(stack).get(UNIT_HOOK)  # set by the explicit step on an FSDP unit
     if run is not None and run.prefetch:
         return run.scan(stack, x, args, kwargs)
     return scan_plain(stack, x, args, kwargs, remat)
