@@ -33,7 +33,18 @@ farthest any valid float32 one-device run (the reference and the permuted ones) 
 the float32 round-off measured, not a difference of two round-offs. The four draws pass at
 0.03 to 0.86 of their tolerance (``test_regression_the_float32_reference_is_farther...``); a
 one-device run with a parameter's gradient zeroed or negated, or the whole gradient halved,
-fails (``test_the_floor_rule_fails_a_zeroed_negated_or_halved_gradient``).
+fails (``test_the_floor_rule_fails_a_zeroed_negated_or_halved_gradient``). The losses follow
+the same rule (the float64 run's, each floor the farthest a float32 run's loss ended from it):
+a second sample (26 pipelined draws, 2026-12-07) found four Adam draws of 4 to 8 blocks whose
+second loss, after one Adam step, left the float32 reference's by more than float32 round-off
+(implicit mode's stages, vmapped over ``stage``, round each example otherwise than the
+one-device step does, which the permuted runs share), e.g. ``SEED_36716``: 174.008 against the
+float32 reference's 174.333, the float64 run's 173.691. Three pass with it; the fourth,
+``MeshConfig(mode='implicit', data=2, model=None, layout='fsdp', microbatches=4,
+optimizer='adam', heads=2, causal=True, blocks=8, width=16, seed=61821, units=True, stages=4,
+schedule='gpipe')``, ends its second loss 0.0089 from the float64 run's, 1.1x its tolerance
+(every float32 run within 8.2e-4), its first gradient within 2.2x the float32 reference's own
+distance from float64, leaf by leaf: unresolved.
 
 ``make test`` runs ``CURATED``, ``make test-slow`` a fixed-seed sample (profile ``mesh-ci``);
 ``make fuzz`` (``SUBSTRAX_FUZZ=full``) ``SUBSTRAX_FUZZ_EXAMPLES`` random draws. A failing
@@ -269,26 +280,28 @@ def _round_off_leaves(c: MeshConfig, batch: dict) -> set[str]:
     return {name for name, g in flat.items() if float(g.max()) < ROUND_OFF * largest}
 
 
-def reference(c: MeshConfig) -> tuple[list[float], dict, dict]:
-    """The one-device reference of ``c``: its float32 losses, the parameters a candidate is held
-    to and each parameter's floor. SGD: the float32 run, floor 0 (strict). Adam: the float64 run
-    (the same start and batches, cast), the floor the farthest any valid float32 one-device run
-    (the reference and ``FLOOR_RUNS`` on permuted rows) ended from it, per parameter."""
+def reference(c: MeshConfig) -> tuple[tuple[list[float], list[float]], dict, dict]:
+    """The one-device reference of ``c``: its losses with each one's floor, the parameters a
+    candidate is held to and each parameter's floor. SGD: the float32 run, floors 0 (strict).
+    Adam: the float64 run (the same start and batches, cast), each floor the farthest any valid
+    float32 one-device run (the reference and ``FLOOR_RUNS`` on permuted rows) ended from it,
+    per loss and per parameter."""
     batches = _batches(c)
     runs = [batches]
     if c.optimizer == "sgd":
         losses, want = _one_device(c, runs)[0]
-        return losses, want, {name: 0.0 for name in want}
+        return (losses, [0.0] * len(losses)), want, {name: 0.0 for name in want}
     rng = np.random.default_rng(c.seed + 1)  # the same means, summed in other orders
     for _ in range(FLOOR_RUNS):
         order = rng.permutation(ROWS)
         runs.append([{k: v[order] for k, v in b.items()} for b in batches])
     trained = _one_device(c, runs)
-    (_, exact), = _one_device(c, [batches], x64=True)
+    (exact_losses, exact), = _one_device(c, [batches], x64=True)
     floor = {name: max(float(np.max(np.abs(p[name] - e))) for _, p in trained) for name, e in exact.items()}
     for name in _round_off_leaves(c, batches[0]):  # Adam steps ~lr on round-off: see the docstring
         floor[name] = max(floor[name], 2 * ADAM_LR * c.steps / SAFETY)
-    return trained[0][0], exact, floor
+    loss_floor = [max(abs(losses[i] - e) for losses, _ in trained) for i, e in enumerate(exact_losses)]
+    return (exact_losses, loss_floor), exact, floor
 
 
 def off_reference(c: MeshConfig, got: dict, want: dict, floor: dict) -> dict[str, str]:
@@ -308,7 +321,7 @@ def off_reference(c: MeshConfig, got: dict, want: dict, floor: dict) -> dict[str
 def check(c: MeshConfig) -> None:
     """Train ``c`` on its mesh and on one device; raise AssertionError naming what differs."""
     batches = _batches(c)
-    want_losses, want, floor = reference(c)
+    (want_losses, loss_floor), want, floor = reference(c)
     mesh = create_device_mesh(c.shape)
     model, optimizer = _build(c)
     units = (lambda path, _: len(path) == 2 and path[0] in ("attn", "up", "down")) if c.units else None
@@ -321,7 +334,9 @@ def check(c: MeshConfig) -> None:
     schedule = None if c.stages is None else c.schedule
     step = substrax.make_train_step(loss_fn, c.mode, mesh=mesh, microbatches=c.microbatches, schedule=schedule)
     losses = [float(step(model, optimizer, b)) for b in batches]
-    np.testing.assert_allclose(losses, want_losses, rtol=STRICT_RTOL, atol=STRICT_ATOL, err_msg=f"{c}: losses")
+    loss_tol = STRICT_ATOL + SAFETY * np.asarray(loss_floor)
+    np.testing.assert_array_less(np.abs(np.asarray(losses) - want_losses), loss_tol + STRICT_RTOL * np.abs(want_losses),
+                                 err_msg=f"{c}: losses {losses}, reference {want_losses}, floor {loss_floor}")  # fmt: skip
     off = off_reference(c, params_of(model), want, floor)
     assert not off, f"{c}: parameters off the reference: {off}"
     if c.mode == "explicit":
@@ -413,6 +428,25 @@ def test_regression_the_float32_reference_is_farther_from_float64_than_permuted_
     assert np.max(np.abs(ref32[name] - exact[name])) > 4 * np.max(np.abs(ref32[name] - permuted[name]))
     assert floor[name] >= np.max(np.abs(ref32[name] - exact[name]))
     check(SEED_71)
+
+
+SEED_36716 = MeshConfig(
+    mode="implicit", data=1, model=1, layout="replicated", microbatches=4, optimizer="adam", heads=4,
+    causal=False, blocks=8, width=32, seed=36716, steps=2, units=True, stages=4, schedule="1f1b",
+)  # fmt: skip
+
+
+def test_regression_an_implicit_pipeline_nearer_float64_than_the_float32_losses() -> None:
+    """Found by the pipeline axis (2026-12-07): ``SEED_36716``'s second loss, after one Adam step,
+    was 174.008 where the float32 reference's was 174.333 (0.0019 relative: the strict loss check
+    failed) and the float64 run's 173.691: the implicit pipeline, its stages vmapped, rounds each
+    example otherwise and ended nearer float64 (its first gradient too: 2.2e-2 of the attention
+    key kernel from float64 where the float32 reference is 5.0e-2). Its losses are held to the
+    float64 run's now, with the float32 runs' distance from it as their floor."""
+    (exact, loss_floor), _, _ = reference(SEED_36716)
+    (ref32, _), = _one_device(SEED_36716, [_batches(SEED_36716)])
+    assert abs(ref32[1] - exact[1]) > 0.5 and loss_floor[1] >= abs(ref32[1] - exact[1])
+    check(SEED_36716)
 
 
 @pytest.mark.slow  # 30 one-device runs of a 4-block model: make test-slow
