@@ -27,7 +27,7 @@ from flax import nnx
 
 import substrax
 from substrax import checkpoint
-from substrax._shared.pipeline import Schedule, bubble_fraction
+from substrax._shared.schedule import Schedule, bubble_fraction
 from substrax.explicit import compare_gradients
 from substrax.mesh import create_device_mesh
 from substrax.nn import ColumnParallelLinear, RowParallelLinear

@@ -7,7 +7,7 @@ from typing import Any
 
 from jax.sharding import Mesh
 
-from substrax._shared.pipeline import SCHEDULES, STAGE_AXIS, bubble_fraction
+from substrax._shared.schedule import SCHEDULES, STAGE_AXIS, bubble_fraction
 
 
 def schedules(mesh: Mesh, schedule: str | None | Sequence[str | None]) -> list[str | None]:

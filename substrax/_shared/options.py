@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from substrax._metrics.reductions import METRIC_REDUCTIONS
 from substrax._shared.microbatch import check_microbatches
-from substrax._shared.pipeline import check_schedule
+from substrax._shared.schedule import check_schedule
 from substrax._shared.precision import MixedPrecision
 from substrax._shared.skips import DEFAULT_MAX_SKIPS
 

@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from substrax._base import declared
 from substrax import _layout
-from substrax._shared.pipeline import check_stage_axis
+from substrax._shared.schedule import check_stage_axis
 from substrax._shared.pipeline_record import recording_pipeline
 from substrax._batch.leaves import check_batch_leaves
 from substrax._batch.placement import place_process_rows

@@ -25,7 +25,8 @@ from substrax._base.specs import spec_axes
 from substrax._metrics.collectives import to_varying_over, varying_axes
 from substrax._base import scopes
 from substrax._shared.microbatch import split_microbatches
-from substrax._shared.pipeline import Schedule, Staged, floats_of, put, take, with_floats
+from substrax._shared.pipeline import Staged, floats_of, put, take, with_floats
+from substrax._shared.schedule import Schedule
 from substrax._shared.pipeline_record import note_pipeline
 from substrax._base.trees import KeyPath, PyTree
 from substrax._base import declared

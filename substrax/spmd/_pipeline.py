@@ -21,7 +21,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from substrax._layout import STAGE_AXIS, spec_tuple, without_axes
-from substrax._shared.pipeline import Schedule, Staged, floats_of, put, take, with_floats
+from substrax._shared.pipeline import Staged, floats_of, put, take, with_floats
+from substrax._shared.schedule import Schedule
 from substrax._shared.pipeline_record import note_pipeline
 from substrax._base.trees import KeyPath, PyTree
 from substrax._base import declared
