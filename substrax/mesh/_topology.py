@@ -42,6 +42,60 @@ def _check_count(mesh_shape: Any, devices: Sequence[Any], topology: str, slices:
         )
 
 
+def _check_args(topology: Any, slices: Any) -> None:
+    if not isinstance(topology, str):
+        raise TypeError(
+            f"topology must be a TPU or GPU topology name such as 'v5e:2x4' or 'h100:1x1x8'; "
+            f"got {topology!r}."
+        )
+    if isinstance(slices, bool) or not isinstance(slices, int):
+        raise TypeError(f"slices must be an int (the number of TPU slices); got {slices!r}.")
+    if slices < 1:
+        raise ValueError(f"slices must be >= 1; got {slices}.")
+
+
+def _tpu_devices(topology: str, slices: int) -> list[Any]:
+    """The compile-only devices of ``slices`` TPU slices of ``topology``, from libtpu."""
+    if importlib.util.find_spec("libtpu") is None:
+        raise ImportError(
+            f"topology_mesh({topology!r}) compiles for TPU devices through libtpu, which is not "
+            f"installed: {INSTALL} (or pip install libtpu)."
+        )
+    from jax.experimental import topologies
+
+    # libtpu takes a lock file for the one process that may drive a TPU; compiling drives none
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    try:
+        desc = topologies.get_topology_desc(topology_name=topology, platform="tpu", num_slices=slices)
+    except Exception as error:  # a JaxRuntimeError
+        if "INVALID_ARGUMENT" not in str(error):
+            raise
+        raise ValueError(
+            f"Unknown TPU topology {topology!r}: write the TPU type and its chips per dimension, "
+            f"such as 'v5e:2x4', 'v5e:16x16', 'v5e:1x1' or 'v4:2x2x1'. libtpu said: {error}"
+        ) from None
+    return list(desc.devices)
+
+
+def _sliced_mesh(axes: list[tuple[str, Any]], devices: list[Any], slices: int, axis_types: Any) -> Mesh:
+    """A mesh over several slices: the first axis spans them (over DCN), the others stay within one."""
+    sizes = [s for _, s in axes]
+    _checked_axes(axes, devices)
+    if sizes[0] % slices:
+        raise ValueError(
+            f"The first mesh axis {axes[0][0]!r} spans the {slices} slices (over DCN): its size "
+            f"{sizes[0]} must be a multiple of {slices}."
+        )
+    from jax.experimental import mesh_utils
+
+    grid = mesh_utils.create_hybrid_device_mesh(
+        (sizes[0] // slices, *sizes[1:]), (slices, *[1] * (len(sizes) - 1)), devices
+    )
+    types = AxisType.Auto if axis_types is None else axis_types
+    types = (types,) * len(axes) if isinstance(types, AxisType) else tuple(types)
+    return Mesh(grid, tuple(n for n, _ in axes), axis_types=types)
+
+
 def topology_mesh(
     topology: str,
     mesh_shape: Mapping[str, int] | Sequence[tuple[str, int]],
@@ -80,15 +134,7 @@ def topology_mesh(
       ValueError: If the topology is unknown, ``slices`` is below 1, the sizes do not multiply
         to the device count, or the first axis does not divide by ``slices``.
     """
-    if not isinstance(topology, str):
-        raise TypeError(
-            f"topology must be a TPU or GPU topology name such as 'v5e:2x4' or 'h100:1x1x8'; "
-            f"got {topology!r}."
-        )
-    if isinstance(slices, bool) or not isinstance(slices, int):
-        raise TypeError(f"slices must be an int (the number of TPU slices); got {slices!r}.")
-    if slices < 1:
-        raise ValueError(f"slices must be >= 1; got {slices}.")
+    _check_args(topology, slices)
     gpu, _, chips = topology.partition(":")
     if gpu.lower() in GPUS:
         if slices != 1:
@@ -98,41 +144,9 @@ def topology_mesh(
         devices = gpu_devices(gpu, chips)
         _check_count(mesh_shape, devices, topology, 1)
         return create_device_mesh(mesh_shape, devices, axis_types=axis_types)
-    if importlib.util.find_spec("libtpu") is None:
-        raise ImportError(
-            f"topology_mesh({topology!r}) compiles for TPU devices through libtpu, which is not "
-            f"installed: {INSTALL} (or pip install libtpu)."
-        )
-    from jax.experimental import topologies
-
-    # libtpu takes a lock file for the one process that may drive a TPU; compiling drives none
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    try:
-        desc = topologies.get_topology_desc(topology_name=topology, platform="tpu", num_slices=slices)
-    except Exception as error:  # a JaxRuntimeError
-        if "INVALID_ARGUMENT" not in str(error):
-            raise
-        raise ValueError(
-            f"Unknown TPU topology {topology!r}: write the TPU type and its chips per dimension, "
-            f"such as 'v5e:2x4', 'v5e:16x16', 'v5e:1x1' or 'v4:2x2x1'. libtpu said: {error}"
-        ) from None
-    devices = list(desc.devices)
+    devices = _tpu_devices(topology, slices)
     axes = _axes(mesh_shape)
-    sizes = [s for _, s in axes]
     _check_count(mesh_shape, devices, topology, slices)
     if slices == 1:
         return create_device_mesh(axes, devices, axis_types=axis_types)
-    _checked_axes(axes, devices)
-    if sizes[0] % slices:
-        raise ValueError(
-            f"The first mesh axis {axes[0][0]!r} spans the {slices} slices (over DCN): its size "
-            f"{sizes[0]} must be a multiple of {slices}."
-        )
-    from jax.experimental import mesh_utils
-
-    grid = mesh_utils.create_hybrid_device_mesh(
-        (sizes[0] // slices, *sizes[1:]), (slices, *[1] * (len(sizes) - 1)), devices
-    )
-    types = AxisType.Auto if axis_types is None else axis_types
-    types = (types,) * len(axes) if isinstance(types, AxisType) else tuple(types)
-    return Mesh(grid, tuple(n for n, _ in axes), axis_types=types)
+    return _sliced_mesh(axes, devices, slices, axis_types)
