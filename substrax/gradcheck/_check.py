@@ -28,6 +28,38 @@ from substrax.gradcheck._report import (
 __all__ = ["GradientReport", "GradientRow", "compare_gradients"]
 
 
+def _reference(
+    graphdef: Any, state: nnx.State, loss_fn: Callable[..., Any], host_batch: PyTree, axes: tuple[str, ...],
+    precision: MixedPrecision | None,
+) -> tuple[Any, Any]:  # fmt: skip
+    """The one-device reference gradient, flattened (widened by the policy's own round-off), and
+    the state after its step."""
+    reference, after = reference_gradient(graphdef, state, loss_fn, host_batch, axes)
+    ref = flatten_reference(reference, None if precision is None else precision.param_dtype)
+    if precision is not None:  # the policy's own round-off on one device, measured
+        under_policy, _ = reference_gradient(graphdef, state, loss_fn, host_batch, axes, precision)
+        ref = widen_to_policy_error(ref, under_policy)
+    return ref, after
+
+
+def _report(
+    grads: dict[str, Any], ref: Any, mesh: Mesh, data_axis: str, shard_statistics: str
+) -> GradientReport:
+    """Each method's gradients held against ``ref``, leaf by leaf, with a diagnosis where one fails."""
+    by_method = {method: flatten_method(method, g, ref) for method, g in grads.items()}
+    rows, worst = leaf_rows(ref, by_method)
+    scale, diagnosis = {}, {}
+    for method, leaves in by_method.items():
+        scale[method], text = scale_and_diagnosis(
+            method, leaves, ref, rows, worst[method], mesh, data_axis, shard_statistics
+        )
+        if text is not None:
+            diagnosis[method] = text
+    max_diff = max((d for row in rows for d in row.max_abs_diff.values()), default=0.0)
+    ok = all(all(row.ok.values()) for row in rows)
+    return GradientReport(ok, max_diff, rows, tuple(grads), scale, diagnosis)
+
+
 def compare_gradients(
     model: nnx.Module,
     loss_fn: Callable[[Any, PyTree], jax.Array],
@@ -91,11 +123,7 @@ def compare_gradients(
     host_batch = map_arrays(np.asarray, batch)
     # A layer that reduces over a named axis needs it bound off shard_map too (size 1 there).
     axes = tuple(dict.fromkeys((data_axis, *layer_axis_names(model))))
-    reference, after = reference_gradient(graphdef, state, loss_fn, host_batch, axes)
-    ref = flatten_reference(reference, None if precision is None else precision.param_dtype)
-    if precision is not None:  # the policy's own round-off on one device, measured
-        under_policy, _ = reference_gradient(graphdef, state, loss_fn, host_batch, axes, precision)
-        ref = widen_to_policy_error(ref, under_policy)
+    ref, after = _reference(graphdef, state, loss_fn, host_batch, axes, precision)
     per_shard = per_shard_statistics(model, state, after, data_axis)
     shard_statistics = per_shard_statistics_text(per_shard, data_axis)
     if schedule is not None:
@@ -108,15 +136,4 @@ def compare_gradients(
             graphdef, state, loss_fn, host_batch, mesh, data_axis=data_axis, batch_spec=batch_spec,
             candidate=candidate, axes=axes, precision=precision,
         )  # fmt: skip
-    by_method = {method: flatten_method(method, g, ref) for method, g in grads.items()}
-    rows, worst = leaf_rows(ref, by_method)
-    scale, diagnosis = {}, {}
-    for method, leaves in by_method.items():
-        scale[method], text = scale_and_diagnosis(
-            method, leaves, ref, rows, worst[method], mesh, data_axis, shard_statistics
-        )
-        if text is not None:
-            diagnosis[method] = text
-    max_diff = max((d for row in rows for d in row.max_abs_diff.values()), default=0.0)
-    ok = all(all(row.ok.values()) for row in rows)
-    return GradientReport(ok, max_diff, rows, tuple(grads), scale, diagnosis)
+    return _report(grads, ref, mesh, data_axis, shard_statistics)

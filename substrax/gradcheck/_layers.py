@@ -43,6 +43,12 @@ class ShardStatistics:
     axis_name: Any
     stats: tuple[str, ...]
 
+    def __str__(self) -> str:
+        """``path (axis_name=...)`` or ``path (Kind: stat, ...)``, as the diagnosis names it."""
+        if self.batchnorm:
+            return f"{self.path} (axis_name={self.axis_name!r})"
+        return f"{self.path} ({self.kind}: {', '.join(self.stats)})"
+
 
 def per_shard_statistics(
     model: nnx.Module, before: nnx.State, after: nnx.State, data_axis: str
@@ -87,28 +93,28 @@ def per_shard_statistics(
     return found
 
 
+_BATCHNORM = (
+    "nnx.BatchNorm in training mode at {named}: under shard_map each device normalizes "
+    "its shard with that shard's own batch statistics (mean and variance over its rows), "
+    "not the global batch's that the reference and the implicit path use, so the loss "
+    "itself differs, and with it the gradient (its reduction over the devices may be "
+    "right). Give the layer axis_name={axis!r} (nnx.BatchNorm(..., "
+    "axis_name={axis!r})): the statistics are then averaged over the data axis and "
+    "equal the global batch's. Or check with the running averages (model.eval())."
+)
+_BATCH_STATS = (
+    "nnx.BatchStat variables updated by the loss at {named}: if the layer computes them "
+    "from its input, under shard_map each device computes them from its own shard, and "
+    "they differ from the global batch's. Average them over {axis!r} inside the "
+    "layer (jax.lax.pmean(..., {axis!r})) to use the global batch's."
+)
+
+
 def per_shard_statistics_text(layers: Sequence[ShardStatistics], data_axis: str) -> str:
     """Why a gradient under shard_map differs from the reference, given those layers."""
-    norms = [layer for layer in layers if layer.batchnorm]
-    others = [layer for layer in layers if not layer.batchnorm]
     parts = []
-    if norms:
-        named = ", ".join(f"{layer.path} (axis_name={layer.axis_name!r})" for layer in norms)
-        parts.append(
-            f"nnx.BatchNorm in training mode at {named}: under shard_map each device normalizes "
-            f"its shard with that shard's own batch statistics (mean and variance over its rows), "
-            f"not the global batch's that the reference and the implicit path use, so the loss "
-            f"itself differs, and with it the gradient (its reduction over the devices may be "
-            f"right). Give the layer axis_name={data_axis!r} (nnx.BatchNorm(..., "
-            f"axis_name={data_axis!r})): the statistics are then averaged over the data axis and "
-            f"equal the global batch's. Or check with the running averages (model.eval())."
-        )
-    if others:
-        named = ", ".join(f"{layer.path} ({layer.kind}: {', '.join(layer.stats)})" for layer in others)
-        parts.append(
-            f"nnx.BatchStat variables updated by the loss at {named}: if the layer computes them "
-            f"from its input, under shard_map each device computes them from its own shard, and "
-            f"they differ from the global batch's. Average them over {data_axis!r} inside the "
-            f"layer (jax.lax.pmean(..., {data_axis!r})) to use the global batch's."
-        )
+    for text, batchnorm in ((_BATCHNORM, True), (_BATCH_STATS, False)):
+        named = ", ".join(str(layer) for layer in layers if layer.batchnorm == batchnorm)
+        if named:
+            parts.append(text.format(named=named, axis=data_axis))
     return " ".join(parts)
