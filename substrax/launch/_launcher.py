@@ -164,6 +164,28 @@ def _check_seconds(name: str, value: object, *, positive: bool, none: bool = Fal
         raise ValueError(f"{name} must be {what}{' or None' if none else ''}; got {value!r}.")
 
 
+def _check_counts(**counts: object) -> None:
+    for name, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int; got {value!r}.")
+
+
+def _children_env(
+    coordinator: str, num_processes: int, devices_per_process: int, shutdown_timeout_s: int, status_dir: str
+) -> dict[str, str]:
+    """The environment every child starts with (its ``SUBSTRAX_*`` variables but its index)."""
+    return {
+        **os.environ,
+        _env.COORDINATOR: coordinator,
+        _env.NUM_PROCESSES: str(num_processes),
+        _env.DEVICES_PER_PROCESS: str(devices_per_process),
+        _env.SHUTDOWN_TIMEOUT: str(shutdown_timeout_s),
+        _env.LAUNCHER_PID: str(os.getpid()),
+        _env.STATUS_DIR: status_dir,
+        "PYTHONUNBUFFERED": "1",  # lines arrive as they are printed
+    }
+
+
 def launch(
     script: str,
     args: Sequence[str] = (),
@@ -206,13 +228,11 @@ def launch(
         number, ``idle_timeout_s`` is not a positive number or ``None``, or ``script``
         is not a file.
     """
-    for name, value in (
-        ("num_processes", num_processes),
-        ("devices_per_process", devices_per_process),
-        ("shutdown_timeout_s", shutdown_timeout_s),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int; got {value!r}.")
+    _check_counts(
+        num_processes=num_processes,
+        devices_per_process=devices_per_process,
+        shutdown_timeout_s=shutdown_timeout_s,
+    )
     _check_seconds("grace_s", grace_s, positive=False)
     _check_seconds("idle_timeout_s", idle_timeout_s, positive=True, none=True)
     if not os.path.isfile(script):
@@ -223,16 +243,7 @@ def launch(
     stop_grace_s = min(grace_s, STOP_GRACE_S)
     with reserved_port() as port, _status_dir() as status_dir, _Signals().noted() as signals:
         coordinator = f"127.0.0.1:{port}"
-        env = {
-            **os.environ,
-            _env.COORDINATOR: coordinator,
-            _env.NUM_PROCESSES: str(num_processes),
-            _env.DEVICES_PER_PROCESS: str(devices_per_process),
-            _env.SHUTDOWN_TIMEOUT: str(shutdown_timeout_s),
-            _env.LAUNCHER_PID: str(os.getpid()),
-            _env.STATUS_DIR: status_dir,
-            "PYTHONUNBUFFERED": "1",  # lines arrive as they are printed
-        }
+        env = _children_env(coordinator, num_processes, devices_per_process, shutdown_timeout_s, status_dir)
         try:
             for i in range(num_processes):
                 if signals.received is None:
