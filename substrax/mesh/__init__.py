@@ -25,6 +25,7 @@ from substrax.mesh._rules import (
     fsdp_rules,
     partition_spec_for_names,
 )
+from substrax.mesh import strategies
 from substrax.mesh._topology import compile_only, topology_mesh
 from substrax.mesh.strategies import (
     DataParallelStrategy,
@@ -39,17 +40,8 @@ from substrax.mesh.strategies import (
 )
 
 __all__ = [
-    "DataParallelStrategy",
     "DeviceMeshManager",
-    "DimensionNames",
-    "FSDPStrategy",
     "MeshRules",
-    "MultiDimensionalStrategy",
-    "ParallelismConfig",
-    "PipelineParallelStrategy",
-    "ShardingConfig",
-    "ShardingStrategy",
-    "TensorParallelStrategy",
     "compile_only",
     "create_data_parallel_mesh",
     "create_device_mesh",
@@ -67,3 +59,4 @@ __all__ = [
     "topology_mesh",
     "use_cpu_devices",
 ]
+__all__ += strategies.__all__  # the strategies, re-exported

@@ -11,7 +11,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from substrax._base.specs import spec_axes
 
-__all__ = ["DimensionNames", "checked_names", "needs_a_dimension", "one_dimension", "place"]
+__all__ = ["DimensionNames", "checked_names", "needs_a_dimension", "one_dimension", "place", "split_one"]
 
 DimensionNames = tuple[str, ...]
 
@@ -64,3 +64,10 @@ def needs_a_dimension(array: Any, who: str, what: str) -> int:
     if ndim == 0:
         raise ValueError(f"{who}: a 0-d array has no {what} to split; replicate it instead.")
     return ndim
+
+
+def split_one(array: Any, mesh: Mesh, axis: str, dim: int, who: str, what: str) -> jax.Array:
+    """``array`` placed with dimension ``dim`` (its ``what``) split over ``axis``; a 0-d one refused."""
+    spec: list[str | None] = [None] * needs_a_dimension(array, who, what)
+    spec[dim] = axis
+    return place(array, mesh, PartitionSpec(*spec), who)

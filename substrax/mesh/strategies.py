@@ -22,7 +22,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from substrax._base.specs import spec_axes
 from substrax.mesh._configs import ParallelismConfig, ShardingConfig, _name, _size
-from substrax.mesh._dimensions import DimensionNames, checked_names, needs_a_dimension, one_dimension, place
+from substrax.mesh._dimensions import DimensionNames, checked_names, one_dimension, place, split_one
 
 __all__ = [
     "DataParallelStrategy",
@@ -89,9 +89,7 @@ class DataParallelStrategy:
           ValueError: If the array is 0-d, the mesh lacks ``axis_name``, or the first
             dimension does not divide by the axis size.
         """
-        who = "DataParallelStrategy.shard"
-        ndim = needs_a_dimension(array, who, "batch dimension")
-        return place(array, mesh, PartitionSpec(self.axis_name, *[None] * (ndim - 1)), who)
+        return split_one(array, mesh, self.axis_name, 0, "DataParallelStrategy.shard", "batch dimension")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -210,10 +208,9 @@ class TensorParallelStrategy:
             dimension does not divide by the axis size.
         """
         who = "TensorParallelStrategy.shard"
-        ndim = needs_a_dimension(array, who, "feature dimension")
-        if ndim == 2:
+        if np.ndim(array) == 2:
             return place(array, mesh, self.linear_weight_spec, who)
-        return place(array, mesh, PartitionSpec(*[None] * (ndim - 1), self.axis_name), who)
+        return split_one(array, mesh, self.axis_name, -1, who, "feature dimension")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
