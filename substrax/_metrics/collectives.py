@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
@@ -65,37 +65,24 @@ def reduce_collective(name: str, metrics: T, axis_name: str) -> T:
     return _collective(REDUCTION_OPS[name].collective, metrics, axis_name, f"reduce_{name}_collective")
 
 
-class _Reduction(Protocol):
-    def __call__(self, metrics: T, axis_name: str = "batch") -> T: ...
+def reduce_mean_collective(metrics: T, axis_name: str = "batch") -> T:
+    """Average every array leaf across ``axis_name`` (``lax.pmean``); other leaves pass through."""
+    return reduce_collective("mean", metrics, axis_name)
 
 
-def _named_reduction(name: str, summary: str) -> _Reduction:
-    """``reduce_collective(name, ...)`` as the public ``reduce_{name}_collective``."""
-
-    def reduce(metrics: T, axis_name: str = "batch") -> T:
-        return reduce_collective(name, metrics, axis_name)
-
-    reduce.__name__ = reduce.__qualname__ = f"reduce_{name}_collective"
-    reduce.__doc__ = f"""{summary}
-
-    Raises:
-      ValueError: If ``axis_name`` is not bound by an enclosing shard_map or pmap.
-    """
-    return reduce
+def reduce_sum_collective(metrics: T, axis_name: str = "batch") -> T:
+    """Sum every array leaf across ``axis_name`` (``lax.psum``); other leaves pass through."""
+    return reduce_collective("sum", metrics, axis_name)
 
 
-reduce_mean_collective = _named_reduction(
-    "mean", "Average every array leaf across ``axis_name`` (``lax.pmean``); other leaves pass through."
-)
-reduce_sum_collective = _named_reduction(
-    "sum", "Sum every array leaf across ``axis_name`` (``lax.psum``); other leaves pass through."
-)
-reduce_max_collective = _named_reduction(
-    "max", "Every array leaf's elementwise maximum across ``axis_name`` (``lax.pmax``); others pass through."
-)
-reduce_min_collective = _named_reduction(
-    "min", "Every array leaf's elementwise minimum across ``axis_name`` (``lax.pmin``); others pass through."
-)
+def reduce_max_collective(metrics: T, axis_name: str = "batch") -> T:
+    """Every array leaf's elementwise maximum across ``axis_name`` (``lax.pmax``); others pass through."""
+    return reduce_collective("max", metrics, axis_name)
+
+
+def reduce_min_collective(metrics: T, axis_name: str = "batch") -> T:
+    """Every array leaf's elementwise minimum across ``axis_name`` (``lax.pmin``); others pass through."""
+    return reduce_collective("min", metrics, axis_name)
 
 
 # jax >= 0.12 spells an all_gather whose result is equal on every device `to="invarying"`;

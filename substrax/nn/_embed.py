@@ -28,15 +28,10 @@ class ParallelEmbedding(nnx.Module):
 
     Inside ``jax.shard_map(check_vma=True)``: ``split="vocab"`` (rows) ``psum``s the devices'
     lookups, ``split="features"`` (columns) all-gathers their features; the output is whole
-    on every device. Anywhere else it is ``nnx.Embed``.
+    on every device. Anywhere else it is ``nnx.Embed``. Besides its own arguments (below) it
+    takes ``nnx.Embed``'s, meaning what they mean there: the same ``rngs`` give the same table.
 
     Args:
-      num_embeddings: As ``nnx.Embed``'s.
-      features: As ``nnx.Embed``'s.
-      dtype: As ``nnx.Embed``'s.
-      param_dtype: As ``nnx.Embed``'s.
-      embedding_init: As ``nnx.Embed``'s.
-      rngs: As ``nnx.Embed``'s: the same ``rngs`` give the same table.
       split: ``"vocab"`` or ``"features"``: the table's dimension split over ``model_axis``.
       model_axis: The mesh axis the table is split over.
 

@@ -172,18 +172,10 @@ class ColumnParallelLinear(_Linear):
 
     Bias ``(model_axis,)``. Inside ``jax.shard_map(check_vma=True)`` each device computes its
     ``out / size`` output columns, for a ``RowParallelLinear``; anywhere else it is
-    ``nnx.Linear``. See the tensor-parallelism guide.
+    ``nnx.Linear``. See the tensor-parallelism guide. Besides its own arguments (below) it
+    takes ``nnx.Linear``'s, meaning what they mean there: the same ``rngs`` give the same parameters.
 
     Args:
-      in_features: As ``nnx.Linear``'s.
-      out_features: As ``nnx.Linear``'s.
-      use_bias: As ``nnx.Linear``'s.
-      dtype: As ``nnx.Linear``'s.
-      param_dtype: As ``nnx.Linear``'s.
-      precision: As ``nnx.Linear``'s.
-      kernel_init: As ``nnx.Linear``'s.
-      bias_init: As ``nnx.Linear``'s.
-      rngs: As ``nnx.Linear``'s: the same ``rngs`` give the same parameters.
       model_axis: The mesh axis the output features are split over.
       sequence_parallel: The input arrives split over ``model_axis`` on ``sequence_axis``
         and is all-gathered there; pair with ``RowParallelLinear(sequence_parallel=True)``.
@@ -260,17 +252,10 @@ class RowParallelLinear(_Linear):
     Inside ``jax.shard_map(check_vma=True)`` it takes this device's input features (a
     ``ColumnParallelLinear``'s output) and ``psum``s its partial product, then adds the
     replicated bias; anywhere else it is ``nnx.Linear``. See the tensor-parallelism guide.
+    Besides its own arguments (below) it takes ``nnx.Linear``'s, meaning what they mean
+    there: the same ``rngs`` give the same parameters.
 
     Args:
-      in_features: As ``nnx.Linear``'s.
-      out_features: As ``nnx.Linear``'s.
-      use_bias: As ``nnx.Linear``'s.
-      dtype: As ``nnx.Linear``'s.
-      param_dtype: As ``nnx.Linear``'s.
-      precision: As ``nnx.Linear``'s.
-      kernel_init: As ``nnx.Linear``'s.
-      bias_init: As ``nnx.Linear``'s.
-      rngs: As ``nnx.Linear``'s: the same ``rngs`` give the same parameters.
       model_axis: The mesh axis the input features are split over.
       sequence_parallel: Reduce-scatter the output on ``sequence_axis`` instead of
         all-reducing it, as ``ColumnParallelLinear(sequence_parallel=True)`` takes it.
