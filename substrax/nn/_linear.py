@@ -120,26 +120,29 @@ def ring_matmul(
 
 
 class _Linear(nnx.Module):
-    """``nnx.Linear``'s parameters, made by the same calls in the same order, declared split."""
+    """``nnx.Linear``'s parameters, made by the same calls in the same order, declared split as
+    ``_specs`` says (the kernel's spec, the bias's)."""
+
+    def _specs(self, axis: str) -> tuple[tuple[str | None, ...], tuple[str | None, ...]]:
+        raise NotImplementedError
 
     def __init__(
         self,
         in_features: int,
         out_features: int,
         *,
-        use_bias: bool,
-        dtype: Any,
-        param_dtype: Any,
-        precision: Any,
-        kernel_init: Initializer,
-        bias_init: Initializer,
-        model_axis: str,
-        kernel_spec: tuple[str | None, ...],
-        bias_spec: tuple[str | None, ...],
-        sequence_parallel: bool,
-        sequence_axis: int,
+        use_bias: bool = True,
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+        precision: Any = None,
+        kernel_init: Initializer = KERNEL_INIT,
+        bias_init: Initializer = BIAS_INIT,
+        model_axis: str = "model",
+        sequence_parallel: bool = False,
+        sequence_axis: int = -2,
         rngs: nnx.Rngs,
     ) -> None:
+        kernel_spec, bias_spec = self._specs(model_axis)
         kernel_key = rngs.params()
         self.kernel = sharded_param(
             kernel_init(kernel_key, (in_features, out_features), param_dtype), kernel_spec, model_axis
@@ -188,6 +191,9 @@ class ColumnParallelLinear(_Linear):
       ValueError: If ``collective_matmul`` is set without ``sequence_parallel``.
     """
 
+    def _specs(self, axis: str) -> tuple[tuple[str | None, ...], tuple[str | None, ...]]:
+        return (None, axis), (axis,)
+
     def __init__(
         self,
         in_features: int,
@@ -220,8 +226,6 @@ class ColumnParallelLinear(_Linear):
             kernel_init=kernel_init,
             bias_init=bias_init,
             model_axis=model_axis,
-            kernel_spec=(None, model_axis),
-            bias_spec=(model_axis,),
             sequence_parallel=sequence_parallel,
             sequence_axis=sequence_axis,
             rngs=rngs,
@@ -262,38 +266,8 @@ class RowParallelLinear(_Linear):
       sequence_axis: That dimension, as ``ColumnParallelLinear``'s.
     """
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        *,
-        use_bias: bool = True,
-        dtype: Any = None,
-        param_dtype: Any = jnp.float32,
-        precision: Any = None,
-        kernel_init: Initializer = KERNEL_INIT,
-        bias_init: Initializer = BIAS_INIT,
-        model_axis: str = "model",
-        sequence_parallel: bool = False,
-        sequence_axis: int = -2,
-        rngs: nnx.Rngs,
-    ) -> None:
-        super().__init__(
-            in_features,
-            out_features,
-            use_bias=use_bias,
-            dtype=dtype,
-            param_dtype=param_dtype,
-            precision=precision,
-            kernel_init=kernel_init,
-            bias_init=bias_init,
-            model_axis=model_axis,
-            kernel_spec=(model_axis, None),
-            bias_spec=(None,),
-            sequence_parallel=sequence_parallel,
-            sequence_axis=sequence_axis,
-            rngs=rngs,
-        )
+    def _specs(self, axis: str) -> tuple[tuple[str | None, ...], tuple[str | None, ...]]:
+        return (axis, None), (None,)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """``x @ kernel + bias``, the partial products summed over ``model_axis`` inside ``shard_map``.
