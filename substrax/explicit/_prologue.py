@@ -15,7 +15,7 @@ from substrax._shared.microbatch import check_microbatches, split_rows_over
 from substrax.explicit._shard import check_layers_take_blocks
 from substrax.mesh import current_mesh
 
-__all__ = ["Prologue", "open_step", "parameter_plans"]
+__all__ = ["Prologue", "Share", "open_step", "parameter_plans"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +44,25 @@ class Prologue:
     graphdef: Any
     state: nnx.State
     state_specs: PyTree
+
+
+@dataclasses.dataclass(frozen=True)
+class Share:
+    """How a device takes its share of the gradient (``local_value_and_grad``, ``pipelined_value_and_grad``).
+
+    Attributes:
+      specs: The batch's partition specs.
+      rows: The axes the batch's rows are split over; the parameters vary over them.
+      microbatches: Microbatches per step.
+      one_device: The rows are on one device: nothing varies over ``rows``, no collective runs.
+      accumulate_dtype: The dtype the microbatches' gradients are summed in, or None (their own).
+    """
+
+    specs: PyTree
+    rows: str | tuple[str, ...]
+    microbatches: int = 1
+    one_device: bool = False
+    accumulate_dtype: Any = None
 
 
 def parameter_plans(

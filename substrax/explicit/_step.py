@@ -27,11 +27,11 @@ from substrax._shared.options import StepOptions, options_from
 from substrax._shared.pipeline import pipeline_of
 from substrax._shared.precision import MixedPrecision
 from substrax._shared.scatter import platform_of, rows_for
-from substrax._shared.update import apply_update, state_values
+from substrax._shared.update import update_step
 from substrax._base.trees import KeyPath, PyTree
 from substrax.explicit._metrics import reduce_metrics_collective, reduce_metrics_on_one_device
 from substrax.explicit._pipeline import pipelined_value_and_grad
-from substrax.explicit._prologue import Prologue, open_step
+from substrax.explicit._prologue import Prologue, Share, open_step
 from substrax.explicit._shard import (
     cast_like,
     check_placement,
@@ -121,10 +121,10 @@ def explicit_train_step(
     loss_fn: Callable[[M, PyTree], Any],
     batch: PyTree,
     *,
+    has_aux: bool = False,
     mesh: Any = None,
     data_axis: str = "data",
     batch_spec: BatchSpec | None = None,
-    has_aux: bool = False,
     reduce: Mapping[str, str | None] | None = None,
     microbatches: int = 1,
     skip_nonfinite: bool = True,
@@ -160,24 +160,6 @@ def explicit_train_step(
     """
     options = options_from(locals())  # the keywords above, checked once
     return run_step(model, optimizer, loss_fn, batch, options)[0]
-
-
-def run_step(
-    model: M,
-    optimizer: nnx.Optimizer[M],
-    loss_fn: Callable[[M, PyTree], Any],
-    batch: PyTree,
-    options: StepOptions,
-) -> tuple[Any, jax.Array | None]:
-    """``explicit_train_step`` with its keywords as one ``StepOptions``; also whether the update applied.
-
-    Returns:
-      ``(out, applied)``: what ``explicit_train_step`` returns, and ``apply_update``'s flag.
-    """
-    before = state_values((model, optimizer)) if options.skip_nonfinite else None
-    loss, metrics, grads = sharded_value_and_grad(model, optimizer, loss_fn, batch, options)
-    applied = apply_update(model, optimizer, grads, loss, before)
-    return ((loss, metrics) if options.has_aux else loss), applied
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,6 +235,11 @@ def sharded_value_and_grad(
     return loss, metrics, grads
 
 
+# ``explicit_train_step`` with its keywords as one ``StepOptions``: ``(out, applied)``, what
+# ``explicit_train_step`` returns and whether the update applied (the mode chooser's entry)
+run_step = functools.partial(update_step, sharded_value_and_grad)
+
+
 def _without_single_axes(specs: PyTree, mesh: Any) -> PyTree:
     """``specs`` without the mesh's axes of size 1."""
     for axis in (a for a, n in mesh.shape.items() if n == 1):
@@ -270,7 +257,8 @@ def _device_step(model: nnx.Module, loss_fn: Callable[..., Any], p: Prologue, o:
         )
     precision = o.precision
     split_loss = with_aux(loss_fn if precision is None else precision.loss_fn(loss_fn, o.has_aux), o.has_aux)
-    single = p.mesh.shape[o.data_axis] == 1  # nothing split over one device: no gather, no unit (replicas alone)
+    # nothing split over one device: no gather, no unit (replicas alone)
+    single = p.mesh.shape[o.data_axis] == 1
     if single:
         p = dataclasses.replace(p, plans={path: ParamSplit(None, None) for path in p.plans})
     units = {} if single else unit_paths(model)
@@ -280,7 +268,7 @@ def _device_step(model: nnx.Module, loss_fn: Callable[..., Any], p: Prologue, o:
         if units and v.get_metadata().get(UNIT_KEY)
     )
     # a unit's parameters stay split until the unit runs (substrax.explicit._units)
-    gather_plans = {path: ParamSplit(None, None) if path in in_unit else plan for path, plan in p.plans.items()}
+    gather_plans = {q: ParamSplit(None, None) if q in in_unit else plan for q, plan in p.plans.items()}
     one_device = math.prod(p.mesh.shape[a] for a in spec_axes(p.rows)) == 1
     rest_specs = _without_single_axes(nnx.get_partition_spec(nnx.state(model, nnx.Not(nnx.Param))), p.mesh)
     return DeviceStep(p, o, value_and_grad, split_loss, units, in_unit, gather_plans, one_device, rest_specs)
@@ -331,7 +319,8 @@ def _grads_over_devices(step: DeviceStep, model: nnx.Module, shard: PyTree) -> t
         model, step.gather_plans, data_axis, param_dtype, units, rows=p.rows
     )
     running = units_running(
-        model, step.units, data_axis, p.plans, step.in_unit, param_dtype, reduce_dtype, prefetched_units(model)
+        model, step.units, data_axis, p.plans, step.in_unit, param_dtype, reduce_dtype,
+        prefetched_units(model),
     )
     with per_device_random_streams(model, p.rows), running:
         loss, metrics, grads = _value_and_grad(step, model, shard, p.rows, one_device=False)
@@ -345,16 +334,9 @@ def _value_and_grad(
     step: DeviceStep, model: nnx.Module, shard: PyTree, rows: str | tuple[str, ...], *, one_device: bool
 ) -> tuple[jax.Array, Any, nnx.State]:
     """``step.value_and_grad`` on this device's ``shard``, its rows split over ``rows``."""
-    return step.value_and_grad(
-        model,
-        step.split_loss,
-        shard,
-        step.opening.specs,
-        data_axis=rows,
-        microbatches=step.options.microbatches,
-        one_device=one_device,
-        accumulate_dtype=_reduce_dtype(step.options.precision),
-    )
+    o = step.options
+    share = Share(step.opening.specs, rows, o.microbatches, one_device, _reduce_dtype(o.precision))
+    return step.value_and_grad(model, step.split_loss, shard, share)
 
 
 def _reduce_dtype(precision: MixedPrecision | None) -> Any:

@@ -25,7 +25,7 @@ from substrax.explicit._shard import (
     reduce_gradients,
     varying_carry,
 )
-from substrax.explicit._prologue import open_step
+from substrax.explicit._prologue import Share, open_step
 
 __all__ = ["BatchSpec", "explicit_value_and_grad", "local_value_and_grad", "with_aux"]
 
@@ -44,23 +44,15 @@ def with_aux(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., tuple[
 
 
 def local_value_and_grad(
-    model: nnx.Module,
-    split_loss: Callable[..., tuple[Any, Any]],
-    shard: PyTree,
-    specs: PyTree,
-    *,
-    data_axis: str,
-    microbatches: int,
-    one_device: bool = False,
-    accumulate_dtype: Any = None,
+    model: nnx.Module, split_loss: Callable[..., tuple[Any, Any]], shard: PyTree, share: Share
 ) -> tuple[jax.Array, Any, nnx.State]:
     """The global loss, this device's metrics and its unreduced share of the gradient.
 
-    ``model``'s parameters must hold their whole values, varying over ``data_axis``.
-    With ``microbatches > 1`` a ``lax.scan`` runs ``grad`` on each slice of the shard
-    and sums the shares; the metrics gain a leading microbatch axis. ``one_device``:
-    the axis has size 1 and nothing varies over it; no collective runs.
+    ``model``'s parameters must hold their whole values, varying over ``share.rows``.
+    With ``share.microbatches > 1`` a ``lax.scan`` runs ``grad`` on each slice of the
+    shard and sums the shares; the metrics gain a leading microbatch axis.
     """
+    data_axis, microbatches, one_device = share.rows, share.microbatches, share.one_device
     if microbatches == 1:
         if one_device:
             value_and_grad = nnx.value_and_grad(split_loss, has_aux=True)
@@ -73,18 +65,18 @@ def local_value_and_grad(
     # The loss itself is averaged once, after the loop.
     devices = 1 if one_device else jax.lax.axis_size(data_axis)
 
-    def share(m: nnx.Module, piece: PyTree) -> tuple[Any, Any]:
+    def own_share(m: nnx.Module, piece: PyTree) -> tuple[Any, Any]:
         loss, aux = loss_and_metrics(split_loss(m, piece), True)
         return loss / devices, aux
 
-    slices = split_microbatches(shard, specs, data_axis, microbatches)
+    slices = split_microbatches(shard, share.specs, data_axis, microbatches)
     prepare = None if one_device else functools.partial(varying_carry, data_axis=data_axis)
     (loss, metrics), grads = microbatched(
-        nnx.value_and_grad(share, has_aux=True),
+        nnx.value_and_grad(own_share, has_aux=True),
         model,
         slices,
         prepare_carry=prepare,
-        accumulate_dtype=accumulate_dtype,
+        accumulate_dtype=share.accumulate_dtype,
     )
     if one_device:
         return loss, metrics, grads
@@ -126,7 +118,7 @@ def explicit_value_and_grad(
         model, None, batch, mesh=mesh, data_axis=data_axis, batch_spec=batch_spec,
         replica_axis=REPLICA_AXIS, check_replica=False,
     )  # fmt: skip
-    plans = {path: ParamSplit(plan.gather_dim, None) for path, plan in p.plans.items()}  # every gradient whole
+    plans = {q: ParamSplit(plan.gather_dim, None) for q, plan in p.plans.items()}  # every gradient whole
 
     def per_device(state: nnx.State, shard: PyTree) -> tuple[jax.Array, nnx.State]:
         model = nnx.merge(p.graphdef, state)
@@ -134,16 +126,14 @@ def explicit_value_and_grad(
             model, plans, data_axis, None if precision is None else precision.param_dtype, rows=p.rows
         )
         run_loss = loss_fn if precision is None else precision.loss_fn(loss_fn, False)
-        loss, _, grads = local_value_and_grad(
-            model, with_aux(run_loss, False), shard, p.specs, data_axis=p.rows, microbatches=1
-        )
+        loss, _, grads = local_value_and_grad(model, with_aux(run_loss, False), shard, Share(p.specs, p.rows))
         if precision is not None:
             grads = jax.tree.map(lambda g: g.astype(precision.reduce_dtype), grads)
         grads = reduce_gradients(grads, plans, data_axis, replicas=p.replicas)
         return loss, cast_like(grads, held)
 
     grad_specs = nnx.from_flat_state(
-        [(path, gradient_spec(v, None, data_axis)) for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))]
+        [(q, gradient_spec(v, None, data_axis)) for q, v in nnx.to_flat_state(nnx.state(model, nnx.Param))]
     )
     run = jax.shard_map(
         per_device,
