@@ -182,7 +182,7 @@ class DeviceStep:
     options: StepOptions
     value_and_grad: Callable[..., tuple[jax.Array, Any, nnx.State]]
     split_loss: Callable[..., tuple[Any, Any]]
-    units: Any
+    units: dict[KeyPath, bool]
     in_unit: frozenset[KeyPath]
     gather_plans: dict[KeyPath, ParamSplit]
     one_device: bool
