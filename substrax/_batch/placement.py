@@ -21,7 +21,17 @@ __all__ = [
     "create_data_parallel_sharding",
     "place_batch_on_shards",
     "place_process_rows",
+    "row_axes",
 ]
+
+
+def row_axes(mesh: Any, data_axis: str = "data", replica_axis: str = "replica") -> str | tuple[str, ...]:
+    """The mesh axes a batch's rows are split over: ``data_axis``, after ``replica_axis`` where
+    ``mesh`` has it (hybrid sharding: ``("replica", "data")``, replicas outer)."""
+    names = tuple(getattr(mesh, "axis_names", ()) or ())
+    if replica_axis in names and replica_axis != data_axis:
+        return (replica_axis, data_axis)
+    return data_axis
 
 
 def create_data_parallel_sharding(mesh: Mesh, data_axis: str = "data", replica_axis: str = "replica") -> NamedSharding:
@@ -40,9 +50,7 @@ def create_data_parallel_sharding(mesh: Mesh, data_axis: str = "data", replica_a
       ValueError: If ``data_axis`` is not an axis of ``mesh``; names the mesh's axes.
     """
     check_spec_axes(PartitionSpec(data_axis), mesh, where="create_data_parallel_sharding")
-    if replica_axis in mesh.axis_names and replica_axis != data_axis:
-        return NamedSharding(mesh, PartitionSpec((replica_axis, data_axis)))
-    return NamedSharding(mesh, PartitionSpec(data_axis))
+    return NamedSharding(mesh, PartitionSpec(row_axes(mesh, data_axis, replica_axis)))
 
 
 def _fingerprint(leaf: Any) -> np.ndarray:

@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, Literal
 
+from substrax._batch.placement import row_axes
 from substrax._metrics.reductions import METRIC_REDUCTIONS
 from substrax._shared.microbatch import check_microbatches
 from substrax._shared.schedule import check_schedule
@@ -87,10 +88,7 @@ class StepOptions:
     def row_axes(self, mesh: Any) -> str | tuple[str, ...]:
         """The mesh axes the batch's rows are split over: ``data_axis``, after
         ``replica_axis`` where ``mesh`` has it (hybrid sharding: ``("replica", "data")``)."""
-        names = tuple(getattr(mesh, "axis_names", ()) or ())
-        if self.replica_axis in names and self.replica_axis != self.data_axis:
-            return (self.replica_axis, self.data_axis)
-        return self.data_axis
+        return row_axes(mesh, self.data_axis, self.replica_axis)
 
     def replace(self, **changes: Any) -> StepOptions:
         """A copy with ``changes``, checked again."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -21,7 +21,7 @@ from substrax._layout import optional_axes, spec_tuple, without_axes
 from substrax._base import scopes
 from substrax._base.trees import path_str
 
-__all__ = ["all_finite", "apply_update", "donated_state", "pin_layout", "state_values"]
+__all__ = ["all_finite", "apply_update", "donated_state", "pin_layout", "state_values", "update_step"]
 
 
 def pin_layout(model: nnx.Module, optimizer: nnx.Optimizer[Any]) -> None:
@@ -191,3 +191,27 @@ def _update_in_place(model: nnx.Module, optimizer: nnx.Optimizer[Any], grads: nn
         ]
     nnx.update(optimizer, jax.tree.unflatten(s_tree, s_new))
     nnx.update(model, jax.tree.unflatten(p_tree, p_new))
+
+
+def update_step(
+    value_and_grad: Callable[..., tuple[Any, ...]],
+    model: nnx.Module,
+    optimizer: nnx.Optimizer[Any],
+    loss_fn: Callable[..., Any],
+    batch: Any,
+    options: Any,
+) -> tuple[Any, ...]:
+    """A step of a mode whose gradient half is ``value_and_grad``, then the update.
+
+    ``value_and_grad(model, optimizer, loss_fn, batch, options)`` returns ``(loss, aux,
+    grads, *more)``; ``apply_update`` follows, which skips a non-finite step when
+    ``options.skip_nonfinite`` (the state read before the gradient half runs).
+
+    Returns:
+      ``(out, applied, *more)``: the loss, or ``(loss, aux)`` with ``options.has_aux``; and
+      ``apply_update``'s flag.
+    """
+    before = state_values((model, optimizer)) if options.skip_nonfinite else None
+    loss, aux, grads, *more = value_and_grad(model, optimizer, loss_fn, batch, options)
+    applied = apply_update(model, optimizer, grads, loss, before)
+    return ((loss, aux) if options.has_aux else loss), applied, *more

@@ -12,6 +12,7 @@ recomputed from the stage input it stashed). See the pipelines guide.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from substrax._shared.schedule import Schedule
 from substrax._shared.pipeline_record import note_pipeline
 from substrax._base.trees import KeyPath, PyTree
 from substrax._base import declared
+from substrax.explicit._prologue import Share
 
 __all__ = ["pipelined_value_and_grad"]
 
@@ -53,15 +55,22 @@ def _from_last(x: Any, last: Any, axis: str) -> Any:
     return total.astype(x.dtype)
 
 
+@dataclasses.dataclass(eq=False)
 class _Stages:
-    """This device's view of the pipeline: its stage index, the pieces, the permutes."""
+    """This device's view of the pipeline: its stage index, the pieces, the permutes.
 
-    def __init__(
-        self, staged: Staged, slices: PyTree, schedule: Schedule, axis: str, axes: tuple[str, ...]
-    ) -> None:
-        self.staged, self.slices, self.schedule, self.axis, self.axes = staged, slices, schedule, axis, axes
-        self.k, self.n = schedule.microbatches, schedule.stages
-        self.s = jax.lax.axis_index(axis)
+    ``axis``: the stage axis; ``axes``: the rows' axes and it (what the pieces vary over).
+    """
+
+    staged: Staged
+    slices: PyTree
+    schedule: Schedule
+    axis: str
+    axes: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        self.k, self.n = self.schedule.microbatches, self.schedule.stages
+        self.s = jax.lax.axis_index(self.axis)
         self.first, self.last = self.s == 0, self.s == self.n - 1
 
     def varying(self, tree: PyTree) -> PyTree:
@@ -193,29 +202,26 @@ def pipelined_value_and_grad(
     model: nnx.Module,
     split_loss: Callable[..., tuple[Any, Any]],
     shard: PyTree,
-    specs: PyTree,
+    share: Share,
     *,
-    data_axis: str | tuple[str, ...],
-    microbatches: int,
     schedule: str,
     stage_axis: str,
     stack_path: KeyPath,
-    one_device: bool = False,
-    accumulate_dtype: Any = None,
 ) -> tuple[jax.Array, Any, nnx.State]:
     """``local_value_and_grad``'s contract for a pipelined step: the global loss, the metrics
     stacked over microbatches, and this device's share of the gradient, unreduced over
-    ``data_axis`` (the parameters outside the stack already summed over ``stage_axis``).
+    ``share.rows`` (the parameters outside the stack already summed over ``stage_axis``).
 
-    ``model``'s parameters hold their whole values over ``data_axis`` (varying there unless
-    ``one_device``: its size is 1); the stack's are this stage's layers.
+    ``model``'s parameters hold their whole values over ``share.rows`` (varying there unless
+    ``share.one_device``); the stack's are this stage's layers.
     """
-    rows = () if one_device else spec_axes(data_axis)
+    microbatches = share.microbatches
+    rows = () if share.one_device else spec_axes(share.rows)
     axes = (*rows, stage_axis)
     schedule_ = Schedule(schedule, jax.lax.axis_size(stage_axis), microbatches)
     note_pipeline(schedule_, mode="explicit")
     devices = math.prod(jax.lax.axis_size(a) for a in rows)
-    slices = split_microbatches(shard, specs, data_axis, microbatches)
+    slices = split_microbatches(shard, share.specs, share.rows, microbatches)
     staged = Staged(model, stack_path, split_loss)
     p = _Stages(staged, slices, schedule_, stage_axis, axes)
     outside, stack = p.varying(staged.outside), p.varying(staged.stack)
@@ -225,7 +231,7 @@ def pipelined_value_and_grad(
             lambda o, s: _gpipe(p, o, s, scale), argnums=(0, 1), has_aux=True
         )(outside, stack)
     else:
-        total, aux, g_out, g_stack = _one_f_one_b(p, outside, stack, scale, accumulate_dtype)
+        total, aux, g_out, g_stack = _one_f_one_b(p, outside, stack, scale, share.accumulate_dtype)
     note_pipeline(aux=aux)
     with jax.named_scope(scopes.PIPELINE):  # the outside parameters' gradient, from the first and last stages
         g_out = jax.lax.psum(g_out, stage_axis)

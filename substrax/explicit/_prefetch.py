@@ -62,9 +62,22 @@ def prefetched_layers(
     parameters, gathered by ``gather``, and the rest. Gradients flow to ``shards``
     (through ``scatter``), the perturbed ``others``, ``x`` and the perturbed ``arrays``.
     """
-    last = layers - 1
+    stack = _Prefetched(apply, gather, scatter, layers - 1)
+    run = jax.custom_vjp(stack.primal)
+    run.defvjp(stack.fwd, stack.bwd, symbolic_zeros=True)
+    return run(shards, others, x, arrays)
 
-    def forward_loop(shards: list[Any], others: list[Any], x: Any, arrays: list[Any]) -> tuple[Any, Any]:
+
+class _Prefetched:
+    """``prefetched_layers``'s passes: the forward loop, and the custom VJP's rules around it."""
+
+    def __init__(self, apply: Apply, gather: Gather, scatter: Scatter, last: int) -> None:
+        self.apply, self.gather, self.scatter, self.last = apply, gather, scatter, last
+        self.layout: dict[str, Any] = {}  # a trace's static facts: what is perturbed, the output's type
+
+    def forward_loop(self, shards: list[Any], others: list[Any], x: Any, arrays: list[Any]) -> tuple[Any, Any]:
+        """``(y, the stacked input of each layer)``."""
+        apply, gather, last = self.apply, self.gather, self.last
         w = gather(_take(shards, 0), x)
         inputs = None
         if last:
@@ -78,37 +91,38 @@ def prefetched_layers(
         y = apply(w, _take(others, last), x, arrays)
         return y, x[None] if inputs is None else jnp.concatenate([inputs, x[None]])
 
-    @jax.custom_vjp
-    def run(shards: list[Any], others: list[Any], x: Any, arrays: list[Any]) -> Any:
+    def primal(self, shards: list[Any], others: list[Any], x: Any, arrays: list[Any]) -> Any:
         with declared.silenced():  # traced beside ``fwd``, which records the layers' collectives
-            return forward_loop(shards, others, x, arrays)[0]
+            return self.forward_loop(shards, others, x, arrays)[0]
 
-    layout: dict[str, Any] = {}  # a trace's static facts: what is perturbed, the output's type
-
-    def fwd(shards: list[Any], others: list[Any], x: Any, arrays: list[Any]) -> tuple[Any, Any]:
+    def fwd(self, shards: list[Any], others: list[Any], x: Any, arrays: list[Any]) -> tuple[Any, Any]:
+        layout = self.layout
         layout["others"] = [p.perturbed for p in others]
         layout["arrays"] = [p.perturbed for p in arrays]
         shards, others, arrays = ([p.value for p in ps] for ps in (shards, others, arrays))
-        y, inputs = forward_loop(shards, others, x.value, arrays)
+        y, inputs = self.forward_loop(shards, others, x.value, arrays)
         layout["out"] = jax.typeof(y)
         return y, (shards, others, arrays, inputs)
 
-    def bwd(res: Any, ct: Any) -> tuple[Any, Any, Any, Any]:
-        shards, others, arrays, inputs = res
-        keep_o, keep_a = layout["others"], layout["arrays"]
-        g = zeros_of_type(layout["out"]) if isinstance(ct, SymbolicZero) else ct
+    def layer_grads(self, res: Any, w: list[Any], i: Any, g: Any) -> tuple[Any, Any, Any, Any]:
+        """Layer ``i``'s ``(shards' gradient, others', its input's, the arrays')``, its forward recomputed."""
+        _, others, arrays, inputs = res
+        keep_o, keep_a = self.layout["others"], self.layout["arrays"]
+        o_i = _take(others, i)
 
-        def grads(w: list[Any], i: Any, g: Any) -> tuple[Any, Any, Any, Any]:
-            o_i = _take(others, i)
+        def f(w: list[Any], o: list[Any], h: Any, a: list[Any]) -> Any:
+            return self.apply(w, merged(o_i, keep_o, o), h, merged(arrays, keep_a, a))
 
-            def f(w: list[Any], o: list[Any], h: Any, a: list[Any]) -> Any:
-                return apply(w, merged(o_i, keep_o, o), h, merged(arrays, keep_a, a))
+        with declared.silenced():  # the census expects a recomputed forward's collectives as optional
+            _, vjp = jax.vjp(f, w, picked(o_i, keep_o), _take([inputs], i)[0], picked(arrays, keep_a))
+        d_w, d_o, d_h, d_a = vjp(g)
+        return self.scatter(d_w), d_o, d_h, d_a
 
-            with declared.silenced():  # the census expects a recomputed forward's collectives as optional
-                _, vjp = jax.vjp(f, w, picked(o_i, keep_o), _take([inputs], i)[0], picked(arrays, keep_a))
-            d_w, d_o, d_h, d_a = vjp(g)
-            return scatter(d_w), d_o, d_h, d_a
-
+    def bwd(self, res: Any, ct: Any) -> tuple[Any, Any, Any, Any]:
+        shards, _, arrays, _ = res
+        gather, last = self.gather, self.last
+        keep_o, keep_a = self.layout["others"], self.layout["arrays"]
+        g = zeros_of_type(self.layout["out"]) if isinstance(ct, SymbolicZero) else ct
         w = gather(_take(shards, last), g)
         d_a = [zeros_of_type(jax.typeof(a)) for a in picked(arrays, keep_a)]
         rest = None
@@ -117,11 +131,11 @@ def prefetched_layers(
             def body(carry: Any, i: Any) -> tuple[Any, Any]:
                 g, w, d_a = carry
                 behind = gather(_take(shards, i - 1), g)  # layer i-1's, while layer i's gradient runs
-                d_s, d_o, d_h, d_ai = grads(w, i, g)
+                d_s, d_o, d_h, d_ai = self.layer_grads(res, w, i, g)
                 return (d_h, behind, [a + b for a, b in zip(d_a, d_ai, strict=True)]), (d_s, d_o)
 
             (g, w, d_a), rest = _loop(body, (g, w, d_a), range(last, 0, -1))
-        d_s, d_o, d_h, d_ai = grads(w, 0, g)
+        d_s, d_o, d_h, d_ai = self.layer_grads(res, w, 0, g)
         d_a = [a + b for a, b in zip(d_a, d_ai, strict=True)]
         d_shards = _stacked(d_s, None if rest is None else rest[0])
         d_others = _stacked(d_o, None if rest is None else rest[1])
@@ -131,6 +145,3 @@ def prefetched_layers(
             d_h,
             merged([None] * len(keep_a), keep_a, d_a),
         )
-
-    run.defvjp(fwd, bwd, symbolic_zeros=True)
-    return run(shards, others, x, arrays)

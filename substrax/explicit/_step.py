@@ -9,6 +9,7 @@ the global arrays. See the modes guide, "Explicit: ``substrax.explicit``".
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Mapping
@@ -19,26 +20,18 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from substrax._base.specs import spec_axes
-from substrax._batch.placement import batch_partition_specs
-from substrax._layout import (
-    STAGE_AXIS,
-    UNIT_KEY,
-    ParamSplit,
-    check_replica_axis,
-    gradient_spec,
-    prefetched_units,
-    unit_paths,
-)
+from substrax._layout import STAGE_AXIS, UNIT_KEY, ParamSplit, gradient_spec, prefetched_units, unit_paths
 from substrax._base import scopes
-from substrax._shared.microbatch import check_microbatches, fold_microbatch_metrics, split_rows_over
+from substrax._shared.microbatch import fold_microbatch_metrics
 from substrax._shared.options import StepOptions, options_from
 from substrax._shared.pipeline import pipeline_of
 from substrax._shared.precision import MixedPrecision
 from substrax._shared.scatter import platform_of, rows_for
-from substrax._shared.update import apply_update, state_values
-from substrax._base.trees import PyTree
+from substrax._shared.update import update_step
+from substrax._base.trees import KeyPath, PyTree
 from substrax.explicit._metrics import reduce_metrics_collective, reduce_metrics_on_one_device
 from substrax.explicit._pipeline import pipelined_value_and_grad
+from substrax.explicit._prologue import Prologue, Share, open_step
 from substrax.explicit._shard import (
     cast_like,
     check_placement,
@@ -55,10 +48,8 @@ from substrax.explicit._value_and_grad import (
     BatchSpec,
     explicit_value_and_grad,
     local_value_and_grad,
-    parameter_plans,
     with_aux,
 )
-from substrax.mesh import current_mesh
 
 __all__ = [
     "TPU_COMPILER_OPTIONS",
@@ -130,10 +121,10 @@ def explicit_train_step(
     loss_fn: Callable[[M, PyTree], Any],
     batch: PyTree,
     *,
+    has_aux: bool = False,
     mesh: Any = None,
     data_axis: str = "data",
     batch_spec: BatchSpec | None = None,
-    has_aux: bool = False,
     reduce: Mapping[str, str | None] | None = None,
     microbatches: int = 1,
     skip_nonfinite: bool = True,
@@ -171,22 +162,31 @@ def explicit_train_step(
     return run_step(model, optimizer, loss_fn, batch, options)[0]
 
 
-def run_step(
-    model: M,
-    optimizer: nnx.Optimizer[M],
-    loss_fn: Callable[[M, PyTree], Any],
-    batch: PyTree,
-    options: StepOptions,
-) -> tuple[Any, jax.Array | None]:
-    """``explicit_train_step`` with its keywords as one ``StepOptions``; also whether the update applied.
+@dataclasses.dataclass(frozen=True)
+class DeviceStep:
+    """What each device's share of the step runs with, beside its state and its shard.
 
-    Returns:
-      ``(out, applied)``: what ``explicit_train_step`` returns, and ``apply_update``'s flag.
+    Attributes:
+      opening: The step's ``Prologue`` (its plans: ``ParamSplit(None, None)`` when ``data`` has size 1).
+      options: The step's options.
+      value_and_grad: ``local_value_and_grad``, or ``pipelined_value_and_grad`` for a staged stack.
+      split_loss: ``loss_fn`` returning ``(loss, metrics)``, under the precision policy.
+      units: The units' paths (``unit_paths``), empty when ``data`` has size 1.
+      in_unit: The split parameters of the units, gathered only when their unit runs.
+      gather_plans: ``opening.plans`` with the units' parameters left split.
+      one_device: The rows are split over one device: no collective runs.
+      rest_specs: The partition specs of the state other than ``nnx.Param``.
     """
-    before = state_values((model, optimizer)) if options.skip_nonfinite else None
-    loss, metrics, grads = sharded_value_and_grad(model, optimizer, loss_fn, batch, options)
-    applied = apply_update(model, optimizer, grads, loss, before)
-    return ((loss, metrics) if options.has_aux else loss), applied
+
+    opening: Prologue
+    options: StepOptions
+    value_and_grad: Callable[..., tuple[jax.Array, Any, nnx.State]]
+    split_loss: Callable[..., tuple[Any, Any]]
+    units: dict[KeyPath, bool]
+    in_unit: frozenset[KeyPath]
+    gather_plans: dict[KeyPath, ParamSplit]
+    one_device: bool
+    rest_specs: PyTree
 
 
 def sharded_value_and_grad(
@@ -199,128 +199,146 @@ def sharded_value_and_grad(
     """The step's ``shard_map``: ``(loss, metrics, grads)``, each gradient reduced as the layout says
     (``optimizer=None``: every one whole), the model's other state updated in place."""
     o = options
-    data_axis, microbatches, reduce = o.data_axis, o.microbatches, o.reduce
-    mesh = current_mesh(o.mesh, required_axes=(data_axis,))
-    # the batch's rows: over data_axis, or over (replica, data) for hybrid sharding, where the
-    # loss, the metrics and the gradient are reduced over both and the state split over data only
-    hybrid = o.row_axes(mesh)
-    check_replica_axis(model, o.replica_axis, hybrid)
-    specs = batch_partition_specs(batch, o.batch_spec, mesh, hybrid)
-    rows = split_rows_over(specs, data_axis, hybrid)
-    replicas = tuple(a for a in spec_axes(rows) if a != data_axis)
-    check_microbatches(microbatches, batch, specs, mesh, rows)
-    plans = parameter_plans(model, optimizer, mesh, data_axis)
-    value_and_grad = local_value_and_grad
-    stack = pipeline_of(o, mesh, model)  # the staged stack's path, or None: no pipeline
-    if stack is not None:
-        value_and_grad = functools.partial(
-            pipelined_value_and_grad, schedule=o.schedule, stage_axis=STAGE_AXIS, stack_path=stack
-        )
-    graphdef, state = nnx.split(model)
-    state_specs = nnx.get_partition_spec(state)
-    rest_specs = nnx.get_partition_spec(nnx.state(model, nnx.Not(nnx.Param)))
-    precision = o.precision
-    reduce_dtype = None if precision is None else precision.reduce_dtype
-    split_loss = with_aux(loss_fn if precision is None else precision.loss_fn(loss_fn, o.has_aux), o.has_aux)
+    p = open_step(
+        model, optimizer, batch, mesh=o.mesh, data_axis=o.data_axis, batch_spec=o.batch_spec,
+        replica_axis=o.replica_axis, microbatches=o.microbatches,
+    )  # fmt: skip
+    step = _device_step(model, loss_fn, p, o)
+    p, data_axis = step.opening, o.data_axis
     # An axis of size 1 needs no collective: the state enters replicated over it (the same
     # placement), so nothing is typed as varying over it and none is emitted. On `data` the
     # batch enters whole too; on `model` the layers hold their whole parameters and run as
     # plain ones (XLA would keep psums over one-device groups).
-    for axis in (a for a, n in mesh.shape.items() if n == 1):
-        state_specs = without_axis_specs(state_specs, axis)
-        rest_specs = without_axis_specs(rest_specs, axis)
-    one_device = math.prod(mesh.shape[a] for a in spec_axes(rows)) == 1
-    if mesh.shape[data_axis] == 1:  # nothing split over one device: no gather, no unit (replicas alone)
-        plans = {p: ParamSplit(None, None) for p in plans}
-    units = {} if mesh.shape[data_axis] == 1 else unit_paths(model)
-    in_unit = {  # the split parameters of the units; the rest are gathered and reduced as before
-        tuple(p) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param)) if units and v.get_metadata().get(UNIT_KEY)
-    }
-    # a unit's parameters stay split until the unit runs (substrax.explicit._units)
-    gather_plans = {p: ParamSplit(None, None) if p in in_unit else plan for p, plan in plans.items()}
-    shard_specs = without_axis_specs(specs, data_axis) if one_device else specs
-    if one_device:
-        for axis in replicas:
+    state_specs = _without_single_axes(p.state_specs, p.mesh)
+    shard_specs = p.specs
+    if step.one_device:
+        for axis in (data_axis, *p.replicas):
             shard_specs = without_axis_specs(shard_specs, axis)
     grad_specs = nnx.from_flat_state(
         [
-            (p, gradient_spec(v, plans[tuple(p)].update_dim, data_axis))
-            for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+            (path, gradient_spec(v, p.plans[tuple(path)].update_dim, data_axis))
+            for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
         ]
     )
-
-    def per_device(state: nnx.State, shard: PyTree) -> tuple[nnx.State, nnx.State, jax.Array, dict[str, Any]]:
-        model = nnx.merge(graphdef, state)
-        if one_device:
-            held = {p: v.get_value() for p, v in param_vars(model).items()}
-            if precision is not None:
-                for variable in param_vars(model).values():
-                    variable.set_value(precision.cast_params(variable.get_value()))
-            loss, metrics, grads = value_and_grad(
-                model,
-                split_loss,
-                shard,
-                specs,
-                data_axis=data_axis,
-                microbatches=microbatches,
-                one_device=True,
-                accumulate_dtype=reduce_dtype,
-            )
-        else:
-            held = gather_whole_varying(  # with units, the rest is the root unit: gathered together
-                model, gather_plans, data_axis, None if precision is None else precision.param_dtype, bool(units),
-                rows=rows,
-            )  # fmt: skip
-            running = units_running(
-                model,
-                units,
-                data_axis,
-                plans,
-                in_unit,
-                None if precision is None else precision.param_dtype,
-                reduce_dtype,
-                prefetched_units(model),
-            )
-            with per_device_random_streams(model, rows), running:
-                loss, metrics, grads = value_and_grad(
-                    model,
-                    split_loss,
-                    shard,
-                    specs,
-                    data_axis=rows,
-                    microbatches=microbatches,
-                    accumulate_dtype=reduce_dtype,
-                )
-            if precision is not None:  # reduced in the policy's dtype
-                grads = jax.tree.map(lambda g: g.astype(reduce_dtype), grads)
-            grads = reduce_gradients(
-                grads, plans, data_axis, done=in_unit, grouped=bool(units), replicas=replicas
-            )
-        if precision is not None:  # the update runs in the parameters' own dtype
-            grads = cast_like(grads, held)
-        check_reduced_over_other_axes(loss, metrics, rows)
-        if microbatches > 1:
-            metrics = fold_microbatch_metrics(metrics, reduce)
-        if one_device:
-            metrics = reduce_metrics_on_one_device(metrics, reduce)
-        else:
-            with jax.named_scope(scopes.METRICS):
-                metrics = reduce_metrics_collective(metrics, reduce, rows)
-        rest = nnx.state(model, nnx.Not(nnx.Param))
-        if not one_device:
-            rest = settle_per_device_state(rest, rest_specs, rows)
-        return rest, grads, loss, metrics
-
     run = jax.shard_map(
-        per_device,
-        mesh=mesh,
+        functools.partial(per_device, step),
+        mesh=p.mesh,
         in_specs=(state_specs, shard_specs),
-        out_specs=(rest_specs, grad_specs, PartitionSpec(), PartitionSpec()),
+        out_specs=(step.rest_specs, grad_specs, PartitionSpec(), PartitionSpec()),
         check_vma=True,
     )
     # reduce-scatters in the form the mesh's platform takes (the TrainStep's own jit sets it too)
-    platform = platform_of(mesh)
+    platform = platform_of(p.mesh)
     with rows_for(platform) if platform else contextlib.nullcontext():
-        rest, grads, loss, metrics = run(state, batch)
+        rest, grads, loss, metrics = run(p.state, batch)
     nnx.update(model, rest)
     return loss, metrics, grads
+
+
+# ``explicit_train_step`` with its keywords as one ``StepOptions``: ``(out, applied)``, what
+# ``explicit_train_step`` returns and whether the update applied (the mode chooser's entry)
+run_step = functools.partial(update_step, sharded_value_and_grad)
+
+
+def _without_single_axes(specs: PyTree, mesh: Any) -> PyTree:
+    """``specs`` without the mesh's axes of size 1."""
+    for axis in (a for a, n in mesh.shape.items() if n == 1):
+        specs = without_axis_specs(specs, axis)
+    return specs
+
+
+def _device_step(model: nnx.Module, loss_fn: Callable[..., Any], p: Prologue, o: StepOptions) -> DeviceStep:
+    """The ``DeviceStep`` of ``model``'s step on ``p``: its gradient function, its units, its plans."""
+    value_and_grad: Callable[..., Any] = local_value_and_grad
+    stack = pipeline_of(o, p.mesh, model)  # the staged stack's path, or None: no pipeline
+    if stack is not None:
+        value_and_grad = functools.partial(
+            pipelined_value_and_grad, schedule=o.schedule, stage_axis=STAGE_AXIS, stack_path=stack
+        )
+    precision = o.precision
+    split_loss = with_aux(loss_fn if precision is None else precision.loss_fn(loss_fn, o.has_aux), o.has_aux)
+    # nothing split over one device: no gather, no unit (replicas alone)
+    single = p.mesh.shape[o.data_axis] == 1
+    if single:
+        p = dataclasses.replace(p, plans={path: ParamSplit(None, None) for path in p.plans})
+    units = {} if single else unit_paths(model)
+    in_unit = frozenset(  # the split parameters of the units; the rest are gathered and reduced as before
+        tuple(path)
+        for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+        if units and v.get_metadata().get(UNIT_KEY)
+    )
+    # a unit's parameters stay split until the unit runs (substrax.explicit._units)
+    gather_plans = {q: ParamSplit(None, None) if q in in_unit else plan for q, plan in p.plans.items()}
+    one_device = math.prod(p.mesh.shape[a] for a in spec_axes(p.rows)) == 1
+    rest_specs = _without_single_axes(nnx.get_partition_spec(nnx.state(model, nnx.Not(nnx.Param))), p.mesh)
+    return DeviceStep(p, o, value_and_grad, split_loss, units, in_unit, gather_plans, one_device, rest_specs)
+
+
+def per_device(
+    step: DeviceStep, state: nnx.State, shard: PyTree
+) -> tuple[nnx.State, nnx.State, jax.Array, dict[str, Any]]:
+    """One device's share of the step: ``(rest, grads, loss, metrics)``, each reduced."""
+    model = nnx.merge(step.opening.graphdef, state)
+    if step.one_device:
+        held, (loss, metrics, grads) = _grads_on_one_device(step, model, shard)
+    else:
+        held, (loss, metrics, grads) = _grads_over_devices(step, model, shard)
+    if step.options.precision is not None:  # the update runs in the parameters' own dtype
+        grads = cast_like(grads, held)
+    rows, reduce = step.opening.rows, step.options.reduce
+    check_reduced_over_other_axes(loss, metrics, rows)
+    if step.options.microbatches > 1:
+        metrics = fold_microbatch_metrics(metrics, reduce)
+    if step.one_device:
+        metrics = reduce_metrics_on_one_device(metrics, reduce)
+    else:
+        with jax.named_scope(scopes.METRICS):
+            metrics = reduce_metrics_collective(metrics, reduce, rows)
+    rest = nnx.state(model, nnx.Not(nnx.Param))
+    if not step.one_device:
+        rest = settle_per_device_state(rest, step.rest_specs, rows)
+    return rest, grads, loss, metrics
+
+
+def _grads_on_one_device(step: DeviceStep, model: nnx.Module, shard: PyTree) -> tuple[Any, Any]:
+    """``(held, (loss, metrics, grads))`` where the rows are on one device: no collective."""
+    precision, p = step.options.precision, step.opening
+    held = {path: v.get_value() for path, v in param_vars(model).items()}
+    if precision is not None:
+        for variable in param_vars(model).values():
+            variable.set_value(precision.cast_params(variable.get_value()))
+    return held, _value_and_grad(step, model, shard, p.data_axis, one_device=True)
+
+
+def _grads_over_devices(step: DeviceStep, model: nnx.Module, shard: PyTree) -> tuple[Any, Any]:
+    """``(held, (loss, metrics, grads))`` with the parameters gathered and the gradients reduced."""
+    precision, p, data_axis = step.options.precision, step.opening, step.opening.data_axis
+    param_dtype, reduce_dtype = None if precision is None else precision.param_dtype, _reduce_dtype(precision)
+    units = bool(step.units)
+    held = gather_whole_varying(  # with units, the rest is the root unit: gathered together
+        model, step.gather_plans, data_axis, param_dtype, units, rows=p.rows
+    )
+    running = units_running(
+        model, step.units, data_axis, p.plans, step.in_unit, param_dtype, reduce_dtype,
+        prefetched_units(model),
+    )
+    with per_device_random_streams(model, p.rows), running:
+        loss, metrics, grads = _value_and_grad(step, model, shard, p.rows, one_device=False)
+    if precision is not None:  # reduced in the policy's dtype
+        grads = jax.tree.map(lambda g: g.astype(reduce_dtype), grads)
+    grads = reduce_gradients(grads, p.plans, data_axis, done=step.in_unit, grouped=units, replicas=p.replicas)
+    return held, (loss, metrics, grads)
+
+
+def _value_and_grad(
+    step: DeviceStep, model: nnx.Module, shard: PyTree, rows: str | tuple[str, ...], *, one_device: bool
+) -> tuple[jax.Array, Any, nnx.State]:
+    """``step.value_and_grad`` on this device's ``shard``, its rows split over ``rows``."""
+    o = step.options
+    share = Share(step.opening.specs, rows, o.microbatches, one_device, _reduce_dtype(o.precision))
+    return step.value_and_grad(model, step.split_loss, shard, share)
+
+
+def _reduce_dtype(precision: MixedPrecision | None) -> Any:
+    """The dtype the gradients are reduced in: the policy's, or None (their own)."""
+    return None if precision is None else precision.reduce_dtype

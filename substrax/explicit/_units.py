@@ -281,94 +281,109 @@ def run_unit(module: nnx.Module, call: Any, args: tuple[Any, ...], kwargs: dict[
             f"gathers the next layer of a stacked unit that substrax.nn.scan_layers runs. Run the "
             f"stack with substrax.nn.scan_layers(stack, x), or place it with prefetch=False."
         )
-    graphdef, state = nnx.split(module)
-    flat = list(nnx.to_flat_state(state))
-    split_at = [i for i, (p, v) in enumerate(flat) if isinstance(v, nnx.Param) and run.dims.get(tuple(p)) is not None]
-    other_at = [i for i in range(len(flat)) if i not in set(split_at)]
-    shards = [flat[i][1].get_value() for i in split_at]
-    dims = [run.dim_of(tuple(flat[i][0]), tuple(s.shape)) for i, s in zip(split_at, shards, strict=True)]
-    shapes = [tuple(s.shape) for s in shards]
-    shard_dtypes = [s.dtype for s in shards]
-    shard_types = [varying_other(s, run.axis) for s in shards]
-    others = [flat[i][1].get_value() for i in other_at]
-    in_arrays, rebuild = _array_args(args, kwargs)
+    c = _UnitCall(module, run, call, args, kwargs)
+    unit = jax.custom_vjp(c.primal)
+    unit.defvjp(c.forward, c.backward, symbolic_zeros=True)
+    out, rest = unit(c.shards, c.others, c.in_arrays)
+    rest_at = [i for i in c.other_at if not isinstance(c.flat[i][1], nnx.Param)]
+    for i, value in zip(rest_at, rest, strict=True):
+        c.flat[i][1].set_value(value)
+    nnx.update(module, nnx.from_flat_state(c.flat))
+    return out
 
-    def apply(wholes: list[Any], others: list[Any], arrays: list[Any]) -> tuple[Any, list[Any]]:
-        m = _merged_module(graphdef, flat, split_at, wholes, other_at, others)
-        a, k = rebuild(arrays)
-        out = call(m, *a, **k)
+
+class _UnitCall:
+    """One call of a unit: its state as the split parameters (``shards``) and the rest (``others``),
+    and the custom VJP's rules, which gather the shards just in time and reduce-scatter their gradient."""
+
+    def __init__(self, module: nnx.Module, run: _UnitRun, call: Any, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> None:  # fmt: skip
+        self.run, self.call = run, call
+        self.graphdef, state = nnx.split(module)
+        self.flat = flat = list(nnx.to_flat_state(state))
+        self.split_at = split_at = [
+            i for i, (p, v) in enumerate(flat) if isinstance(v, nnx.Param) and run.dims.get(tuple(p)) is not None
+        ]
+        self.other_at = [i for i in range(len(flat)) if i not in set(split_at)]
+        self.shards = shards = [flat[i][1].get_value() for i in split_at]
+        self.dims = [run.dim_of(tuple(flat[i][0]), tuple(s.shape)) for i, s in zip(split_at, shards, strict=True)]
+        self.shapes = [tuple(s.shape) for s in shards]
+        self.shard_dtypes = [s.dtype for s in shards]
+        self.shard_types = [varying_other(s, run.axis) for s in shards]
+        self.others = [flat[i][1].get_value() for i in self.other_at]
+        self.in_arrays, self.rebuild = _array_args(args, kwargs)
+        # What this call's latest trace recorded: jax traces the primal alone where the unit is not
+        # differentiated (a pipeline's forward slot), ``forward`` alone under AD, both where AD
+        # follows a staged trace (a scan's body), ``forward`` twice for a scan's tangents: each trace
+        # records the layers' collectives anew, in place of the last one's.
+        self.traced: list[Any] = []
+        self.layout: dict[str, Any] = {}  # a trace's static facts: the residuals' layout, what is perturbed
+
+    def apply(self, wholes: list[Any], others: list[Any], arrays: list[Any]) -> tuple[Any, list[Any]]:
+        """The unit's call on its whole parameters: ``(out, the state other than nnx.Param after)``."""
+        m = _merged_module(self.graphdef, self.flat, self.split_at, wholes, self.other_at, others)
+        a, k = self.rebuild(arrays)
+        out = self.call(m, *a, **k)
         after = [v.get_value() for _, v in nnx.to_flat_state(nnx.state(m))]
-        return out, [after[i] for i in other_at if not isinstance(flat[i][1], nnx.Param)]
+        return out, [after[i] for i in self.other_at if not isinstance(self.flat[i][1], nnx.Param)]
 
-    cast = run.cast
+    def gathered(self, shards: list[Any], anchor: Any) -> list[Any]:
+        """The whole parameters of ``shards``, gathered after ``anchor`` is computed."""
+        return gather_grouped(self.run.cast([_after(s, anchor) for s in shards]), self.dims, self.run.axis)
 
-    # What this call's latest trace recorded: jax traces the primal alone where the unit is not
-    # differentiated (a pipeline's forward slot), ``forward`` alone under AD, both where AD
-    # follows a staged trace (a scan's body), ``forward`` twice for a scan's tangents: each trace
-    # records the layers' collectives anew, in place of the last one's.
-    traced: list[Any] = []
-
-    @jax.custom_vjp
-    def unit(shards: list[Any], others: list[Any], arrays: list[Any]) -> tuple[Any, list[Any]]:
-        start = _retraced(traced)
-        out = apply(gather_grouped(cast([_after(s, arrays) for s in shards]), dims, run.axis), others, arrays)
-        _traced(traced, start)
+    def primal(self, shards: list[Any], others: list[Any], arrays: list[Any]) -> tuple[Any, list[Any]]:
+        start = _retraced(self.traced)
+        out = self.apply(self.gathered(shards, arrays), others, arrays)
+        _traced(self.traced, start)
         return out
 
-    def forward(shards: list[Any], others: list[Any], arrays: list[Any]) -> tuple[Any, Any]:
-        start = _retraced(traced)
+    def forward(self, shards: list[Any], others: list[Any], arrays: list[Any]) -> tuple[Any, Any]:
+        start = _retraced(self.traced)
         try:
-            return _forward(shards, others, arrays)
+            return self._forward(shards, others, arrays)
         finally:
-            _traced(traced, start)
+            _traced(self.traced, start)
 
-    def _forward(shards: list[Any], others: list[Any], arrays: list[Any]) -> tuple[Any, Any]:
+    def _forward(self, shards: list[Any], others: list[Any], arrays: list[Any]) -> tuple[Any, Any]:
         # each input arrives as CustomVJPPrimal(value, perturbed) (symbolic_zeros=True): the VJP
         # is taken with respect to the perturbed ones only, so a unit whose input needs no
         # gradient (the batch) transposes nothing of that path, as AD without a unit would not
+        layout = self.layout
         shards = [p.value for p in shards]
         layout["others"] = [p.perturbed for p in others]
         layout["arrays"] = [p.perturbed for p in arrays]
         o_vals, a_vals = [p.value for p in others], [p.value for p in arrays]
 
         def call(w: list[Any], o: list[Any], a: list[Any]) -> tuple[Any, list[Any]]:
-            return apply(w, merged(o_vals, layout["others"], o), merged(a_vals, layout["arrays"], a))
+            return self.apply(w, merged(o_vals, layout["others"], o), merged(a_vals, layout["arrays"], a))
 
-        wholes = gather_grouped(cast([_after(s, a_vals) for s in shards]), dims, run.axis)
+        wholes = self.gathered(shards, a_vals)
         o_in, a_in = picked(o_vals, layout["others"]), picked(a_vals, layout["arrays"])
         out, vjp = jax.vjp(call, wholes, o_in, a_in)
         layout["out"] = [jax.typeof(x) for x in jax.tree.leaves(out)]
-        if not run.reshard:
+        if not self.run.reshard:
             return out, (shards, vjp)
         ids = {id(w): i for i, w in enumerate(wholes)}
         leaves, layout["tree"] = jax.tree.flatten(vjp)
         layout["where"] = where = [ids.get(id(x), -1) for x in leaves]
         return out, (shards, [None if w >= 0 else x for x, w in zip(leaves, where)])
 
-    layout: dict[str, Any] = {}  # a trace's static facts: the residuals' layout, what is perturbed
-
-    def backward(res: Any, ct: Any) -> tuple[Any, Any, Any]:
+    def backward(self, res: Any, ct: Any) -> tuple[Any, Any, Any]:
         shards, vjp = res
+        layout = self.layout
         leaves, tree = jax.tree.flatten(ct, is_leaf=lambda c: isinstance(c, SymbolicZero))
         ct = jax.tree.unflatten(tree, [zeros_of_type(a) if isinstance(c, SymbolicZero) else c
                                        for c, a in zip(leaves, layout["out"], strict=True)])  # fmt: skip
-        if run.reshard:  # the parameters again, once the cotangent exists
+        if self.run.reshard:  # the parameters again, once the cotangent exists
             tree, where = layout["tree"], layout["where"]
-            wholes = gather_grouped(cast([_after(s, ct) for s in shards]), dims, run.axis)
+            wholes = self.gathered(shards, ct)
             vjp = jax.tree.unflatten(tree, [wholes[w] if w >= 0 else x for x, w in zip(vjp, where)])
         d_wholes, d_others, d_arrays = vjp(ct)
-        d_shards = scatter_grouped(d_wholes, shapes, dims, run.axis, run.reduce_dtype, shard_types)
-        d_shards = [g.astype(dt) for g, dt in zip(d_shards, shard_dtypes, strict=True)]
+        d_shards = scatter_grouped(d_wholes, self.shapes, self.dims, self.run.axis, self.run.reduce_dtype,
+                                   self.shard_types)  # fmt: skip
+        d_shards = [g.astype(dt) for g, dt in zip(d_shards, self.shard_dtypes, strict=True)]
         return (
             d_shards,
             merged([None] * len(layout["others"]), layout["others"], d_others),
             merged([None] * len(layout["arrays"]), layout["arrays"], d_arrays),
         )
-
-    unit.defvjp(forward, backward, symbolic_zeros=True)
-    out, rest = unit(shards, others, in_arrays)
-    rest_at = [i for i in other_at if not isinstance(flat[i][1], nnx.Param)]
-    for i, value in zip(rest_at, rest, strict=True):
-        flat[i][1].set_value(value)
-    nnx.update(module, nnx.from_flat_state(flat))
-    return out

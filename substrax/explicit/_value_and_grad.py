@@ -11,26 +11,23 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from substrax._base import declared
-from substrax._base.specs import spec_axes
 from substrax._batch.leaves import BatchSpec
-from substrax._batch.placement import batch_partition_specs
-from substrax._layout import REPLICA_AXIS, ParamSplit, check_mesh_axes, gradient_spec, parameter_splits
+from substrax._layout import REPLICA_AXIS, ParamSplit, gradient_spec
 from substrax._base import scopes
 from substrax._shared.loss import loss_and_metrics
-from substrax._shared.microbatch import microbatched, split_microbatches, split_rows_over
+from substrax._shared.microbatch import microbatched, split_microbatches
 from substrax._shared.precision import MixedPrecision
-from substrax._base.trees import KeyPath, PyTree
+from substrax._base.trees import PyTree
 from substrax.explicit._grad import data_parallel_value_and_grad
 from substrax.explicit._shard import (
     cast_like,
-    check_layers_take_blocks,
     gather_whole_varying,
     reduce_gradients,
     varying_carry,
 )
-from substrax.mesh import current_mesh
+from substrax.explicit._prologue import Share, open_step
 
-__all__ = ["BatchSpec", "explicit_value_and_grad", "local_value_and_grad", "parameter_plans", "with_aux"]
+__all__ = ["BatchSpec", "explicit_value_and_grad", "local_value_and_grad", "with_aux"]
 
 M = TypeVar("M", bound=nnx.Module)
 
@@ -46,40 +43,16 @@ def with_aux(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., tuple[
     return run
 
 
-def parameter_plans(
-    model: nnx.Module, optimizer: nnx.Optimizer[Any] | None, mesh: Any, data_axis: str
-) -> dict[KeyPath, ParamSplit]:
-    """Each parameter's ``ParamSplit`` over ``data_axis`` (``substrax._layout.parameter_splits``).
-
-    The gradient is reduce-scattered on ``update_dim`` and all-reduced where it is
-    ``None``. The update runs on the global arrays after the ``shard_map``, so this
-    choice moves bytes, never values.
-    """
-    check_mesh_axes(model, mesh, "model")
-    check_layers_take_blocks(model, data_axis)
-    if optimizer is not None:
-        check_mesh_axes(optimizer, mesh, "optimizer")
-    return parameter_splits(model, optimizer, data_axis)
-
-
 def local_value_and_grad(
-    model: nnx.Module,
-    split_loss: Callable[..., tuple[Any, Any]],
-    shard: PyTree,
-    specs: PyTree,
-    *,
-    data_axis: str,
-    microbatches: int,
-    one_device: bool = False,
-    accumulate_dtype: Any = None,
+    model: nnx.Module, split_loss: Callable[..., tuple[Any, Any]], shard: PyTree, share: Share
 ) -> tuple[jax.Array, Any, nnx.State]:
     """The global loss, this device's metrics and its unreduced share of the gradient.
 
-    ``model``'s parameters must hold their whole values, varying over ``data_axis``.
-    With ``microbatches > 1`` a ``lax.scan`` runs ``grad`` on each slice of the shard
-    and sums the shares; the metrics gain a leading microbatch axis. ``one_device``:
-    the axis has size 1 and nothing varies over it; no collective runs.
+    ``model``'s parameters must hold their whole values, varying over ``share.rows``.
+    With ``share.microbatches > 1`` a ``lax.scan`` runs ``grad`` on each slice of the
+    shard and sums the shares; the metrics gain a leading microbatch axis.
     """
+    data_axis, microbatches, one_device = share.rows, share.microbatches, share.one_device
     if microbatches == 1:
         if one_device:
             value_and_grad = nnx.value_and_grad(split_loss, has_aux=True)
@@ -92,18 +65,18 @@ def local_value_and_grad(
     # The loss itself is averaged once, after the loop.
     devices = 1 if one_device else jax.lax.axis_size(data_axis)
 
-    def share(m: nnx.Module, piece: PyTree) -> tuple[Any, Any]:
+    def own_share(m: nnx.Module, piece: PyTree) -> tuple[Any, Any]:
         loss, aux = loss_and_metrics(split_loss(m, piece), True)
         return loss / devices, aux
 
-    slices = split_microbatches(shard, specs, data_axis, microbatches)
+    slices = split_microbatches(shard, share.specs, data_axis, microbatches)
     prepare = None if one_device else functools.partial(varying_carry, data_axis=data_axis)
     (loss, metrics), grads = microbatched(
-        nnx.value_and_grad(share, has_aux=True),
+        nnx.value_and_grad(own_share, has_aux=True),
         model,
         slices,
         prepare_carry=prepare,
-        accumulate_dtype=accumulate_dtype,
+        accumulate_dtype=share.accumulate_dtype,
     )
     if one_device:
         return loss, metrics, grads
@@ -141,40 +114,32 @@ def explicit_value_and_grad(
       with respect to ``nnx.Param``, in the parameters' dtype: whole over ``data_axis``,
       split over another axis (``model``) where the parameter is.
     """
-    mesh = current_mesh(mesh, required_axes=(data_axis,))
-    hybrid = (REPLICA_AXIS, data_axis) if REPLICA_AXIS in mesh.axis_names and REPLICA_AXIS != data_axis else data_axis
-    specs = batch_partition_specs(batch, batch_spec, mesh, hybrid)
-    rows = split_rows_over(specs, data_axis, hybrid)  # over (replica, data) for hybrid sharding
-    replicas = tuple(a for a in spec_axes(rows) if a != data_axis)
-    plans = {
-        p: ParamSplit(plan.gather_dim, None)
-        for p, plan in parameter_plans(model, None, mesh, data_axis).items()
-    }
-    graphdef, state = nnx.split(model)
-    state_specs = nnx.get_partition_spec(state)
+    p = open_step(
+        model, None, batch, mesh=mesh, data_axis=data_axis, batch_spec=batch_spec,
+        replica_axis=REPLICA_AXIS, check_replica=False,
+    )  # fmt: skip
+    plans = {q: ParamSplit(plan.gather_dim, None) for q, plan in p.plans.items()}  # every gradient whole
 
     def per_device(state: nnx.State, shard: PyTree) -> tuple[jax.Array, nnx.State]:
-        model = nnx.merge(graphdef, state)
+        model = nnx.merge(p.graphdef, state)
         held = gather_whole_varying(
-            model, plans, data_axis, None if precision is None else precision.param_dtype, rows=rows
+            model, plans, data_axis, None if precision is None else precision.param_dtype, rows=p.rows
         )
         run_loss = loss_fn if precision is None else precision.loss_fn(loss_fn, False)
-        loss, _, grads = local_value_and_grad(
-            model, with_aux(run_loss, False), shard, specs, data_axis=rows, microbatches=1
-        )
+        loss, _, grads = local_value_and_grad(model, with_aux(run_loss, False), shard, Share(p.specs, p.rows))
         if precision is not None:
             grads = jax.tree.map(lambda g: g.astype(precision.reduce_dtype), grads)
-        grads = reduce_gradients(grads, plans, data_axis, replicas=replicas)
+        grads = reduce_gradients(grads, plans, data_axis, replicas=p.replicas)
         return loss, cast_like(grads, held)
 
     grad_specs = nnx.from_flat_state(
-        [(p, gradient_spec(v, None, data_axis)) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))]
+        [(q, gradient_spec(v, None, data_axis)) for q, v in nnx.to_flat_state(nnx.state(model, nnx.Param))]
     )
     run = jax.shard_map(
         per_device,
-        mesh=mesh,
-        in_specs=(state_specs, specs),
+        mesh=p.mesh,
+        in_specs=(p.state_specs, p.specs),
         out_specs=(PartitionSpec(), grad_specs),
         check_vma=True,
     )
-    return run(state, batch)
+    return run(p.state, batch)

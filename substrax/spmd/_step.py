@@ -13,7 +13,7 @@ from substrax._layout import check_mesh_axes, check_replica_axis
 from substrax._shared.microbatch import check_microbatches, unfold_global_gather
 from substrax._shared.options import StepOptions, options_from
 from substrax._shared.precision import MixedPrecision
-from substrax._shared.update import apply_update, state_values
+from substrax._shared.update import update_step
 from substrax.mesh import current_mesh, current_mesh_with
 from substrax.spmd._grad import global_value_and_grad
 from substrax.spmd._metrics import reduce_metrics
@@ -112,15 +112,16 @@ def run_step(
       ``(out, applied)``: what ``spmd_train_step`` returns, and ``apply_update``'s flag.
     """
     o = options
-    before = state_values((model, optimizer)) if o.skip_nonfinite else None
+    out, applied, ways, found = update_step(_value_and_grad, model, optimizer, loss_fn, batch, o)
+    if not o.has_aux or o.reduce is None:
+        return out, applied
+    loss, aux = out
+    if o.microbatches > 1:
+        aux = {n: unfold_global_gather(v, ways) if o.reduce.get(n) == "gather" else v for n, v in aux.items()}
+    return (loss, reduce_metrics(aux, o.reduce, mesh=found)), applied
+
+
+def _value_and_grad(model: M, optimizer: Any, loss_fn: Callable[..., Any], batch: PyTree, o: StepOptions) -> Any:
+    """``global_gradients`` as ``update_step`` takes it: ``(loss, aux, grads, ways, mesh)``."""
     (loss, aux), grads, ways, found = global_gradients(model, loss_fn, batch, o)
-    applied = apply_update(model, optimizer, grads, loss, before)
-    if not o.has_aux:
-        return loss, applied
-    if o.reduce is not None:
-        if o.microbatches > 1:
-            aux = {
-                n: unfold_global_gather(v, ways) if o.reduce.get(n) == "gather" else v for n, v in aux.items()
-            }
-        aux = reduce_metrics(aux, o.reduce, mesh=found)
-    return (loss, aux), applied
+    return loss, aux, grads, ways, found
