@@ -113,6 +113,7 @@ def _checked_layout(layout: Any, units: UnitsSpec) -> LayoutKind:
 
 
 def _checked_arguments(optimizer: Any, min_size: Any) -> None:
+    """Refuse an ``optimizer`` that is no ``nnx.Optimizer`` and a ``min_size`` that is no count."""
     if not isinstance(optimizer, nnx.Optimizer):
         raise TypeError(f"shard_state takes the model's nnx.Optimizer; got {type(optimizer).__name__}.")
     if isinstance(min_size, bool) or not isinstance(min_size, int):
