@@ -52,6 +52,7 @@ from substrax._layout._units import (
     mark_units,
     note_layers,
     prefetched_units,
+    recording_into,
     recording_layers,
     unit_paths,
 )
@@ -69,6 +70,7 @@ __all__ = [
     "mark_units",
     "note_layers",
     "prefetched_units",
+    "recording_into",
     "recording_layers",
     "unit_paths",
     "LAYOUTS",

@@ -123,6 +123,24 @@ def check_optimizer_of(model: nnx.Module, optimizer: nnx.Optimizer[Any]) -> None
         )
 
 
+def _leaves_by_owner(
+    model: nnx.Module, optimizer: nnx.Optimizer[Any], *, same_shape: bool
+) -> dict[tuple[Any, ...], tuple[tuple[Any, ...], ...]]:
+    """Each parameter's path, with the paths of its optimizer leaves (at least 1-d, under ``opt_state``)
+    of its own shape (``same_shape``) or of another."""
+    params = {p: v for p, v in flat_state(model) if isinstance(v, nnx.Param)}
+    found: dict[tuple[Any, ...], list[tuple[Any, ...]]] = {p: [] for p in params}
+    for path, variable in flat_state(optimizer):
+        if path[:1] != ("opt_state",) or np.ndim(variable.get_value()) == 0:
+            continue
+        owner = _owner(path, params)
+        if owner is None:
+            continue
+        if (np.shape(variable.get_value()) == np.shape(params[owner].get_value())) == same_shape:
+            found[owner].append(path)
+    return {p: tuple(f) for p, f in found.items()}
+
+
 def optimizer_mirrors(
     model: nnx.Module, optimizer: nnx.Optimizer[Any]
 ) -> dict[tuple[Any, ...], tuple[tuple[Any, ...], ...]]:
@@ -135,15 +153,7 @@ def optimizer_mirrors(
         names the first leaf that differs.
     """
     check_optimizer_of(model, optimizer)
-    params = {p: v for p, v in flat_state(model) if isinstance(v, nnx.Param)}
-    mirrors: dict[tuple[Any, ...], list[tuple[Any, ...]]] = {p: [] for p in params}
-    for path, variable in flat_state(optimizer):
-        if path[:1] != ("opt_state",) or np.ndim(variable.get_value()) == 0:
-            continue
-        owner = _owner(path, params)
-        if owner is not None and np.shape(variable.get_value()) == np.shape(params[owner].get_value()):
-            mirrors[owner].append(path)
-    return {p: tuple(m) for p, m in mirrors.items()}
+    return _leaves_by_owner(model, optimizer, same_shape=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,12 +197,4 @@ def optimizer_followers(
     not the parameter's: adafactor's ``v_row``/``v_col`` and ``(1,)`` placeholders, for
     example. ``shard_state`` splits one on ``follow_dim`` of it, when that is not None.
     """
-    params = {p: v for p, v in flat_state(model) if isinstance(v, nnx.Param)}
-    followers: dict[tuple[Any, ...], list[tuple[Any, ...]]] = {p: [] for p in params}
-    for path, variable in flat_state(optimizer):
-        if path[:1] != ("opt_state",) or np.ndim(variable.get_value()) == 0:
-            continue
-        owner = _owner(path, params)
-        if owner is not None and np.shape(variable.get_value()) != np.shape(params[owner].get_value()):
-            followers[owner].append(path)
-    return {p: tuple(f) for p, f in followers.items()}
+    return _leaves_by_owner(model, optimizer, same_shape=False)

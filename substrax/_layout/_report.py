@@ -195,34 +195,43 @@ def layout_of(
     """
     adopt_assigned_arrays(optimizer)  # an array assigned where the optimizer held a variable
     axis = data_axis if axis is None else axis
-    if axis_size is None:
-        meshes = [
-            v.get_value().sharding.mesh
-            for _, v in flat_state((model, optimizer))
-            if isinstance(getattr(v.get_value(), "sharding", None), NamedSharding)
-        ]
-        with_axis = [m for m in meshes if axis in m.axis_names]
-        if not with_axis:
-            found = current_mesh_with(axis, mesh)
-            with_axis = [found] if found is not None else []
-        axis_size = with_axis[0].shape[axis] if with_axis else 1
-        sizes = dict(with_axis[0].shape) if with_axis else {}
-    else:
-        sizes = {}
+    axis_size, sizes = _axis_sizes(model, optimizer, mesh, axis, axis_size)
+    rows = _rows(model, optimizer, axis, axis_size, sizes)
+    return Layout(_kind_of(model, rows) if kind is None else kind, axis, axis_size, rows)
+
+
+def _axis_sizes(
+    model: nnx.Module, optimizer: nnx.Optimizer[Any], mesh: Mesh | None, axis: str, axis_size: int | None
+) -> tuple[int, dict[str, int]]:
+    """``axis``'s size (``axis_size`` if given) and each mesh axis's, from the mesh the state is on."""
+    if axis_size is not None:
         try:
-            sizes = dict(current_mesh(mesh).shape)
+            return axis_size, dict(current_mesh(mesh).shape)
         except ValueError:
             if mesh is not None:
                 raise
+            return axis_size, {}
+    meshes = [
+        v.get_value().sharding.mesh
+        for _, v in flat_state((model, optimizer))
+        if isinstance(getattr(v.get_value(), "sharding", None), NamedSharding)
+    ]
+    with_axis = [m for m in meshes if axis in m.axis_names]
+    if not with_axis:
+        found = current_mesh_with(axis, mesh)
+        with_axis = [found] if found is not None else []
+    return (with_axis[0].shape[axis], dict(with_axis[0].shape)) if with_axis else (1, {})
+
+
+def _rows(
+    model: nnx.Module, optimizer: nnx.Optimizer[Any], axis: str, axis_size: int, sizes: dict[str, int]
+) -> tuple[LeafPlacement, ...]:
+    """One ``LeafPlacement`` per array of the state (typed keys left out), read from its metadata."""
     rows = []
     for owner, tree in (("model", model), ("optimizer", optimizer)):
         for path, variable in flat_state(tree):
             value = variable.get_value()
-            if not hasattr(value, "shape"):
-                continue
-            dtype = value.dtype
-            name = "key" if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) else np.dtype(dtype).name
-            if name == "key":
+            if not hasattr(value, "shape") or jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
                 continue
             shape = tuple(value.shape)
             others = tuple(
@@ -230,27 +239,23 @@ def layout_of(
                 for d, entry in enumerate(without_axis(spec_tuple(variable), len(shape), axis))
                 for a in spec_axes(entry)
             )
-            rows.append(
-                LeafPlacement(
-                    owner,
-                    path_str(path, owner),
-                    shape,
-                    name,
-                    split_dim_of(spec_tuple(variable), axis),
-                    axis_size,
-                    others,
-                    axis,
-                )
-            )
-    if kind is None:
-        split_model = any(r.split_dim is not None and r.owner == "model" for r in rows)
-        split_opt = any(r.split_dim is not None and r.owner == "optimizer" for r in rows)
-        kind = "fsdp" if split_model else "zero1" if split_opt else "replicated"
-        meshes = [getattr(getattr(v.get_value(), "sharding", None), "mesh", None) for v in _params_of(model)]
-        hybrid = replica_axis_of(model) is not None
-        if kind == "fsdp" and (hybrid or any(REPLICA_AXIS in getattr(m, "axis_names", ()) for m in meshes)):
-            kind = "hsdp"
-    return Layout(kind, axis, axis_size, tuple(rows))
+            split = split_dim_of(spec_tuple(variable), axis)
+            name, dtype = path_str(path, owner), np.dtype(value.dtype).name
+            rows.append(LeafPlacement(owner, name, shape, dtype, split, axis_size, others, axis))
+    return tuple(rows)
+
+
+def _kind_of(model: nnx.Module, rows: tuple[LeafPlacement, ...]) -> LayoutKind:
+    """``"fsdp"`` (``"hsdp"`` with a replica axis) when a parameter is split, ``"zero1"`` when only
+    optimizer state is, else ``"replicated"``."""
+    split_model = any(r.split_dim is not None and r.owner == "model" for r in rows)
+    split_opt = any(r.split_dim is not None and r.owner == "optimizer" for r in rows)
+    kind: LayoutKind = "fsdp" if split_model else "zero1" if split_opt else "replicated"
+    meshes = [getattr(getattr(v.get_value(), "sharding", None), "mesh", None) for v in _params_of(model)]
+    hybrid = replica_axis_of(model) is not None
+    if kind == "fsdp" and (hybrid or any(REPLICA_AXIS in getattr(m, "axis_names", ()) for m in meshes)):
+        kind = "hsdp"
+    return kind
 
 
 def replica_axis_of(model: Any) -> str | None:

@@ -13,30 +13,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from substrax._base.specs import spec_axes
-from substrax._layout._owners import flat_state, follow_dim, optimizer_followers, optimizer_mirrors
-from substrax._layout._report import (
-    LAYOUTS,
-    REPLICA_AXIS,
-    REPLICA_KEY,
-    Layout,
-    LayoutKind,
-    LeftWhole,
-    layout_of,
-)
-from substrax._layout._specs import (
-    check_declared_rank,
-    choose_split_dim,
-    declared_spec,
-    spec_tuple,
-    split_dim_of,
-    trimmed,
-    with_axis,
-    without_axis,
-)
-from substrax._layout._stages import STAGE_AXIS, find_stages, mark_stages
-from substrax._layout._units import UnitsSpec, find_units, mark_units, stacked_modules
 from substrax._base.trees import adopt_assigned_arrays, path_str
+from substrax._layout._decide import ShardDecision, decide
+from substrax._layout._owners import flat_state
+from substrax._layout._report import LAYOUTS, REPLICA_AXIS, REPLICA_KEY, Layout, LayoutKind, layout_of
+from substrax._layout._specs import spec_tuple, split_dim_of, trimmed
+from substrax._layout._stages import mark_stages
+from substrax._layout._units import UnitsSpec, mark_units
 from substrax.mesh import compile_only, current_mesh
 
 __all__ = ["epoch", "shard_state"]
@@ -100,28 +83,119 @@ def _check_abstract(model: nnx.Module, optimizer: nnx.Optimizer[Any], mesh: Mesh
                 )
 
 
-def _without_stage(spec: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
-    """A declared spec without the ``stage`` axis: the pipeline's split is the layout's, placed anew."""
-    if spec is None:
-        return None
-    kept = [tuple(a for a in spec_axes(e) if a != STAGE_AXIS) for e in spec]
-    return tuple(None if not k else k[0] if len(k) == 1 else k for k in kept)
-
-
-def _layout_kind(layout: Any, params: bool | None) -> LayoutKind:
-    """``layout`` checked, with ``params`` (its older spelling) folded in."""
+def _older_spellings(
+    layout: Any, params: bool | None, data_axis: str, axis: str | None
+) -> tuple[LayoutKind | None, str]:
+    """``layout`` and the data axis, with ``params`` and ``axis`` (their older spellings) folded in."""
     if params is not None:
         if not isinstance(params, bool):
             raise TypeError(f"params must be True (FSDP) or False (ZeRO-1); got {params!r}. Prefer layout=.")
         implied: LayoutKind = "fsdp" if params else "zero1"
         if layout is not None and layout != implied:
             raise ValueError(f"layout={layout!r} and params={params} disagree; pass layout= only.")
-        return implied
-    if layout is None:
-        return "fsdp"
+        layout = implied
+    if axis is not None and axis != data_axis and data_axis != "data":
+        raise ValueError(f"axis={axis!r} and data_axis={data_axis!r} disagree; pass data_axis only.")
+    return layout, data_axis if axis is None else axis
+
+
+def _checked_layout(layout: Any, units: UnitsSpec) -> LayoutKind:
+    """``layout`` (``None``: ``"fsdp"``) checked, and against ``units``."""
+    layout = "fsdp" if layout is None else layout
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}.")
+    if units is not None and layout not in ("fsdp", "hsdp"):
+        raise ValueError(
+            f"units= names what FSDP gathers together; layout={layout!r} gathers no parameter. "
+            f"Pass layout='fsdp', or drop units=."
+        )
     return layout  # type: ignore[no-any-return]
+
+
+def _checked_arguments(optimizer: Any, min_size: Any) -> None:
+    """Refuse an ``optimizer`` that is no ``nnx.Optimizer`` and a ``min_size`` that is no count."""
+    if not isinstance(optimizer, nnx.Optimizer):
+        raise TypeError(f"shard_state takes the model's nnx.Optimizer; got {type(optimizer).__name__}.")
+    if isinstance(min_size, bool) or not isinstance(min_size, int):
+        raise TypeError(f"min_size must be an int (a number of elements); got {min_size!r}.")
+    if min_size < 0:
+        raise ValueError(f"min_size must be >= 0 (a number of elements); got {min_size}.")
+
+
+def _mesh_for(
+    model: nnx.Module,
+    optimizer: nnx.Optimizer[Any],
+    mesh: Mesh | None,
+    axis: str,
+    layout: str,
+    replica_axis: str,
+) -> Mesh:
+    """The concrete mesh to place on (``mesh`` or the one set), with ``axis`` and HSDP's ``replica_axis``."""
+    found = current_mesh(mesh, required_axes=(axis,))
+    if not isinstance(found, Mesh):
+        raise ValueError("shard_state places arrays: call it outside jax.jit, with a concrete mesh.")
+    if compile_only(found):
+        _check_abstract(model, optimizer, found)
+    if layout == "hsdp" and replica_axis not in found.axis_names:
+        raise ValueError(
+            f"layout='hsdp' splits the state over {axis!r} within a replica and replicates it "
+            f"over {replica_axis!r}, which the mesh {dict(found.shape)} lacks. Build the mesh with "
+            f"both, replicas outer: create_device_mesh({{{replica_axis!r}: R, {axis!r}: D}}) "
+            f"(or name yours with replica_axis=), or use layout='fsdp' on this mesh."
+        )
+    return found
+
+
+def _apply(model: nnx.Module, optimizer: nnx.Optimizer[Any], decision: ShardDecision) -> Layout:
+    """Place the state as ``decision`` says, mark the units, stages and replica axis; the ``Layout``."""
+    d = decision
+    variables = {"model": dict(flat_state(model)), "optimizer": dict(flat_state(optimizer))}
+    for (owner, path), spec in d.specs.items():
+        _place(variables[owner][path], spec, d.mesh)
+    for (owner, path), said in d.declared.items():
+        variables[owner][path].set_metadata(declared_sharding=said)
+    fsdp = d.layout in ("fsdp", "hsdp")
+    split = {
+        p
+        for p, v in variables["model"].items()
+        if isinstance(v, nnx.Param) and fsdp and split_dim_of(spec_tuple(v), d.axis) is not None
+    }
+    mark_units(model, list(d.units), d.reshard_after_forward, split, d.prefetch)
+    mark_stages(model, d.stage)
+    hsdp = d.layout == "hsdp"
+    # the replica axis recorded: the steps refuse another (check_replica_axis)
+    for variable in variables["model"].values():
+        if isinstance(variable, nnx.Param) and (hsdp or variable.get_metadata().get(REPLICA_KEY)):
+            variable.set_metadata(**{REPLICA_KEY: d.replica_axis if hsdp else None})
+    for obj in (model, optimizer):
+        _EPOCHS[obj] = epoch(obj) + 1
+    return dataclasses.replace(
+        layout_of(model, optimizer, mesh=d.mesh, axis=d.axis, axis_size=d.size, kind=d.kind),
+        asked=d.layout,
+        min_size=d.min_size,
+        left_whole=d.left_whole,
+    )
+
+
+def _warn_left_whole(decision: ShardDecision, stacklevel: int) -> None:
+    """Warn once, naming each parameter of at least ``min_size`` elements no dimension of which divides."""
+    d, size, axis = decision, decision.size, decision.axis
+    # fewer elements than devices cannot be split, whatever the shape: named in the summary only
+    odd = [w for w in d.left_whole if w.reason == "indivisible" and math.prod(w.shape) >= size]
+    if not odd:
+        return
+    one = len(odd) == 1
+    warnings.warn(
+        f"substrax.shard_state(layout={d.layout!r}) leaves {len(odd)} parameter{'' if one else 's'} of at "
+        f"least min_size={d.min_size:,} elements whole on every device: no dimension of "
+        f"{'it' if one else 'each'} is a multiple of the {size} devices of {axis!r} ("
+        + ", ".join(f"{w.path} {w.shape}" for w in odd)
+        + f"). Each device holds and updates {'it' if one else 'them'} whole, with "
+        f"{'its' if one else 'their'} optimizer state. To split one, pad a dimension to a multiple of "
+        f"{size}, or use a {axis!r} axis whose size divides one of its dimensions.",
+        UserWarning,
+        stacklevel=stacklevel + 1,
+    )
 
 
 def shard_state(
@@ -142,10 +216,9 @@ def shard_state(
 ) -> Layout:
     """Place ``model``'s and ``optimizer``'s state over ``data_axis``, in place: FSDP, ZeRO-1 or replicated.
 
-    Both modes of ``make_train_step`` train on the result and keep it. A layer's own split
-    over another axis (``substrax.nn``) is kept, the layout going on another dimension. See
-    the layouts guide (which leaf is split where, the optimizer state, "Units", "Hybrid
-    sharding") and the tensor-parallelism guide.
+    Both modes of ``make_train_step`` train on the result and keep it. A layer's own split over another axis
+    (``substrax.nn``) is kept, the layout going on another dimension. See the layouts guide (which leaf is
+    split where, the optimizer state, "Units", "Hybrid sharding") and the tensor-parallelism guide.
 
     Args:
       model: The model; its ``nnx.Param`` variables are placed.
@@ -157,8 +230,8 @@ def shard_state(
         replicated over ``replica_axis``, which the mesh must have).
       data_axis: The data axis to split over.
       min_size: Parameters with fewer elements stay replicated.
-      params: Older spelling of ``layout``: ``True`` is ``"fsdp"``, ``False`` ``"zero1"``.
-      axis: Older spelling of ``data_axis``.
+      params: Older spelling of ``layout`` (``True``: ``"fsdp"``, ``False``: ``"zero1"``); still works.
+      axis: Older spelling of ``data_axis``; still works. Given with the newer one, they must agree.
       units: FSDP units: a module type, a tuple of them, or ``(path, module) -> bool``;
         each unit's parameters are gathered together right before it runs (explicit
         mode). ``None``: each parameter gathered before the forward pass.
@@ -180,166 +253,26 @@ def shard_state(
 
     Raises:
       TypeError: If ``optimizer`` is not an ``nnx.Optimizer`` or ``min_size`` not an int.
-      ValueError: If ``units`` comes with a layout other than ``"fsdp"``, matches no
-        submodule (naming the model's module types), the model itself or a module inside
-        another, or ``prefetch`` comes without ``units`` or with
-        ``reshard_after_forward=False``; the mesh has a ``stage`` axis without ``stages``,
-        or ``stages`` comes without one, with ``prefetch``, matches nothing (naming the
-        module types), a module that is no stack or two of them, or a stack whose layers
-        the stages do not divide; ``layout`` is unknown or contradicts ``params``;
-        ``axis`` contradicts ``data_axis``; the mesh lacks the axis; ``min_size`` is
-        negative; or the optimizer is not the model's. Each names the axis or leaf.
+      ValueError: If ``units`` comes with a layout other than ``"fsdp"``, matches no submodule (naming the
+        model's module types), the model itself or a module inside another, or ``prefetch`` comes without
+        ``units`` or with ``reshard_after_forward=False``; the mesh has a ``stage`` axis without ``stages``,
+        or ``stages`` comes without one, with ``prefetch``, matches nothing (naming the module types), a
+        module that is no stack or two of them, or a stack whose layers the stages do not divide; ``layout``
+        is unknown or contradicts ``params``; ``axis`` contradicts ``data_axis``; the mesh lacks the axis;
+        ``min_size`` is negative; or the optimizer is not the model's. Each names the axis or leaf.
 
     Warns:
       UserWarning: Once per call, naming each parameter of at least ``min_size`` elements
         that a splitting layout leaves whole because no dimension divides by the axis size.
     """
-    if not isinstance(optimizer, nnx.Optimizer):
-        raise TypeError(f"shard_state takes the model's nnx.Optimizer; got {type(optimizer).__name__}.")
-    if isinstance(min_size, bool) or not isinstance(min_size, int):
-        raise TypeError(f"min_size must be an int (a number of elements); got {min_size!r}.")
-    if min_size < 0:
-        raise ValueError(f"min_size must be >= 0 (a number of elements); got {min_size}.")
+    _checked_arguments(optimizer, min_size)
     adopt_assigned_arrays(optimizer)  # an array assigned where the optimizer held a variable
-    layout = _layout_kind(layout, params)
-    if units is not None and layout not in ("fsdp", "hsdp"):
-        raise ValueError(
-            f"units= names what FSDP gathers together; layout={layout!r} gathers no parameter. "
-            f"Pass layout='fsdp', or drop units=."
-        )
-    if axis is not None and axis != data_axis and data_axis != "data":
-        raise ValueError(f"axis={axis!r} and data_axis={data_axis!r} disagree; pass data_axis only.")
-    axis = data_axis if axis is None else axis
-    found = current_mesh(mesh, required_axes=(axis,))
-    if not isinstance(found, Mesh):
-        raise ValueError("shard_state places arrays: call it outside jax.jit, with a concrete mesh.")
-    if compile_only(found):
-        _check_abstract(model, optimizer, found)
-    if layout == "hsdp" and replica_axis not in found.axis_names:
-        raise ValueError(
-            f"layout='hsdp' splits the state over {axis!r} within a replica and replicates it "
-            f"over {replica_axis!r}, which the mesh {dict(found.shape)} lacks. Build the mesh with "
-            f"both, replicas outer: create_device_mesh({{{replica_axis!r}: R, {axis!r}: D}}) "
-            f"(or name yours with replica_axis=), or use layout='fsdp' on this mesh."
-        )
-    stage_path = find_stages(model, stages, found)
-    if stage_path is not None and prefetch:
-        raise ValueError(
-            "prefetch=True runs a stacked unit in the step's own loop, and stages= runs the stack as a "
-            "pipeline, each stage its layers; they do not combine. Drop prefetch= (units= alone gathers "
-            "each layer just in time within a stage)."
-        )
-    size = found.shape[axis]
-    mirrors = optimizer_mirrors(model, optimizer)
-    followers = optimizer_followers(model, optimizer)
-    model_vars = dict(flat_state(model))
-    opt_vars = dict(flat_state(optimizer))
-    declared = {  # each variable's own declaration, kept across meshes that lack an axis of it
-        id(v): _without_stage(v.get_metadata().get("declared_sharding") or declared_spec(v))
-        for variables in (model_vars, opt_vars)
-        for v in variables.values()
-    }
-
-    for path, variable in model_vars.items():  # a stacked layer's declaration one dimension off
-        check_declared_rank(variable, declared[id(variable)] or (), path_str(path, "model"))
-
-    def base_of(variable: nnx.Variable[Any]) -> tuple[Any, ...]:
-        """The variable's own splits over the mesh's other axes (one over an axis it lacks: none)."""
-        spec = without_axis(declared[id(variable)], np.ndim(variable.get_value()), axis)
-        kept = [tuple(a for a in spec_axes(e) if a in found.axis_names) for e in spec]
-        return tuple(None if not k else k[0] if len(k) == 1 else k for k in kept)
-
-    unit_list = find_units(model, units, reshard_after_forward, prefetch)
-    stacks = stacked_modules(model, unit_list + ([stage_path] if stage_path is not None else []))
-    left_whole = []
-    for path, mirror_paths in mirrors.items():
-        variable = model_vars[path]
-        shape = tuple(np.shape(variable.get_value()))
-        base = base_of(variable)  # the layer's own (model-axis) splits
-        if stage_path is not None and path[: len(stage_path)] == stage_path:
-            base = (STAGE_AXIS, *base[1:])  # the pipeline's: consecutive layers a stage
-        # a stack's layer axis stays whole over data: nnx.scan hands each layer its slice
-        taken = ("layers", *base[1:]) if any(path[: len(u)] == u for u in stacks) else base
-        dim = None if layout == "replicated" else choose_split_dim(shape, size, min_size, taken)
-        if dim is None and layout != "replicated":
-            reason: Any = (
-                "small"
-                if not shape or math.prod(shape) < min_size
-                else "taken"
-                if choose_split_dim(shape, size, min_size) is not None
-                else "indivisible"
-            )
-            left_whole.append(LeftWhole(path_str(path, "model"), shape, reason))
-        split = with_axis(base, dim, axis)
-        _place(variable, split if layout in ("fsdp", "hsdp") else base, found)
-        for mirror in mirror_paths:
-            _place(opt_vars[mirror], split, found)
-        for follower in followers[path]:
-            leaf_shape = tuple(np.shape(opt_vars[follower].get_value()))
-            spec: list[Any] = [None] * len(leaf_shape)
-            for d, entry in enumerate(split):
-                on = follow_dim(shape, leaf_shape, d if entry is not None else None)
-                ways = math.prod(found.shape[a] for a in spec_axes(entry))
-                if on is not None and leaf_shape[on] % ways == 0:
-                    spec[on] = entry
-            _place(opt_vars[follower], tuple(spec), found)
-    placed = (
-        {("model", p) for p in mirrors}
-        | {("optimizer", m) for ms in mirrors.values() for m in ms}
-        | {("optimizer", f) for fs in followers.values() for f in fs}
-    )
-    for owner, variables in (("model", model_vars), ("optimizer", opt_vars)):
-        for path, variable in variables.items():  # everything else: replicated on the mesh
-            if (owner, path) not in placed and hasattr(variable.get_value(), "shape"):
-                _place(variable, base_of(variable), found)
-    for variables in (model_vars, opt_vars):
-        for variable in variables.values():
-            said = declared[id(variable)]
-            lacking = any(a not in found.axis_names for e in said or () for a in spec_axes(e))
-            if lacking or variable.get_metadata().get("declared_sharding") is not None:
-                variable.set_metadata(declared_sharding=said if lacking else None)
-    split = {p for p, v in model_vars.items() if isinstance(v, nnx.Param) and layout in ("fsdp", "hsdp")
-             and split_dim_of(spec_tuple(v), axis) is not None}  # fmt: skip
-    mark_units(model, unit_list, reshard_after_forward, split, prefetch)
-    mark_stages(model, stage_path)
-    for variable in model_vars.values():  # the steps refuse another replica axis (check_replica_axis)
-        if isinstance(variable, nnx.Param) and (layout == "hsdp" or variable.get_metadata().get(REPLICA_KEY)):
-            variable.set_metadata(**{REPLICA_KEY: replica_axis if layout == "hsdp" else None})
-    for obj in (model, optimizer):
-        _EPOCHS[obj] = epoch(obj) + 1
-    kind: LayoutKind = (
-        layout
-        if any(
-            choose_split_dim(
-                shape := tuple(np.shape(model_vars[p].get_value())),
-                size,
-                min_size,
-                base_of(model_vars[p]),
-            )
-            is not None
-            for p in mirrors
-        )
-        else "replicated"
-    )
-    placed_layout = dataclasses.replace(
-        layout_of(model, optimizer, mesh=found, axis=axis, axis_size=size, kind=kind),
-        asked=layout,
-        min_size=min_size,
-        left_whole=tuple(left_whole),
-    )
-    # fewer elements than devices cannot be split, whatever the shape: named in the summary only
-    odd = [w for w in left_whole if w.reason == "indivisible" and math.prod(w.shape) >= size]
-    if odd:
-        one = len(odd) == 1
-        warnings.warn(
-            f"substrax.shard_state(layout={layout!r}) leaves {len(odd)} parameter{'' if one else 's'} of at "
-            f"least min_size={min_size:,} elements whole on every device: no dimension of "
-            f"{'it' if one else 'each'} is a multiple of the {size} devices of {axis!r} ("
-            + ", ".join(f"{w.path} {w.shape}" for w in odd)
-            + f"). Each device holds and updates {'it' if one else 'them'} whole, with "
-            f"{'its' if one else 'their'} optimizer state. To split one, pad a dimension to a multiple of "
-            f"{size}, or use a {axis!r} axis whose size divides one of its dimensions.",
-            UserWarning,
-            stacklevel=2,
-        )
-    return placed_layout
+    asked, data_axis = _older_spellings(layout, params, data_axis, axis)
+    kind = _checked_layout(asked, units)
+    found = _mesh_for(model, optimizer, mesh, data_axis, kind, replica_axis)
+    decision = decide(model, optimizer, found, layout=kind, axis=data_axis, min_size=min_size, units=units,
+                      reshard_after_forward=reshard_after_forward, prefetch=prefetch,
+                      replica_axis=replica_axis, stages=stages)  # fmt: skip
+    placed = _apply(model, optimizer, decision)  # what it decided, done: nothing moved before here
+    _warn_left_whole(decision, stacklevel=2)
+    return placed

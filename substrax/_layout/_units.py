@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from flax import nnx
@@ -18,13 +18,14 @@ from substrax._base.trees import KeyPath, node_at, path_str
 
 __all__ = [
     "PREFETCH_KEY", "RESHARD_KEY", "UNIT_KEY", "UnitsSpec", "find_units", "mark_units", "matched_modules", "note_layers",
-    "prefetched_units", "recording_layers", "stacked_modules", "unit_paths",
+    "prefetched_units", "recording_into", "recording_layers", "stacked_modules", "unit_paths",
 ]
 
 UNIT_KEY = "fsdp_unit"
 RESHARD_KEY = "fsdp_reshard_after_forward"
 PREFETCH_KEY = "fsdp_prefetch"
 
+T = TypeVar("T")
 UnitsSpec = type | tuple[type, ...] | Callable[[KeyPath, nnx.Module], bool] | None
 
 
@@ -172,14 +173,18 @@ _LAYERS: contextvars.ContextVar[dict[KeyPath, int] | None] = contextvars.Context
 
 
 @contextlib.contextmanager
-def recording_layers() -> Iterator[dict[KeyPath, int]]:
-    """Collect, while a step is traced, the units run one layer at a time (path -> layers)."""
-    found: dict[KeyPath, int] = {}
-    token = _LAYERS.set(found)
+def recording_into(var: contextvars.ContextVar[T | None], record: T) -> Iterator[T]:
+    """Set ``var`` to ``record`` while the ``with`` lasts (what a traced step notes goes there)."""
+    token = var.set(record)
     try:
-        yield found
+        yield record
     finally:
-        _LAYERS.reset(token)
+        var.reset(token)
+
+
+def recording_layers() -> contextlib.AbstractContextManager[dict[KeyPath, int]]:
+    """Collect, while a step is traced, the units run one layer at a time (path -> layers)."""
+    return recording_into(_LAYERS, {})
 
 
 def note_layers(path: KeyPath, layers: int) -> None:

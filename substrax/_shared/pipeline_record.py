@@ -16,6 +16,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from substrax._layout import recording_into
+
 __all__ = ["PipelineRun", "note_pipeline", "recording_pipeline"]
 
 
@@ -52,14 +54,12 @@ _RECORD: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
 def recording_pipeline() -> Iterator[list[PipelineRun]]:
     """Collect the pipelined step traced in this context (a list of at most one, filled on exit)."""
     found: list[PipelineRun] = []
-    fields: dict[str, Any] = {}
-    token = _RECORD.set(fields)
-    try:
-        yield found
-    finally:
-        _RECORD.reset(token)
-        if "schedule" in fields:
-            found.append(PipelineRun(**fields))
+    with recording_into(_RECORD, {}) as fields:
+        try:
+            yield found
+        finally:
+            if "schedule" in fields:
+                found.append(PipelineRun(**fields))
 
 
 def _avals(tree: Any) -> tuple[tuple[tuple[int, ...], np.dtype[Any]], ...]:
