@@ -52,7 +52,6 @@ from substrax._layout._units import (
     mark_units,
     note_layers,
     prefetched_units,
-    recording_into,
     recording_layers,
     unit_paths,
 )
@@ -70,7 +69,6 @@ __all__ = [
     "mark_units",
     "note_layers",
     "prefetched_units",
-    "recording_into",
     "recording_layers",
     "unit_paths",
     "LAYOUTS",

@@ -9,23 +9,23 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 from flax import nnx
 
+from substrax._base.hooks import recording_into
 from substrax._base.trees import KeyPath, node_at, path_str
 
 __all__ = [
     "PREFETCH_KEY", "RESHARD_KEY", "UNIT_KEY", "UnitsSpec", "find_units", "mark_units", "matched_modules", "note_layers",
-    "prefetched_units", "recording_into", "recording_layers", "stacked_modules", "unit_paths",
+    "prefetched_units", "recording_layers", "stacked_modules", "unit_paths",
 ]
 
 UNIT_KEY = "fsdp_unit"
 RESHARD_KEY = "fsdp_reshard_after_forward"
 PREFETCH_KEY = "fsdp_prefetch"
 
-T = TypeVar("T")
 UnitsSpec = type | tuple[type, ...] | Callable[[KeyPath, nnx.Module], bool] | None
 
 
@@ -170,16 +170,6 @@ def prefetched_units(model: nnx.Module) -> set[KeyPath]:
 
 
 _LAYERS: contextvars.ContextVar[dict[KeyPath, int] | None] = contextvars.ContextVar("substrax_unit_layers", default=None)
-
-
-@contextlib.contextmanager
-def recording_into(var: contextvars.ContextVar[T | None], record: T) -> Iterator[T]:
-    """Set ``var`` to ``record`` while the ``with`` lasts (what a traced step notes goes there)."""
-    token = var.set(record)
-    try:
-        yield record
-    finally:
-        var.reset(token)
 
 
 def recording_layers() -> contextlib.AbstractContextManager[dict[KeyPath, int]]:

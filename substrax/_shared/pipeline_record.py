@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from substrax._layout import recording_into
+from substrax._base.hooks import recording_into
 
 __all__ = ["PipelineRun", "note_pipeline", "recording_pipeline"]
 
