@@ -1,5 +1,6 @@
-"""The small models and data the tests train, and the one-device run they are held to, with no
-side effects on import.
+"""The small models and data the tests train (the stacked ones built by ``stack``), the one-device
+run they are held to, and the state several files place or only shape, with no side effects
+on import.
 
 ``conftest.py`` sets up 8 emulated devices and re-exports these; worker scripts started
 by ``python -m substrax.launch`` import this module directly, since importing
