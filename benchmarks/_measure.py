@@ -1,5 +1,6 @@
-"""Shared by ``layouts.py`` and ``accumulation.py``: interleaved timing, the compiled
-program's memory and collectives, the state's bytes per device, and the output files.
+"""Shared by the benchmarks: a spelling's first call and warm-up, interleaved timing, the
+compiled program's memory and collectives, the state's bytes per device, the table's
+cells, and the output files.
 
 Nothing here imports jax at module level: each script sets its emulated device count
 (``substrax.mesh.use_cpu_devices``) before jax starts a backend.
@@ -13,6 +14,28 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
+
+
+# What a spelling may raise and still be a row (``n/a``, its error), not the end of the run.
+REPORTED = (ValueError, TypeError, NotImplementedError, RuntimeError)
+
+
+def error_text(e: BaseException) -> str:
+    """A failed row's ``error``: the exception's type and its first line, at most 300 characters."""
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"[:300]
+
+
+def first_call_s(call: Callable[[], Any], warmup: int, start: float | None = None) -> float:
+    """Seconds from ``start`` (default: now) to the end of ``call``'s first run, its compile
+    with it; then ``warmup`` runs more, untimed."""
+    import jax
+
+    start = time.perf_counter() if start is None else start
+    jax.block_until_ready(call())
+    seconds = time.perf_counter() - start
+    for _ in range(warmup):
+        call()
+    return seconds
 
 
 def interleaved(
@@ -164,6 +187,55 @@ def write(json_path: str | None, payload: dict[str, Any], text: str) -> None:
     path.write_text(json.dumps(payload, indent=1) + "\n")
     path.with_suffix(".txt").write_text(text)
     print(f"wrote {path} and {path.with_suffix('.txt')}")
+
+
+# A table's column: its header, its alignment and width (``"<22"``, ``">10"``), and a row's cell.
+Column = tuple[str, str, Callable[[dict[str, Any]], Any]]
+
+
+def table(
+    title: str,
+    columns: list[Column],
+    rows: Iterable[dict[str, Any]],
+    notes: list[str],
+    below: Callable[[dict[str, Any]], list[str]] = lambda r: [],
+) -> str:
+    """``title``, the columns' headers, a line per row (the first column the spelling; a row without
+    samples: ``n/a`` and its error) with the lines ``below(row)`` beneath it, then ``notes``."""
+    out = [title, " ".join(f"{header:{spec}}" for header, spec, _ in columns)]
+    for r in rows:
+        if "median_us" not in r:
+            out.append(f"{r['spelling']:{columns[0][1]}} n/a: {r.get('error', 'no samples')}")
+            continue
+        out.append(" ".join(f"{cell(r):{spec}}" for _, spec, cell in columns))
+        out += below(r)
+    return "\n".join(out + notes)
+
+
+def timing_columns(spelling: int, spread: int) -> list[Column]:
+    """The spelling, the median step time and its 25th-75th percentile, in microseconds."""
+    return [
+        ("spelling", f"<{spelling}", lambda r: r["spelling"]),
+        ("median us", ">10", lambda r: f"{r['median_us']:.0f}"),
+        ("p25-p75 us", f">{spread}", lambda r: f"{r['p25_us']:.0f}-{r['p75_us']:.0f}"),
+    ]
+
+
+def ratio_cell(key: str) -> Callable[[dict[str, Any]], str]:
+    return lambda r: f"{r[key]:.2f}" if key in r else "-"
+
+
+def bytes_cell(key: str) -> Callable[[dict[str, Any]], str]:
+    return lambda r: fmt_bytes(r[key])
+
+
+def rule_cell(r: dict[str, Any]) -> str:
+    """Whether the census matched the step's expected communication: yes, NO, or - (not checked)."""
+    return {None: "-", True: "yes", False: "NO"}[r.get("census_matches")]
+
+
+def compile_cell(r: dict[str, Any]) -> str:
+    return f"{r['compile_s']:.2f}"
 
 
 def fmt_bytes(n: int | None) -> str:

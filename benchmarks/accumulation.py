@@ -141,11 +141,7 @@ def run(
                 fast = step.bind(model, optimizer)
                 call = functools.partial(fast, batch)
                 compiled_batch, calls_per_step = batch, 1
-            start = time.perf_counter()
-            jax.block_until_ready(call())
-            row["compile_s"] = time.perf_counter() - start
-            for _ in range(3):
-                call()
+            row["compile_s"] = M.first_call_s(call, 3)
             fast.sync()  # memory of the step compiled undonated: the update writes buffers of its own,
             lowered = step.lower(model, optimizer, compiled_batch, donate=False)
             row |= M.memory(lowered.compile())  # temp: the activations
@@ -164,8 +160,8 @@ def run(
                 return [np.asarray(a) for a in jax.tree.leaves(nnx.state(model, nnx.Param))]
 
             params_of[name] = params
-        except (ValueError, TypeError, NotImplementedError, RuntimeError) as e:  # reported, not fatal
-            row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"[:300]
+        except M.REPORTED as e:
+            row["error"] = M.error_text(e)
         info[name] = row
 
     for name in names:  # same update as the explicit accumulation, after the same 4 optimizer steps
@@ -200,39 +196,33 @@ def run(
 
 
 def table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
-    out = [
-        (
-            f"accumulation: MLP {meta['layers']} hidden x {meta['width']} ({meta['params']:,} params), "
-            f"global batch {meta['batch']}, Adam, {meta['devices']} emulated {meta['backend']} devices; "
-            f"{meta['cpus']} CPUs; jax {meta['jax']}, flax {meta['flax']}, optax {meta['optax']}; {meta['date']}"
-        ),
-        (
-            f"{'spelling':<22} {'median us':>10} {'p25-p75 us':>17} {'ratio':>6} {'vs':<12} {'temp':>10} "
-            f"{'temp/k1':>7} {'arg':>10} {'AR/opt step':>11} {'comm/opt step':>13} {'in loop':>7} {'rule':>4} "
-            f"{'compile s':>9}"
-        ),
+    title = (
+        f"accumulation: MLP {meta['layers']} hidden x {meta['width']} ({meta['params']:,} params), "
+        f"global batch {meta['batch']}, Adam, {meta['devices']} emulated {meta['backend']} devices; "
+        f"{meta['cpus']} CPUs; jax {meta['jax']}, flax {meta['flax']}, optax {meta['optax']}; {meta['date']}"
+    )
+    columns = M.timing_columns(22, 17) + [
+        ("ratio", ">6", M.ratio_cell("ratio")),
+        ("vs", "<12", lambda r: r["vs"]),
+        ("temp", ">10", M.bytes_cell("temp_bytes")),
+        ("temp/k1", ">7", M.ratio_cell("temp_ratio_to_k1")),
+        ("arg", ">10", M.bytes_cell("argument_bytes")),
+        ("AR/opt step", ">11", lambda r: r["all_reduces"]),
+        ("comm/opt step", ">13", M.bytes_cell("comm_bytes")),
+        ("in loop", ">7", lambda r: r["collectives_in_loop"]),
+        ("rule", ">4", M.rule_cell),
+        ("compile s", ">9", M.compile_cell),
     ]
-    for r in rows:
-        start = f"{r['spelling']:<22}"
-        if "median_us" not in r:
-            out.append(f"{start} n/a: {r.get('error', 'no samples')}")
-            continue
-        spread = f"{r['p25_us']:.0f}-{r['p75_us']:.0f}"
-        ratio = f"{r['ratio']:.2f}" if "ratio" in r else "-"
-        temp_ratio = f"{r['temp_ratio_to_k1']:.2f}" if "temp_ratio_to_k1" in r else "-"
-        rule = {None: "-", True: "yes", False: "NO"}[r.get("census_matches")]
-        out.append(
-            f"{start} {r['median_us']:>10.0f} {spread:>17} {ratio:>6} {r['vs']:<12} "
-            f"{M.fmt_bytes(r['temp_bytes']):>10} {temp_ratio:>7} {M.fmt_bytes(r['argument_bytes']):>10} "
-            f"{r['all_reduces']:>11} {M.fmt_bytes(r['comm_bytes']):>13} {r['collectives_in_loop']:>7} "
-            f"{rule:>4} {r['compile_s']:>9.2f}"
-        )
-        if "max_param_diff_vs_explicit" in r:
-            out.append(
-                f"{'':<23} parameters after 4 optimizer steps differ from "
-                f"{r['vs']}'s by at most {r['max_param_diff_vs_explicit']:.2e}"
-            )
-    out += [
+
+    def below(r: dict[str, Any]) -> list[str]:
+        if "max_param_diff_vs_explicit" not in r:
+            return []
+        return [
+            f"{'':<23} parameters after 4 optimizer steps differ from "
+            f"{r['vs']}'s by at most {r['max_param_diff_vs_explicit']:.2e}"
+        ]
+
+    notes = [
         "median: per optimizer step (MultiSteps: K calls of the plain step on the K microbatches).",
         "ratio: median / the median of 'vs' (MODE:k1, the whole batch at once; or explicit:kK), same run.",
         "temp: memory_analysis().temp_size_in_bytes of one device's program, compiled undonated",
@@ -241,7 +231,7 @@ def table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "its calls (loops multiplied out); comm: collective bytes per device per optimizer step; in loop:",
         "collective instructions inside a while loop; rule: the census matches the step's expected rule.",
     ]
-    return "\n".join(out)
+    return M.table(title, columns, rows, notes, below)
 
 
 def main() -> None:

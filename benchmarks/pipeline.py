@@ -133,22 +133,17 @@ def run(
 
     use_cpu_devices(8)
 
-    import jax
-
     names = _spellings(modes, ks, stages)
     calls: dict[str, Callable[[], Any]] = {}
     info: dict[str, dict[str, Any]] = {}
     for name in names:
         try:
-            start = time.perf_counter()
+            start = time.perf_counter()  # compile_s: the build (its census) and the first call
             row, _, call = _build(name, batch_size, width, depth)
-            jax.block_until_ready(call())
-            row["compile_s"] = time.perf_counter() - start
-            for _ in range(2):
-                call()
+            row["compile_s"] = M.first_call_s(call, 2, start)
             calls[name] = call
-        except (ValueError, TypeError, NotImplementedError, RuntimeError) as e:  # reported, not fatal
-            row = {"spelling": name, "error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"[:300]}
+        except M.REPORTED as e:
+            row = {"spelling": name, "error": M.error_text(e)}
         info[name] = row
     print(f"  compiled {len(calls)} spellings; timing", file=sys.stderr)
     samples, block = M.interleaved(calls, rounds, block_s, reference=next(iter(calls), names[0]))
@@ -167,33 +162,24 @@ def run(
 
 
 def table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
-    out = [
-        (
-            f"pipeline: {meta['depth']} residual blocks of width {meta['width']} between an embedding and a head, "
-            f"global batch {meta['batch']}, Adam, 8 emulated {meta['backend']} devices; {meta['cpus']} CPUs; "
-            f"jax {meta['jax']}, flax {meta['flax']}, optax {meta['optax']}; {meta['date']}"
-        ),
-        (
-            f"{'spelling':<32} {'median us':>10} {'p25-p75 us':>15} {'ratio':>6} {'bubble':>6} {'arg':>10} "
-            f"{'temp':>10} {'temp/dp':>7} {'peak':>10} {'comm/step':>10} {'permutes':>10} {'rule':>4} {'compile s':>9}"
-        ),
+    title = (
+        f"pipeline: {meta['depth']} residual blocks of width {meta['width']} between an embedding and a head, "
+        f"global batch {meta['batch']}, Adam, 8 emulated {meta['backend']} devices; {meta['cpus']} CPUs; "
+        f"jax {meta['jax']}, flax {meta['flax']}, optax {meta['optax']}; {meta['date']}"
+    )
+    columns = M.timing_columns(32, 15) + [
+        ("ratio", ">6", M.ratio_cell("paired_ratio")),
+        ("bubble", ">6", lambda r: f"{r['bubble']:.0%}"),
+        ("arg", ">10", M.bytes_cell("argument_bytes")),
+        ("temp", ">10", M.bytes_cell("temp_bytes")),
+        ("temp/dp", ">7", M.ratio_cell("temp_ratio")),
+        ("peak", ">10", M.bytes_cell("peak_bytes")),
+        ("comm/step", ">10", M.bytes_cell("comm_bytes")),
+        ("permutes", ">10", M.bytes_cell("permute_bytes")),
+        ("rule", ">4", M.rule_cell),
+        ("compile s", ">9", M.compile_cell),
     ]
-    for r in rows:
-        start = f"{r['spelling']:<32}"
-        if "median_us" not in r:
-            out.append(f"{start} n/a: {r.get('error', 'no samples')}")
-            continue
-        spread = f"{r['p25_us']:.0f}-{r['p75_us']:.0f}"
-        ratio = f"{r['paired_ratio']:.2f}" if "paired_ratio" in r else "-"
-        temp_ratio = f"{r['temp_ratio']:.2f}" if "temp_ratio" in r else "-"
-        rule = {None: "-", True: "yes", False: "NO"}[r.get("census_matches")]
-        out.append(
-            f"{start} {r['median_us']:>10.0f} {spread:>15} {ratio:>6} {r['bubble']:>6.0%} "
-            f"{M.fmt_bytes(r['argument_bytes']):>10} {M.fmt_bytes(r['temp_bytes']):>10} {temp_ratio:>7} "
-            f"{M.fmt_bytes(r['peak_bytes']):>10} {M.fmt_bytes(r['comm_bytes']):>10} "
-            f"{M.fmt_bytes(r['permute_bytes']):>10} {rule:>4} {r['compile_s']:>9.2f}"
-        )
-    out += [
+    notes = [
         "median: per step (.bind, donated); ratio: the paired ratio to the same mode's data8 row at the same K",
         "(each round's time over that row's, median over rounds). bubble: (S - 1) / (K + S - 1).",
         "arg, temp, peak: memory_analysis() of one device's program (arguments: its state and batch; peak:",
@@ -201,7 +187,7 @@ def table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "device per step from the census (loops multiplied out), permutes: the collective-permutes among them;",
         "rule: the census matches the step's expected communication (implicit pipelines: XLA's own choice).",
     ]
-    return "\n".join(out)
+    return M.table(title, columns, rows, notes)
 
 
 def main() -> None:

@@ -89,7 +89,7 @@ import substrax  # noqa: E402
 from substrax.mesh import create_device_mesh  # noqa: E402
 
 
-from models import MLP, Normed, mse, one_device_training, regression_batches  # noqa: E402,F401  (re-exported)
+from models import MLP, Normed, mse, one_device_training, params_of, regression_batches  # noqa: E402,F401  (re-exported)
 
 
 # The compile-only TPU tests (tests/test_tpu_*.py, make test-tpu) compile for TPU topologies through libtpu.
@@ -121,11 +121,6 @@ needs_cuda_plugin = pytest.mark.skipif(
 FLAT_LAYOUTS = tuple(layout for layout in substrax.LAYOUTS if layout != "hsdp")
 
 
-def params_of(model: nnx.Module) -> dict[str, np.ndarray]:
-    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
-    return {"/".join(map(str, path)): np.asarray(var.get_value()) for path, var in flat}
-
-
 def reference_training(
     batches: list[dict], *, lr: float = 1e-2, seed: int = 0, tx: optax.GradientTransformation | None = None
 ) -> tuple[list[float], dict]:
@@ -141,6 +136,17 @@ def noise_floor(make_tx: Callable[[], optax.GradientTransformation], batches: li
     order = np.random.default_rng(1).permutation(len(batches[0]["x"]))
     _, b = reference_training([{k: v[order] for k, v in batch.items()} for batch in batches], tx=make_tx())
     return max(float(np.max(np.abs(a[k] - b[k]))) for k in a)
+
+
+def assert_trains_to(step: Callable, model: nnx.Module, optimizer: nnx.Optimizer, batches: list, want: dict,
+                     *, rtol: float = 1e-5, atol: float = 1e-6) -> None:  # fmt: skip
+    """``step`` on each batch; then each of ``want``'s parameters within ``rtol``, ``atol`` of the model's
+    (the defaults: SGD, held to float32 round-off)."""
+    for b in batches:
+        step(model, optimizer, b)
+    got = params_of(model)
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=rtol, atol=atol, err_msg=key)
 
 
 def assert_params_close(got: dict, want: dict, *, rtol: float = 2e-5, atol: float = 2e-6) -> None:

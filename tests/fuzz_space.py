@@ -20,6 +20,7 @@ import optax
 from flax import nnx
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec
+from models import Dense, stack
 
 import substrax
 
@@ -218,21 +219,11 @@ def units_of(config: Config) -> Any:
     if config.units == "linear":
         return nnx.Linear
     if config.units == "stack":
-        return ScanLayer if config.scan is not None else None
+        return Dense if config.scan is not None else None
     return (lambda path, module: len(path) == 2 and path[0] == "blocks") if config.blocks else None
 
 
 # ----------------------------------------------------------------------------------------- the model
-
-
-class ScanLayer(nnx.Module):
-    """One layer of the scanned stack: ``tanh(Linear(x))``."""
-
-    def __init__(self, width: int, rngs: nnx.Rngs) -> None:
-        self.lin = nnx.Linear(width, width, rngs=rngs)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return jnp.tanh(self.lin(x))
 
 
 class Model(nnx.Module):
@@ -270,12 +261,7 @@ class Model(nnx.Module):
         self.scan = config.scan
         if config.scan is not None:
 
-            @nnx.split_rngs(splits=2)
-            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
-            def stack(rngs: nnx.Rngs) -> ScanLayer:
-                return ScanLayer(w, rngs)
-
-            self.stack = stack(rngs)
+            self.stack = stack(lambda rngs: Dense(w, rngs), 2, rngs)
         self.head = nnx.Linear(w, CLASSES if config.task == "classify" else TARGETS, rngs=rngs)
         # model.eval() for the rate-0.5 dropout layers only (BatchNorm keeps training)
         active = lambda _, node: isinstance(node, nnx.Dropout) and node.rate > 0
@@ -291,7 +277,7 @@ class Model(nnx.Module):
                 h = jnp.tanh(h)
         if self.scan is not None:
 
-            def body(h: jax.Array, layer: ScanLayer) -> tuple[jax.Array, None]:
+            def body(h: jax.Array, layer: Dense) -> tuple[jax.Array, None]:
                 return layer(h), None
 
             body = nnx.remat(body) if self.scan == "remat" else body

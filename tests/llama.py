@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from models import stack
 
 
 def rope(x: jax.Array) -> jax.Array:
@@ -57,13 +58,7 @@ class Llama(nnx.Module):
                  hidden: int = 128, remat: bool = True, seed: int = 0) -> None:  # fmt: skip
         rngs = nnx.Rngs(seed)
         self.embed = nnx.Embed(vocab, d, rngs=rngs)
-
-        @nnx.split_rngs(splits=depth)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
-        def make(rngs: nnx.Rngs) -> Block:
-            return Block(d, heads, kv_heads, hidden, rngs)
-
-        self.blocks = make(rngs)
+        self.blocks = stack(lambda rngs: Block(d, heads, kv_heads, hidden, rngs), depth, rngs)
         self.norm = nnx.RMSNorm(d, rngs=rngs)
         self.remat = remat
 

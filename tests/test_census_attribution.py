@@ -20,7 +20,7 @@ import optax
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from models import MLP, Normed, mse, regression_batches
+from models import MLP, Normed, mse, regression_batches, stack
 
 import substrax
 from substrax.census import Comparison, census, compare, expected_communication, library_scope, phase_of
@@ -406,13 +406,7 @@ class _ScannedLM(nnx.Module):
     def __init__(self, *, tied: bool, remat: bool, scan_layers: bool = False) -> None:
         rngs = nnx.Rngs(0)
         self.embed = nnx.Embed(48, 16, rngs=rngs)
-
-        @nnx.split_rngs(splits=3)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
-        def make(rngs: nnx.Rngs) -> _Block:
-            return _Block(rngs)
-
-        self.blocks = make(rngs)
+        self.blocks = stack(_Block, 3, rngs)
         self.head = None if tied else nnx.Linear(16, 48, use_bias=False, rngs=rngs)
         self.remat, self.scan_layers = remat, scan_layers
 

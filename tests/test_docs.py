@@ -115,6 +115,16 @@ def _run(block: Block, namespace: dict[str, Any]) -> None:
         raise AssertionError(f"the Python block at {name} failed: {type(e).__name__}: {e}") from e
 
 
+def run_blocks(found: list[Block], monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Run ``found`` in order in one namespace from the repository's root (a page may load
+    ``examples/``): the namespace they leave (tests/test_tpu_guide.py, tests/test_gpu_guide.py)."""
+    monkeypatch.chdir(ROOT)
+    namespace: dict[str, Any] = {"__name__": "__docs__"}
+    for block in found:
+        _run(block, namespace)
+    return namespace
+
+
 PAGES_WITH_CODE = [p for p in PAGES if blocks(p)]
 
 

@@ -66,6 +66,7 @@ from conftest import FLAT_LAYOUTS, params_of
 from flax import nnx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from models import stack
 
 import substrax
 from substrax.mesh import create_device_mesh
@@ -174,12 +175,7 @@ class Stacked(nnx.Module):
     """``Net`` with its blocks stacked (``nnx.vmap``) and applied by ``scan_layers``: the pipeline's model."""
 
     def __init__(self, c: MeshConfig, rngs: nnx.Rngs) -> None:
-        @nnx.split_rngs(splits=c.blocks)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
-        def stack(rngs: nnx.Rngs) -> Block:
-            return Block(c, rngs)
-
-        self.blocks = stack(rngs)
+        self.blocks = stack(lambda rngs: Block(c, rngs), c.blocks, rngs)
         self.head = nnx.Linear(c.width, 1, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import test_docs
 from conftest import needs_cuda_plugin
@@ -13,11 +11,8 @@ PAGE = test_docs.DOCS / "guides" / "pod-from-a-laptop.md"
 
 @needs_cuda_plugin
 def test_the_guides_gpu_blocks_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(test_docs.ROOT)  # the page loads examples/transformer_lm.py
-    namespace: dict[str, Any] = {"__name__": "__docs__"}
     found = test_docs.blocks(PAGE)
     gpu = [b for b in found if b.not_run is not None and "make test-gpu" in b.not_run]
     assert len(gpu) == 2
-    for block in gpu:
-        test_docs._run(block, namespace)
+    namespace = test_docs.run_blocks(gpu, monkeypatch)  # the page loads examples/transformer_lm.py
     assert namespace["found"].matches and namespace["chosen"].fits

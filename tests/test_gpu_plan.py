@@ -4,27 +4,21 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
-import jax.numpy as jnp
-import optax
 import pytest
 from conftest import MLP, mse, needs_cuda_plugin
 from flax import nnx
+from models import abstract_batch, abstract_mlp
 
 import substrax
 from substrax.mesh import topology_mesh
 
 pytestmark = needs_cuda_plugin
 
-BATCH = {"x": jax.ShapeDtypeStruct((64, 64), jnp.float32), "y": jax.ShapeDtypeStruct((64, 64), jnp.float32)}
+BATCH = abstract_batch(64, 64, 64)
 
 
 def _abstract(width: int = 256) -> tuple[MLP, nnx.Optimizer]:
-    def build() -> tuple[MLP, nnx.Optimizer]:
-        model = MLP(64, width, 64)
-        return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
-
-    return nnx.eval_shape(build)
+    return abstract_mlp(64, width, 64)
 
 
 @pytest.mark.parametrize("topology", ["1x1x8", "1x2x8"])

@@ -7,11 +7,10 @@ reads that buffer's pieces (tests/test_gpu_mesh.py: the meshes themselves).
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
-import optax
 import pytest
 from conftest import MLP, mse, needs_cuda_plugin
 from flax import nnx
+from models import abstract_batch, abstract_mlp
 
 import substrax
 from substrax.census._step import program_platform
@@ -23,16 +22,11 @@ LAYOUTS = ["replicated", "zero1", "fsdp", "fsdp+units", "hsdp"]
 
 
 def _abstract(din: int = 64, width: int = 256, dout: int = 64) -> tuple[MLP, nnx.Optimizer]:
-    def build() -> tuple[MLP, nnx.Optimizer]:
-        model = MLP(din, width, dout)
-        return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
-
-    return nnx.eval_shape(build)
+    return abstract_mlp(din, width, dout)
 
 
 def _batch(rows: int = 64, din: int = 64, dout: int = 64) -> dict[str, jax.ShapeDtypeStruct]:
-    f32 = jnp.float32
-    return {"x": jax.ShapeDtypeStruct((rows, din), f32), "y": jax.ShapeDtypeStruct((rows, dout), f32)}
+    return abstract_batch(rows, din, dout)
 
 
 def _mesh(topology: str, layout: str) -> jax.sharding.Mesh:

@@ -16,9 +16,10 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import MLP, mse, params_of, regression_batches
+from conftest import MLP, assert_trains_to, mse, params_of, regression_batches
 from flax import nnx
 from jax.sharding import PartitionSpec
+from models import Residual, make_placed, one_device_params
 
 import substrax
 from substrax.mesh import create_device_mesh
@@ -29,21 +30,12 @@ LR = 0.1
 
 
 def _one_device(batches: list[dict], width: int = 16) -> dict[str, np.ndarray]:
-    with jax.default_device(jax.devices()[0]):
-        model = MLP(width=width)
-        optimizer = nnx.Optimizer(model, optax.sgd(LR, momentum=0.9), wrt=nnx.Param)
-        step = nnx.jit(lambda m, o, b: o.update(m, nnx.grad(mse)(m, b)))
-        for b in batches:
-            step(model, optimizer, b)
-    return params_of(model)
+    return one_device_params(lambda: MLP(width=width), optax.sgd(LR, momentum=0.9), batches)
 
 
 def _placed(mesh: jax.sharding.Mesh, layout: str, units=None, width: int = 16) -> tuple[MLP, nnx.Optimizer]:
-    with jax.set_mesh(mesh):
-        model = MLP(width=width)
-        optimizer = nnx.Optimizer(model, optax.sgd(LR, momentum=0.9), wrt=nnx.Param)
-    substrax.shard_state(model, optimizer, mesh=mesh, layout=layout, min_size=1, units=units)
-    return model, optimizer
+    tx = optax.sgd(LR, momentum=0.9)
+    return make_placed(lambda: MLP(width=width), tx, mesh, layout=layout, min_size=1, units=units)
 
 
 @pytest.mark.parametrize(
@@ -60,11 +52,7 @@ def test_hybrid_sharding_trains_like_one_device(mode: str, microbatches: int, la
         assert model.hidden.kernel.get_value().sharding.spec == P(None, "data")
         assert substrax.layout_of(model, optimizer).kind == "hsdp"
     step = substrax.make_train_step(mse, mode, mesh=HYBRID, microbatches=microbatches)
-    for b in batches:
-        step(model, optimizer, b)
-    got = params_of(model)
-    for key in want:
-        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    assert_trains_to(step, model, optimizer, batches, want)
     if mode == "implicit":  # what XLA chose: the census attributes it, values are the test
         return
     comparison = step.check_communication(model, optimizer, batches[0])
@@ -122,12 +110,8 @@ def test_a_step_built_for_another_replica_axis_is_refused_naming_both(mode: str)
     rows = []
     step = substrax.make_train_step(lambda m, b: rows.append(len(b["x"])) or mse(m, b), mode, mesh=named,
                                     replica_axis="dcn")  # fmt: skip
-    for b in batches:
-        step(model, optimizer, b)
+    assert_trains_to(step, model, optimizer, batches, _one_device(batches))
     assert rows[0] == (4 if mode == "explicit" else 32)  # a device's rows: 32 over 2 x 4
-    got, want = params_of(model), _one_device(batches)
-    for key in want:
-        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
     # placed again as FSDP: nothing recorded, no replica axis asked of the step
     substrax.shard_state(model, optimizer, mesh=named, layout="fsdp", min_size=1)
     default(model, optimizer, batches[0])
@@ -149,22 +133,17 @@ def test_a_checkpoint_saved_under_hsdp_restores_into_fsdp_and_replicated(tmp_pat
 @pytest.mark.parametrize("mode", substrax.MODES)
 def test_hybrid_sharding_beside_a_model_axis(mode: str, units: bool) -> None:
     """(replica, data, model): substrax.nn layers in a scanned stack, split over model, hsdp over the rest."""
-    from test_scanned import Layer, Scanned, _batches, _params, one_device_params
-    from test_scanned import mse as scanned_mse
+    from test_scanned import Scanned, _batches, one_device_reference
 
-    want = one_device_params()
+    want = one_device_reference()
     mesh = create_device_mesh({"replica": 2, "data": 2, "model": 2})
-    with jax.set_mesh(mesh):
-        model = Scanned(3, 16)
-        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-    substrax.shard_state(model, optimizer, mesh=mesh, layout="hsdp", min_size=1, units=Layer if units else None)
+    units = Residual if units else None
+    model, optimizer = make_placed(
+        lambda: Scanned(3, 16), optax.sgd(0.1), mesh, layout="hsdp", min_size=1, units=units
+    )
     assert model.layers.up.kernel.get_value().sharding.spec == P(None, "data", "model")
-    step = substrax.make_train_step(scanned_mse, mode, mesh=mesh)
-    for b in _batches():
-        step(model, optimizer, b)
-    got = _params(model)
-    for key in want:
-        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    step = substrax.make_train_step(mse, mode, mesh=mesh)
+    assert_trains_to(step, model, optimizer, _batches(), want)
     if mode == "explicit":
         comparison = step.check_communication(model, optimizer, _batches(1)[0])
         assert comparison.matches, str(comparison)
@@ -229,11 +208,7 @@ def test_regression_replicas_of_one_device_each(units) -> None:
     want = _one_device(batches)
     model, optimizer = _placed(mesh, "hsdp", units)
     step = substrax.make_train_step(mse, "explicit", mesh=mesh, microbatches=2)
-    for b in batches:
-        step(model, optimizer, b)
-    got = params_of(model)
-    for key in want:
-        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    assert_trains_to(step, model, optimizer, batches, want)
     comparison = step.check_communication(model, optimizer, batches[0])
     assert comparison.matches, str(comparison)
     assert comparison.report.count("all-gather") == 0  # nothing gathered over one device

@@ -24,13 +24,13 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from models import Residual, Tower, mse, one_device_params, params_of, sine_batches, stack
 
 import substrax
 from substrax import checkpoint
 from substrax._shared.schedule import Schedule, bubble_fraction
 from substrax.explicit import compare_gradients
 from substrax.mesh import create_device_mesh
-from substrax.nn import ColumnParallelLinear, RowParallelLinear
 
 DEPTH, WIDTH, ROWS = 8, 8, 32
 STRICT_RTOL, STRICT_ATOL = 1e-5, 1e-6
@@ -44,56 +44,20 @@ CASES = {  # name: (mesh, layout, microbatches)
 }
 
 
-class Layer(nnx.Module):
+class Layer(Residual):
     """One residual layer: LayerNorm, a column-parallel up and a row-parallel down projection."""
 
     def __init__(self, width: int, rngs: nnx.Rngs) -> None:
-        self.norm = nnx.LayerNorm(width, rngs=rngs)
-        self.up = ColumnParallelLinear(width, 2 * width, rngs=rngs)
-        self.down = RowParallelLinear(2 * width, width, rngs=rngs)
-
-    def __call__(self, x: jax.Array, gate: jax.Array, *, scale: float) -> jax.Array:
-        return x + scale * gate * self.down(jnp.tanh(self.up(self.norm(x))))
+        super().__init__(width, rngs, norm=True)
 
 
-class Net(nnx.Module):
+class Net(Tower):
     def __init__(self, depth: int = DEPTH, width: int = WIDTH, seed: int = 0) -> None:
-        rngs = nnx.Rngs(seed)
-        self.embed = nnx.Linear(4, width, rngs=rngs)
-        self.gate = nnx.Param(jnp.linspace(-1.0, 1.0, width))
-
-        @nnx.split_rngs(splits=depth)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
-        def make(rngs: nnx.Rngs) -> Layer:
-            return Layer(width, rngs)
-
-        self.layers = make(rngs)
-        self.head = nnx.Linear(width, 1, rngs=rngs)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        gate = jax.nn.sigmoid(self.gate.get_value())
-        h = substrax.nn.scan_layers(self.layers, self.embed(x), gate, scale=0.5)
-        return self.head(h)[:, 0]
-
-
-def mse(model: Net, batch: dict) -> jax.Array:
-    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+        super().__init__(Layer, depth, width, gate=True, scale=0.5, seed=seed)
 
 
 def _batches(steps: int = 2, rows: int = ROWS, seed: int = 0) -> list[dict]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(steps):
-        x = rng.normal(size=(rows, 4)).astype(np.float32)
-        out.append({"x": x, "y": np.sin(x.sum(axis=1)).astype(np.float32)})
-    return out
-
-
-def _params(model: nnx.Module) -> dict[str, np.ndarray]:
-    return {
-        "/".join(map(str, p)): np.asarray(v.get_value())
-        for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
-    }
+    return sine_batches(steps, rows, seed=seed)
 
 
 def _tx(optimizer: str) -> optax.GradientTransformation:
@@ -101,13 +65,7 @@ def _tx(optimizer: str) -> optax.GradientTransformation:
 
 
 def _reference(optimizer: str, batches: list[dict]) -> dict[str, np.ndarray]:
-    with jax.default_device(jax.devices()[0]):
-        model = Net()
-        opt = nnx.Optimizer(model, _tx(optimizer), wrt=nnx.Param)
-        step = nnx.jit(lambda m, o, b: o.update(m, nnx.grad(mse)(m, b)))
-        for b in batches:
-            step(model, opt, b)
-    return _params(model)
+    return one_device_params(Net, _tx(optimizer), batches)
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +103,7 @@ def test_a_pipelined_stack_trains_like_one_device(
     model, _, _ = _train(mode, schedule, case)
     for path, variable in nnx.to_flat_state(nnx.state(model.layers, nnx.Param)):
         assert variable.get_value().sharding.spec[0] == "stage", path  # still split over the stages
-    got = _params(model)
+    got = params_of(model)
     for key in sgd_reference:
         np.testing.assert_allclose(
             got[key], sgd_reference[key], rtol=STRICT_RTOL, atol=STRICT_ATOL, err_msg=key
@@ -164,7 +122,7 @@ def test_adam_pipelined_trains_like_one_device_within_the_floor(mode: str, sched
     step = substrax.make_train_step(mse, mode, mesh=mesh, microbatches=4, schedule=schedule)
     for b in _batches():
         step(model, opt, b)
-    got = _params(model)
+    got = params_of(model)
     for key in runs[0]:
         floor = max(float(np.max(np.abs(a[key] - b[key]))) for a in runs for b in runs)
         tol = max(1e-6, SAFETY * floor + 1e-7)
@@ -247,7 +205,7 @@ def test_pipelined_state_restores_onto_a_mesh_without_stage(tmp_path, sgd_refere
     checkpoint.restore(tmp_path / "ckpt", model2, opt2)
     assert model2.layers.up.kernel.get_value().sharding.spec == jax.sharding.PartitionSpec(None, None, "data")
     substrax.make_train_step(mse, "implicit", mesh=flat)(model2, opt2, second)
-    got = _params(model2)
+    got = params_of(model2)
     for key in sgd_reference:
         np.testing.assert_allclose(
             got[key], sgd_reference[key], rtol=STRICT_RTOL, atol=STRICT_ATOL, err_msg=key
@@ -431,13 +389,7 @@ def test_a_stack_holding_state_other_than_parameters_is_refused() -> None:
         def __init__(self) -> None:
             rngs = nnx.Rngs(0)
             self.embed = nnx.Linear(4, WIDTH, rngs=rngs)
-
-            @nnx.split_rngs(splits=4)
-            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
-            def make(rngs: nnx.Rngs) -> Normed:
-                return Normed(rngs)
-
-            self.layers = make(rngs)
+            self.layers = stack(Normed, 4, rngs)
 
         def __call__(self, x: jax.Array) -> jax.Array:
             return substrax.nn.scan_layers(self.layers, self.embed(x)).sum(axis=1)

@@ -17,58 +17,28 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 from flax import nnx
+from models import Residual, Tower, mse, sine_batches
 
 import substrax
 
 from substrax.census import compare
 from substrax.census._hlo import pair_shift
 from substrax.mesh import create_device_mesh
-from substrax.nn import ColumnParallelLinear, RowParallelLinear
 
 DEPTH, WIDTH, ROWS = 8, 8, 32
 F32 = 4
 
 
-class Layer(nnx.Module):
-    def __init__(self, width: int, rngs: nnx.Rngs) -> None:
-        self.up = ColumnParallelLinear(width, 2 * width, rngs=rngs)
-        self.down = RowParallelLinear(2 * width, width, rngs=rngs)
-
-    def __call__(self, x: jax.Array, gate: jax.Array) -> jax.Array:
-        return x + gate * self.down(jnp.tanh(self.up(x)))
-
-
-class Net(nnx.Module):
+class Net(Tower):
     def __init__(self, depth: int = DEPTH, width: int = WIDTH) -> None:
-        rngs = nnx.Rngs(0)
-        self.embed = nnx.Linear(4, width, rngs=rngs)
-        self.gate = nnx.Param(jnp.linspace(-1.0, 1.0, width))
-
-        @nnx.split_rngs(splits=depth)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
-        def make(rngs: nnx.Rngs) -> Layer:
-            return Layer(width, rngs)
-
-        self.layers = make(rngs)
-        self.head = nnx.Linear(width, 1, rngs=rngs)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        h = substrax.nn.scan_layers(self.layers, self.embed(x), jax.nn.sigmoid(self.gate.get_value()))
-        return self.head(h)[:, 0]
-
-
-def mse(model: Net, batch: dict) -> jax.Array:
-    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+        super().__init__(Residual, depth, width, gate=True)
 
 
 def batch() -> dict:
-    x = np.random.default_rng(0).normal(size=(ROWS, 4)).astype(np.float32)
-    return {"x": x, "y": np.sin(x.sum(axis=1)).astype(np.float32)}
+    return sine_batches(1, ROWS)[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,9 +69,9 @@ def checked(mode: str, case: Case):  # noqa: ANN201
         with jax.set_mesh(mesh):
             model = Net()
             optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
-        units = Layer if case.layout == "units" else None
+        units = Residual if case.layout == "units" else None
         layout = "fsdp" if units else case.layout
-        substrax.shard_state(model, optimizer, mesh=mesh, layout=layout, units=units, stages=Layer, min_size=1)
+        substrax.shard_state(model, optimizer, mesh=mesh, layout=layout, units=units, stages=Residual, min_size=1)
         step = substrax.make_train_step(mse, mode, mesh=mesh, microbatches=case.microbatches, schedule=case.schedule)
         _RESULTS[mode, case] = step.check_communication(model, optimizer, batch())
     return _RESULTS[mode, case]

@@ -13,11 +13,11 @@ CPU): width 64, explicit, GPipe 174,144 -> 299,200 B, 1F1B 122,312 B at both; im
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax import nnx
+from models import Dense, Tower, mse
 
 import substrax
 from substrax.mesh import create_device_mesh
@@ -26,41 +26,12 @@ STAGES, DATA, DEPTH, ROWS_EACH = 4, 2, 8, 8  # ROWS_EACH: one microbatch's rows 
 F32 = 4
 
 
-class Layer(nnx.Module):
-    def __init__(self, width: int, rngs: nnx.Rngs) -> None:
-        self.linear = nnx.Linear(width, width, rngs=rngs)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return jnp.tanh(self.linear(x))
-
-
-class Tower(nnx.Module):
-    def __init__(self, width: int) -> None:
-        rngs = nnx.Rngs(0)
-        self.embed = nnx.Linear(4, width, rngs=rngs)
-
-        @nnx.split_rngs(splits=DEPTH)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
-        def make(rngs: nnx.Rngs) -> Layer:
-            return Layer(width, rngs)
-
-        self.layers = make(rngs)
-        self.head = nnx.Linear(width, 1, rngs=rngs)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.head(substrax.nn.scan_layers(self.layers, self.embed(x)))[:, 0]
-
-
-def mse(model: Tower, batch: dict) -> jax.Array:
-    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
-
-
 def temporaries(mode: str, schedule: str, width: int, k: int) -> int:
     mesh = create_device_mesh({"stage": STAGES, "data": DATA})
     with jax.set_mesh(mesh):
-        model = Tower(width)
+        model = Tower(Dense, DEPTH, width)
         optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-    substrax.shard_state(model, optimizer, mesh=mesh, stages=Layer)
+    substrax.shard_state(model, optimizer, mesh=mesh, stages=Dense)
     step = substrax.make_train_step(mse, mode, mesh=mesh, microbatches=k, schedule=schedule)
     rows = ROWS_EACH * DATA * k
     batch = {"x": np.ones((rows, 4), np.float32), "y": np.ones(rows, np.float32)}

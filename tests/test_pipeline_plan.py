@@ -12,11 +12,11 @@ measured against the compiled peak it was 0.93-0.97 for GPipe and 1.18-1.24 for 
 from __future__ import annotations
 
 import jax
-import numpy as np
 import optax
 import pytest
 from flax import nnx
-from test_pipeline_census import Layer, Net, mse
+from models import Residual, mse, sine_batches
+from test_pipeline_census import Net
 
 import substrax
 from substrax.mesh import create_device_mesh
@@ -31,8 +31,7 @@ def build() -> tuple[Net, nnx.Optimizer]:
 
 
 def batch() -> dict:
-    x = np.random.default_rng(0).normal(size=(ROWS, 4)).astype(np.float32)
-    return {"x": x, "y": np.sin(x.sum(axis=1)).astype(np.float32)}
+    return sine_batches(1, ROWS)[0]
 
 
 MESHES = ({"data": 8}, {"data": 2, "stage": 4})
@@ -43,7 +42,7 @@ def planned() -> substrax.Plan:
     if not _PLAN:
         meshes = [create_device_mesh(m) for m in MESHES]
         _PLAN.append(
-            substrax.plan(mse, *build(), batch(), mesh=meshes, layouts=("replicated",), placement={"stages": Layer},
+            substrax.plan(mse, *build(), batch(), mesh=meshes, layouts=("replicated",), placement={"stages": Residual},
                           microbatches=K)  # fmt: skip
         )
     return _PLAN[0]
@@ -89,8 +88,8 @@ def test_a_pipelined_row_is_the_compiled_step(schedule: str) -> None:
 def test_schedule_candidates_and_a_mesh_without_stage() -> None:
     mesh = create_device_mesh({"data": 2, "stage": 4})
     with pytest.raises(ValueError, match="schedule must be one of"):
-        substrax.plan(mse, *build(), batch(), mesh=mesh, layouts=("replicated",), placement={"stages": Layer},
+        substrax.plan(mse, *build(), batch(), mesh=mesh, layouts=("replicated",), placement={"stages": Residual},
                       microbatches=K, schedule="zigzag")  # fmt: skip
-    one = substrax.plan(mse, *build(), batch(), mesh=mesh, layouts=("replicated",), placement={"stages": Layer},
+    one = substrax.plan(mse, *build(), batch(), mesh=mesh, layouts=("replicated",), placement={"stages": Residual},
                         microbatches=K, schedule=("1f1b",))  # fmt: skip
     assert [r.schedule for r in one.rows] == ["1f1b"]

@@ -18,6 +18,7 @@ import test_transformer_lm
 import test_units as units
 from conftest import MLP, mse, regression_batches
 from flax import nnx
+from models import Residual, abstract_batch, abstract_mlp, sine_batches
 
 import substrax
 from substrax.mesh import create_device_mesh
@@ -243,22 +244,22 @@ def test_the_planned_memory_of_a_scanned_stack_is_the_compiled_one(depth: int, p
     first of all) and the loop's own temporaries counted, the gathers' relayout copies too; the
     bytes the census's, every gather required (a layer gathered three times under remat)."""
     mesh = create_device_mesh({"data": 8})
-    layer = scanned.Layer if per_layer else None
+    layer = Residual if per_layer else None
 
     def build():
         with jax.set_mesh(mesh):
             model = scanned.Scanned(depth, 64, remat=remat)
             return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
 
-    batch = scanned._batches(1, 256)[0]
+    batch = sine_batches(1, 256)[0]
     model, optimizer = build()
     (row,) = substrax.plan(
-        scanned.mse, model, optimizer, batch, mesh=mesh, layouts=("fsdp",), units=(layer,),
+        mse, model, optimizer, batch, mesh=mesh, layouts=("fsdp",), units=(layer,),
         placement={"min_size": 1},
     ).rows  # fmt: skip
     model, optimizer = build()
     substrax.shard_state(model, optimizer, mesh=mesh, layout="fsdp", units=layer, min_size=1)
-    step = substrax.make_train_step(scanned.mse, "explicit", mesh=mesh)
+    step = substrax.make_train_step(mse, "explicit", mesh=mesh)
     arguments, peak = _compiled(step, model, optimizer, batch)
     assert row.state_bytes + row.batch_bytes == arguments  # placed as placement= says (min_size=1)
     assert abs(row.peak_bytes / peak - 1) <= MEMORY_RTOL, (row.peak_bytes, peak)
@@ -404,14 +405,10 @@ def test_a_row_builds_its_configuration(mode: str) -> None:
 
 
 def _abstract_mlp() -> tuple[MLP, nnx.Optimizer]:
-    def build() -> tuple[MLP, nnx.Optimizer]:
-        model = MLP(128, 512, 128)
-        return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
-
-    return nnx.eval_shape(build)
+    return abstract_mlp(128, 512, 128)
 
 
-_MLP_BATCH = {k: jax.ShapeDtypeStruct((64, 128), jnp.float32) for k in ("x", "y")}
+_MLP_BATCH = abstract_batch(64, 128, 128)
 
 
 def test_the_estimate_follows_xla_cpu_unless_asked_to_compile() -> None:

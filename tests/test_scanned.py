@@ -17,48 +17,29 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import assert_trains_to
 from flax import nnx
+from models import Residual, Tower, make_placed, mse, one_device_params, sine_batches, stack
 
 import substrax
 from substrax.mesh import create_device_mesh
-from substrax.nn import ColumnParallelLinear, RowParallelLinear
 
 MESHES = {"data8": {"data": 8}, "data4-model2": {"data": 4, "model": 2}}
 VARIANTS = ("scan", "remat", "units", "units-remat", "units-prefetch")
 
 
-class Layer(nnx.Module):
-    """One residual MLP layer; on a mesh with ``model`` its hidden features are split there."""
-
-    def __init__(self, width: int, rngs: nnx.Rngs) -> None:
-        self.up = ColumnParallelLinear(width, 2 * width, rngs=rngs)
-        self.down = RowParallelLinear(2 * width, width, rngs=rngs)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return x + self.down(jnp.tanh(self.up(x)))
-
-
-class Scanned(nnx.Module):
-    """``depth`` layers stacked by ``nnx.vmap`` and applied by ``nnx.scan`` (the Flax NNX idiom)."""
+class Scanned(Tower):
+    """``depth`` residual layers stacked by ``nnx.vmap`` and applied by ``nnx.scan`` (the Flax NNX idiom)."""
 
     def __init__(self, depth: int, width: int, *, remat: bool = False, prefetch: bool = False, seed: int = 0) -> None:
-        rngs = nnx.Rngs(seed)
-        self.embed = nnx.Linear(4, width, rngs=rngs)
-
-        @nnx.split_rngs(splits=depth)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
-        def make(rngs: nnx.Rngs) -> Layer:
-            return Layer(width, rngs)
-
-        self.layers = make(rngs)
-        self.head = nnx.Linear(width, 1, rngs=rngs)
+        super().__init__(Residual, depth, width, seed=seed)
         self.remat, self.prefetch = remat, prefetch
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.prefetch:  # the library's loop (nnx.scan where nothing is prefetched)
-            return self.head(substrax.nn.scan_layers(self.layers, self.embed(x)))[:, 0]
+            return super().__call__(x)
 
-        def body(h: jax.Array, layer: Layer) -> tuple[jax.Array, None]:
+        def body(h: jax.Array, layer: Residual) -> tuple[jax.Array, None]:
             return layer(h), None
 
         if self.remat:
@@ -67,47 +48,27 @@ class Scanned(nnx.Module):
         return self.head(h)[:, 0]
 
 
-def mse(model: Scanned, batch: dict) -> jax.Array:
-    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
-
-
 def _batches(steps: int = 2, rows: int = 32) -> list[dict]:
-    rng = np.random.default_rng(0)
-    out = []
-    for _ in range(steps):
-        x = rng.normal(size=(rows, 4)).astype(np.float32)
-        out.append({"x": x, "y": np.sin(x.sum(axis=1)).astype(np.float32)})
-    return out
+    return sine_batches(steps, rows)
 
 
-def _params(model: nnx.Module) -> dict[str, np.ndarray]:
-    return {"/".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-
-
-def one_device_params() -> dict[str, np.ndarray]:
+def one_device_reference() -> dict[str, np.ndarray]:
     """``Scanned(3, 16)`` trained with SGD on ``_batches()`` on one device: the reference."""
-    with jax.default_device(jax.devices()[0]):
-        model = Scanned(3, 16)
-        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-        step = nnx.jit(lambda m, o, b: o.update(m, nnx.grad(mse)(m, b)))
-        for b in _batches():
-            step(model, optimizer, b)
-    return _params(model)
+    return one_device_params(lambda: Scanned(3, 16), optax.sgd(0.1), _batches())
 
 
 @pytest.fixture(scope="module")
 def reference() -> dict[str, np.ndarray]:
-    return one_device_params()
+    return one_device_reference()
 
 
 def _placed(mesh: jax.sharding.Mesh, variant: str, depth: int = 3, width: int = 16) -> tuple[Scanned, nnx.Optimizer]:
     prefetch = variant == "units-prefetch"
-    with jax.set_mesh(mesh):
-        model = Scanned(depth, width, remat="remat" in variant, prefetch=prefetch)
-        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-    units = Layer if variant.startswith("units") else None
-    substrax.shard_state(model, optimizer, mesh=mesh, layout="fsdp", min_size=1, units=units, prefetch=prefetch)
-    return model, optimizer
+    units = Residual if variant.startswith("units") else None
+    return make_placed(
+        lambda: Scanned(depth, width, remat="remat" in variant, prefetch=prefetch), optax.sgd(0.1), mesh,
+        layout="fsdp", min_size=1, units=units, prefetch=prefetch,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -120,11 +81,7 @@ def test_a_scanned_stack_trains_like_one_device(mode: str, shape: str, variant: 
         spec = variable.get_value().sharding.spec
         assert not spec or spec[0] is None, path  # the layer axis stays whole
     step = substrax.make_train_step(mse, mode, mesh=mesh)
-    for b in _batches():
-        step(model, optimizer, b)
-    got = _params(model)
-    for key in reference:
-        np.testing.assert_allclose(got[key], reference[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    assert_trains_to(step, model, optimizer, _batches(), reference)
     if mode == "implicit":  # what XLA chose (per-layer gathers in the loop): the layouts guide
         return
     comparison = step.check_communication(model, optimizer, _batches(1)[0])
@@ -143,17 +100,13 @@ def test_a_scanned_stack_trains_like_one_device(mode: str, shape: str, variant: 
 def test_a_prefetched_stack_with_whole_biases_trains_like_one_device(reference: dict) -> None:
     """``min_size=100``: the kernels split, the biases (96 and 48 elements) whole, sliced per layer."""
     mesh = create_device_mesh({"data": 8})
-    with jax.set_mesh(mesh):
-        model = Scanned(3, 16, prefetch=True)
-        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-    substrax.shard_state(model, optimizer, mesh=mesh, layout="fsdp", min_size=100, units=Layer, prefetch=True)
+    model, optimizer = make_placed(
+        lambda: Scanned(3, 16, prefetch=True), optax.sgd(0.1), mesh,
+        layout="fsdp", min_size=100, units=Residual, prefetch=True,
+    )  # fmt: skip
     assert model.layers.up.bias.get_value().sharding.spec == jax.sharding.PartitionSpec()
     step = substrax.make_train_step(mse, "explicit", mesh=mesh)
-    for b in _batches():
-        step(model, optimizer, b)
-    got = _params(model)
-    for key in reference:
-        np.testing.assert_allclose(got[key], reference[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    assert_trains_to(step, model, optimizer, _batches(), reference)
     comparison = step.check_communication(model, optimizer, _batches(1)[0])
     assert comparison.matches, str(comparison)
 
@@ -229,11 +182,11 @@ def test_prefetch_is_refused_where_it_cannot_run_naming_what_to_do() -> None:
     with pytest.raises(ValueError, match="prefetch=True gathers the next layer .* name the stacked block with units="):
         substrax.shard_state(model, optimizer, mesh=mesh, min_size=1, prefetch=True)
     with pytest.raises(ValueError, match="reshard_after_forward=False would keep every layer"):
-        substrax.shard_state(model, optimizer, mesh=mesh, min_size=1, units=Layer, prefetch=True,
+        substrax.shard_state(model, optimizer, mesh=mesh, min_size=1, units=Residual, prefetch=True,
                              reshard_after_forward=False)  # fmt: skip
     with pytest.raises(TypeError, match="prefetch must be True or False; got 1"):
-        substrax.shard_state(model, optimizer, mesh=mesh, min_size=1, units=Layer, prefetch=1)
-    substrax.shard_state(model, optimizer, mesh=mesh, min_size=1, units=Layer, prefetch=True)
+        substrax.shard_state(model, optimizer, mesh=mesh, min_size=1, units=Residual, prefetch=1)
+    substrax.shard_state(model, optimizer, mesh=mesh, min_size=1, units=Residual, prefetch=True)
     step = substrax.make_train_step(mse, "explicit", mesh=mesh)
     with pytest.raises(ValueError, match=r"FSDP unit model\['layers'\] was placed with prefetch=True but called directly .*scan_layers"):
         step(model, optimizer, _batches(1)[0])
@@ -256,13 +209,8 @@ def test_a_prefetched_stack_with_state_other_than_parameters_is_refused_by_path(
 
     class Stack(nnx.Module):
         def __init__(self) -> None:
-            @nnx.split_rngs(splits=2)
-            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
-            def make(rngs: nnx.Rngs) -> Counted:
-                return Counted(16, rngs)
-
             self.embed = nnx.Linear(4, 16, rngs=nnx.Rngs(1))
-            self.layers = make(nnx.Rngs(0))
+            self.layers = stack(lambda rngs: Counted(16, rngs), 2, nnx.Rngs(0))
 
         def __call__(self, x: jax.Array) -> jax.Array:
             return substrax.nn.scan_layers(self.layers, self.embed(x)).sum(axis=1)

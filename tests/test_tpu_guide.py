@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import test_docs
 from conftest import needs_libtpu
@@ -13,11 +11,9 @@ PAGE = test_docs.DOCS / "guides" / "pod-from-a-laptop.md"
 
 @needs_libtpu
 def test_the_guides_blocks_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(test_docs.ROOT)  # the page loads examples/transformer_lm.py
-    namespace: dict[str, Any] = {"__name__": "__docs__"}
     found = test_docs.blocks(PAGE)
     found = [b for b in found if b.not_run is None or "make test-gpu" not in b.not_run]  # test_gpu_guide
     assert len(found) == 6 and all(b.not_run is not None and "make test-tpu" in b.not_run for b in found[:5])
-    for block in found[:5]:  # the last runs on the CPU mesh of docs/snippets/setup.py (test_docs.py)
-        test_docs._run(block, namespace)
+    # the last runs on the CPU mesh of docs/snippets/setup.py (test_docs.py); the page loads examples/
+    namespace = test_docs.run_blocks(found[:5], monkeypatch)
     assert namespace["found"].report.rows and namespace["peak"] > 0

@@ -9,6 +9,7 @@ import optax
 import pytest
 from conftest import MLP, mse, needs_libtpu
 from flax import nnx
+from models import abstract_batch, abstract_mlp
 
 import substrax
 from substrax.census import census
@@ -18,14 +19,10 @@ pytestmark = needs_libtpu
 
 
 def _abstract() -> tuple[MLP, nnx.Optimizer]:
-    def build() -> tuple[MLP, nnx.Optimizer]:
-        model = MLP(128, 512, 128)
-        return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
-
-    return nnx.eval_shape(build)
+    return abstract_mlp(128, 512, 128)
 
 
-BATCH = {"x": jax.ShapeDtypeStruct((64, 128), jnp.float32), "y": jax.ShapeDtypeStruct((64, 128), jnp.float32)}
+BATCH = abstract_batch(64, 128, 128)
 
 
 def test_the_estimate_on_v5e_2x4_gives_each_layout_and_mode_a_row() -> None:

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import optax
 import pytest
 from conftest import MLP, mse, needs_libtpu
 from flax import nnx
+from models import abstract_batch, abstract_mlp
 
 import substrax
 from substrax.census._step import program_platform
@@ -21,16 +21,11 @@ pytestmark = needs_libtpu
 
 
 def _abstract(din: int = 128, width: int = 512, dout: int = 128) -> tuple[MLP, nnx.Optimizer]:
-    def build() -> tuple[MLP, nnx.Optimizer]:
-        model = MLP(din, width, dout)
-        return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
-
-    return nnx.eval_shape(build)
+    return abstract_mlp(din, width, dout)
 
 
 def _batch(rows: int = 64, din: int = 128, dout: int = 128) -> dict[str, jax.ShapeDtypeStruct]:
-    f32 = jnp.float32
-    return {"x": jax.ShapeDtypeStruct((rows, din), f32), "y": jax.ShapeDtypeStruct((rows, dout), f32)}
+    return abstract_batch(rows, din, dout)
 
 
 @pytest.mark.parametrize("mode", ["explicit", "implicit"])

@@ -16,7 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import assert_trains_to
 from flax import nnx
+from models import make_placed, mse, one_device_params, params_of
 
 import substrax
 from substrax._layout import unit_paths
@@ -39,37 +41,20 @@ class Stack(nnx.Module):
         return self.head(x)[:, 0]
 
 
-def mse(model: Stack, batch: dict) -> jax.Array:
-    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
-
-
 def _batch(width: int, rows: int = 64, seed: int = 0) -> dict:
     x = np.random.default_rng(seed).normal(size=(rows, width)).astype(np.float32)
     return {"x": x, "y": np.sin(x.sum(axis=1))}
 
 
 def _placed(depth: int, width: int, units, reshard: bool = True) -> tuple[Stack, nnx.Optimizer]:
-    with jax.set_mesh(MESH):
-        model = Stack(depth, width)
-        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-    substrax.shard_state(
-        model, optimizer, mesh=MESH, layout="fsdp", min_size=1, units=units, reshard_after_forward=reshard
-    )
-    return model, optimizer
-
-
-def _params(model: nnx.Module) -> dict[str, np.ndarray]:
-    return {"/".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    return make_placed(
+        lambda: Stack(depth, width), optax.sgd(0.1), MESH,
+        layout="fsdp", min_size=1, units=units, reshard_after_forward=reshard,
+    )  # fmt: skip
 
 
 def _one_device(batches: list[dict]) -> dict[str, np.ndarray]:
-    with jax.default_device(jax.devices()[0]):
-        model = Stack(3, 16)
-        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-        step = nnx.jit(lambda m, o, b: o.update(m, nnx.grad(mse)(m, b)))
-        for b in batches:
-            step(model, optimizer, b)
-    return _params(model)
+    return one_device_params(lambda: Stack(3, 16), optax.sgd(0.1), batches)
 
 
 def _in_layers(path: tuple, module: nnx.Module) -> bool:
@@ -85,11 +70,7 @@ def test_units_train_like_one_device_and_the_census_counts_them(mode: str, resha
     model, optimizer = _placed(3, 16, _in_layers, reshard)
     assert unit_paths(model) == {("layers", i): reshard for i in range(3)}
     step = substrax.make_train_step(mse, mode, mesh=MESH, microbatches=microbatches)
-    for b in batches:
-        step(model, optimizer, b)
-    got = _params(model)
-    for key in want:
-        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    assert_trains_to(step, model, optimizer, batches, want)
     if mode == "implicit":  # units change nothing XLA compiles (the layouts guide, "Units")
         return
     comparison = step.check_communication(model, optimizer, batches[0])
@@ -204,8 +185,8 @@ def test_units_change_how_parameters_move_not_where_they_live(tmp_path: Path) ->
     other, other_opt = _placed(2, 16, None)  # the same layout without units
     assert {k: v.sharding for k, v in _params_arrays(other).items()} == placed
     substrax.checkpoint.restore(tmp_path / "ckpt", other, other_opt)
-    for key, value in _params(model).items():
-        np.testing.assert_array_equal(_params(other)[key], value)
+    for key, value in params_of(model).items():
+        np.testing.assert_array_equal(params_of(other)[key], value)
     substrax.shard_state(other, other_opt, mesh=MESH, min_size=1)  # and units cleared
     assert unit_paths(other) == {}
 

@@ -44,7 +44,7 @@ from substrax.spmd import (  # noqa: E402
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from models import MLP, one_device_training  # noqa: E402  (not conftest: it sets 8 devices)
+from models import MLP, make_placed, one_device_training  # noqa: E402  (not conftest: it sets 8 devices)
 
 ROWS, DIN, STEPS, LR = 32, 4, 12, 1e-2
 FAILURES: list[str] = []
@@ -188,9 +188,7 @@ def checks() -> None:
     def train(mode: str, steps: int, *, hold: bool = False):
         """Train ``steps`` of ``batches`` in ``mode``; ``hold``: process 1 alone holds the
         state's arrays across each step, as a save in flight does on some processes."""
-        with jax.set_mesh(mesh):
-            model = MLP()
-            optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
+        model, optimizer = make_placed(MLP, optax.adam(LR), mesh)
         step = substrax.make_train_step(
             weighted_mse, mode, mesh=mesh, batch_spec={"rows": P("data"), "batch_state": P()}
         )
@@ -231,10 +229,7 @@ def checks() -> None:
         def _(mode: str = mode) -> None:
             hosts = np.vectorize(lambda d: d.process_index)(hybrid.devices)
             assert (hosts == hosts[:, :1]).all() and list(hosts[:, 0]) == [0, 1], hosts  # a replica per process
-            with jax.set_mesh(hybrid):
-                model = MLP()
-                optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
-            substrax.shard_state(model, optimizer, mesh=hybrid, layout="hsdp", min_size=1)
+            model, optimizer = make_placed(MLP, optax.adam(LR), hybrid, layout="hsdp", min_size=1)
             step = substrax.make_train_step(
                 weighted_mse, mode, mesh=hybrid, batch_spec={"rows": P(("replica", "data")), "batch_state": P()}
             )
@@ -257,10 +252,7 @@ def checks() -> None:
 
         @check(f"own_rows_{mode}")
         def _(mode: str = mode) -> None:
-            with jax.set_mesh(mesh):
-                model = MLP()
-                optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
-            substrax.shard_state(model, optimizer, mesh=mesh, layout="fsdp", min_size=1)
+            model, optimizer = make_placed(MLP, optax.adam(LR), mesh, layout="fsdp", min_size=1)
             step = substrax.make_train_step(
                 weighted_mse, mode, mesh=mesh, batch_spec={"rows": P("data"), "batch_state": P()}
             )
@@ -275,10 +267,7 @@ def checks() -> None:
 
         @check(f"own_rows_hsdp_{mode}")
         def _(mode: str = mode) -> None:
-            with jax.set_mesh(hybrid):
-                model = MLP()
-                optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
-            substrax.shard_state(model, optimizer, mesh=hybrid, layout="hsdp", min_size=1)
+            model, optimizer = make_placed(MLP, optax.adam(LR), hybrid, layout="hsdp", min_size=1)
             # the default specs: rows over (replica, data), the 0-d scale replicated
             step = substrax.make_train_step(weighted_mse, mode, mesh=hybrid)
             with step.bind(model, optimizer) as fast:
@@ -288,9 +277,7 @@ def checks() -> None:
 
     @check("own_rows_differ")
     def _() -> None:
-        with jax.set_mesh(mesh):
-            model = MLP()
-            optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
+        model, optimizer = make_placed(MLP, optax.adam(LR), mesh)
         before = params(model)
         b = own_rows(batches[0])
         if me == 1:  # process 1 loaded half the targets
@@ -324,10 +311,7 @@ def checks() -> None:
 
         @check(f"masked_{name}_{layout}_{mode}")
         def _(name: str = name, layout: str = layout, mode: str = mode) -> None:
-            with jax.set_mesh(mesh):
-                model = MLP()
-                optimizer = nnx.Optimizer(model, masked[name](), wrt=nnx.Param)
-            substrax.shard_state(model, optimizer, mesh=mesh, layout=layout, min_size=1)
+            model, optimizer = make_placed(MLP, masked[name](), mesh, layout=layout, min_size=1)
             step = substrax.make_train_step(
                 weighted_mse, mode, mesh=mesh, batch_spec={"rows": P("data"), "batch_state": P()}
             )
@@ -345,9 +329,7 @@ def checks() -> None:
                 err = (model(batch["rows"]["x"]) - batch["rows"]["y"])[:, 0]
                 return jnp.mean(err**2), {"err": err}
 
-            with jax.set_mesh(mesh):
-                model = MLP()
-                optimizer = nnx.Optimizer(model, optax.sgd(0.0), wrt=nnx.Param)
+            model, optimizer = make_placed(MLP, optax.sgd(0.0), mesh)
             step = substrax.make_train_step(
                 per_example, mode, mesh=mesh, has_aux=True, reduce={"err": "gather"},
                 batch_spec={"rows": P("data"), "batch_state": P()},
