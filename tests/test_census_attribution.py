@@ -360,7 +360,7 @@ def test_buffers_xla_concatenates_match(mesh8: jax.sharding.Mesh) -> None:
 def test_an_update_that_cannot_be_compiled_alone_falls_back_to_the_rule(
     mesh8: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from substrax.census import _step as _step_census
+    from substrax.census import _update as _step_census
 
     def fails(*args: Any) -> None:
         raise RuntimeError("no")

@@ -101,18 +101,52 @@ def unit_items(
     prefetched = prefetched_units(model) & set(layered)
     if not units:
         return leaves, []
+    owner, others = _unit_owners(model, leaves, options.data_axis)
+    k = options.microbatches
+    tiles = on_tpu(platform)  # a reduce-scatter's blocks, as the step writes it (_shared.scatter)
+    items = []
+    for (unit, kind, dtype, _), elements in _moved(leaves, owner, others, precision).items():
+        size = _itemsize(dtype, communicated)
+        layers = layered.get(unit, 1) if unit else 1
+        buffer = f"{_hlo_type(dtype, size)}[{n},{elements // (n * layers)}]"
+        if kind == "reduce" and tiles:  # on a TPU: tiles per device, padded to them (explicit._units)
+            per_layer, buffer = scatter_buffer(elements // layers, n, dtype, size, tiles)
+            elements = per_layer * layers
+        if not unit:  # the root unit: gathered once before the forward pass, reduced once after
+            items.append(_root_item(kind, elements * size, buffer))
+            continue
+        name = path_str(unit, "model")
+        if unit in prefetched:  # its own loop: the first layer of each pass outside it
+            items += _prefetched_items(name, kind, elements * size // layers, layers, k, buffer)
+            continue
+        in_loop = k > 1 or layers > 1
+        items += _unit_collectives(name, kind, elements * size * k, buffer, in_loop, recomputed, units[unit])
+    return [leaf for leaf in leaves if leaf[0] not in owner], items
+
+
+def _unit_owners(
+    model: nnx.Module, leaves: list[tuple[str, tuple[int, ...], Any, bool]], axis: str
+) -> tuple[dict[str, KeyPath], dict[str, tuple[str, ...]]]:
+    """Each split parameter's unit (the root: ``()``), and the other mesh axes it is split over."""
     split = {leaf[0] for leaf in leaves if leaf[3]}
-    owner, others = {}, {}  # each split parameter's unit (the root: ()), and the other axes it is split over
+    owner, others = {}, {}
     for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         name = path_str(tuple(p), "model")
         if name in split:
             owner[name] = tuple(v.get_metadata().get(UNIT_KEY) or ())
-            axes = {a for entry in spec_tuple(v) or () for a in spec_axes(entry)} - {options.data_axis}
+            axes = {a for entry in spec_tuple(v) or () for a in spec_axes(entry)} - {axis}
             others[name] = tuple(sorted(axes))
-    k = options.microbatches
-    tiles = on_tpu(platform)  # a reduce-scatter's blocks, as the step writes it (_shared.scatter)
-    # (unit, pass, dtype, other axes) -> elements: a buffer per dtype and per set of other
-    # axes (a parameter split over model and one whole over it do not share one)
+    return owner, others
+
+
+def _moved(
+    leaves: list[tuple[str, tuple[int, ...], Any, bool]],
+    owner: dict[str, KeyPath],
+    others: dict[str, tuple[str, ...]],
+    precision: Any,
+) -> dict[tuple[KeyPath, str, str, tuple[str, ...]], int]:
+    """(unit, pass, dtype, other axes) -> elements: a buffer per dtype and per set of other axes (a
+    parameter split over model and one whole over it do not share one), in the policy's dtypes."""
     moved: dict[tuple[KeyPath, str, str, tuple[str, ...]], int] = {}
     for path, shape, dtype, _ in leaves:
         if path in owner:
@@ -121,47 +155,43 @@ def unit_items(
                 floating = jnp.issubdtype(np.dtype(dtype), jnp.floating)
                 key = (owner[path], kind, np.dtype(want if want is not None and floating else dtype).name, others[path])
                 moved[key] = moved.get(key, 0) + math.prod(shape)
-    items = []
-    for (unit, kind, dtype, _), elements in moved.items():
-        size = _itemsize(dtype, communicated)
-        layers = layered.get(unit, 1) if unit else 1
-        buffer = f"{_hlo_type(dtype, size)}[{n},{elements // (n * layers)}]"
-        if kind == "reduce" and tiles:  # on a TPU: tiles per device, padded to them (explicit._units)
-            per_layer, buffer = scatter_buffer(elements // layers, n, dtype, size, tiles)
-            elements = per_layer * layers
-        if not unit:  # the root unit: gathered once before the forward pass, reduced once after
-            if kind == "reduce":
-                items.append(ExpectedCollective("reduce-scatter", "root unit", elements * size, "gradients",
-                                                scopes=(scopes.GRAD_REDUCE,), buffer=buffer))  # fmt: skip
-            else:
-                items.append(ExpectedCollective("all-gather", "root unit", elements * size, "parameters",
-                                                scopes=(scopes.GATHER_PARAMS,), buffer=buffer))  # fmt: skip
-            continue
-        name = path_str(unit, "model")
-        if unit in prefetched:  # its own loop: the first layer of each pass outside it
-            items += _prefetched_items(name, kind, elements * size // layers, layers, k, buffer)
-            continue
-        common = dict(scopes=(scopes.UNIT,), buffer=buffer, in_loop=k > 1 or layers > 1)
-        if kind == "reduce":
-            items.append(ExpectedCollective("reduce-scatter", f"unit {name}", elements * size * k, "gradients", **common))
-            continue
-        items.append(ExpectedCollective("all-gather", f"unit {name} forward", elements * size * k, "parameters", **common))
-        if recomputed:  # under nnx.remat the forward pass runs again in the backward, gather and all
-            items.append(
-                ExpectedCollective(
-                    "all-gather", f"unit {name} forward, recomputed", elements * size * k, "parameters",
-                    optional=True, why="run again only where the unit is under remat (nnx.remat)", **common,
-                )
-            )  # fmt: skip
-        if units[unit]:  # reshard_after_forward: gathered again for the backward pass
-            items.append(
-                ExpectedCollective(
-                    "all-gather", f"unit {name} backward", elements * size * k, "parameters", optional=True,
-                    why="AD needs no backward gather for a unit whose input takes no gradient (the first)",
-                    **common,
-                )
-            )  # fmt: skip
-    return [leaf for leaf in leaves if leaf[0] not in owner], items
+    return moved
+
+
+def _root_item(kind: str, nbytes: int, buffer: str) -> ExpectedCollective:
+    """The root unit's buffer: its parameters gathered before the forward pass, or reduced after."""
+    if kind == "reduce":
+        return ExpectedCollective("reduce-scatter", "root unit", nbytes, "gradients",
+                                  scopes=(scopes.GRAD_REDUCE,), buffer=buffer)  # fmt: skip
+    return ExpectedCollective("all-gather", "root unit", nbytes, "parameters",
+                              scopes=(scopes.GATHER_PARAMS,), buffer=buffer)  # fmt: skip
+
+
+def _unit_collectives(
+    name: str, kind: str, nbytes: int, buffer: str, in_loop: bool, recomputed: bool, reshard: bool
+) -> list[ExpectedCollective]:
+    """A unit's buffers of one pass (``nbytes`` per step): its gradient's reduce-scatter, or its
+    forward gather, again under remat (``recomputed``) and for the backward (``reshard``)."""
+    common = dict(scopes=(scopes.UNIT,), buffer=buffer, in_loop=in_loop)
+    if kind == "reduce":
+        return [ExpectedCollective("reduce-scatter", f"unit {name}", nbytes, "gradients", **common)]
+    items = [ExpectedCollective("all-gather", f"unit {name} forward", nbytes, "parameters", **common)]
+    if recomputed:  # under nnx.remat the forward pass runs again in the backward, gather and all
+        items.append(
+            ExpectedCollective(
+                "all-gather", f"unit {name} forward, recomputed", nbytes, "parameters",
+                optional=True, why="run again only where the unit is under remat (nnx.remat)", **common,
+            )
+        )  # fmt: skip
+    if reshard:  # reshard_after_forward: gathered again for the backward pass
+        items.append(
+            ExpectedCollective(
+                "all-gather", f"unit {name} backward", nbytes, "parameters", optional=True,
+                why="AD needs no backward gather for a unit whose input takes no gradient (the first)",
+                **common,
+            )
+        )  # fmt: skip
+    return items
 
 
 def scatter_buffer(elements: int, n: int, dtype: Any, itemsize: int, tiles: bool) -> tuple[int, str]:
