@@ -11,17 +11,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "substrax"
-# (importing package, private module): the mode chooser dispatches to each step's own module and
-# runs the census's step check, as the plan does; the gradient check takes each mode's gradient
-# from its step's module (docs/development.md names them)
-EXCEPTIONS = {
-    ("_train", "substrax.spmd._step"),
-    ("_train", "substrax.explicit._step"),
-    ("_train", "substrax.census._step"),
-    ("_plan", "substrax.census._step"),
-    ("gradcheck", "substrax.spmd._step"),
-    ("gradcheck", "substrax.explicit._step"),
-}
 
 
 def tiers() -> dict[str, int]:
@@ -97,7 +86,7 @@ def test_no_package_imports_another_packages_private_module() -> None:
         for module in imports(path):
             parts = module.split(".")
             private = len(parts) > 2 and parts[2].startswith("_") and parts[1] != unit
-            if private and (unit, ".".join(parts[:3])) not in EXCEPTIONS:
+            if private:
                 wrong.add(f"{path.relative_to(ROOT)} imports {module}: import it from substrax.{parts[1]}")
     assert not wrong, "\n".join(sorted(wrong))
 

@@ -23,7 +23,7 @@ from substrax._shared.pipeline_record import recording_pipeline
 from substrax._train.chooser import make_train_step
 from substrax._base.trees import PyTree
 from substrax.census import census
-from substrax.census._step import expected_step, program_platform
+from substrax.census import expected_step, program_platform
 from substrax.mesh import compile_only, device_memory
 
 __all__ = ["plan"]

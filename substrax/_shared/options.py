@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import Any, Literal
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, NamedTuple
 
 from substrax._batch.placement import row_axes
 from substrax._metrics.reductions import METRIC_REDUCTIONS
@@ -13,10 +13,23 @@ from substrax._shared.schedule import check_schedule
 from substrax._shared.precision import MixedPrecision
 from substrax._shared.skips import DEFAULT_MAX_SKIPS
 
-__all__ = ["MODES", "Mode", "StepOptions", "options_from"]
+__all__ = ["MODES", "Mode", "ModeSteps", "StepOptions", "options_from"]
 
 Mode = Literal["implicit", "explicit"]
 MODES: tuple[Mode, ...] = ("implicit", "explicit")
+
+
+class ModeSteps(NamedTuple):
+    """What the chooser and the gradient check call of one mode: its package's ``STEPS``.
+
+    ``run_step(model, optimizer, loss_fn, batch, options)`` is the step, ``check_placement(model)``
+    refuses a placement the mode cannot run, ``gradients(model, loss_fn, batch, options)`` the
+    gradient the step would apply (reduced, before the update).
+    """
+
+    run_step: Callable[..., tuple[Any, Any]]
+    check_placement: Callable[[Any], None]
+    gradients: Callable[..., Any]
 
 
 @dataclasses.dataclass(frozen=True)

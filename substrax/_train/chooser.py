@@ -26,28 +26,17 @@ from substrax._train.bound import BoundTrainStep
 from substrax._train.pinned import pinned_jit
 from substrax._train.split import SplitState, uncommitted_as_replicated
 from substrax._base.trees import PyTree, path_str
-from substrax.census import Comparison
-from substrax.census._step import check_communication
-from substrax.explicit import _step as explicit_step
-from substrax.explicit._step import BatchSpec
+from substrax import explicit, spmd
+from substrax._batch.leaves import BatchSpec
+from substrax._shared.compiler import compiler_options
+from substrax._shared.options import ModeSteps
+from substrax.census import Comparison, check_communication
 from substrax.mesh import current_mesh, current_mesh_with
-from substrax.spmd import _step as implicit_step
 
 __all__ = ["MODES", "BoundTrainStep", "TrainStep", "make_train_step"]
 
 
-
-class _ModeSteps(NamedTuple):
-    """What the chooser calls of one mode: its step on ``StepOptions`` and its placement check."""
-
-    run_step: Callable[[nnx.Module, nnx.Optimizer, Callable[..., Any], PyTree, StepOptions], tuple[Any, Any]]
-    check_placement: Callable[[nnx.Module], None]
-
-
-_STEPS: dict[Mode, _ModeSteps] = {
-    "implicit": _ModeSteps(implicit_step.run_step, implicit_step.check_placement),
-    "explicit": _ModeSteps(explicit_step.run_step, explicit_step.check_placement),
-}
+_STEPS: dict[Mode, ModeSteps] = {"implicit": spmd.STEPS, "explicit": explicit.STEPS}
 
 
 def make_train_step(
@@ -216,7 +205,7 @@ class TrainStep:
             return jax.tree.leaves(nnx.state((model, optimizer))), out, applied
 
         platform = self._platform()
-        options = explicit_step.compiler_options(self._concrete_mesh(), self.mode)
+        options = compiler_options(self._concrete_mesh(), self.mode)
         return pinned_jit(pure, options, donate_argnums=0 if donate else (), static_argnames="placed")
 
     def _pure_step(self, graphdef: Any, treedef: Any, donate: bool) -> Any:

@@ -4,7 +4,7 @@ with the reduce-scatter decomposer back on where the TPU compiler refuses one as
 The step writes its own reduce-scatters in blocks the TPU emits (``substrax._shared.scatter``);
 one written by the loss function (a ``psum_scatter`` of a small activation, a sequence-parallel
 layer's) may be a block it cannot emit without decomposing it (``UNIMPLEMENTED``). Such a program
-is compiled with ``substrax.explicit._step.TPU_REFUSED_OPTIONS``, with a warning; the census then names
+is compiled with ``substrax._shared.compiler.TPU_REFUSED_OPTIONS``, with a warning; the census then names
 each reduce-scatter run as an all-reduce (census guide, "On a TPU").
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 
-from substrax.explicit._step import TPU_COMPILER_OPTIONS, TPU_REFUSED_OPTIONS
+from substrax._shared.compiler import TPU_COMPILER_OPTIONS, TPU_REFUSED_OPTIONS
 
 __all__ = ["PinnedLowered", "PinnedTraced", "pinned_jit", "refused"]
 
@@ -33,7 +33,7 @@ def refused(error: BaseException) -> bool:
 def _warn(error: BaseException) -> None:
     warnings.warn(
         f"The TPU compiler cannot emit a reduce-scatter of this step as written ({str(error).splitlines()[0]}); "
-        f"the step is compiled with its reduce-scatter decomposer (substrax.explicit._step."
+        f"the step is compiled with its reduce-scatter decomposer (substrax._shared.compiler."
         f"TPU_REFUSED_OPTIONS), which may run reduce-scatters as all-reduces of the whole buffer: "
         f"step.check_communication names each (census guide, 'On a TPU').",
         stacklevel=3,

@@ -15,8 +15,7 @@ from substrax._batch.placement import place_batch_on_shards
 from substrax._shared.options import StepOptions
 from substrax._shared.precision import MixedPrecision
 from substrax._base.trees import PyTree, broadcast_prefix, map_arrays
-from substrax.explicit._step import explicit_value_and_grad, sharded_value_and_grad
-from substrax.spmd._step import global_gradients
+from substrax import explicit, spmd
 
 
 def _rng_counts(state: nnx.State) -> dict[str, int]:
@@ -134,7 +133,7 @@ def data_parallel_gradients(
                 nnx.state(model), placed
             )[0],
             "explicit": nnx.jit(
-                lambda m, b: explicit_value_and_grad(
+                lambda m, b: explicit.explicit_value_and_grad(
                     m, loss_fn, b, mesh=mesh, data_axis=data_axis, batch_spec=batch_spec, precision=precision
                 )[1]
             )(model, placed),
@@ -167,8 +166,6 @@ def pipelined_gradients(
     with jax.set_mesh(mesh):
         placed = place_batch_on_shards(host_batch, shardings)
         return {
-            "implicit": nnx.jit(lambda m, b: global_gradients(m, loss_fn, b, options)[1])(model, placed),
-            "explicit": nnx.jit(lambda m, b: sharded_value_and_grad(m, None, loss_fn, b, options)[2])(
-                model, placed
-            ),
+            "implicit": nnx.jit(lambda m, b: spmd.STEPS.gradients(m, loss_fn, b, options))(model, placed),
+            "explicit": nnx.jit(lambda m, b: explicit.STEPS.gradients(m, loss_fn, b, options))(model, placed),
         }

@@ -22,6 +22,9 @@ from substrax._metrics.collectives import (
 from substrax.spmd._metrics import reduce_custom, reduce_max, reduce_mean, reduce_min, reduce_sum
 from substrax.spmd._step import spmd_train_step
 
+# the library's other packages' (the mode chooser, compare_gradients), not in __all__
+from substrax.spmd._step import STEPS
+
 __all__ = [
     "all_gather",
     "check_replicated_equal",

@@ -11,7 +11,7 @@ from flax import nnx
 from substrax._batch.placement import batch_partition_specs
 from substrax._layout import check_mesh_axes, check_replica_axis
 from substrax._shared.microbatch import check_microbatches, unfold_global_gather
-from substrax._shared.options import StepOptions, options_from
+from substrax._shared.options import ModeSteps, StepOptions, options_from
 from substrax._shared.precision import MixedPrecision
 from substrax._shared.update import update_step
 from substrax.mesh import current_mesh, current_mesh_with
@@ -125,3 +125,6 @@ def _value_and_grad(model: M, optimizer: Any, loss_fn: Callable[..., Any], batch
     """``global_gradients`` as ``update_step`` takes it: ``(loss, aux, grads, ways, mesh)``."""
     (loss, aux), grads, ways, found = global_gradients(model, loss_fn, batch, o)
     return loss, aux, grads, ways, found
+
+
+STEPS = ModeSteps(run_step, check_placement, lambda model, loss_fn, batch, o: global_gradients(model, loss_fn, batch, o)[1])
