@@ -1,6 +1,7 @@
 """The package's imports against docs/development.md's table of tiers ("Which package may import
 which"): each package imports only from the tiers below its own, through their faces, and no
-modules import each other in a circle. Read from the source (``ast``), nothing imported."""
+modules import each other in a circle; and the sizes it sets (modules, functions). Read from the source
+(``ast``), nothing imported."""
 
 from __future__ import annotations
 
@@ -109,3 +110,18 @@ def test_no_modules_import_each_other_in_a_circle() -> None:
         if module not in state:
             walk(module, [module])
     assert not circles, "\n".join(circles)
+
+
+def test_no_module_over_400_lines_and_no_function_over_80() -> None:
+    """docs/development.md's sizes: a module read top to bottom, a function on one screen."""
+    wrong = []
+    for path in SOURCES:
+        text = path.read_text()
+        if text.count("\n") > 400:
+            wrong.append(f"{path.relative_to(ROOT)}: {text.count(chr(10))} lines (split it by concept)")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > 80:
+                    wrong.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {lines} lines")
+    assert not wrong, "\n".join(wrong)
