@@ -377,7 +377,7 @@ def test_state_the_loss_changes_is_refused() -> None:
 def test_a_stack_holding_state_other_than_parameters_is_refused() -> None:
     """A stage's layers are functions of their parameters: BatchNorm's statistics in the stack are refused."""
 
-    class Normed(nnx.Module):
+    class NormedResidual(nnx.Module):
         def __init__(self, rngs: nnx.Rngs) -> None:
             self.linear = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
             self.norm = nnx.BatchNorm(WIDTH, rngs=rngs)
@@ -389,7 +389,7 @@ def test_a_stack_holding_state_other_than_parameters_is_refused() -> None:
         def __init__(self) -> None:
             rngs = nnx.Rngs(0)
             self.embed = nnx.Linear(4, WIDTH, rngs=rngs)
-            self.layers = stack(Normed, 4, rngs)
+            self.layers = stack(NormedResidual, 4, rngs)
 
         def __call__(self, x: jax.Array) -> jax.Array:
             return substrax.nn.scan_layers(self.layers, self.embed(x)).sum(axis=1)
@@ -398,7 +398,7 @@ def test_a_stack_holding_state_other_than_parameters_is_refused() -> None:
     with jax.set_mesh(mesh):
         model = Stacked()
         opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-    substrax.shard_state(model, opt, mesh=mesh, stages=Normed)
+    substrax.shard_state(model, opt, mesh=mesh, stages=NormedResidual)
     step = substrax.make_train_step(mse, "explicit", mesh=mesh, microbatches=4, schedule="gpipe")
     with pytest.raises(
         ValueError, match=r"The staged stack model\['layers'\] holds stack\['norm'\]\['mean'\] \(BatchStat\)"
