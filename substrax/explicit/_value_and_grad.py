@@ -52,25 +52,25 @@ def local_value_and_grad(
     With ``share.microbatches > 1`` a ``lax.scan`` runs ``grad`` on each slice of the
     shard and sums the shares; the metrics gain a leading microbatch axis.
     """
-    data_axis, microbatches, one_device = share.rows, share.microbatches, share.one_device
+    rows, microbatches, one_device = share.rows, share.microbatches, share.one_device
     if microbatches == 1:
         if one_device:
             value_and_grad = nnx.value_and_grad(split_loss, has_aux=True)
         else:
-            value_and_grad = data_parallel_value_and_grad(split_loss, data_axis, has_aux=True)
+            value_and_grad = data_parallel_value_and_grad(split_loss, rows, has_aux=True)
         (loss, metrics), grads = value_and_grad(model, shard)
         return loss, metrics, grads
     # In the loop each device differentiates its own share, loss / axis size: what grad of
     # the pmean-ed loss gives with varying parameters, without the per-microbatch pmean.
     # The loss itself is averaged once, after the loop.
-    devices = 1 if one_device else jax.lax.axis_size(data_axis)
+    devices = 1 if one_device else jax.lax.axis_size(rows)
 
     def own_share(m: nnx.Module, piece: PyTree) -> tuple[Any, Any]:
         loss, aux = loss_and_metrics(split_loss(m, piece), True)
         return loss / devices, aux
 
-    slices = split_microbatches(shard, share.specs, data_axis, microbatches)
-    prepare = None if one_device else functools.partial(varying_carry, data_axis=data_axis)
+    slices = split_microbatches(shard, share.specs, rows, microbatches)
+    prepare = None if one_device else functools.partial(varying_carry, data_axis=rows)
     (loss, metrics), grads = microbatched(
         nnx.value_and_grad(own_share, has_aux=True),
         model,
@@ -81,7 +81,7 @@ def local_value_and_grad(
     if one_device:
         return loss, metrics, grads
     with jax.named_scope(scopes.LOSS):
-        return jax.lax.psum(loss, data_axis), metrics, grads
+        return jax.lax.psum(loss, rows), metrics, grads
 
 
 def explicit_value_and_grad(
