@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-floor test-tpu test-gpu bench fuzz clean
+.PHONY: demo test test-floor test-tpu test-gpu bench fuzz lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -49,6 +49,12 @@ $(VENV)/.installed-%: $(STAMP)
 # worker (--dist load): the files are few, their tests compile for seconds each.
 test-tpu test-gpu: test-%: $(VENV)/.installed-%
 	JAX_PLATFORMS=cpu SUBSTRAX_TEST_CACHE=off $(PY) -m pytest -q -n $(WORKERS) --dist load tests/test_$*_*.py
+
+# Style: ruff's rules and its formatter (pyproject.toml's [tool.ruff]), over the code and its tests.
+LINT_PATHS := substrax tests benchmarks examples
+lint: $(STAMP)
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
 
 # The documentation site (docs/, mkdocs.yml) into build/site, warnings as errors; the docs
 # extra is installed into .venv beside the dev one.

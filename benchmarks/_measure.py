@@ -15,7 +15,6 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-
 # What a spelling may raise and still be a row (``n/a``, its error), not the end of the run.
 REPORTED = (ValueError, TypeError, NotImplementedError, RuntimeError)
 
@@ -248,7 +247,19 @@ def fmt_bytes(n: int | None) -> str:
 
 
 FAILED = ("error", "census_error")  # what a row records when its spelling, or its census, raised
-LABELS = ("model", "width", "depth", "scan", "devices", "mesh", "spelling", "mode", "name", "op", "size_bytes")
+LABELS = (
+    "model",
+    "width",
+    "depth",
+    "scan",
+    "devices",
+    "mesh",
+    "spelling",
+    "mode",
+    "name",
+    "op",
+    "size_bytes",
+)
 
 
 def failures(rows: Iterable[dict[str, Any]]) -> list[str]:

@@ -37,14 +37,21 @@ SIZES = {  # name: (d, blocks, heads, seq, batch)
     "quick": (128, 2, 4, 128, 8),
     "smoke": (16, 1, 2, 8, 4),
 }
-PEAK_TFLOPS = {"TPU v5 lite": 197.0, "TPU v5e": 197.0, "TPU v4": 275.0, "TPU v5p": 459.0, "TPU v6 lite": 918.0}
+PEAK_TFLOPS = {
+    "TPU v5 lite": 197.0,
+    "TPU v5e": 197.0,
+    "TPU v4": 275.0,
+    "TPU v5p": 459.0,
+    "TPU v6 lite": 918.0,
+}
 
 
-def run(sizes: list[str], precisions: list[str], rounds: int, block_s: float, peak: float | None) -> list[dict]:
+def run(
+    sizes: list[str], precisions: list[str], rounds: int, block_s: float, peak: float | None
+) -> list[dict]:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    import optax
     from flax import nnx
 
     import substrax
@@ -180,7 +187,9 @@ def table(rows: list[dict], machine: dict[str, Any]) -> str:
             f"{M.fmt_bytes(plan):>12} {ratio:>9}"
         )
     lines.append("x bound: the median over rounds of the step's time / the bound's in that round (same run)")
-    lines.append("MFU: 6 * parameters * tokens / step time / the chip's bf16 peak; peaks: memory_analysis(), donated")
+    lines.append(
+        "MFU: 6 * parameters * tokens / step time / the chip's bf16 peak; peaks: memory_analysis(), donated"
+    )
     return "\n".join(lines)
 
 
@@ -190,7 +199,9 @@ def main() -> None:
     parser.add_argument("--precisions", default="f32,bf16")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--block-s", type=float, default=0.5, help="seconds of steps per sample")
-    parser.add_argument("--peak-tflops", type=float, default=None, help="the chip's bf16 peak (default: by kind)")
+    parser.add_argument(
+        "--peak-tflops", type=float, default=None, help="the chip's bf16 peak (default: by kind)"
+    )
     parser.add_argument("--quick", action="store_true", help="a small size, 3 rounds (runs on a CPU too)")
     parser.add_argument("--smoke", action="store_true", help="tiny, one round of one step: that it runs")
     parser.add_argument("--json", default=None)

@@ -129,7 +129,9 @@ def main() -> None:
     try:  # the figure needs the dev extra's matplotlib; the floor environment has none
         import matplotlib
     except ImportError:
-        print(f"wrote {json_path} and {json_path.with_suffix('.txt')} (no figure: matplotlib is not installed)")
+        print(
+            f"wrote {json_path} and {json_path.with_suffix('.txt')} (no figure: matplotlib is not installed)"
+        )
         return
 
     matplotlib.use("Agg")
@@ -141,8 +143,16 @@ def main() -> None:
         xs = [r["size_bytes"] for r in mine]
         ax_t.loglog(xs, [r["median_us"] for r in mine], marker="o", label=op)
         ax_bw.semilogx(xs, [r["busbw_GBps"] for r in mine], marker="o", label=op)
-    ax_t.set(xlabel="per-device buffer (bytes)", ylabel="time (us)", title=f"{n} emulated {rows[0]['backend']} devices")
-    ax_bw.set(xlabel="per-device buffer (bytes)", ylabel="bus bandwidth (GB/s)", title="busbw (nccl-tests definition)")
+    ax_t.set(
+        xlabel="per-device buffer (bytes)",
+        ylabel="time (us)",
+        title=f"{n} emulated {rows[0]['backend']} devices",
+    )
+    ax_bw.set(
+        xlabel="per-device buffer (bytes)",
+        ylabel="bus bandwidth (GB/s)",
+        title="busbw (nccl-tests definition)",
+    )
     ax_t.legend(fontsize=7)
     fig.tight_layout()
     png_path.parent.mkdir(parents=True, exist_ok=True)

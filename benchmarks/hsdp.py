@@ -33,8 +33,6 @@ import _measure as M  # benchmarks/_measure.py: run as `python benchmarks/NAME.p
 MESHES = {"fsdp": {"data": 8}, "hsdp": {"replica": 2, "data": 4}}
 
 
-
-
 def run(sizes: dict[str, int]) -> list[dict[str, Any]]:
     from substrax.mesh import use_cpu_devices
 
@@ -59,7 +57,10 @@ def run(sizes: dict[str, int]) -> list[dict[str, Any]]:
                 with jax.set_mesh(mesh):
                     model, optimizer = lm.make_model(**sizes)
                 substrax.shard_state(model, optimizer, mesh=mesh, layout=layout, min_size=1, units=lm.Block)
-                params = sum(int(np.prod(v.shape)) * v.dtype.itemsize for v in jax.tree.leaves(nnx.state(model, nnx.Param)))
+                params = sum(
+                    int(np.prod(v.shape)) * v.dtype.itemsize
+                    for v in jax.tree.leaves(nnx.state(model, nnx.Param))
+                )
                 step = substrax.make_train_step(lm.loss_fn, mode, mesh=mesh)
                 report = substrax.census(step.lower(model, optimizer, batch).compile(), mesh=mesh)
                 by_axis: dict[str, int] = {}
@@ -72,7 +73,9 @@ def run(sizes: dict[str, int]) -> list[dict[str, Any]]:
                     "param_bytes": params,
                     "bytes_per_step": int(report.bytes_per_step()),
                     "by_axis": by_axis,
-                    "formula_within": 3 * (s_ - 1) / s_ * params if layout == "hsdp" else 3 * (n - 1) / n * params,
+                    "formula_within": 3 * (s_ - 1) / s_ * params
+                    if layout == "hsdp"
+                    else 3 * (n - 1) / n * params,
                     "formula_across": 2 * (r_ - 1) / r_ * params / s_ if layout == "hsdp" else 0.0,
                 }
             except Exception as e:  # noqa: BLE001  (reported, not fatal)
@@ -101,7 +104,9 @@ def table(rows: list[dict[str, Any]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="width 16, 1 block, seq 8 (make test)")
-    parser.add_argument("--json", metavar="PATH", help="write the rows as JSON and the table beside it (.txt)")
+    parser.add_argument(
+        "--json", metavar="PATH", help="write the rows as JSON and the table beside it (.txt)"
+    )
     args = parser.parse_args()
     sizes = {"d": 16, "blocks": 1, "seq": 8} if args.smoke else {}
     start = time.perf_counter()

@@ -71,7 +71,11 @@ def run(depths: list[int], width: int, devices: int) -> list[dict[str, Any]]:
                     with jax.set_mesh(mesh):
                         model = Stack(depth)
                         optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
-                    units = (lambda path, _: len(path) == 2 and path[0] == "layers") if "units" in layout else None
+                    units = (
+                        (lambda path, _: len(path) == 2 and path[0] == "layers")
+                        if "units" in layout
+                        else None
+                    )
                     if layout != "replicated":
                         substrax.shard_state(
                             model, optimizer, mesh=mesh, layout=layout.split("+")[0], units=units,
@@ -126,7 +130,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="depths 2 and 8")
     parser.add_argument("--smoke", action="store_true", help="depths 1 and 2, width 64 (make test)")
-    parser.add_argument("--json", metavar="PATH", help="write the rows as JSON and the table beside it (.txt)")
+    parser.add_argument(
+        "--json", metavar="PATH", help="write the rows as JSON and the table beside it (.txt)"
+    )
     parser.add_argument("--depths", type=int, nargs="*")
     parser.add_argument("--width", type=int)
     parser.add_argument("--devices", type=int, default=8)

@@ -87,7 +87,9 @@ def _spellings(modes: tuple[str, ...], ks: list[int], stages: int) -> list[str]:
     return names
 
 
-def _build(name: str, batch_size: int, width: int, depth: int) -> tuple[dict[str, Any], Any, Callable[[], Any]]:
+def _build(
+    name: str, batch_size: int, width: int, depth: int
+) -> tuple[dict[str, Any], Any, Callable[[], Any]]:
     """One spelling: its row's labels and compiled facts, its step, and a call of it."""
     import jax
     import numpy as np
@@ -107,14 +109,22 @@ def _build(name: str, batch_size: int, width: int, depth: int) -> tuple[dict[str
     with jax.set_mesh(mesh):
         model = Net(nnx.Rngs(0))
         optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
-    substrax.shard_state(model, optimizer, mesh=mesh, layout="replicated", stages=None if schedule is None else Block)
+    substrax.shard_state(
+        model, optimizer, mesh=mesh, layout="replicated", stages=None if schedule is None else Block
+    )
     rng = np.random.default_rng(0)
     batch = {
         "x": rng.normal(size=(batch_size, 16)).astype(np.float32),
         "y": rng.normal(size=(batch_size,)).astype(np.float32),
     }
     step = substrax.make_train_step(loss_fn, mode, mesh=mesh, microbatches=k, schedule=schedule)
-    row: dict[str, Any] = {"spelling": name, "mesh": mesh_text, "mode": mode, "schedule": schedule or "-", "k": k}
+    row: dict[str, Any] = {
+        "spelling": name,
+        "mesh": mesh_text,
+        "mode": mode,
+        "schedule": schedule or "-",
+        "k": k,
+    }
     row["bubble"] = 0.0 if schedule is None else substrax.bubble_fraction(stages, k)
     row |= M.memory(step.lower(model, optimizer, batch).compile())  # the program the call runs
     comparison = step.check_communication(model, optimizer, batch)
@@ -149,7 +159,9 @@ def run(
     samples, block = M.interleaved(calls, rounds, block_s, reference=next(iter(calls), names[0]))
     rows = []
     for name in names:
-        row = {"width": width, "depth": depth, "batch": batch_size, "rounds": rounds, "block": block} | info[name]
+        row = {"width": width, "depth": depth, "batch": batch_size, "rounds": rounds, "block": block} | info[
+            name
+        ]
         if name in calls:
             row |= M.summary_us(samples[name])
             base = f"data8:{row['mode']}:k{row['k']}"
@@ -192,10 +204,16 @@ def table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="width 128, batch 512, K 8, 4 rounds: a few minutes")
-    parser.add_argument("--json", metavar="PATH", help="write the rows as JSON and the table beside it (.txt)")
     parser.add_argument(
-        "--smoke", action="store_true", help="width 16, batch 64, K 2, explicit only, 2 stages, one round (make test)"
+        "--quick", action="store_true", help="width 128, batch 512, K 8, 4 rounds: a few minutes"
+    )
+    parser.add_argument(
+        "--json", metavar="PATH", help="write the rows as JSON and the table beside it (.txt)"
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="width 16, batch 64, K 2, explicit only, 2 stages, one round (make test)",
     )
     parser.add_argument("--width", type=int)
     parser.add_argument("--depth", type=int)
@@ -212,7 +230,11 @@ def main() -> None:
     modes = ("explicit",) if args.smoke else MODES
     start = time.perf_counter()
     rows, model = run(width, depth, batch_size, ks, rounds, block_s, modes, stages=2 if args.smoke else 4)
-    meta = M.machine() | model | {"wall_s": time.perf_counter() - start, "quick": args.quick, "smoke": args.smoke}
+    meta = (
+        M.machine()
+        | model
+        | {"wall_s": time.perf_counter() - start, "quick": args.quick, "smoke": args.smoke}
+    )
     text = table(rows, meta)
     print(text)
     M.write(args.json, {"meta": meta, "rows": rows}, text + "\n")

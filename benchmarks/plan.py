@@ -104,7 +104,9 @@ def _images() -> dict[str, tuple[Any, Any, Any, Any]]:
             self.norm1 = nnx.LayerNorm(d, rngs=rngs)
             self.attention = nnx.MultiHeadAttention(num_heads=4, in_features=d, decode=False, rngs=rngs)
             self.norm2, self.up, self.down = (
-                nnx.LayerNorm(d, rngs=rngs), nnx.Linear(d, 4 * d, rngs=rngs), nnx.Linear(4 * d, d, rngs=rngs)
+                nnx.LayerNorm(d, rngs=rngs),
+                nnx.Linear(d, 4 * d, rngs=rngs),
+                nnx.Linear(4 * d, d, rngs=rngs),
             )
 
         def __call__(self, x: jax.Array) -> jax.Array:
@@ -140,7 +142,6 @@ def run(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     use_cpu_devices(8)
     import jax
     import numpy as np
-    from flax import nnx
 
     import substrax
     from substrax.mesh import create_device_mesh

@@ -61,7 +61,12 @@ MODES = ("implicit", "explicit")
 LAYOUTS = ("zero1", "fsdp")  # beside the replicated state every spelling uses
 SMOKE_LM = {"seq": 8, "d": 16, "blocks": 1}
 # the plain call and .bind with the non-finite guard (the default) and without it, side by side
-GUARD_KINDS = ("make_train_step", "bound_step", "make_train_step_unguarded", "bound_step_unguarded")  # --smoke: the example's model, small enough to compile fast
+GUARD_KINDS = (
+    "make_train_step",
+    "bound_step",
+    "make_train_step_unguarded",
+    "bound_step_unguarded",
+)  # --smoke: the example's model, small enough to compile fast
 
 
 def reference_spellings() -> list[str]:
@@ -71,8 +76,6 @@ def reference_spellings() -> list[str]:
 def mode_spellings(kinds: tuple[str, ...], layouts: tuple[str, ...] = ()) -> list[str]:
     names = [f"{kind}:{mode}" for kind in kinds for mode in MODES]
     return names + [f"{kind}:{mode}:{layout}" for layout in layouts for kind in kinds[:2] for mode in MODES]
-
-
 
 
 def communication(take_census: Callable[[], Any] | None) -> tuple[int | None, bool | None]:
@@ -332,7 +335,12 @@ def run_worker(
         sizes = SMOKE_LM if smoke else {}
         host = next(lm.batches(lm.stdlib_text(), 32, sizes.get("seq", 32), seed=0))
         if smoke:  # the plain call and .bind, one mode each, and one unguarded
-            names = [*BOUNDS, "make_train_step:implicit", "bound_step:explicit", "bound_step_unguarded:implicit"]
+            names = [
+                *BOUNDS,
+                "make_train_step:implicit",
+                "bound_step:explicit",
+                "bound_step_unguarded:implicit",
+            ]
         elif quick:  # its compiles dominate: the bounds, the plain call and .bind, guarded and not
             names = [*BOUNDS, *mode_spellings(GUARD_KINDS)]
         else:

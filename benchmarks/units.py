@@ -37,9 +37,9 @@ import _measure as M  # benchmarks/_measure.py: run as `python benchmarks/NAME.p
 SPELLINGS = ("jit", "explicit", "explicit+units", "explicit+prefetch")
 
 
-
-
-def run(configs: list[tuple[int, int, bool]], seq: int, rounds: int, block_s: float, devices: int) -> list[dict[str, Any]]:
+def run(
+    configs: list[tuple[int, int, bool]], seq: int, rounds: int, block_s: float, devices: int
+) -> list[dict[str, Any]]:
     from substrax.mesh import use_cpu_devices
 
     use_cpu_devices(devices)
@@ -116,7 +116,9 @@ def main() -> None:
     parser.add_argument(
         "--smoke", action="store_true", help="width 16, depth 1, seq 8, scanned, one round (make test)"
     )
-    parser.add_argument("--json", metavar="PATH", help="write the rows as JSON and the table beside it (.txt)")
+    parser.add_argument(
+        "--json", metavar="PATH", help="write the rows as JSON and the table beside it (.txt)"
+    )
     parser.add_argument("--widths", type=int, nargs="*")
     parser.add_argument("--depths", type=int, nargs="*")
     parser.add_argument("--rounds", type=int)
@@ -131,7 +133,12 @@ def main() -> None:
     configs = [(w, d, scan) for w in widths for d in depths for scan in scans]
     start = time.perf_counter()
     rows = run(configs, seq, rounds, 0.0 if args.smoke else 0.2, args.devices)
-    meta = M.machine() | {"wall_s": time.perf_counter() - start, "devices": args.devices, "seq": seq, "rounds": rounds}
+    meta = M.machine() | {
+        "wall_s": time.perf_counter() - start,
+        "devices": args.devices,
+        "seq": seq,
+        "rounds": rounds,
+    }
     text = table(rows, meta)
     print(text)
     M.write(args.json, {"meta": meta, "rows": rows}, text + "\n")

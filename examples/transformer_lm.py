@@ -279,7 +279,9 @@ def mesh_shape(axes: dict[str, int], devices: int, batch: int, heads: int = HEAD
         raise ValueError(f"--mesh model={model}{extra}: {others} does not divide the {devices} devices")
     else:
         data = devices // others
-    shape = ({"replica": replica} if "replica" in axes else {}) | ({"stage": stage} if "stage" in axes else {})
+    shape = ({"replica": replica} if "replica" in axes else {}) | (
+        {"stage": stage} if "stage" in axes else {}
+    )
     shape |= {"data": data} | ({"model": model} if "model" in axes else {})
     if others * data != devices:
         given = ",".join(f"{k}={v}" for k, v in axes.items())
@@ -391,7 +393,9 @@ def main(argv: list[str] | None = None) -> list[float]:
     except ValueError as e:
         parser.error(str(e))  # exits 2, with the usage
     if ("stage" in shape) != (args.schedule is not None) or ("stage" in shape and not args.scan):
-        parser.error("a stage axis in --mesh pipelines the blocks: pass it with --scan and --schedule (and only so)")
+        parser.error(
+            "a stage axis in --mesh pipelines the blocks: pass it with --scan and --schedule (and only so)"
+        )
 
     mesh = create_device_mesh(shape)  # every device of every process, data x model
     sharding = create_data_parallel_sharding(mesh)  # rows split over data, whole on each model device
@@ -402,14 +406,24 @@ def main(argv: list[str] | None = None) -> list[float]:
     # The layers' model-axis splits stay; the layout applies over data on another dimension:
     # replicated, ZeRO-1 (optimizer state split) or FSDP (parameters too).
     layout = substrax.shard_state(
-        model, optimizer, mesh=mesh, layout=args.layout, units=Block if args.units else None,
-        prefetch=args.prefetch, stages=Block if "stage" in shape else None,  # the pipeline's stages
+        model,
+        optimizer,
+        mesh=mesh,
+        layout=args.layout,
+        units=Block if args.units else None,
+        prefetch=args.prefetch,
+        stages=Block if "stage" in shape else None,  # the pipeline's stages
     )
     per_device = f"{layout.bytes_per_device:,} of {layout.total_bytes:,} bytes per device"
     state_note = f"{args.layout} state ({per_device})"
     precision = substrax.MixedPrecision(jnp.bfloat16) if args.precision == "bf16" else None
     train_step = substrax.make_train_step(
-        loss_fn, args.mode, mesh=mesh, microbatches=args.microbatches, precision=precision, schedule=args.schedule
+        loss_fn,
+        args.mode,
+        mesh=mesh,
+        microbatches=args.microbatches,
+        precision=precision,
+        schedule=args.schedule,
     )
 
     leader = jax.process_index() == 0

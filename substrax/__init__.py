@@ -11,8 +11,8 @@ from substrax import census, explicit, gradcheck, mesh, nn, spmd
 from substrax._layout import LAYOUTS, Layout, LeafPlacement, layout_of, shard_state
 from substrax._plan import Plan, PlanRow, plan
 from substrax._shared.options import StepOptions
-from substrax._shared.schedule import SCHEDULES, PipelineSchedule, bubble_fraction
 from substrax._shared.precision import MixedPrecision
+from substrax._shared.schedule import SCHEDULES, PipelineSchedule, bubble_fraction
 from substrax._shared.skips import NonFiniteStepsError, SkippedStepWarning
 from substrax._train.chooser import MODES, BoundTrainStep, TrainStep, make_train_step
 from substrax.census import CensusReport, Comparison, Expected, compare, expected_communication

@@ -84,13 +84,10 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
+from models import MLP, Normed, mse, one_device_training, params_of, regression_batches  # noqa: E402,F401  (re-exported)
 
 import substrax  # noqa: E402
 from substrax.mesh import create_device_mesh  # noqa: E402
-
-
-from models import MLP, Normed, mse, one_device_training, params_of, regression_batches  # noqa: E402,F401  (re-exported)
-
 
 # The compile-only TPU tests (tests/test_tpu_*.py, make test-tpu) compile for TPU topologies through libtpu.
 needs_libtpu = pytest.mark.skipif(
@@ -158,4 +155,3 @@ def assert_params_close(got: dict, want: dict, *, rtol: float = 2e-5, atol: floa
 @pytest.fixture(scope="session")
 def mesh8() -> jax.sharding.Mesh:
     return create_device_mesh({"data": 8})
-

@@ -39,7 +39,16 @@ BLOCKS = ("linear", "layernorm", "batchnorm", "batchnorm_sync", "dropout_zero", 
 WIDTHS = (8, 16, 32)
 TASKS = ("regress", "classify")  # squared error on 2 outputs; cross-entropy over 4 classes, int labels
 SGD_FAMILY = ("sgd", "momentum", "clip_sgd")
-ADAM_FAMILY = ("adam", "adamw_masked", "clip_adamw", "adafactor", "lamb", "multisteps", "muon", "multi_transform")
+ADAM_FAMILY = (
+    "adam",
+    "adamw_masked",
+    "clip_adamw",
+    "adafactor",
+    "lamb",
+    "multisteps",
+    "muon",
+    "multi_transform",
+)
 OPTIMIZERS = ADAM_FAMILY + SGD_FAMILY
 LAYOUTS = ("fsdp", "zero1", "replicated", "hsdp")  # hsdp: on (replica=2, data=devices/2)
 MIN_SIZES = (1, None)  # None: shard_state's default (1024)
@@ -208,7 +217,12 @@ def configs() -> st.SearchStrategy[Config]:
 def prefetch_of(config: Config) -> bool:
     """The ``prefetch=`` ``shard_state`` gets: the scanned stack, a unit gathered again for its
     backward pass, run by ``substrax.nn.scan_layers``."""
-    return config.scan == "prefetch" and config.units == "stack" and config.reshard and units_of(config) is not None
+    return (
+        config.scan == "prefetch"
+        and config.units == "stack"
+        and config.reshard
+        and units_of(config) is not None
+    )
 
 
 def units_of(config: Config) -> Any:
@@ -260,7 +274,6 @@ class Model(nnx.Module):
         self.blocks = nnx.List(layers)
         self.scan = config.scan
         if config.scan is not None:
-
             self.stack = stack(lambda rngs: Dense(w, rngs), 2, rngs)
         self.head = nnx.Linear(w, CLASSES if config.task == "classify" else TARGETS, rngs=rngs)
         # model.eval() for the rate-0.5 dropout layers only (BatchNorm keeps training)

@@ -56,7 +56,9 @@ class Residual(nnx.Module):
         self.up = ColumnParallelLinear(width, 2 * width, rngs=rngs)
         self.down = RowParallelLinear(2 * width, width, rngs=rngs)
 
-    def __call__(self, x: jax.Array, gate: jax.Array | None = None, *, scale: float | None = None) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, gate: jax.Array | None = None, *, scale: float | None = None
+    ) -> jax.Array:
         if gate is not None and scale is not None:
             gate = scale * gate
         y = self.down(jnp.tanh(self.up(x if self.norm is None else self.norm(x))))
@@ -147,7 +149,10 @@ class Partitioned(nnx.Module):
 
 
 def make_placed(
-    model: Callable[[], nnx.Module], tx: optax.GradientTransformation, mesh: jax.sharding.Mesh, **placement: Any
+    model: Callable[[], nnx.Module],
+    tx: optax.GradientTransformation,
+    mesh: jax.sharding.Mesh,
+    **placement: Any,
 ) -> tuple[nnx.Module, nnx.Optimizer]:
     """``model()`` and its ``tx`` optimizer made under ``mesh``, then placed by
     ``substrax.shard_state(..., mesh=mesh, **placement)`` where a placement is given."""

@@ -164,7 +164,9 @@ def test_import_substrax_gives_substrax_checkpoint_without_loading_orbax() -> No
         "assert substrax.checkpoint.CheckpointManager.__module__ == 'substrax.checkpoint._manager'\n"
         "try:\n    substrax.no_such_name\nexcept AttributeError as e:\n    print(e)\n"
     )
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout == "module 'substrax' has no attribute 'no_such_name'\n"
 

@@ -404,12 +404,26 @@ def test_only_committed_steps_are_listed_or_named(tmp_path: Path, held_commits: 
 @pytest.mark.parametrize(
     ("how", "code", "said"),
     [
-        ("end", 0, "the CheckpointManager of {d} was still open as the script ended: step 1, still being written, was committed."),
-        ("raise", 1, "the CheckpointManager of {d} was still open as the script ended: step 1, still being written, was committed."),
-        ("scope", 0, "a CheckpointManager of {d} was collected unclosed while saving; its save was finished as the script ended."),
+        (
+            "end",
+            0,
+            "the CheckpointManager of {d} was still open as the script ended: step 1, still being written, was committed.",
+        ),
+        (
+            "raise",
+            1,
+            "the CheckpointManager of {d} was still open as the script ended: step 1, still being written, was committed.",
+        ),
+        (
+            "scope",
+            0,
+            "a CheckpointManager of {d} was collected unclosed while saving; its save was finished as the script ended.",
+        ),
     ],
 )
-def test_a_save_in_flight_when_the_script_ends_is_committed(tmp_path: Path, how: str, code: int, said: str) -> None:
+def test_a_save_in_flight_when_the_script_ends_is_committed(
+    tmp_path: Path, how: str, code: int, said: str
+) -> None:
     """Before, the script hung for 300 s on orbax's signal barrier and left ``1.orbax-checkpoint-tmp``."""
     directory = tmp_path / "ckpt"
     started = time.monotonic()

@@ -68,7 +68,10 @@ def test_reduce_metrics_collective_rejects_unknown_operation(mesh8: jax.sharding
     def body(x: jax.Array) -> dict:
         return reduce_metrics_collective({"loss": x.sum()}, {"loss": "median"}, "data")
 
-    with pytest.raises(ValueError, match=r"Metric 'loss' asks for reduction 'median'; use one of 'mean', 'sum', 'max', 'min', 'gather'"):
+    with pytest.raises(
+        ValueError,
+        match=r"Metric 'loss' asks for reduction 'median'; use one of 'mean', 'sum', 'max', 'min', 'gather'",
+    ):
         jax.shard_map(body, mesh=mesh8, in_specs=P("data"), out_specs=P())(np.ones(8))
 
 
@@ -90,7 +93,9 @@ def linear_problem() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
 
 
 def _shard_mapped(fn: object, mesh: jax.sharding.Mesh, check_vma: bool) -> object:
-    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=P(), check_vma=check_vma))
+    return jax.jit(
+        jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=P(), check_vma=check_vma)
+    )
 
 
 def test_pmean_before_grad_is_the_full_gradient(mesh8: jax.sharding.Mesh, linear_problem: tuple) -> None:
@@ -101,7 +106,9 @@ def test_pmean_before_grad_is_the_full_gradient(mesh8: jax.sharding.Mesh, linear
     np.testing.assert_allclose(loss, np.mean((x @ w - y) ** 2), rtol=1e-6)
 
 
-def test_trap_pmean_after_grad_is_axis_size_too_large(mesh8: jax.sharding.Mesh, linear_problem: tuple) -> None:
+def test_trap_pmean_after_grad_is_axis_size_too_large(
+    mesh8: jax.sharding.Mesh, linear_problem: tuple
+) -> None:
     w, x, y, want = linear_problem
     wrong = _shard_mapped(lambda w, x, y: jax.lax.pmean(jax.grad(_linear_loss)(w, x, y), "data"), mesh8, True)
     np.testing.assert_allclose(wrong(w, x, y), 8 * want, rtol=1e-5)
@@ -109,8 +116,12 @@ def test_trap_pmean_after_grad_is_axis_size_too_large(mesh8: jax.sharding.Mesh, 
 
 def test_trap_check_vma_false_flips_the_rule(mesh8: jax.sharding.Mesh, linear_problem: tuple) -> None:
     w, x, y, want = linear_problem
-    before = _shard_mapped(lambda w, x, y: jax.grad(lambda w: jax.lax.pmean(_linear_loss(w, x, y), "data"))(w), mesh8, False)
-    after = _shard_mapped(lambda w, x, y: jax.lax.pmean(jax.grad(_linear_loss)(w, x, y), "data"), mesh8, False)
+    before = _shard_mapped(
+        lambda w, x, y: jax.grad(lambda w: jax.lax.pmean(_linear_loss(w, x, y), "data"))(w), mesh8, False
+    )
+    after = _shard_mapped(
+        lambda w, x, y: jax.lax.pmean(jax.grad(_linear_loss)(w, x, y), "data"), mesh8, False
+    )
     # without the pvary/psum pair each device keeps the gradient of its own shard, and the
     # replicated out_spec returns device 0's
     shard0 = 2 * x[:4].T @ (x[:4] @ w - y[:4]) / 4
@@ -127,8 +138,12 @@ def test_helper_refuses_check_vma_false(mesh8: jax.sharding.Mesh, linear_problem
 
 def test_helper_refuses_a_non_scalar_loss(mesh8: jax.sharding.Mesh, linear_problem: tuple) -> None:
     w, x, y, _ = linear_problem
-    with pytest.raises(ValueError, match=r"The loss must be a scalar array; loss_fn returned an array of shape \(4,\)"):
-        _shard_mapped(data_parallel_value_and_grad(lambda w, x, y: (x @ w - y) ** 2, "data"), mesh8, True)(w, x, y)
+    with pytest.raises(
+        ValueError, match=r"The loss must be a scalar array; loss_fn returned an array of shape \(4,\)"
+    ):
+        _shard_mapped(data_parallel_value_and_grad(lambda w, x, y: (x @ w - y) ** 2, "data"), mesh8, True)(
+            w, x, y
+        )
 
 
 # --- compare_gradients ---------------------------------------------------------------------
@@ -146,14 +161,18 @@ def _candidate(mesh: jax.sharding.Mesh, *, average_after: bool, check_vma: bool)
             g = jax.grad(loss)(params)
             return jax.lax.pmean(g, "data") if average_after else g
 
-        return jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P("data")), out_specs=P(), check_vma=check_vma)(params, batch)
+        return jax.shard_map(
+            per_device, mesh=mesh, in_specs=(P(), P("data")), out_specs=P(), check_vma=check_vma
+        )(params, batch)
 
     return grads
 
 
 def test_compare_gradients_passes_a_correct_candidate(mesh8: jax.sharding.Mesh) -> None:
     batch = regression_batches(1, rows=32)[0]
-    report = compare_gradients(MLP(seed=1), mse, batch, mesh8, candidate=_candidate(mesh8, average_after=False, check_vma=True))
+    report = compare_gradients(
+        MLP(seed=1), mse, batch, mesh8, candidate=_candidate(mesh8, average_after=False, check_vma=True)
+    )
     assert report.ok, str(report)
     assert report.methods == ("implicit", "explicit", "candidate")
     assert report.max_abs_diff < 1e-5
@@ -164,7 +183,9 @@ def test_compare_gradients_passes_a_correct_candidate(mesh8: jax.sharding.Mesh) 
 
 def test_compare_gradients_names_the_axis_size_factor(mesh8: jax.sharding.Mesh) -> None:
     batch = regression_batches(1, rows=32)[0]
-    report = compare_gradients(MLP(seed=1), mse, batch, mesh8, candidate=_candidate(mesh8, average_after=True, check_vma=True))
+    report = compare_gradients(
+        MLP(seed=1), mse, batch, mesh8, candidate=_candidate(mesh8, average_after=True, check_vma=True)
+    )
     assert not report.ok
     assert all(row.ok["implicit"] and row.ok["explicit"] and not row.ok["candidate"] for row in report.rows)
     assert report.scale["candidate"] == pytest.approx(8.0, rel=1e-4)
@@ -176,7 +197,9 @@ def test_compare_gradients_names_the_axis_size_factor(mesh8: jax.sharding.Mesh) 
 
 def test_compare_gradients_catches_the_check_vma_false_trap(mesh8: jax.sharding.Mesh) -> None:
     batch = regression_batches(1, rows=32)[0]
-    report = compare_gradients(MLP(seed=1), mse, batch, mesh8, candidate=_candidate(mesh8, average_after=False, check_vma=False))
+    report = compare_gradients(
+        MLP(seed=1), mse, batch, mesh8, candidate=_candidate(mesh8, average_after=False, check_vma=False)
+    )
     assert not report.ok
     text = report.diagnosis["candidate"]
     assert "not by a constant factor" in text and "check_vma=False" in text and "worst leaves" in text
@@ -187,7 +210,11 @@ def test_compare_gradients_on_a_2d_mesh_with_a_prefix_batch() -> None:
     rows = regression_batches(1, rows=16)[0]
     batch = {"rows": rows, "scale": np.float32(2.0)}
     report = compare_gradients(
-        MLP(), lambda m, b: b["scale"] * mse(m, b["rows"]), batch, mesh, batch_spec={"rows": P("data"), "scale": P()}
+        MLP(),
+        lambda m, b: b["scale"] * mse(m, b["rows"]),
+        batch,
+        mesh,
+        batch_spec={"rows": P("data"), "scale": P()},
     )
     assert report.ok, str(report)
 
@@ -198,7 +225,10 @@ def test_compare_gradients_rejects_a_candidate_with_missing_leaves(mesh8: jax.sh
     def partial(model: MLP, batch: dict) -> nnx.State:
         return nnx.grad(mse)(model, batch)["hidden"]
 
-    with pytest.raises(ValueError, match=r"candidate gradient does not have the model's parameters: it lacks \['hidden.bias', 'hidden.kernel', 'out.bias', 'out.kernel'\] and has \['bias', 'kernel'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"candidate gradient does not have the model's parameters: it lacks \['hidden.bias', 'hidden.kernel', 'out.bias', 'out.kernel'\] and has \['bias', 'kernel'\]",
+    ):
         compare_gradients(MLP(), mse, batch, mesh8, candidate=partial)
 
 
@@ -247,14 +277,22 @@ def test_batch_spec_errors(mesh8: jax.sharding.Mesh) -> None:
     cases = [
         ({"rows": P("data"), "scale": P("data")}, r"batch\['scale'\] has shape \(\) .* splits dimension 0"),
         ({"rows": P("data")}, r"batch_spec tree does not fit the batch at batch \(the root\)"),
-        ({"rows": P("data"), "scale": P("model")}, r"axis 'model' of .* is not in the mesh, whose axes are \('data',\)"),
-        ({"rows": P("data"), "scale": "replicated"}, r"holds 'replicated' at batch\['scale'\], which is not a batch_spec"),
+        (
+            {"rows": P("data"), "scale": P("model")},
+            r"axis 'model' of .* is not in the mesh, whose axes are \('data',\)",
+        ),
+        (
+            {"rows": P("data"), "scale": "replicated"},
+            r"holds 'replicated' at batch\['scale'\], which is not a batch_spec",
+        ),
     ]
     for spec, message in cases:
         step = substrax.make_train_step(loss, "explicit", mesh=mesh8, batch_spec=spec)
         with pytest.raises(ValueError, match=message):
             step(model, optimizer, batch)
-    ok = substrax.make_train_step(loss, "explicit", mesh=mesh8, batch_spec={"rows": NamedSharding(mesh8, P("data")), "scale": P()})
+    ok = substrax.make_train_step(
+        loss, "explicit", mesh=mesh8, batch_spec={"rows": NamedSharding(mesh8, P("data")), "scale": P()}
+    )
     assert np.isfinite(float(ok(model, optimizer, batch)))
 
 
@@ -262,7 +300,9 @@ def test_indivisible_batch(mesh8: jax.sharding.Mesh) -> None:
     model, optimizer = _model_and_optimizer(mesh8)
     batch = regression_batches(1, rows=12)[0]
     step = substrax.make_train_step(mse, "explicit", mesh=mesh8)
-    with pytest.raises(ValueError, match=r"batch\['x'\] has size 12 along dimension 0, which does not divide by 8"):
+    with pytest.raises(
+        ValueError, match=r"batch\['x'\] has size 12 along dimension 0, which does not divide by 8"
+    ):
         step(model, optimizer, batch)
 
 
@@ -284,7 +324,9 @@ def test_batch_statistics_are_averaged_over_the_data_axis(mesh8: jax.sharding.Me
     step = substrax.make_train_step(mse, "explicit", mesh=mesh8)
     step(model, optimizer, place_batch_on_shards(batch, create_data_parallel_sharding(mesh8)))
     # each device's running statistics come from its 4 rows; the step keeps their average
-    np.testing.assert_allclose(model.norm.mean.get_value(), 0.5 * shards.mean(1).mean(0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        model.norm.mean.get_value(), 0.5 * shards.mean(1).mean(0), rtol=1e-5, atol=1e-6
+    )
     np.testing.assert_allclose(model.norm.var.get_value(), 0.5 + 0.5 * shards.var(1).mean(0), rtol=1e-5)
     assert model.norm.mean.get_value().sharding.is_fully_replicated
 
@@ -299,7 +341,11 @@ def test_batchnorm_with_the_axis_name_matches_the_implicit_step(mesh8: jax.shard
             optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
         step = substrax.make_train_step(mse, mode, mesh=mesh8)
         losses = [float(step(model, optimizer, place_batch_on_shards(b, sharding))) for b in batches]
-        results[mode] = (losses, np.asarray(model.norm.var.get_value()), np.asarray(model.out.kernel.get_value()))
+        results[mode] = (
+            losses,
+            np.asarray(model.norm.var.get_value()),
+            np.asarray(model.out.kernel.get_value()),
+        )
     for got, want in zip(results["explicit"], results["implicit"], strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
 
@@ -320,7 +366,10 @@ def test_per_device_integer_state_is_refused_with_its_path(mesh8: jax.sharding.M
         optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
     batch = place_batch_on_shards(regression_batches(1, rows=32)[0], create_data_parallel_sharding(mesh8))
     step = substrax.make_train_step(mse, "explicit", mesh=mesh8)
-    with pytest.raises(ValueError, match=r"model\['positives'\] \(BatchStat, int32\) came out of the step different on each device"):
+    with pytest.raises(
+        ValueError,
+        match=r"model\['positives'\] \(BatchStat, int32\) came out of the step different on each device",
+    ):
         step(model, optimizer, batch)
 
 
@@ -345,7 +394,9 @@ def test_each_device_draws_its_own_dropout_mask(mesh8: jax.sharding.Mesh) -> Non
     count = int(model.drop.rngs.count.get_value())
     key = np.asarray(jax.random.key_data(model.drop.rngs.key.get_value()))
     batch = place_batch_on_shards(regression_batches(1, rows=64)[0], create_data_parallel_sharding(mesh8))
-    step = substrax.make_train_step(_mask_loss, "explicit", mesh=mesh8, has_aux=True, reduce={"kept": "gather"})
+    step = substrax.make_train_step(
+        _mask_loss, "explicit", mesh=mesh8, has_aux=True, reduce={"kept": "gather"}
+    )
     _, metrics = step(model, optimizer, batch)
     masks = np.asarray(metrics["kept"]).reshape(8, 8, 4)  # device, row, feature
     assert len({m.tobytes() for m in masks}) == 8  # no two devices drew the same mask
@@ -362,12 +413,20 @@ def test_each_device_draws_its_own_dropout_mask(mesh8: jax.sharding.Mesh) -> Non
 def test_loss_output_must_match_has_aux(mesh8: jax.sharding.Mesh, mode: str) -> None:
     model, optimizer = _model_and_optimizer(mesh8)
     batch = regression_batches(1, rows=8)[0]
-    with pytest.raises(ValueError, match=r"loss_fn returned a tuple of 2 where the loss goes; if it returns \(loss, metrics\), pass has_aux=True"):
+    with pytest.raises(
+        ValueError,
+        match=r"loss_fn returned a tuple of 2 where the loss goes; if it returns \(loss, metrics\), pass has_aux=True",
+    ):
         substrax.make_train_step(_metrics_loss, mode, mesh=mesh8)(model, optimizer, batch)
-    with pytest.raises(ValueError, match=r"With has_aux=True, loss_fn must return \(loss, metrics\); it returned an array of shape \(\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"With has_aux=True, loss_fn must return \(loss, metrics\); it returned an array of shape \(\)",
+    ):
         substrax.make_train_step(mse, mode, mesh=mesh8, has_aux=True)(model, optimizer, batch)
     as_tuple = lambda m, b: (mse(m, b), (mse(m, b),))  # noqa: E731
-    with pytest.raises(ValueError, match=r"Metrics must be a flat mapping from name to value; got a tuple of 1"):
+    with pytest.raises(
+        ValueError, match=r"Metrics must be a flat mapping from name to value; got a tuple of 1"
+    ):
         substrax.make_train_step(as_tuple, mode, mesh=mesh8, has_aux=True)(model, optimizer, batch)
     nested = lambda m, b: (mse(m, b), {"g": {"a": mse(m, b)}})  # noqa: E731
     with pytest.raises(ValueError, match=r"Metric 'g' is a dict with keys \['a'\]; metrics must be flat"):
@@ -379,12 +438,16 @@ def test_reductions_must_name_real_metrics(mesh8: jax.sharding.Mesh, mode: str) 
     model, optimizer = _model_and_optimizer(mesh8)
     batch = regression_batches(1, rows=8)[0]
     step = substrax.make_train_step(_metrics_loss, mode, mesh=mesh8, has_aux=True, reduce={"max_eror": "max"})
-    with pytest.raises(ValueError, match=r"name metric\(s\) \['max_eror'\] that are not among the metrics \['max_err'"):
+    with pytest.raises(
+        ValueError, match=r"name metric\(s\) \['max_eror'\] that are not among the metrics \['max_err'"
+    ):
         step(model, optimizer, batch)
     step = substrax.make_train_step(_metrics_loss, mode, mesh=mesh8, has_aux=True, reduce={"mse": "gather"})
     with pytest.raises(ValueError, match=r"Metric 'mse' asks for 'gather'.* but it is a scalar"):
         step(model, optimizer, batch)
-    with pytest.raises(ValueError, match=r"reduce= says how to reduce metrics, which loss_fn returns only with has_aux=True"):
+    with pytest.raises(
+        ValueError, match=r"reduce= says how to reduce metrics, which loss_fn returns only with has_aux=True"
+    ):
         substrax.make_train_step(mse, mode, mesh=mesh8, reduce={"mse": "sum"})
 
 
@@ -401,19 +464,32 @@ def test_collectives_name_an_unbound_axis(mesh8: jax.sharding.Mesh) -> None:
     def body(x: jax.Array) -> dict:
         return reduce_mean_collective({"a": x.sum()})  # the reference's default axis, 'batch'
 
-    with pytest.raises(ValueError, match=r"reduce_mean_collective: axis 'batch' is not bound here \(the enclosing shard_map's axes are \('data',\)\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"reduce_mean_collective: axis 'batch' is not bound here \(the enclosing shard_map's axes are \('data',\)\)",
+    ):
         jax.shard_map(body, mesh=mesh8, in_specs=P("data"), out_specs=P())(np.ones(8))
-    with pytest.raises(ValueError, match=r"axis 'data' is not bound here \(no shard_map or pmap encloses the call\)"):
+    with pytest.raises(
+        ValueError, match=r"axis 'data' is not bound here \(no shard_map or pmap encloses the call\)"
+    ):
         data_parallel_value_and_grad(_linear_loss, "data")(np.ones(3), np.ones((4, 3)), np.ones(4))
 
 
 def test_implicit_mode_splits_a_host_batch_over_the_data_axis(mesh8: jax.sharding.Mesh) -> None:
     model, optimizer = _model_and_optimizer(mesh8)
     host = regression_batches(1, rows=32)[0]
-    report = substrax.census(substrax.make_train_step(mse, "implicit", mesh=mesh8).lower(model, optimizer, host).compile())
-    assert report.count("all-reduce") == 1  # each device computed on its own rows, then the gradients were summed
-    with pytest.raises(ValueError, match=r"batch\['x'\] has size 12 along dimension 0, which does not divide by 8"):
-        substrax.make_train_step(mse, "implicit", mesh=mesh8)(model, optimizer, regression_batches(1, rows=12)[0])
+    report = substrax.census(
+        substrax.make_train_step(mse, "implicit", mesh=mesh8).lower(model, optimizer, host).compile()
+    )
+    assert (
+        report.count("all-reduce") == 1
+    )  # each device computed on its own rows, then the gradients were summed
+    with pytest.raises(
+        ValueError, match=r"batch\['x'\] has size 12 along dimension 0, which does not divide by 8"
+    ):
+        substrax.make_train_step(mse, "implicit", mesh=mesh8)(
+            model, optimizer, regression_batches(1, rows=12)[0]
+        )
     with pytest.raises(ValueError, match=r"Axis 'batch' is not in the mesh, whose axes are \('data',\)"):
         substrax.make_train_step(mse, "implicit", mesh=mesh8, data_axis="batch")(model, optimizer, host)
 
@@ -433,7 +509,10 @@ def test_explicit_mode_refuses_a_sharded_model() -> None:
         model = Wide()
         optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
     batch = regression_batches(1, rows=8)[0]
-    with pytest.raises(ValueError, match=r"model\['hidden'\]\['kernel'\] is sharded as P\(None, 'model'\).*use mode='implicit'"):
+    with pytest.raises(
+        ValueError,
+        match=r"model\['hidden'\]\['kernel'\] is sharded as P\(None, 'model'\).*use mode='implicit'",
+    ):
         substrax.make_train_step(mse, "explicit", mesh=mesh)(model, optimizer, batch)
     assert np.isfinite(float(substrax.make_train_step(mse, "implicit", mesh=mesh)(model, optimizer, batch)))
     assert model.hidden.kernel.get_value().sharding.spec == P(None, "model")  # implicit kept the layout

@@ -289,9 +289,12 @@ def _grouped_loss(
         def group(carry: Any, piece: dict) -> tuple[Any, tuple[jax.Array, jax.Array]]:
             rest, params = carry
             if config.batchnorm:
-                rests, out = jax.vmap(one, in_axes=(None, None, 0), out_axes=0, axis_name="data")(rest, params, piece)
+                rests, out = jax.vmap(one, in_axes=(None, None, 0), out_axes=0, axis_name="data")(
+                    rest, params, piece
+                )
                 rest = jax.tree.map(_average, rests)
             else:
+
                 def next_part(c: Any, part: dict) -> tuple[Any, Any]:
                     rest, out = one(*c, part)
                     return (rest, c[1]), out
@@ -432,7 +435,9 @@ def reference_runs(
     if config.dtypes is None:
         value_and_grad = nnx.value_and_grad(loss_fn, has_aux=True)
     elif split:
-        value_and_grad = _sliced_low_precision_value_and_grad(config, groups, *config.dtypes, by_device=by_device)
+        value_and_grad = _sliced_low_precision_value_and_grad(
+            config, groups, *config.dtypes, by_device=by_device
+        )
     else:
         value_and_grad = _low_precision_value_and_grad(loss_fn, *config.dtypes)
 
@@ -1025,14 +1030,40 @@ CURATED = (
         seed=9,
     ),
     # a scanned stack under remat, its block the unit (#27.4): gathered one layer at a time in the loop
-    Config(mode="explicit", layout="fsdp", min_size=1, devices=8, units="stack", scan="remat", optimizer="adam", seed=11),
+    Config(
+        mode="explicit",
+        layout="fsdp",
+        min_size=1,
+        devices=8,
+        units="stack",
+        scan="remat",
+        optimizer="adam",
+        seed=11,
+    ),
     # the scanned stack a unit with prefetch (#27.4): the library's loop, a layer gathered ahead, bfloat16
-    Config(mode="explicit", layout="fsdp", min_size=1, devices=4, microbatches=2, units="stack", scan="prefetch",
-           precision="bf16/f32", optimizer="adam", seed=13),  # fmt: skip
+    Config(
+        mode="explicit",
+        layout="fsdp",
+        min_size=1,
+        devices=4,
+        microbatches=2,
+        units="stack",
+        scan="prefetch",
+        precision="bf16/f32",
+        optimizer="adam",
+        seed=13,
+    ),  # fmt: skip
     # hybrid sharding (#28): FSDP within each of 2 replicas, units, microbatches, synchronized BatchNorm
     Config(
-        mode="explicit", layout="hsdp", min_size=1, devices=8, microbatches=2, blocks=("linear", "batchnorm_sync"),
-        units="blocks", optimizer="adam", seed=12,
+        mode="explicit",
+        layout="hsdp",
+        min_size=1,
+        devices=8,
+        microbatches=2,
+        blocks=("linear", "batchnorm_sync"),
+        units="blocks",
+        optimizer="adam",
+        seed=12,
     ),  # fmt: skip
     # the plain call while the caller holds the state (a save in flight): a copy donated, one program
     Config(mode="implicit", layout="fsdp", min_size=1, devices=4, optimizer="adam", spelling="held", seed=14),
@@ -1041,7 +1072,15 @@ CURATED = (
     Config(mode="explicit", layout="hsdp", min_size=1, devices=2, spelling="held", seed=15),
     Config(mode="explicit", layout="zero1", stem="conv", blocks=("dropout_eval",), spelling="held", seed=16),
     # every Linear a unit (stem, blocks, head), gathered again for the backward pass
-    Config(mode="explicit", layout="fsdp", min_size=1, devices=8, blocks=("linear", "linear"), units="linear", seed=10),
+    Config(
+        mode="explicit",
+        layout="fsdp",
+        min_size=1,
+        devices=8,
+        blocks=("linear", "linear"),
+        units="linear",
+        seed=10,
+    ),
     # bfloat16 gathers, reductions and microbatch sums: explicit FSDP under MixedPrecision(bf16, bf16)
     Config(
         mode="explicit",
@@ -1072,7 +1111,9 @@ def test_regression_a_two_row_batchnorm_group_is_not_drawn() -> None:
     two rows per device ended 18x its tolerance off the reference, 100x its floor, and within
     tolerance at 3 rows or with exact variance; two rows have one summation order, so the floor
     could not see the cancellation in flax's fast variance (``fuzz_space.measurable``)."""
-    found = Config(mode="explicit", layout="fsdp", min_size=1, devices=2, microbatches=2, blocks=("batchnorm",), seed=5)
+    found = Config(
+        mode="explicit", layout="fsdp", min_size=1, devices=2, microbatches=2, blocks=("batchnorm",), seed=5
+    )
     assert found.batchnorm_rows == 2
     assert measurable(found).batchnorm_rows == MIN_BATCHNORM_ROWS
     assert measurable(dataclasses.replace(found, mode="implicit")).rows == 2  # 4 rows together already
@@ -1080,7 +1121,11 @@ def test_regression_a_two_row_batchnorm_group_is_not_drawn() -> None:
     # hypothesis's defaults here would be random draws, an on-disk database and the too_slow
     # health check on generation time (which a loaded machine can fail): fixed draws, no clock
     quiet = settings(
-        max_examples=100, derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck)
+        max_examples=100,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
     )
     quiet(given(configs())(lambda c: drawn.append(c)))()
     assert all((c.batchnorm_rows or MIN_BATCHNORM_ROWS) >= MIN_BATCHNORM_ROWS for c in drawn)
@@ -1096,14 +1141,21 @@ def pinned(config: Config, pins: str | None = None) -> Config:
     for pin in filter(None, (p.strip() for p in pins.split(","))):
         name, _, literal = pin.partition("=")
         if name.strip() not in fields:
-            raise ValueError(f"SUBSTRAX_FUZZ_PIN: {name.strip()!r} is not a Config field; one of {sorted(fields)}.")
+            raise ValueError(
+                f"SUBSTRAX_FUZZ_PIN: {name.strip()!r} is not a Config field; one of {sorted(fields)}."
+            )
         values[name.strip()] = ast.literal_eval(literal.strip())
     return dataclasses.replace(config, **values)
 
 
 def test_a_pin_holds_named_fields_and_refuses_an_unknown_one() -> None:
     config = pinned(Config(), "scan='prefetch', units='stack', microbatches=2")
-    assert (config.scan, config.units, config.microbatches, config.layout) == ("prefetch", "stack", 2, "replicated")
+    assert (config.scan, config.units, config.microbatches, config.layout) == (
+        "prefetch",
+        "stack",
+        2,
+        "replicated",
+    )
     with pytest.raises(ValueError, match="'units_' is not a Config field"):
         pinned(Config(), "units_='stack'")
 

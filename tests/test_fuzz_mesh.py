@@ -152,7 +152,11 @@ def _with_pipeline(draw: st.DrawFn, c: MeshConfig) -> MeshConfig:
     microbatches = draw(st.sampled_from([k for k in (2, 4) if (ROWS // c.data) % k == 0]))
     blocks = draw(st.sampled_from([stages, 2 * stages]))
     return dataclasses.replace(
-        c, stages=stages, schedule=draw(st.sampled_from(["gpipe", "1f1b"])), microbatches=microbatches, blocks=blocks
+        c,
+        stages=stages,
+        schedule=draw(st.sampled_from(["gpipe", "1f1b"])),
+        microbatches=microbatches,
+        blocks=blocks,
     )
 
 
@@ -188,7 +192,10 @@ class Net(nnx.Module):
     def __init__(self, c: MeshConfig, rngs: nnx.Rngs) -> None:
         d = c.width
         self.attn = nnx.List(
-            [substrax.nn.ParallelSelfAttention(c.heads, d, causal=c.causal, rngs=rngs) for _ in range(c.blocks)]
+            [
+                substrax.nn.ParallelSelfAttention(c.heads, d, causal=c.causal, rngs=rngs)
+                for _ in range(c.blocks)
+            ]
         )
         self.norm = nnx.List([nnx.LayerNorm(d, rngs=rngs) for _ in range(c.blocks)])
         self.up = nnx.List([substrax.nn.ColumnParallelLinear(d, 2 * d, rngs=rngs) for _ in range(c.blocks)])
@@ -249,7 +256,12 @@ def _one_device(
             model, _ = _build(c)
             if x64:  # built in float32 (the same start), then cast
                 graphdef, state = nnx.split(model)
-                model = nnx.merge(graphdef, jax.tree.map(lambda v: v.astype(dtype) if jnp.issubdtype(v.dtype, jnp.floating) else v, state))
+                model = nnx.merge(
+                    graphdef,
+                    jax.tree.map(
+                        lambda v: v.astype(dtype) if jnp.issubdtype(v.dtype, jnp.floating) else v, state
+                    ),
+                )
             optimizer = nnx.Optimizer(model, _tx(c), wrt=nnx.Param)
             count = len(nnx.to_flat_state(nnx.state(model, nnx.Param)))
             scale = jnp.asarray(np.ones(count) if scales is None else scales[i], dtype)
@@ -293,7 +305,7 @@ def reference(c: MeshConfig) -> tuple[tuple[list[float], list[float]], dict, dic
         order = rng.permutation(ROWS)
         runs.append([{k: v[order] for k, v in b.items()} for b in batches])
     trained = _one_device(c, runs)
-    (exact_losses, exact), = _one_device(c, [batches], x64=True)
+    ((exact_losses, exact),) = _one_device(c, [batches], x64=True)
     floor = {name: max(float(np.max(np.abs(p[name] - e))) for _, p in trained) for name, e in exact.items()}
     for name in _round_off_leaves(c, batches[0]):  # Adam steps ~lr on round-off: see the docstring
         floor[name] = max(floor[name], 2 * ADAM_LR * c.steps / SAFETY)
@@ -311,7 +323,9 @@ def off_reference(c: MeshConfig, got: dict, want: dict, floor: dict) -> dict[str
         if got[name].dtype != np.float32 or not np.all(excess <= 0):
             i = np.unravel_index(int(np.argmax(excess)), excess.shape)
             at = float(np.broadcast_to(tol, excess.shape)[i])
-            off[name] = f"{got[name].dtype}, |diff| {abs(got[name][i] - value[i]):.2e} at {i}, tolerance {at:.2e}"
+            off[name] = (
+                f"{got[name].dtype}, |diff| {abs(got[name][i] - value[i]):.2e} at {i}, tolerance {at:.2e}"
+            )
     return off
 
 
@@ -329,7 +343,9 @@ def check(c: MeshConfig) -> None:
         stages=None if c.stages is None else Block,
     )  # fmt: skip
     schedule = None if c.stages is None else c.schedule
-    step = substrax.make_train_step(loss_fn, c.mode, mesh=mesh, microbatches=c.microbatches, schedule=schedule)
+    step = substrax.make_train_step(
+        loss_fn, c.mode, mesh=mesh, microbatches=c.microbatches, schedule=schedule
+    )
     losses = [float(step(model, optimizer, b)) for b in batches]
     loss_tol = STRICT_ATOL + SAFETY * np.asarray(loss_floor)
     np.testing.assert_array_less(np.abs(np.asarray(losses) - want_losses), loss_tol + STRICT_RTOL * np.abs(want_losses),
@@ -346,19 +362,39 @@ def check(c: MeshConfig) -> None:
         # batch), of attention's; none on a model axis of one device (the layers run as plain ones)
         said = sorted((i.phase, i.kind) for i, _ in found.matched if i.category == "model")
         blocks = c.blocks if c.model not in (None, 1) else 0
-        want = [("backward", "all-reduce")] * max(2 * blocks - 1, 0) + [("forward", "all-reduce")] * 2 * blocks
+        want = [("backward", "all-reduce")] * max(2 * blocks - 1, 0) + [
+            ("forward", "all-reduce")
+        ] * 2 * blocks
         assert said == want, f"{c}: {said}"
 
 
 # The corners of the space, first in every profile: each mesh shape of the issue, both modes.
 CURATED = [
     MeshConfig(
-        mode="explicit", data=1, model=8, layout="zero1", microbatches=2, optimizer="adam", heads=8,
-        causal=True, blocks=2, width=64, seed=224,
+        mode="explicit",
+        data=1,
+        model=8,
+        layout="zero1",
+        microbatches=2,
+        optimizer="adam",
+        heads=8,
+        causal=True,
+        blocks=2,
+        width=64,
+        seed=224,
     ),  # fmt: skip  (failed with Adam's default eps: one round-off-sized element, see ADAM_EPS)
     MeshConfig(
-        mode="explicit", data=1, model=4, layout="fsdp", microbatches=2, optimizer="adam", heads=4,
-        causal=True, blocks=2, width=32, seed=236,
+        mode="explicit",
+        data=1,
+        model=4,
+        layout="fsdp",
+        microbatches=2,
+        optimizer="adam",
+        heads=4,
+        causal=True,
+        blocks=2,
+        width=32,
+        seed=236,
     ),  # fmt: skip
     MeshConfig(mode="implicit", data=8, model=1, layout="zero1", optimizer="adam"),
     MeshConfig(mode="explicit", data=8, model=1, layout="fsdp", microbatches=2, blocks=2),  # model dropped
@@ -368,11 +404,25 @@ CURATED = [
     MeshConfig(mode="explicit", data=1, model=8, layout="replicated", heads=8, width=32, causal=False),
     # the pipeline axis: 1F1B beside data, model and FSDP units; GPipe under Adam on stage x data
     MeshConfig(
-        mode="explicit", data=2, model=2, layout="fsdp", microbatches=2, blocks=4, units=True, stages=2,
+        mode="explicit",
+        data=2,
+        model=2,
+        layout="fsdp",
+        microbatches=2,
+        blocks=4,
+        units=True,
+        stages=2,
         schedule="1f1b",
     ),  # fmt: skip
     MeshConfig(
-        mode="implicit", data=2, model=None, layout="zero1", microbatches=4, optimizer="adam", blocks=4, stages=4,
+        mode="implicit",
+        data=2,
+        model=None,
+        layout="zero1",
+        microbatches=4,
+        optimizer="adam",
+        blocks=4,
+        stages=4,
         schedule="gpipe",
     ),  # fmt: skip
 ]
@@ -380,7 +430,9 @@ CURATED = [
 
 # the two Adam draws on a model axis alone take a third of the curated set's time: make test-slow
 @pytest.mark.parametrize(
-    "config", [pytest.param(c, marks=pytest.mark.slow) if i < 2 else c for i, c in enumerate(CURATED)], ids=str
+    "config",
+    [pytest.param(c, marks=pytest.mark.slow) if i < 2 else c for i, c in enumerate(CURATED)],
+    ids=str,
 )
 def test_curated_mesh_configs(config: MeshConfig) -> None:
     check(config)
@@ -453,7 +505,7 @@ def test_regression_an_implicit_pipeline_nearer_float64_than_the_float32_losses(
     key kernel from float64 where the float32 reference is 5.0e-2). Its losses are held to the
     float64 run's now, with the float32 runs' distance from it as their floor."""
     (exact, loss_floor), _, _ = reference(SEED_36716)
-    (ref32, _), = _one_device(SEED_36716, [_batches(SEED_36716)])
+    ((ref32, _),) = _one_device(SEED_36716, [_batches(SEED_36716)])
     assert abs(ref32[1] - exact[1]) > 0.5 and loss_floor[1] >= abs(ref32[1] - exact[1])
     check(SEED_36716)
 

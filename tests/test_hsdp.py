@@ -39,7 +39,8 @@ def _placed(mesh: jax.sharding.Mesh, layout: str, units=None, width: int = 16) -
 
 
 @pytest.mark.parametrize(
-    ("layout", "units"), [("hsdp", None), ("hsdp", nnx.Linear), ("zero1", None), ("replicated", None)],
+    ("layout", "units"),
+    [("hsdp", None), ("hsdp", nnx.Linear), ("zero1", None), ("replicated", None)],
     ids=["hsdp", "hsdp+units", "zero1", "replicated"],
 )
 @pytest.mark.parametrize("microbatches", [1, 2])
@@ -72,7 +73,9 @@ def test_hsdp_refuses_a_mesh_without_the_replica_axis() -> None:
     with jax.set_mesh(mesh):
         model = MLP()
         optimizer = nnx.Optimizer(model, optax.sgd(LR, momentum=0.9), wrt=nnx.Param)
-    with pytest.raises(ValueError, match=r"layout='hsdp' .* over 'replica', which the mesh \{'data': 8\} lacks"):
+    with pytest.raises(
+        ValueError, match=r"layout='hsdp' .* over 'replica', which the mesh \{'data': 8\} lacks"
+    ):
         substrax.shard_state(model, optimizer, mesh=mesh, layout="hsdp")
     named = create_device_mesh({"dcn": 2, "data": 4})  # a replica axis of another name
     with jax.set_mesh(named):
@@ -122,7 +125,10 @@ def test_a_checkpoint_saved_under_hsdp_restores_into_fsdp_and_replicated(tmp_pat
     step = substrax.make_train_step(mse, "explicit", mesh=HYBRID)
     step(model, optimizer, regression_batches(1, rows=32)[0])
     substrax.checkpoint.save(tmp_path / "ckpt", 1, model, optimizer)
-    for mesh, layout in ((create_device_mesh({"data": 8}), "fsdp"), (create_device_mesh({"data": 2}), "replicated")):
+    for mesh, layout in (
+        (create_device_mesh({"data": 8}), "fsdp"),
+        (create_device_mesh({"data": 2}), "replicated"),
+    ):
         other, other_opt = _placed(mesh, layout)
         substrax.checkpoint.restore(tmp_path / "ckpt", other, other_opt)
         for key, value in params_of(model).items():
@@ -165,7 +171,9 @@ def test_regression_a_batch_placed_over_data_only_is_not_counted_once_per_replic
     with jax.default_device(jax.devices()[0]):
         want_loss, want = loss_fn(MLP(), batch)
     model, optimizer = _placed(HYBRID, "hsdp")
-    step = substrax.make_train_step(loss_fn, mode, mesh=HYBRID, has_aux=True, reduce={"sum": "sum", "rows": "gather"})
+    step = substrax.make_train_step(
+        loss_fn, mode, mesh=HYBRID, has_aux=True, reduce={"sum": "sum", "rows": "gather"}
+    )
     placed = place_batch_on_shards(batch, jax.sharding.NamedSharding(HYBRID, P("data")))
     loss, metrics = step(model, optimizer, placed)
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
@@ -191,7 +199,11 @@ def test_regression_compare_gradients_on_a_hybrid_mesh() -> None:
 
     model, _ = _placed(HYBRID, "hsdp")
     report = compare_gradients(
-        model, mse, regression_batches(1, rows=32)[0], HYBRID, batch_spec={"x": P(("replica", "data")), "y": P(("replica", "data"))}
+        model,
+        mse,
+        regression_batches(1, rows=32)[0],
+        HYBRID,
+        batch_spec={"x": P(("replica", "data")), "y": P(("replica", "data"))},
     )
     assert report.ok, str(report)
 

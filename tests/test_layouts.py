@@ -291,7 +291,10 @@ def test_a_split_over_an_optional_axis_the_mesh_lacks_is_placed_whole_by_the_ste
     want_losses, want_params = reference5
     np.testing.assert_allclose(losses, want_losses, rtol=2e-5, atol=2e-6)
     assert_params_close(params_of(model), want_params)
-    assert model.hidden.kernel.get_metadata()["out_sharding"] == (None, "model")  # fitted inside the step only
+    assert model.hidden.kernel.get_metadata()["out_sharding"] == (
+        None,
+        "model",
+    )  # fitted inside the step only
 
 
 @pytest.mark.parametrize("mode", substrax.MODES)
@@ -307,7 +310,9 @@ def test_shard_state_places_a_split_over_an_axis_the_mesh_lacks_whole_and_keeps_
     assert model.hidden.kernel.get_metadata()["declared_sharding"] == (None, "model")
     step = substrax.make_train_step(mse, mode, mesh=mesh)
     assert np.isfinite(float(step(model, optimizer, batches[0])))
-    layout = substrax.shard_state(model, optimizer, mesh=create_device_mesh({"data": 4, "model": 2}), min_size=8)
+    layout = substrax.shard_state(
+        model, optimizer, mesh=create_device_mesh({"data": 4, "model": 2}), min_size=8
+    )
     hidden = next(r for r in layout.rows if r.path == "model['hidden']['kernel']")
     assert (hidden.split_dim, hidden.other_splits) == (0, ((1, "model", 2),))
 

@@ -55,7 +55,10 @@ def test_too_many_devices_names_shape_and_count() -> None:
 
 @pytest.mark.parametrize("size", [0, -2, 2.0, True, "4"])
 def test_size_must_be_a_positive_int(size: object) -> None:
-    with pytest.raises(ValueError, match=r"axis 'data' has size .* must be a positive int \(their product at most the 8 devices"):
+    with pytest.raises(
+        ValueError,
+        match=r"axis 'data' has size .* must be a positive int \(their product at most the 8 devices",
+    ):
         create_device_mesh({"data": size})  # type: ignore[dict-item]
 
 

@@ -13,8 +13,8 @@ from jax.sharding import PartitionSpec as P
 from models import mse
 
 import substrax
-from substrax._base import declared
 from substrax import census
+from substrax._base import declared
 from substrax.census import phase_of
 from substrax.mesh import create_device_mesh
 from substrax.nn import (
@@ -228,7 +228,13 @@ def attention_reference(model: ParallelSelfAttention, x: np.ndarray, causal: boo
 @pytest.mark.parametrize("causal", [False, True])
 def test_attention_matches_numpy_reference(causal, sequence_parallel) -> None:
     model = ParallelSelfAttention(
-        4, 8, qkv_features=16, out_features=6, causal=causal, sequence_parallel=sequence_parallel, rngs=nnx.Rngs(0)
+        4,
+        8,
+        qkv_features=16,
+        out_features=6,
+        causal=causal,
+        sequence_parallel=sequence_parallel,
+        rngs=nnx.Rngs(0),
     )
     x = batch((2, 5, 8))
     np.testing.assert_allclose(model(x), attention_reference(model, np.asarray(x, np.float64), causal), **TOL)
@@ -417,7 +423,9 @@ def test_a_declaration_names_a_kind_the_census_counts_and_one_axis() -> None:
     model, x = Block(), batch()
     with pytest.raises(ValueError, match=r"declare_forward: 'allreduce' is not a collective.*'all-reduce'"):
         declare_forward(model, "allreduce", "model", x, "why")  # checked outside a recording too
-    with pytest.raises(TypeError, match=r"declare_backward: axis must be one mesh axis name.*\('data', 'model'\)"):
+    with pytest.raises(
+        TypeError, match=r"declare_backward: axis must be one mesh axis name.*\('data', 'model'\)"
+    ):
         declare_backward(model, "all-reduce", ("data", "model"), x, "why")
 
 
@@ -591,7 +599,9 @@ def test_a_stack_built_without_transform_metadata_is_refused_by_path(where: str)
     with jax.set_mesh(mesh):
         stack = make(jax.random.split(jax.random.key(0), 4))
         optimizer = nnx.Optimizer(stack, optax.sgd(0.1), wrt=nnx.Param)
-    with pytest.raises(ValueError, match=r"model\['(bias|kernel)'\] has [23] dimensions .* transform_metadata"):
+    with pytest.raises(
+        ValueError, match=r"model\['(bias|kernel)'\] has [23] dimensions .* transform_metadata"
+    ):
         if where == "shard_state":
             substrax.shard_state(stack, optimizer, mesh=mesh)
         else:

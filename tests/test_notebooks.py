@@ -88,4 +88,6 @@ def test_notebook_runs(path: Path) -> None:
     outputs = [out for cell in executed.cells if cell.cell_type == "code" for out in cell.get("outputs", [])]
     assert not [out for out in outputs if out.get("output_type") == "error"]
     figures = sum(1 for out in outputs if "image/png" in out.get("data", {}))
-    assert figures >= MIN_FIGURES, f"{path.name} drew {figures} figures (image/png outputs); want >= {MIN_FIGURES}"
+    assert figures >= MIN_FIGURES, (
+        f"{path.name} drew {figures} figures (image/png outputs); want >= {MIN_FIGURES}"
+    )

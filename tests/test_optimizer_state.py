@@ -45,11 +45,15 @@ SGD_ONLY = {"masked"}
 
 def test_the_masked_optimizers_hold_masked_nodes() -> None:
     for make in MASKED.values():
-        nodes = jax.tree.leaves(make().init(nnx.state(MLP(), nnx.Param)), is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+        nodes = jax.tree.leaves(
+            make().init(nnx.state(MLP(), nnx.Param)), is_leaf=lambda x: isinstance(x, optax.MaskedNode)
+        )
         assert any(isinstance(x, optax.MaskedNode) for x in nodes)
 
 
-def _train(mesh: jax.sharding.Mesh, mode: str, layout: str, make: Callable, batches: list, spelling: str = "call"):
+def _train(
+    mesh: jax.sharding.Mesh, mode: str, layout: str, make: Callable, batches: list, spelling: str = "call"
+):
     with jax.set_mesh(mesh):
         model = MLP()
         optimizer = nnx.Optimizer(model, make(), wrt=nnx.Param)
@@ -92,8 +96,12 @@ def test_muon_under_fsdp_binds_and_its_census_matches(mesh8, mode: str) -> None:
     _, model, optimizer, step = _train(mesh8, mode, "fsdp", MASKED["muon"], batches, spelling="bind")
     got = params_of(model)
     for key in want:
-        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=4 * noise_floor(MASKED["muon"], batches) + 1e-7)
-    comparison = step.check_communication(model, optimizer, place_batch_on_shards(batches[0], create_data_parallel_sharding(mesh8)))
+        np.testing.assert_allclose(
+            got[key], want[key], rtol=1e-5, atol=4 * noise_floor(MASKED["muon"], batches) + 1e-7
+        )
+    comparison = step.check_communication(
+        model, optimizer, place_batch_on_shards(batches[0], create_data_parallel_sharding(mesh8))
+    )
     assert comparison.matches, str(comparison)
 
 
@@ -205,7 +213,12 @@ def test_a_run_of_skipped_steps_warns_then_raises(mesh8, mode: str, spelling: st
             for _ in range(2 * LAG):  # the flags are read LAG at a time, LAG steps late
                 run(good)
     counts = [str(w.message).split("(")[1].split(")")[0] for w in seen]
-    assert counts == ["1 in a row, 1 in all", "2 in a row, 2 in all", "1 in a row, 3 in all", "2 in a row, 4 in all"]
+    assert counts == [
+        "1 in a row, 1 in all",
+        "2 in a row, 2 in all",
+        "1 in a row, 3 in all",
+        "2 in a row, 4 in all",
+    ]
     with pytest.raises(NonFiniteStepsError, match="4 steps in a row were skipped"):
         for _ in range(4 + 3 * LAG):  # read by then, whatever goods are pending
             run(bad)
@@ -220,7 +233,9 @@ def test_max_skips_in_a_row_is_checked() -> None:
 
 @pytest.mark.parametrize("name", ["muon", "multi_transform"])
 @pytest.mark.parametrize("layout", ["replicated", "fsdp"])
-def test_masked_optimizer_state_checkpoints_and_resumes_exactly(mesh8, tmp_path, layout: str, name: str) -> None:
+def test_masked_optimizer_state_checkpoints_and_resumes_exactly(
+    mesh8, tmp_path, layout: str, name: str
+) -> None:
     batches = regression_batches(3, rows=32)
     _, model, optimizer, step = _train(mesh8, "explicit", layout, MASKED[name], batches[:2])
     substrax.checkpoint.save(tmp_path / "ckpt", 2, model, optimizer)
@@ -232,7 +247,9 @@ def test_masked_optimizer_state_checkpoints_and_resumes_exactly(mesh8, tmp_path,
         substrax.shard_state(again, again_opt, mesh=mesh8, layout=layout, min_size=1)
     assert substrax.checkpoint.restore(tmp_path / "ckpt", again, again_opt) == 2
     substrax.make_train_step(mse, "explicit", mesh=mesh8)(again, again_opt, batches[2])
-    for a, b in zip(jax.tree.leaves(nnx.state((model, optimizer))), jax.tree.leaves(nnx.state((again, again_opt)))):
+    for a, b in zip(
+        jax.tree.leaves(nnx.state((model, optimizer))), jax.tree.leaves(nnx.state((again, again_opt)))
+    ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 

@@ -23,7 +23,6 @@ from flax import nnx
 from models import Residual, Tower, mse, sine_batches
 
 import substrax
-
 from substrax.census import compare
 from substrax.census._hlo import pair_shift
 from substrax.mesh import create_device_mesh
@@ -49,7 +48,9 @@ class Case:
     microbatches: int
 
     def __str__(self) -> str:
-        return f"{self.schedule}-{'-'.join(f'{a}{n}' for a, n in self.mesh)}-{self.layout}-k{self.microbatches}"
+        return (
+            f"{self.schedule}-{'-'.join(f'{a}{n}' for a, n in self.mesh)}-{self.layout}-k{self.microbatches}"
+        )
 
 
 EXPLICIT = [
@@ -71,8 +72,12 @@ def checked(mode: str, case: Case):  # noqa: ANN201
             optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
         units = Residual if case.layout == "units" else None
         layout = "fsdp" if units else case.layout
-        substrax.shard_state(model, optimizer, mesh=mesh, layout=layout, units=units, stages=Residual, min_size=1)
-        step = substrax.make_train_step(mse, mode, mesh=mesh, microbatches=case.microbatches, schedule=case.schedule)
+        substrax.shard_state(
+            model, optimizer, mesh=mesh, layout=layout, units=units, stages=Residual, min_size=1
+        )
+        step = substrax.make_train_step(
+            mse, mode, mesh=mesh, microbatches=case.microbatches, schedule=case.schedule
+        )
         _RESULTS[mode, case] = step.check_communication(model, optimizer, batch())
     return _RESULTS[mode, case]
 
@@ -107,9 +112,13 @@ def test_explicit_census_matches_each_schedule(case: Case) -> None:
     assert {r.bytes for r in permutes} <= {carry, WIDTH * F32}
     # the gradients' reductions over data and the sums over stage: outside every loop, once per step
     once = [r for r in found.report.rows if r.kind != "collective-permute" and "model" not in (r.axes or ())]
-    assert all(not r.in_loop or "substrax.unit" in r.op_name for r in once), [str(r) for r in once if r.in_loop]
+    assert all(not r.in_loop or "substrax.unit" in r.op_name for r in once), [
+        str(r) for r in once if r.in_loop
+    ]
     pipeline = [i for i, _ in found.matched if i.category == "pipeline" and i.kind == "all-reduce"]
-    outside = (4 * WIDTH + WIDTH + WIDTH + WIDTH + 1) * F32  # embed, gate, head: the parameters outside the stack
+    outside = (
+        4 * WIDTH + WIDTH + WIDTH + WIDTH + 1
+    ) * F32  # embed, gate, head: the parameters outside the stack
     assert sum(i.bytes for i in pipeline) == outside
     assert any(n.startswith(f"pipeline: {case.schedule} over {sizes['stage']} stages") for n in found.notes)
 
@@ -133,7 +142,9 @@ def test_a_permute_the_other_way_does_not_match() -> None:
     found = checked("explicit", EXPLICIT[0])
     # every permute expected one stage back: the forward ones (one stage on) are then nobody's
     flipped = [dataclasses.replace(i, shift=-1) if i.shift else i for i in found.expected.items]
-    again = compare(found.report, dataclasses.replace(found.expected, items=tuple(flipped)), attribute_model=True)
+    again = compare(
+        found.report, dataclasses.replace(found.expected, items=tuple(flipped)), attribute_model=True
+    )
     assert found.matches and not again.matches
     assert any("collective-permute" in d for d in again.differences), again.differences
 

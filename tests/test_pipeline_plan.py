@@ -42,8 +42,15 @@ def planned() -> substrax.Plan:
     if not _PLAN:
         meshes = [create_device_mesh(m) for m in MESHES]
         _PLAN.append(
-            substrax.plan(mse, *build(), batch(), mesh=meshes, layouts=("replicated",), placement={"stages": Residual},
-                          microbatches=K)  # fmt: skip
+            substrax.plan(
+                mse,
+                *build(),
+                batch(),
+                mesh=meshes,
+                layouts=("replicated",),
+                placement={"stages": Residual},
+                microbatches=K,
+            )  # fmt: skip
         )
     return _PLAN[0]
 
@@ -51,7 +58,9 @@ def planned() -> substrax.Plan:
 def test_the_schedule_is_a_candidate_axis_with_its_bubble() -> None:
     plan = planned()
     assert [(r.mesh, r.schedule) for r in plan.rows] == [
-        ("data=8", "-"), ("data=2,stage=4", "gpipe"), ("data=2,stage=4", "1f1b")
+        ("data=8", "-"),
+        ("data=2,stage=4", "gpipe"),
+        ("data=2,stage=4", "1f1b"),
     ]
     assert [r.bubble for r in plan.rows] == [0.0, 3 / 11, 3 / 11]  # (4 - 1) / (8 + 4 - 1)
     text = str(plan)

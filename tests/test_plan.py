@@ -8,10 +8,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import llama
 import numpy as np
 import optax
 import pytest
-import llama
 import test_scanned as scanned
 import test_tensor_parallel as tp
 import test_transformer_lm
@@ -202,7 +202,10 @@ def test_the_plan_equals_the_compiled_explicit_step(case: Case) -> None:
     (row,) = planned.rows
     # the model the user gave is left as it was: each configuration placed a copy
     assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(before, jax.tree.leaves(nnx.state(model))))
-    assert all(not hasattr(x, "sharding") or x.sharding.is_fully_replicated for x in jax.tree.leaves(nnx.state(model)))
+    assert all(
+        not hasattr(x, "sharding") or x.sharding.is_fully_replicated
+        for x in jax.tree.leaves(nnx.state(model))
+    )
 
     model, optimizer, loss_fn, batch = _build(case)
     substrax.shard_state(model, optimizer, mesh=mesh, layout=case.layout, units=units[0], **case.placement)
@@ -238,7 +241,9 @@ SCANNED = [(d, per_layer, remat) for d in (3, 6) for per_layer in (True, False) 
 
 
 @pytest.mark.parametrize(("depth", "per_layer", "remat"), SCANNED)
-def test_the_planned_memory_of_a_scanned_stack_is_the_compiled_one(depth: int, per_layer: bool, remat: bool) -> None:
+def test_the_planned_memory_of_a_scanned_stack_is_the_compiled_one(
+    depth: int, per_layer: bool, remat: bool
+) -> None:
     """``nnx.scan`` over layers, gathered whole or one at a time (``placement=`` passing
     ``min_size``), the body rematerialized or not: the scan's slices, its stacked results (made
     first of all) and the loop's own temporaries counted, the gathers' relayout copies too; the
@@ -337,7 +342,11 @@ def test_best_takes_the_fewest_bytes_that_fit_and_names_the_least_requirement() 
     ):
         planned.best(memory=1000)
     table = str(planned)
-    assert table.splitlines()[0].startswith("mode") and "all-gather (data)" in table and len(table.splitlines()) == 8
+    assert (
+        table.splitlines()[0].startswith("mode")
+        and "all-gather (data)" in table
+        and len(table.splitlines()) == 8
+    )
 
 
 def test_units_that_match_nothing_are_refused_before_planning() -> None:

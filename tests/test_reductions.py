@@ -24,18 +24,27 @@ from substrax.spmd import (
     reduce_sum_collective,
 )
 
-GLOBAL = {"mean": (reduce_mean, np.mean), "sum": (reduce_sum, np.sum), "max": (reduce_max, np.max), "min": (reduce_min, np.min)}
+GLOBAL = {
+    "mean": (reduce_mean, np.mean),
+    "sum": (reduce_sum, np.sum),
+    "max": (reduce_max, np.max),
+    "min": (reduce_min, np.min),
+}
 
 # Nested trees of dicts / lists / tuples whose leaves are arrays (>= 1 dim), 0-d arrays,
 # strings and Python numbers.
 _arrays = st.integers(1, 3).flatmap(
     lambda ndim: st.lists(st.integers(1, 4), min_size=ndim, max_size=ndim).flatmap(
         lambda shape: st.lists(
-            st.floats(-100, 100, allow_nan=False, width=32), min_size=int(np.prod(shape)), max_size=int(np.prod(shape))
+            st.floats(-100, 100, allow_nan=False, width=32),
+            min_size=int(np.prod(shape)),
+            max_size=int(np.prod(shape)),
         ).map(lambda v: np.asarray(v, np.float32).reshape(shape))
     )
 )
-_leaves = st.one_of(_arrays, st.floats(-5, 5, width=32).map(np.float32), st.text(max_size=3), st.integers(-3, 3))
+_leaves = st.one_of(
+    _arrays, st.floats(-5, 5, width=32).map(np.float32), st.text(max_size=3), st.integers(-3, 3)
+)
 _trees = st.recursive(
     _leaves,
     lambda kids: st.one_of(
@@ -67,7 +76,11 @@ def test_global_reductions_match_numpy_on_any_tree(op: str, tree: object) -> Non
 
 
 def test_global_reduction_of_gradient_tree_beside_scalars() -> None:
-    tree = {"grads": {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones(3)}, "loss": jnp.float32(2.0), "tag": "x"}
+    tree = {
+        "grads": {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones(3)},
+        "loss": jnp.float32(2.0),
+        "tag": "x",
+    }
     out = reduce_sum(tree)
     assert float(out["grads"]["w"]) == 15.0 and float(out["grads"]["b"]) == 3.0
     assert float(out["loss"]) == 2.0 and out["tag"] == "x"
@@ -84,7 +97,14 @@ def test_global_reduction_of_sharded_arrays_under_jit(mesh8: jax.sharding.Mesh) 
 
 
 def test_reduce_custom() -> None:
-    m = {"a": np.arange(4.0), "b": np.arange(4.0), "c": np.arange(4.0), "d": np.arange(4.0), "e": np.arange(4.0), "s": "txt"}
+    m = {
+        "a": np.arange(4.0),
+        "b": np.arange(4.0),
+        "c": np.arange(4.0),
+        "d": np.arange(4.0),
+        "e": np.arange(4.0),
+        "s": "txt",
+    }
     out = reduce_custom(m, {"b": "sum", "c": "max", "d": "min", "e": None})
     assert float(out["a"]) == 1.5  # not named: mean
     assert float(out["b"]) == 6.0 and float(out["c"]) == 3.0 and float(out["d"]) == 0.0
@@ -94,7 +114,10 @@ def test_reduce_custom() -> None:
 
 
 def test_reduce_custom_rejects_unknown_operation() -> None:
-    with pytest.raises(ValueError, match=r"Metric 'acc' asks for reduction 'avg'; use one of 'mean', 'sum', 'max', 'min' or None"):
+    with pytest.raises(
+        ValueError,
+        match=r"Metric 'acc' asks for reduction 'avg'; use one of 'mean', 'sum', 'max', 'min' or None",
+    ):
         reduce_custom({"acc": np.ones(3)}, {"acc": "avg"})
 
 
@@ -110,7 +133,10 @@ COLLECTIVE = {
 def test_collectives_reduce_every_leaf_across_devices(mesh8: jax.sharding.Mesh, op: str) -> None:
     collective, np_fn = COLLECTIVE[op]
     rng = np.random.default_rng(1)
-    per_device = {"loss": rng.normal(size=(8,)).astype(np.float32), "grads": {"w": rng.normal(size=(8, 2, 3)).astype(np.float32)}}
+    per_device = {
+        "loss": rng.normal(size=(8,)).astype(np.float32),
+        "grads": {"w": rng.normal(size=(8, 2, 3)).astype(np.float32)},
+    }
 
     def body(tree: dict) -> dict:
         local = {"loss": tree["loss"][0], "grads": {"w": tree["grads"]["w"][0]}, "name": "metrics"}
@@ -120,7 +146,9 @@ def test_collectives_reduce_every_leaf_across_devices(mesh8: jax.sharding.Mesh, 
 
     out = jax.jit(jax.shard_map(body, mesh=mesh8, in_specs=P("data"), out_specs=P()))(per_device)
     np.testing.assert_allclose(out["loss"], np_fn(per_device["loss"], axis=0), rtol=1e-5)
-    np.testing.assert_allclose(out["grads"]["w"], np_fn(per_device["grads"]["w"], axis=0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        out["grads"]["w"], np_fn(per_device["grads"]["w"], axis=0), rtol=1e-5, atol=1e-6
+    )
 
 
 def test_all_gather_stacked_and_tiled(mesh8: jax.sharding.Mesh) -> None:

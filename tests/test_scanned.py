@@ -31,7 +31,9 @@ VARIANTS = ("scan", "remat", "units", "units-remat", "units-prefetch")
 class Scanned(Tower):
     """``depth`` residual layers stacked by ``nnx.vmap`` and applied by ``nnx.scan`` (the Flax NNX idiom)."""
 
-    def __init__(self, depth: int, width: int, *, remat: bool = False, prefetch: bool = False, seed: int = 0) -> None:
+    def __init__(
+        self, depth: int, width: int, *, remat: bool = False, prefetch: bool = False, seed: int = 0
+    ) -> None:
         super().__init__(Residual, depth, width, seed=seed)
         self.remat, self.prefetch = remat, prefetch
 
@@ -62,7 +64,9 @@ def reference() -> dict[str, np.ndarray]:
     return one_device_reference()
 
 
-def _placed(mesh: jax.sharding.Mesh, variant: str, depth: int = 3, width: int = 16) -> tuple[Scanned, nnx.Optimizer]:
+def _placed(
+    mesh: jax.sharding.Mesh, variant: str, depth: int = 3, width: int = 16
+) -> tuple[Scanned, nnx.Optimizer]:
     prefetch = variant == "units-prefetch"
     units = Residual if variant.startswith("units") else None
     return make_placed(
@@ -93,7 +97,9 @@ def test_a_scanned_stack_trains_like_one_device(mode: str, shape: str, variant: 
         assert units and all(i.in_loop == all(p.row.in_loop for p in parts) for i, parts in units)
         assert {p.row.executions for _, parts in units for p in parts} == runs
     if "model" in MESHES[shape]:  # each layer's declared collectives run once per layer
-        declared = [(i, parts) for i, parts in comparison.matched if i.category == "model" and i.per_run and parts]
+        declared = [
+            (i, parts) for i, parts in comparison.matched if i.category == "model" and i.per_run and parts
+        ]
         assert declared and {p.row.executions for _, parts in declared for p in parts} == runs
 
 
@@ -170,7 +176,9 @@ def test_a_unit_called_on_neither_its_whole_nor_one_layer_is_refused_by_name() -
     run.shapes[("up", "kernel")] = (3, 2, 32)
     assert run.dim_of(("up", "kernel"), (3, 2, 32)) == 1  # whole
     assert run.dim_of(("up", "kernel"), (2, 32)) == 0  # one layer, inside nnx.scan
-    with pytest.raises(ValueError, match=r"FSDP unit model\['layers'\]: its parameter unit\['up'\]\['kernel'\] .*\(32,\)"):
+    with pytest.raises(
+        ValueError, match=r"FSDP unit model\['layers'\]: its parameter unit\['up'\]\['kernel'\] .*\(32,\)"
+    ):
         run.dim_of(("up", "kernel"), (32,))
 
 
@@ -179,7 +187,9 @@ def test_prefetch_is_refused_where_it_cannot_run_naming_what_to_do() -> None:
     with jax.set_mesh(mesh):
         model = Scanned(3, 16)  # applies its stack with nnx.scan, not scan_layers
         optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-    with pytest.raises(ValueError, match="prefetch=True gathers the next layer .* name the stacked block with units="):
+    with pytest.raises(
+        ValueError, match="prefetch=True gathers the next layer .* name the stacked block with units="
+    ):
         substrax.shard_state(model, optimizer, mesh=mesh, min_size=1, prefetch=True)
     with pytest.raises(ValueError, match="reshard_after_forward=False would keep every layer"):
         substrax.shard_state(model, optimizer, mesh=mesh, min_size=1, units=Residual, prefetch=True,
@@ -188,7 +198,10 @@ def test_prefetch_is_refused_where_it_cannot_run_naming_what_to_do() -> None:
         substrax.shard_state(model, optimizer, mesh=mesh, min_size=1, units=Residual, prefetch=1)
     substrax.shard_state(model, optimizer, mesh=mesh, min_size=1, units=Residual, prefetch=True)
     step = substrax.make_train_step(mse, "explicit", mesh=mesh)
-    with pytest.raises(ValueError, match=r"FSDP unit model\['layers'\] was placed with prefetch=True but called directly .*scan_layers"):
+    with pytest.raises(
+        ValueError,
+        match=r"FSDP unit model\['layers'\] was placed with prefetch=True but called directly .*scan_layers",
+    ):
         step(model, optimizer, _batches(1)[0])
 
 
@@ -220,5 +233,7 @@ def test_a_prefetched_stack_with_state_other_than_parameters_is_refused_by_path(
         optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
     substrax.shard_state(model, optimizer, mesh=mesh, min_size=1, units=Counted, prefetch=True)
     step = substrax.make_train_step(mse, "explicit", mesh=mesh)
-    with pytest.raises(ValueError, match=r"FSDP unit model\['layers'\] \(prefetch=True\) .* unit\['calls'\] is an BatchStat"):
+    with pytest.raises(
+        ValueError, match=r"FSDP unit model\['layers'\] \(prefetch=True\) .* unit\['calls'\] is an BatchStat"
+    ):
         step(model, optimizer, _batches(1)[0])

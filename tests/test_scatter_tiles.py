@@ -34,7 +34,9 @@ from substrax.mesh import create_device_mesh
         (100, 1, (32, 128)),
     ],
 )
-def test_a_tpu_block_is_whole_tiles_in_counts_the_tpu_emits(elements: int, itemsize: int, block: tuple) -> None:
+def test_a_tpu_block_is_whole_tiles_in_counts_the_tpu_emits(
+    elements: int, itemsize: int, block: tuple
+) -> None:
     assert scatter.block_shape(elements, itemsize, True) == block
     assert scatter.block_shape(elements, itemsize, False) == (1, elements)
     assert scatter.scattered_elements(elements * 8, 8, itemsize, True) == 8 * block[0] * block[1]
@@ -55,7 +57,9 @@ def _loss(model: Net, batch: dict) -> jax.Array:
     return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
 
 
-def _trained(mesh: jax.sharding.Mesh, layout: str, units: object, tiles: bool, monkeypatch) -> list[np.ndarray]:
+def _trained(
+    mesh: jax.sharding.Mesh, layout: str, units: object, tiles: bool, monkeypatch
+) -> list[np.ndarray]:
     with monkeypatch.context() as patch:
         patch.setattr(scatter, "on_tpu", lambda platform: tiles)
         with jax.set_mesh(mesh):
@@ -75,7 +79,11 @@ def _trained(mesh: jax.sharding.Mesh, layout: str, units: object, tiles: bool, m
 
 @pytest.mark.parametrize(
     ("shape", "layout", "units"),
-    [({"data": 8}, "fsdp", None), ({"data": 8}, "fsdp", nnx.Linear), ({"replica": 2, "data": 4}, "hsdp", None)],
+    [
+        ({"data": 8}, "fsdp", None),
+        ({"data": 8}, "fsdp", nnx.Linear),
+        ({"replica": 2, "data": 4}, "hsdp", None),
+    ],
 )
 def test_the_tpu_form_computes_the_one_row_forms_update(shape, layout, units, monkeypatch) -> None:
     mesh = create_device_mesh(shape)

@@ -22,8 +22,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 import substrax
-from substrax._layout import follow_dim, optimizer_followers, optimizer_mirrors
 from substrax._base.trees import path_str
+from substrax._layout import follow_dim, optimizer_followers, optimizer_mirrors
 from substrax.explicit import batch_partition_specs
 from substrax.spmd import create_data_parallel_sharding, place_batch_on_shards, spmd_train_step
 

@@ -71,7 +71,9 @@ def _as_the_reference_writes_it(
     return model, losses
 
 
-def test_spmd_train_step_as_the_reference_writes_it(mesh8: jax.sharding.Mesh, batches: list, reference: tuple) -> None:
+def test_spmd_train_step_as_the_reference_writes_it(
+    mesh8: jax.sharding.Mesh, batches: list, reference: tuple
+) -> None:
     model, losses = _as_the_reference_writes_it(spmd_train_step, mesh8, batches)
     assert model.hidden.kernel.get_value().sharding.is_fully_replicated
     np.testing.assert_allclose(losses, reference[0], rtol=1e-5)
@@ -96,7 +98,9 @@ def test_explicit_on_a_2d_mesh_reduces_over_data_only(batches: list, reference: 
     assert_params_close(params, reference[1])
 
 
-def test_explicit_step_called_directly_with_the_context_mesh(mesh8: jax.sharding.Mesh, batches: list, reference: tuple) -> None:
+def test_explicit_step_called_directly_with_the_context_mesh(
+    mesh8: jax.sharding.Mesh, batches: list, reference: tuple
+) -> None:
     _, losses = _as_the_reference_writes_it(explicit_train_step, mesh8, batches[:10])
     np.testing.assert_allclose(losses, reference[0][:10], rtol=1e-5)
 
@@ -236,7 +240,9 @@ def test_a_data_axis_of_size_one_runs_no_collective(mode: str, layout: str) -> N
     if layout != "replicated":
         substrax.shard_state(model, optimizer, mesh=mesh, params=layout == "fsdp", min_size=16)
     for k in (1, 2):
-        found = substrax.make_train_step(mse, mode, mesh=mesh, microbatches=k).census(model, optimizer, regression_batches(1, rows=8)[0])
+        found = substrax.make_train_step(mse, mode, mesh=mesh, microbatches=k).census(
+            model, optimizer, regression_batches(1, rows=8)[0]
+        )
         assert found.report.count() == 0 and found.matches, str(found)
 
 
@@ -255,9 +261,14 @@ def test_census_attributes_a_collective_the_loss_issues_to_the_model(mesh8: jax.
 
 
 @pytest.mark.parametrize("mode", ["implicit", "explicit"])
-def test_a_prefix_placed_batch_needs_no_batch_spec(mesh8: jax.sharding.Mesh, batches: list, mode: str) -> None:
+def test_a_prefix_placed_batch_needs_no_batch_spec(
+    mesh8: jax.sharding.Mesh, batches: list, mode: str
+) -> None:
     shardings = {"rows": create_data_parallel_sharding(mesh8), "batch_state": NamedSharding(mesh8, P())}
-    placed = [place_batch_on_shards({"rows": b, "batch_state": {"scale": np.float32(0.5)}}, shardings) for b in batches[:5]]
+    placed = [
+        place_batch_on_shards({"rows": b, "batch_state": {"scale": np.float32(0.5)}}, shardings)
+        for b in batches[:5]
+    ]
     results = []
     for spec in (None, {"rows": P("data"), "batch_state": P()}):
         with jax.set_mesh(mesh8):
@@ -320,7 +331,9 @@ _CHANGES = {
     "a variable moved to another layer": _move_between_layers,
     "an attribute added": lambda m, o: setattr(m, "extra", nnx.Param(jnp.zeros(2))),
     "a static setting changed": lambda m, o: setattr(m.hidden, "use_bias", False),
-    "a hyperparameter replaced": lambda m, o: o.opt_state.hyperparams.__setitem__("learning_rate", jnp.asarray(0.0)),
+    "a hyperparameter replaced": lambda m, o: o.opt_state.hyperparams.__setitem__(
+        "learning_rate", jnp.asarray(0.0)
+    ),
     "a list item replaced": _replace_in_list,
     "a list appended to": lambda m, o: m.layers.append(nnx.Linear(4, 4, rngs=nnx.Rngs(2))),
 }
@@ -368,7 +381,9 @@ def test_the_plain_call_follows_changes_to_the_model(mesh8: jax.sharding.Mesh, m
 
 
 @pytest.mark.parametrize("mode", substrax.MODES)
-def test_the_plain_call_donates_a_copy_of_what_someone_else_holds(mesh8: jax.sharding.Mesh, mode: str) -> None:
+def test_the_plain_call_donates_a_copy_of_what_someone_else_holds(
+    mesh8: jax.sharding.Mesh, mode: str
+) -> None:
     """An array the user kept is never deleted under them, and the step stays one program.
 
     Which program runs must not hang on who holds what: on several processes a save in
@@ -422,11 +437,17 @@ def test_the_first_call_compiles_the_program_every_later_call_runs(
     assert not optimizer.opt_state[0].mu["out"]["kernel"].get_value().is_deleted()
 
 
-PLACES = [*((m, p) for m in substrax.MODES for p in ("zero1", "fsdp")), ("implicit", "specs"), ("implicit", "eager")]
+PLACES = [
+    *((m, p) for m in substrax.MODES for p in ("zero1", "fsdp")),
+    ("implicit", "specs"),
+    ("implicit", "eager"),
+]
 
 
 @pytest.mark.parametrize(("mode", "place"), PLACES)  # explicit mode reads the layout shard_state records
-def test_placed_state_compiles_one_program_for_every_call(mesh8: jax.sharding.Mesh, mode: str, place: str) -> None:
+def test_placed_state_compiles_one_program_for_every_call(
+    mesh8: jax.sharding.Mesh, mode: str, place: str
+) -> None:
     """State placed by ``shard_state``, ``place_nnx_state_on_shards`` or flax's eager sharding
     with specs that end in ``None`` (``P("data", None)``) is stepped as the step writes its
     results (``P("data")``): the second call does not compile the step again (it did, the

@@ -621,5 +621,7 @@ def test_a_strategy_of_ones_own_is_combined() -> None:
 
 @pytest.mark.parametrize("module", ["substrax.mesh.strategies", "substrax.mesh._configs"])
 def test_the_docstring_examples_run(module: str) -> None:
-    failures, tried = doctest.testmod(importlib.import_module(module), optionflags=doctest.NORMALIZE_WHITESPACE)
+    failures, tried = doctest.testmod(
+        importlib.import_module(module), optionflags=doctest.NORMALIZE_WHITESPACE
+    )
     assert tried >= 2 and failures == 0

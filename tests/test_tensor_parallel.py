@@ -49,7 +49,10 @@ def loss_fn(model: Block, batch: dict) -> jax.Array:
 def _batches() -> list[dict]:
     rng = np.random.default_rng(0)
     return [
-        {"x": rng.normal(size=(ROWS, SEQ, D)).astype(np.float32), "y": rng.normal(size=(ROWS, SEQ)).astype(np.float32)}
+        {
+            "x": rng.normal(size=(ROWS, SEQ, D)).astype(np.float32),
+            "y": rng.normal(size=(ROWS, SEQ)).astype(np.float32),
+        }
         for _ in range(STEPS)
     ]
 
@@ -81,7 +84,9 @@ def reference() -> tuple[list[float], dict]:
     return losses, params_of(model)
 
 
-def _train(mode: str, shape: tuple[int, int], layout: str, **options: object) -> tuple[list[float], dict, Block, nnx.Optimizer, jax.sharding.Mesh]:
+def _train(
+    mode: str, shape: tuple[int, int], layout: str, **options: object
+) -> tuple[list[float], dict, Block, nnx.Optimizer, jax.sharding.Mesh]:
     mesh = create_device_mesh({"data": shape[0], "model": shape[1]})
     model, optimizer = _build()
     substrax.shard_state(model, optimizer, mesh=mesh, layout=layout, min_size=64)
@@ -98,7 +103,9 @@ def _assert_like(got: tuple[list[float], dict], want: tuple[list[float], dict]) 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"data{s[0]}xmodel{s[1]}")
 @pytest.mark.parametrize("mode", substrax.MODES)
-def test_fsdp_on_every_mesh_shape_trains_like_one_device(mode: str, shape: tuple[int, int], reference: tuple) -> None:
+def test_fsdp_on_every_mesh_shape_trains_like_one_device(
+    mode: str, shape: tuple[int, int], reference: tuple
+) -> None:
     losses, params, model, _, _ = _train(mode, shape, "fsdp")
     _assert_like((losses, params), reference)
     kernel = model.up.kernel.get_value()
@@ -108,7 +115,9 @@ def test_fsdp_on_every_mesh_shape_trains_like_one_device(mode: str, shape: tuple
 
 
 @pytest.mark.parametrize("mode", substrax.MODES)
-def test_the_same_model_on_a_mesh_without_model_axis_trains_like_one_device(mode: str, reference: tuple) -> None:
+def test_the_same_model_on_a_mesh_without_model_axis_trains_like_one_device(
+    mode: str, reference: tuple
+) -> None:
     """One model definition: on a data-only mesh shard_state places the layers' splits whole."""
     mesh = create_device_mesh({"data": 8})
     model, optimizer = _build()
@@ -166,11 +175,16 @@ def test_census_of_a_2d_step_matches_and_names_the_model_axis(mode: str) -> None
     if mode == "explicit":  # implicit: XLA may choose other collectives than the rule's
         assert check.matches, str(check)
         said = [(item, parts) for item, parts in check.matched if item.category == "model"]
-        assert sorted((i.what.split(" ")[0], i.phase, i.kind) for i, _ in said) == LAYER_COLLECTIVES, str(check)
+        assert sorted((i.what.split(" ")[0], i.phase, i.kind) for i, _ in said) == LAYER_COLLECTIVES, str(
+            check
+        )
         for item, parts in said:  # each expected from its layer, each matched to one compiled over model
             assert item.axes == ("model",) and item.buffer == f"f32[{ROWS // 4},{SEQ},{D}]", item
             assert [(p.row.axes, p.phase) for p in parts] == [(("model",), item.phase)], str(check)
-        assert sorted(p.buffer.shape for p in check.model if p.row.axes == ("model",)) == [(ROWS // 4, SEQ, D)] * 3
+        assert (
+            sorted(p.buffer.shape for p in check.model if p.row.axes == ("model",))
+            == [(ROWS // 4, SEQ, D)] * 3
+        )
         assert "model['down'] forward: the partial products, summed" in str(check)
     assert {row.axes for row in check.report.rows} >= {("data",), ("model",)}, str(check.report)
 
@@ -199,7 +213,9 @@ def test_census_catches_a_layer_that_does_not_say_what_it_writes(fault: str, mon
     if fault == "undeclared":  # the row layers psum without declaring it
         monkeypatch.setattr(_linear, "declare_forward", lambda *args, **kwargs: None)
     else:
-        monkeypatch.setattr(_linear, "declare_forward", lambda *a, **k: (declare(*a, **k), declare(*a, **k))[0])
+        monkeypatch.setattr(
+            _linear, "declare_forward", lambda *a, **k: (declare(*a, **k), declare(*a, **k))[0]
+        )
     mesh = create_device_mesh({"data": 4, "model": 2})
     model, optimizer = _build()
     substrax.shard_state(model, optimizer, mesh=mesh, layout="fsdp", min_size=64)

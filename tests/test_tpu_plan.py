@@ -71,7 +71,6 @@ def test_a_concrete_model_is_planned_on_a_tpu_mesh_by_its_shapes() -> None:
     assert isinstance(model.hidden.kernel.get_value(), jax.Array)  # the model itself left as it was
 
 
-
 def test_a_step_the_tpu_compiler_refuses_is_a_row_that_does_not_fit() -> None:
     """One v5e chip (16,909,336,064 B): 16,384 rows through a 262,144-wide hidden layer, 16 GiB a
     buffer, past its memory. Before: plan raised the compiler's RESOURCE_EXHAUSTED."""

@@ -64,7 +64,9 @@ def _in_layers(path: tuple, module: nnx.Module) -> bool:
 @pytest.mark.parametrize("microbatches", [1, 2])
 @pytest.mark.parametrize("reshard", [True, False])
 @pytest.mark.parametrize("mode", substrax.MODES)
-def test_units_train_like_one_device_and_the_census_counts_them(mode: str, reshard: bool, microbatches: int) -> None:
+def test_units_train_like_one_device_and_the_census_counts_them(
+    mode: str, reshard: bool, microbatches: int
+) -> None:
     batches = [_batch(16, seed=i) for i in range(2)]
     want = _one_device(batches)
     model, optimizer = _placed(3, 16, _in_layers, reshard)
@@ -87,7 +89,8 @@ def test_units_train_like_one_device_and_the_census_counts_them(mode: str, resha
         # the root unit (embed's kernel and bias, the head's kernel): one buffer each way, once
         root = [(i, parts) for i, parts in comparison.matched if i.what == "root unit"]
         assert sorted((i.kind, len(parts), i.in_loop) for i, parts in root) == [
-            ("all-gather", 1, False), ("reduce-scatter", 1, False)
+            ("all-gather", 1, False),
+            ("reduce-scatter", 1, False),
         ]
 
 
@@ -99,7 +102,9 @@ def test_a_units_reduce_scatter_is_written_for_its_platform() -> None:
     step = substrax.make_train_step(mse, "explicit", mesh=MESH)
     comparison = step.check_communication(model, optimizer, _batch(16))
     assert comparison.matches, str(comparison)
-    scatters = [(i, ps) for i, ps in comparison.matched if i.what.startswith("unit ") and i.kind == "reduce-scatter"]
+    scatters = [
+        (i, ps) for i, ps in comparison.matched if i.what.startswith("unit ") and i.kind == "reduce-scatter"
+    ]
     # a layer: a 16x16 kernel and 16 biases over 8 devices, 34 elements each
     assert len(scatters) == 3 and all(
         [str(p.buffer) for p in parts] == ["f32[8,34]"] and i.bytes == 8 * 34 * 4 for i, parts in scatters
@@ -115,7 +120,9 @@ def test_a_units_reduce_scatter_is_written_for_its_platform() -> None:
             with rows_for(platform):
                 return _scatter_rows(b[0], "data", "test")[None]
 
-        return jax.jit(jax.shard_map(per_device, mesh=MESH, in_specs=jax.P("data"), out_specs=jax.P("data")))(buffer)
+        return jax.jit(jax.shard_map(per_device, mesh=MESH, in_specs=jax.P("data"), out_specs=jax.P("data")))(
+            buffer
+        )
 
     np.testing.assert_array_equal(scattered("tpu"), np.asarray(buffer).sum(axis=0))
     np.testing.assert_array_equal(scattered("cpu"), np.asarray(buffer).sum(axis=0))
@@ -206,7 +213,9 @@ def _example() -> object:
 
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
 @pytest.mark.parametrize("mode", substrax.MODES)
-def test_the_example_transformer_with_its_blocks_as_units_trains_like_one_device(mode: str, scan: bool) -> None:
+def test_the_example_transformer_with_its_blocks_as_units_trains_like_one_device(
+    mode: str, scan: bool
+) -> None:
     _trains_like_one_device(mode, scan, prefetch=False)
 
 

@@ -96,7 +96,11 @@ def broadcast_prefix(
             return
         p_children, p_def = _one_level(p)
         if jax.tree_util.treedef_is_leaf(p_def) and p is not None:
-            hint = " Wrap a PartitionSpec as NamedSharding(mesh, spec)." if what == "sharding" and isinstance(p, PartitionSpec) else ""
+            hint = (
+                " Wrap a PartitionSpec as NamedSharding(mesh, spec)."
+                if what == "sharding" and isinstance(p, PartitionSpec)
+                else ""
+            )
             raise ValueError(f"The {what} tree holds {p!r} at {path_str(path)}, which is not a {what}.{hint}")
         t_children, t_def = _one_level(t)
         if p_def != t_def:

@@ -81,7 +81,9 @@ def warn_float64(
             )
 
 
-def batch_partition_specs(batch: PyTree, batch_spec: Any, mesh: Any, data_axis: str | tuple[str, ...]) -> PyTree:
+def batch_partition_specs(
+    batch: PyTree, batch_spec: Any, mesh: Any, data_axis: str | tuple[str, ...]
+) -> PyTree:
     """One PartitionSpec per leaf of ``batch``: how a step splits it over the mesh.
 
     Args:

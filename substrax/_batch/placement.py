@@ -12,8 +12,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from substrax._base.specs import check_fits, check_spec_axes
-from substrax._batch.leaves import batch_partition_specs, warn_float64
 from substrax._base.trees import KeyPath, PyTree, broadcast_prefix, is_array, path_str
+from substrax._batch.leaves import batch_partition_specs, warn_float64
 
 __all__ = [
     "batch_partition_specs",  # imported from here by the steps; it lives in _batch_specs
@@ -34,7 +34,9 @@ def row_axes(mesh: Any, data_axis: str = "data", replica_axis: str = "replica") 
     return data_axis
 
 
-def create_data_parallel_sharding(mesh: Mesh, data_axis: str = "data", replica_axis: str = "replica") -> NamedSharding:
+def create_data_parallel_sharding(
+    mesh: Mesh, data_axis: str = "data", replica_axis: str = "replica"
+) -> NamedSharding:
     """Create the sharding that splits a batch's leading axis over a mesh axis.
 
     Args:

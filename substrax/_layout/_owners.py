@@ -10,8 +10,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from substrax._layout._specs import spec_tuple, split_dim_of
 from substrax._base.trees import path_str
+from substrax._layout._specs import spec_tuple, split_dim_of
 
 __all__ = [
     "ParamSplit",

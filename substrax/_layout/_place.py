@@ -11,8 +11,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from substrax._base.specs import check_fits, check_spec_axes
-from substrax._layout._specs import trimmed
 from substrax._base.trees import is_array, path_str
+from substrax._layout._specs import trimmed
 
 __all__ = ["FilterSharding", "place_nnx_state_on_shards"]
 

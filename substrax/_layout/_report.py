@@ -12,14 +12,22 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from substrax._base.specs import spec_axes
+from substrax._base.trees import adopt_assigned_arrays, path_str
 from substrax._layout._owners import flat_state
 from substrax._layout._specs import spec_tuple, split_dim_of, without_axis
-from substrax._base.trees import adopt_assigned_arrays, path_str
 from substrax.mesh import current_mesh, current_mesh_with
 
 __all__ = [
-    "LAYOUTS", "REPLICA_AXIS", "REPLICA_KEY", "Layout", "LayoutKind", "LeafPlacement", "LeftWhole",
-    "check_replica_axis", "layout_of", "replica_axis_of",
+    "LAYOUTS",
+    "REPLICA_AXIS",
+    "REPLICA_KEY",
+    "Layout",
+    "LayoutKind",
+    "LeafPlacement",
+    "LeftWhole",
+    "check_replica_axis",
+    "layout_of",
+    "replica_axis_of",
 ]
 
 LayoutKind = Literal["replicated", "zero1", "fsdp", "hsdp"]

@@ -18,8 +18,18 @@ from substrax._base.hooks import recording_into
 from substrax._base.trees import KeyPath, node_at, path_str
 
 __all__ = [
-    "PREFETCH_KEY", "RESHARD_KEY", "UNIT_KEY", "UnitsSpec", "find_units", "mark_units", "matched_modules", "note_layers",
-    "prefetched_units", "recording_layers", "stacked_modules", "unit_paths",
+    "PREFETCH_KEY",
+    "RESHARD_KEY",
+    "UNIT_KEY",
+    "UnitsSpec",
+    "find_units",
+    "mark_units",
+    "matched_modules",
+    "note_layers",
+    "prefetched_units",
+    "recording_layers",
+    "stacked_modules",
+    "unit_paths",
 ]
 
 UNIT_KEY = "fsdp_unit"
@@ -89,8 +99,12 @@ def matched_modules(model: nnx.Module, spec: UnitsSpec, keyword: str) -> list[Ke
     for path, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Module) and match(tuple(path), node):
             if not path:
-                root = " Parameters outside every unit are gathered as the root unit already." * (keyword == "units")
-                raise ValueError(f"{keyword}= matched the model itself; name a submodule (a block, a layer).{root}")
+                root = " Parameters outside every unit are gathered as the root unit already." * (
+                    keyword == "units"
+                )
+                raise ValueError(
+                    f"{keyword}= matched the model itself; name a submodule (a block, a layer).{root}"
+                )
             found.append(tuple(path))
     if not found:
         raise ValueError(_matched_nothing(model, spec, keyword))
@@ -129,13 +143,18 @@ def stacked_modules(model: nnx.Module, units: list[KeyPath]) -> set[KeyPath]:
         owners.setdefault(tuple(path)[:-1], []).append(np.shape(variable.get_value()))
     candidates = {p: s for p, s in owners.items() if len(s) >= 2}
     for unit in units:
-        candidates[unit] = [np.shape(v.get_value()) for _, v in nnx.to_flat_state(nnx.state(node_at(model, unit), nnx.Param))]
+        candidates[unit] = [
+            np.shape(v.get_value()) for _, v in nnx.to_flat_state(nnx.state(node_at(model, unit), nnx.Param))
+        ]
     return {p for p, shapes in candidates.items()
             if shapes and all(len(s) >= 2 for s in shapes) and len({s[0] for s in shapes}) == 1}  # fmt: skip
 
 
 def mark_units(
-    model: nnx.Module, found: list[KeyPath], reshard_after_forward: bool, split: set[KeyPath],
+    model: nnx.Module,
+    found: list[KeyPath],
+    reshard_after_forward: bool,
+    split: set[KeyPath],
     prefetch: bool = False,
 ) -> None:
     """Write on each split parameter its unit (one of ``found``), or clear it outside every unit.
@@ -145,7 +164,9 @@ def mark_units(
     for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         owner = next((u for u in found if tuple(path)[: len(u)] == u), None) if tuple(path) in split else None
         if owner is not None:
-            variable.set_metadata(**{UNIT_KEY: owner, RESHARD_KEY: reshard_after_forward, PREFETCH_KEY: prefetch})
+            variable.set_metadata(
+                **{UNIT_KEY: owner, RESHARD_KEY: reshard_after_forward, PREFETCH_KEY: prefetch}
+            )
         elif variable.get_metadata().get(UNIT_KEY) is not None:
             variable.set_metadata(**{UNIT_KEY: None, RESHARD_KEY: None, PREFETCH_KEY: None})
 
@@ -169,7 +190,9 @@ def prefetched_units(model: nnx.Module) -> set[KeyPath]:
     }
 
 
-_LAYERS: contextvars.ContextVar[dict[KeyPath, int] | None] = contextvars.ContextVar("substrax_unit_layers", default=None)
+_LAYERS: contextvars.ContextVar[dict[KeyPath, int] | None] = contextvars.ContextVar(
+    "substrax_unit_layers", default=None
+)
 
 
 def recording_layers() -> contextlib.AbstractContextManager[dict[KeyPath, int]]:

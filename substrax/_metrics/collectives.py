@@ -10,8 +10,8 @@ import jax
 import numpy as np
 
 from substrax._base.specs import spec_axes
-from substrax._metrics.reductions import REDUCTION_OPS
 from substrax._base.trees import is_array, map_arrays
+from substrax._metrics.reductions import REDUCTION_OPS
 
 __all__ = [
     "all_gather",
@@ -44,7 +44,11 @@ def require_axis(axis_name: str | tuple[str, ...], where: str) -> None:
         jax.lax.axis_size(axis_name)
     except NameError:
         manual = tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) or ())
-        bound = f"the enclosing shard_map's axes are {manual}" if manual else "no shard_map or pmap encloses the call"
+        bound = (
+            f"the enclosing shard_map's axes are {manual}"
+            if manual
+            else "no shard_map or pmap encloses the call"
+        )
         raise ValueError(
             f"{where}: axis {axis_name!r} is not bound here ({bound}). Call it inside "
             f"jax.shard_map over a mesh with that axis, or pass axis_name= one of its axes."
@@ -151,7 +155,9 @@ def all_gather(metrics: T, axis_name: str = "batch", *, tiled: bool = False) -> 
     Raises:
       ValueError: If ``axis_name`` is not bound by an enclosing shard_map or pmap.
     """
-    return _collective(lambda x, axis: gather_invariant(x, axis, tiled=tiled), metrics, axis_name, "all_gather")
+    return _collective(
+        lambda x, axis: gather_invariant(x, axis, tiled=tiled), metrics, axis_name, "all_gather"
+    )
 
 
 def collect_from_devices(metrics: Mapping[str, V]) -> dict[str, list[jax.Array] | V]:
@@ -167,5 +173,7 @@ def collect_from_devices(metrics: Mapping[str, V]) -> dict[str, list[jax.Array] 
     collected: dict[str, list[jax.Array] | V] = {}
     for name, value in metrics.items():
         array: Any = value
-        collected[name] = [array[i] for i in range(array.shape[0])] if is_array(array) and np.ndim(array) else value
+        collected[name] = (
+            [array[i] for i in range(array.shape[0])] if is_array(array) and np.ndim(array) else value
+        )
     return collected

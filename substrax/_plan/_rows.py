@@ -14,16 +14,15 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from substrax._base import declared
 from substrax import _layout
+from substrax._base import declared
+from substrax._base.trees import PyTree
 from substrax._plan import _items, _memory, _pipeline
 from substrax._plan._table import Plan, PlanRow
 from substrax._shared.options import Mode
 from substrax._shared.pipeline_record import recording_pipeline
 from substrax._train.chooser import make_train_step
-from substrax._base.trees import PyTree
-from substrax.census import census
-from substrax.census import expected_step, program_platform
+from substrax.census import census, expected_step, program_platform
 from substrax.mesh import compile_only, device_memory
 
 __all__ = ["plan"]
@@ -127,8 +126,18 @@ def _candidates(model: nnx.Module, units: Iterable[Any]) -> list[Any]:
 
 
 def _row(
-    loss_fn: Any, model: Any, optimizer: Any, batch: Any, mesh: Mesh, mode: str, kind: str, unit: Any,
-    placement: Mapping[str, Any] | None, opts: dict[str, Any], *, memory: dict[str, _memory.Memory],
+    loss_fn: Any,
+    model: Any,
+    optimizer: Any,
+    batch: Any,
+    mesh: Mesh,
+    mode: str,
+    kind: str,
+    unit: Any,
+    placement: Mapping[str, Any] | None,
+    opts: dict[str, Any],
+    *,
+    memory: dict[str, _memory.Memory],
     compiled: bool = False,
 ) -> PlanRow:
     """One configuration's row; ``memory`` holds its explicit step's estimate once made."""
@@ -269,5 +278,3 @@ def _per_device(x: Any, rows: int) -> int:
             return math.prod(x.sharding.shard_shape(x.shape)) * itemsize
         return math.prod(x.shape) * itemsize // (rows if x.ndim else 1)
     return np.asarray(x).nbytes // (rows if np.ndim(x) else 1)
-
-

@@ -9,8 +9,8 @@ from typing import Any, Literal, NamedTuple
 from substrax._batch.placement import row_axes
 from substrax._metrics.reductions import METRIC_REDUCTIONS
 from substrax._shared.microbatch import check_microbatches
-from substrax._shared.schedule import check_schedule
 from substrax._shared.precision import MixedPrecision
+from substrax._shared.schedule import check_schedule
 from substrax._shared.skips import DEFAULT_MAX_SKIPS
 
 __all__ = ["MODES", "Mode", "ModeSteps", "StepOptions", "options_from"]

@@ -27,10 +27,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from substrax._layout import STAGE_AXIS, staged_stack
-from substrax._base.trees import KeyPath, PyTree, node_at, path_str
 from substrax._base import declared
 from substrax._base.hooks import STAGE_HOOK
+from substrax._base.trees import KeyPath, PyTree, node_at, path_str
+from substrax._layout import STAGE_AXIS, staged_stack
 from substrax._shared.schedule import check_stage_axis
 
 __all__ = [
@@ -75,6 +75,7 @@ def pipeline_of(options: Any, mesh: Any, model: nnx.Module) -> KeyPath | None:
             f"optimizer, mesh=mesh, stages=Block) (Block: the stacked layers' type) first."
         )
     return stack
+
 
 def _scan_stack(
     graphdef: Any, params: nnx.State, rest: nnx.State, x: Any, args: Any, kwargs: Any, remat: bool

@@ -47,7 +47,9 @@ class PipelineRun:
     aux: tuple[tuple[tuple[int, ...], np.dtype[Any]], ...] = ()
 
 
-_RECORD: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("substrax_pipeline", default=None)
+_RECORD: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
+    "substrax_pipeline", default=None
+)
 
 
 @contextlib.contextmanager

@@ -80,4 +80,3 @@ class SkipWatch:
                 SkippedStepWarning,
                 stacklevel=4,
             )
-

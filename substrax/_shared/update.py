@@ -17,9 +17,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from substrax._layout import optional_axes, spec_tuple, without_axes
 from substrax._base import scopes
 from substrax._base.trees import path_str
+from substrax._layout import optional_axes, spec_tuple, without_axes
 
 __all__ = ["all_finite", "apply_update", "donated_state", "pin_layout", "state_values", "update_step"]
 
@@ -159,7 +159,9 @@ def donated_state(donated: bool) -> Iterator[None]:
         _DONATED.reset(token)
 
 
-def _update_in_place(model: nnx.Module, optimizer: nnx.Optimizer[Any], grads: nnx.State, finite: jax.Array) -> None:
+def _update_in_place(
+    model: nnx.Module, optimizer: nnx.Optimizer[Any], grads: nnx.State, finite: jax.Array
+) -> None:
     """``optimizer.update(model, grads)`` where ``finite``, else nothing: the guarded update of a
     donated step.
 

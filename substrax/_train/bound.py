@@ -8,10 +8,10 @@ from typing import Any, Protocol, Self
 import jax
 from flax import nnx
 
+from substrax._base.trees import PyTree
 from substrax._shared.options import StepOptions
 from substrax._shared.skips import SkipWatch
 from substrax._train.split import SplitState
-from substrax._base.trees import PyTree
 from substrax.census import Comparison
 
 __all__ = ["BoundTrainStep"]

@@ -11,25 +11,22 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from substrax import _layout, explicit, spmd
 from substrax._base import declared
-from substrax import _layout
-from substrax._shared.schedule import check_stage_axis
-from substrax._shared.pipeline_record import recording_pipeline
-from substrax._batch.leaves import check_batch_leaves
+from substrax._base.trees import PyTree, path_str
+from substrax._batch.leaves import BatchSpec, check_batch_leaves
 from substrax._batch.placement import place_process_rows
-from substrax._shared.options import MODES, Mode, StepOptions, options_from
+from substrax._shared.compiler import compiler_options
+from substrax._shared.options import MODES, Mode, ModeSteps, StepOptions, options_from
+from substrax._shared.pipeline_record import recording_pipeline
 from substrax._shared.precision import MixedPrecision
 from substrax._shared.scatter import rows_for
+from substrax._shared.schedule import check_stage_axis
 from substrax._shared.skips import DEFAULT_MAX_SKIPS, SkipWatch
 from substrax._shared.update import donated_state
 from substrax._train.bound import BoundTrainStep
 from substrax._train.pinned import pinned_jit
 from substrax._train.split import SplitState, uncommitted_as_replicated
-from substrax._base.trees import PyTree, path_str
-from substrax import explicit, spmd
-from substrax._batch.leaves import BatchSpec
-from substrax._shared.compiler import compiler_options
-from substrax._shared.options import ModeSteps
 from substrax.census import Comparison, check_communication
 from substrax.mesh import current_mesh, current_mesh_with
 
@@ -309,10 +306,20 @@ class TrainStep:
         See the census guide and ``substrax.compare``.
         """
         # what the layers declare they communicate, and which units ran one layer at a time
-        with declared.recording() as layers, _layout.recording_layers() as layered, recording_pipeline() as piped:
+        with (
+            declared.recording() as layers,
+            _layout.recording_layers() as layered,
+            recording_pipeline() as piped,
+        ):
             lowered = self.lower(model, optimizer, batch)  # as it runs: donated
         return check_communication(
-            lowered, model, optimizer, self.options, layers=layers, layered=layered, pipeline=piped[0] if piped else None
+            lowered,
+            model,
+            optimizer,
+            self.options,
+            layers=layers,
+            layered=layered,
+            pipeline=piped[0] if piped else None,
         )
 
     def census(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree) -> Comparison:

@@ -25,8 +25,10 @@ __all__ = ["PinnedLowered", "PinnedTraced", "pinned_jit", "refused"]
 def refused(error: BaseException) -> bool:
     """Whether ``error`` is the TPU compiler refusing a reduce-scatter it would have decomposed."""
     text = str(error)
-    return isinstance(error, jax.errors.JaxRuntimeError) and "UNIMPLEMENTED" in text and bool(
-        re.search(r"reduce.?scatter", text, re.IGNORECASE)
+    return (
+        isinstance(error, jax.errors.JaxRuntimeError)
+        and "UNIMPLEMENTED" in text
+        and bool(re.search(r"reduce.?scatter", text, re.IGNORECASE))
     )
 
 

@@ -23,6 +23,7 @@ from substrax._base.trees import adopt_assigned_arrays
 
 __all__ = ["SplitState"]
 
+
 def _mapping_of(node: Any) -> Any:
     """What holds ``node``'s children: a module's ``__dict__``, a state's ``raw_mapping`` (its
     items are views made afresh; the mapping under them is not), a dict or a list itself."""
@@ -41,7 +42,9 @@ def _items(node: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
     return tuple(held), tuple(held.values())
 
 
-def _same(now: tuple[tuple[Any, ...], tuple[Any, ...]], saved: tuple[tuple[Any, ...], tuple[Any, ...]]) -> bool:
+def _same(
+    now: tuple[tuple[Any, ...], tuple[Any, ...]], saved: tuple[tuple[Any, ...], tuple[Any, ...]]
+) -> bool:
     """The same keys, each holding the same object (a module's own ``_pytree__state`` aside)."""
     if now[0] != saved[0]:
         return False
@@ -91,7 +94,9 @@ class _Flat:
         lengths, keys, values = self.read()
         saved_lengths, saved_keys, saved_values = self.saved
         # equal lengths: as many values as saved; str keys compare by identity first
-        return lengths == saved_lengths and keys == saved_keys and all(map(operator.is_, values, saved_values))
+        return (
+            lengths == saved_lengths and keys == saved_keys and all(map(operator.is_, values, saved_values))
+        )
 
 
 class SplitState:
@@ -104,7 +109,9 @@ class SplitState:
       donate: Whether ``jitted`` (the step a ``bind`` runs) donates the arrays.
     """
 
-    def __init__(self, model: nnx.Module, optimizer: nnx.Optimizer, make_jitted: Any, donate: bool = False) -> None:
+    def __init__(
+        self, model: nnx.Module, optimizer: nnx.Optimizer, make_jitted: Any, donate: bool = False
+    ) -> None:
         adopt_assigned_arrays(optimizer)
         graphdef, state = nnx.split((model, optimizer))
         is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731

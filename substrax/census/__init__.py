@@ -10,11 +10,11 @@ from typing import Any
 
 from substrax.census._expected import SOURCES, Expected, ExpectedCollective, expected_communication
 from substrax.census._hlo import KINDS, Operand
-from substrax.census._report import CensusReport, Comparison, KindTotal, census, compare
-from substrax.census._rows import Collective, Part, library_scope, phase_of
 
 # the library's other packages' (the mode chooser, the plan), not in __all__
 from substrax.census._platform import program_platform
+from substrax.census._report import CensusReport, Comparison, KindTotal, census, compare
+from substrax.census._rows import Collective, Part, library_scope, phase_of
 from substrax.census._step import check_communication, expected_step
 
 __all__ = [

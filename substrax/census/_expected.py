@@ -187,7 +187,13 @@ def expected_communication(
     items: list[ExpectedCollective] = []
     for path, shape, dtype, split in leaves:
         for kind in _leaf_kinds(layout, split):
-            source = "gradients" if kind in REDUCTIONS else "parameters" if layout in ("fsdp", "hsdp") else "update"
+            source = (
+                "gradients"
+                if kind in REDUCTIONS
+                else "parameters"
+                if layout in ("fsdp", "hsdp")
+                else "update"
+            )
             if source == "update" and update is not None:
                 continue
             moved = dtype

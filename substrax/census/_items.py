@@ -11,7 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from substrax._base import scopes
+from substrax._base.declared import Declared
 from substrax._base.specs import spec_axes
+from substrax._base.trees import KeyPath, path_str
 from substrax._layout import (
     UNIT_KEY,
     parameter_splits,
@@ -21,12 +24,9 @@ from substrax._layout import (
     unit_paths,
     without_axis,
 )
-from substrax._base import scopes
-from substrax._shared.scatter import block_shape, on_tpu
 from substrax._shared.options import StepOptions
-from substrax._base.trees import KeyPath, path_str
+from substrax._shared.scatter import block_shape, on_tpu
 from substrax.census._expected import ExpectedCollective, _hlo_type, _itemsize
-from substrax._base.declared import Declared
 
 __all__ = [
     "batch_stat_items",
@@ -153,7 +153,12 @@ def _moved(
             for kind, want in (("gather", None if precision is None else precision.param_dtype),
                                ("reduce", None if precision is None else precision.reduce_dtype)):  # fmt: skip
                 floating = jnp.issubdtype(np.dtype(dtype), jnp.floating)
-                key = (owner[path], kind, np.dtype(want if want is not None and floating else dtype).name, others[path])
+                key = (
+                    owner[path],
+                    kind,
+                    np.dtype(want if want is not None and floating else dtype).name,
+                    others[path],
+                )
                 moved[key] = moved.get(key, 0) + math.prod(shape)
     return moved
 
@@ -224,7 +229,9 @@ def tiled_scatters(
     return out
 
 
-def _prefetched_items(name: str, kind: str, layer: int, layers: int, k: int, buffer: str) -> list[ExpectedCollective]:
+def _prefetched_items(
+    name: str, kind: str, layer: int, layers: int, k: int, buffer: str
+) -> list[ExpectedCollective]:
     """A prefetched stack's buffers (``substrax.explicit._prefetch``): per pass, the first
     layer's gather before the loop and the other layers' inside it; each layer's gradient
     reduce-scattered inside the backward loop, layer 0's after it. ``layer``: one layer's bytes."""
@@ -272,7 +279,10 @@ def cross_replica_items(
 
 
 def layer_items(
-    layers: Sequence[Declared], microbatches: int, sizes: dict[str, int] | None = None, recomputed: bool = False
+    layers: Sequence[Declared],
+    microbatches: int,
+    sizes: dict[str, int] | None = None,
+    recomputed: bool = False,
 ) -> list[ExpectedCollective]:
     """One expected buffer per collective a layer declared (``substrax.nn.declare_forward``, ...).
 
@@ -291,7 +301,10 @@ def layer_items(
             f"{i.layer} {i.phase}: {i.why}",
             i.bytes,
             "model",
-            scopes=(None, scopes.TENSOR_PARALLEL),  # substrax.nn's own scope, or none (a layer of yours; AD's transposes)
+            scopes=(
+                None,
+                scopes.TENSOR_PARALLEL,
+            ),  # substrax.nn's own scope, or none (a layer of yours; AD's transposes)
             buffer=i.buffer,
             phase=i.phase,
             axes=() if (sizes or {}).get(i.axis) == 1 else (i.axis,),

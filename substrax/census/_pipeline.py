@@ -19,11 +19,11 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from substrax._base.specs import spec_axes
-from substrax._layout import STAGE_AXIS, STAGE_KEY, spec_tuple, without_axis
 from substrax._base import scopes
-from substrax._shared.pipeline_record import PipelineRun
+from substrax._base.specs import spec_axes
 from substrax._base.trees import path_str
+from substrax._layout import STAGE_AXIS, STAGE_KEY, spec_tuple, without_axis
+from substrax._shared.pipeline_record import PipelineRun
 from substrax.census._expected import ExpectedCollective, _hlo_type
 
 __all__ = ["outside_leaves", "permute_items", "pipeline_items", "pipeline_note", "stage_unit_items"]
@@ -33,7 +33,9 @@ _DEAD = (
     "XLA drops a loop's cotangent that no gradient reads: that of an argument the parameters do not "
     "reach (a mask computed by a comparison)"
 )
-_IMPLICIT = "implicit mode: XLA places an argument that travels with the carry (it may stay whole on every stage)"
+_IMPLICIT = (
+    "implicit mode: XLA places an argument that travels with the carry (it may stay whole on every stage)"
+)
 _LAST = "the cool-down's last tick sends a cotangent nothing reads: XLA drops a one-tick loop's"
 
 
@@ -54,8 +56,15 @@ def _loops(run: PipelineRun) -> list[tuple[str, int, bool, bool]]:
     """``(name, iterations, forward, backward)`` per loop of the schedule: GPipe's forward ticks
     and their transpose; 1F1B's warm-up (forward slots), steady state (both), cool-down (backward)."""
     if run.schedule == "gpipe":
-        return [("GPipe's forward loop", run.ticks, True, False), ("GPipe's backward loop", run.ticks, False, True)]
-    names = {(True, False): "1F1B's warm-up", (True, True): "1F1B's steady state", (False, True): "1F1B's cool-down"}
+        return [
+            ("GPipe's forward loop", run.ticks, True, False),
+            ("GPipe's backward loop", run.ticks, False, True),
+        ]
+    names = {
+        (True, False): "1F1B's warm-up",
+        (True, True): "1F1B's steady state",
+        (False, True): "1F1B's cool-down",
+    }
     return [(names[f, b], stop - start, f, b) for start, stop, f, b in run.phases]
 
 
@@ -98,7 +107,10 @@ def permute_items(run: PipelineRun, implicit: bool = False) -> list[ExpectedColl
     floating = [a for a in run.carry if np.issubdtype(a[1], np.inexact)]
     gpipe = run.schedule == "gpipe"
     for loop, ticks, forward, backward in _loops(run):
-        for name, leaves, shift, on in (("carry", run.carry, 1, forward), ("cotangent", floating, -1, backward)):
+        for name, leaves, shift, on in (
+            ("carry", run.carry, 1, forward),
+            ("cotangent", floating, -1, backward),
+        ):
             phase = ("forward" if shift == 1 else "backward") if gpipe else None
             to = "next" if shift == 1 else "previous"
             for i, aval in enumerate(leaves if on else ()):
@@ -117,7 +129,9 @@ def permute_items(run: PipelineRun, implicit: bool = False) -> list[ExpectedColl
     return items
 
 
-def outside_leaves(model: nnx.Module, data_axes: tuple[str, ...], sizes: dict[str, int]) -> list[tuple[str, _Aval]]:
+def outside_leaves(
+    model: nnx.Module, data_axes: tuple[str, ...], sizes: dict[str, int]
+) -> list[tuple[str, _Aval]]:
     """Each parameter outside the staged stack: its path and gradient on one device, whole over
     ``data_axes`` (split over any other axis, as its layer places it)."""
     out = []
@@ -154,8 +168,14 @@ def pipeline_items(
     common = dict(scopes=(scopes.PIPELINE,), axes=(STAGE_AXIS,))
     for path, aval in outside_leaves(model, data_axes, sizes):
         items.append(
-            ExpectedCollective("all-reduce", f"pipeline: {path}'s gradient, over stages", _bytes(aval), "pipeline",
-                               buffer=_buffer(aval), **common)  # fmt: skip
+            ExpectedCollective(
+                "all-reduce",
+                f"pipeline: {path}'s gradient, over stages",
+                _bytes(aval),
+                "pipeline",
+                buffer=_buffer(aval),
+                **common,
+            )  # fmt: skip
         )
     for i, aval in enumerate(run.aux):
         items.append(
@@ -165,7 +185,9 @@ def pipeline_items(
             )
         )  # fmt: skip
     if math.prod(sizes.get(a, 1) for a in data_axes) == 1:  # else one sum over data and stage: the loss's
-        items.append(ExpectedCollective("all-reduce", "loss", 4, "loss", scopes=(scopes.LOSS,), axes=(STAGE_AXIS,)))
+        items.append(
+            ExpectedCollective("all-reduce", "loss", 4, "loss", scopes=(scopes.LOSS,), axes=(STAGE_AXIS,))
+        )
     return items
 
 

@@ -262,7 +262,10 @@ def _format_comparison(comparison: Comparison) -> str:
             cells.append((source, key, f"{want:,}", f"{optional:,}" if optional else "", f"{got:,}"))
     lines = [str(comparison.report), head, *table(cells, right={2, 3, 4})]
     declared = {  # a model buffer a layer declared: named by its layer and phase
-        id(p): f"{i.what}: " for i, parts in comparison.matched if i.category == "model" and i.phase for p in parts
+        id(p): f"{i.what}: "
+        for i, parts in comparison.matched
+        if i.category == "model" and i.phase
+        for p in parts
     }
     lines += [f"  model: {declared.get(id(p), '')}{p}" for p in comparison.model]
     lines += [f"  difference: {d}" for d in comparison.differences]

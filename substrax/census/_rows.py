@@ -200,7 +200,9 @@ def collectives(module: _hlo.Module, mesh: tuple[tuple[str, int], ...] | None) -
         return rows
     # one slice's program: its send/recv pairs carry what crosses the slices (measured, libtpu 0.0.52)
     cross = ("send", "recv")
-    return tuple(dataclasses.replace(r, axes=across) if r.kind in cross and r.axes is None else r for r in rows)
+    return tuple(
+        dataclasses.replace(r, axes=across) if r.kind in cross and r.axes is None else r for r in rows
+    )
 
 
 def _slices(

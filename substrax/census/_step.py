@@ -323,7 +323,11 @@ def _optional_reductions(
 
 
 def _pipeline_expected(
-    pipeline: PipelineRun | None, model: nnx.Module, options: StepOptions, sizes: dict[str, int], loss_bytes: int
+    pipeline: PipelineRun | None,
+    model: nnx.Module,
+    options: StepOptions,
+    sizes: dict[str, int],
+    loss_bytes: int,
 ) -> tuple[list[ExpectedCollective], tuple[str, ...]]:
     """A pipelined step's own communication over ``stage`` (``census._pipeline``) and a note on its
     schedule; nothing without one."""

@@ -6,13 +6,12 @@
 """
 
 from substrax._batch.leaves import batch_partition_specs
+from substrax._shared.compiler import compiler_options
 from substrax.explicit._grad import data_parallel_value_and_grad, varying_axes
 from substrax.explicit._metrics import reduce_metrics_collective
-from substrax._shared.compiler import compiler_options
-from substrax.explicit._step import explicit_train_step, explicit_value_and_grad
 
 # the library's other packages' (the mode chooser, compare_gradients), not in __all__
-from substrax.explicit._step import STEPS
+from substrax.explicit._step import STEPS, explicit_train_step, explicit_value_and_grad
 
 __all__ = [
     "batch_partition_specs",

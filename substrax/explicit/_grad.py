@@ -14,9 +14,9 @@ from typing import Any
 import jax
 from flax import nnx
 
+from substrax._base import scopes
 from substrax._base.specs import spec_axes
 from substrax._metrics.collectives import require_axis, varying_axes
-from substrax._base import scopes
 from substrax._shared.loss import loss_and_metrics
 
 __all__ = ["data_parallel_value_and_grad", "varying_axes"]

@@ -5,11 +5,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from substrax._base.trees import is_array
 from substrax._metrics.collectives import all_gather, reduce_collective
 from substrax._metrics.reductions import METRIC_REDUCTIONS, REDUCTION_OPS, check_reduce_fn
-from substrax._base.trees import is_array
 
 __all__ = ["reduce_metrics_collective", "reduce_metrics_on_one_device"]
+
 
 def reduce_metrics_collective(
     metrics: Mapping[str, Any],

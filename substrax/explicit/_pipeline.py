@@ -22,15 +22,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from substrax._base import declared, scopes
 from substrax._base.specs import spec_axes
+from substrax._base.trees import KeyPath, PyTree
 from substrax._metrics.collectives import to_varying_over, varying_axes
-from substrax._base import scopes
 from substrax._shared.microbatch import split_microbatches
 from substrax._shared.pipeline import Staged, floats_of, put, take, with_floats
-from substrax._shared.schedule import Schedule
 from substrax._shared.pipeline_record import note_pipeline
-from substrax._base.trees import KeyPath, PyTree
-from substrax._base import declared
+from substrax._shared.schedule import Schedule
 from substrax.explicit._prologue import Share
 
 __all__ = ["pipelined_value_and_grad"]

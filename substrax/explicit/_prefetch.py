@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
 from substrax._base import declared
-from substrax._metrics.collectives import zeros_of_type
 from substrax._base.trees import merged, picked
+from substrax._metrics.collectives import zeros_of_type
 
 __all__ = ["prefetched_layers"]
 
@@ -75,7 +75,9 @@ class _Prefetched:
         self.apply, self.gather, self.scatter, self.last = apply, gather, scatter, last
         self.layout: dict[str, Any] = {}  # a trace's static facts: what is perturbed, the output's type
 
-    def forward_loop(self, shards: list[Any], others: list[Any], x: Any, arrays: list[Any]) -> tuple[Any, Any]:
+    def forward_loop(
+        self, shards: list[Any], others: list[Any], x: Any, arrays: list[Any]
+    ) -> tuple[Any, Any]:
         """``(y, the stacked input of each layer)``."""
         apply, gather, last = self.apply, self.gather, self.last
         w = gather(_take(shards, 0), x)

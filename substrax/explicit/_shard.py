@@ -38,7 +38,6 @@ __all__ = [
 ]
 
 
-
 def check_layers_take_blocks(model: nnx.Module, data_axis: str) -> None:
     """Refuse a flax layer whose parameter is split over a mesh axis other than ``data_axis``.
 
@@ -57,7 +56,12 @@ def check_layers_take_blocks(model: nnx.Module, data_axis: str) -> None:
                 continue
             spec = spec_tuple(variable) or ()
             # (the pipeline's split of a stack's layer axis: nnx.scan hands each layer whole arrays)
-            others = [a for d, e in enumerate(spec) for a in spec_axes(e) if a != data_axis and (d, a) != (0, STAGE_AXIS)]
+            others = [
+                a
+                for d, e in enumerate(spec)
+                for a in spec_axes(e)
+                if a != data_axis and (d, a) != (0, STAGE_AXIS)
+            ]
             if others:
                 raise ValueError(
                     f"{path_str((*path, name), 'model')} is sharded as {PartitionSpec(*spec)}, over mesh "
@@ -194,7 +198,10 @@ def reduce_gradients(
         with jax.named_scope(scopes.GRAD_REDUCE):
             for i in split:
                 out[i] = jax.lax.psum_scatter(
-                    flat[i][1].get_value(), data_axis, scatter_dimension=plans[flat[i][0]].update_dim, tiled=True
+                    flat[i][1].get_value(),
+                    data_axis,
+                    scatter_dimension=plans[flat[i][0]].update_dim,
+                    tiled=True,
                 )
     sliced = sorted({*split, *(i for i, (p, _) in enumerate(flat) if p in done)})
     if replicas and sliced:  # across replicas, once, at the slices' size
@@ -241,7 +248,9 @@ def settle_per_device_state(state: nnx.State, specs: Any, data_axis: str | tuple
         value = variable.get_value()
         axes = varying_axes(value)
         over = tuple(a for a in spec_axes(data_axis) if axes is not None and a in axes)
-        if not over or any(e is not None for e in (spec.get_value() if isinstance(spec, nnx.Variable) else spec)):
+        if not over or any(
+            e is not None for e in (spec.get_value() if isinstance(spec, nnx.Variable) else spec)
+        ):
             return variable
         if isinstance(variable, nnx.BatchStat) and jnp.issubdtype(value.dtype, jnp.inexact):
             with jax.named_scope(scopes.BATCH_STATS):
@@ -257,7 +266,9 @@ def settle_per_device_state(state: nnx.State, specs: Any, data_axis: str | tuple
     return jax.tree.map_with_path(settle, state, specs, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def varying_carry(body: Callable[..., Any], carry: Any, piece: PyTree, data_axis: str | tuple[str, ...]) -> Any:
+def varying_carry(
+    body: Callable[..., Any], carry: Any, piece: PyTree, data_axis: str | tuple[str, ...]
+) -> Any:
     """``carry`` with every leaf that ``body`` returns varying over ``data_axis`` cast to varying.
 
     ``lax.scan`` needs a carry of one type in and out; a BatchNorm without

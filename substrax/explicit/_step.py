@@ -19,16 +19,16 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from substrax._base.specs import spec_axes
-from substrax._layout import STAGE_AXIS, UNIT_KEY, ParamSplit, gradient_spec, prefetched_units, unit_paths
 from substrax._base import scopes
+from substrax._base.specs import spec_axes
+from substrax._base.trees import KeyPath, PyTree
+from substrax._layout import STAGE_AXIS, UNIT_KEY, ParamSplit, gradient_spec, prefetched_units, unit_paths
 from substrax._shared.microbatch import fold_microbatch_metrics
 from substrax._shared.options import ModeSteps, StepOptions, options_from
 from substrax._shared.pipeline import pipeline_of
 from substrax._shared.precision import MixedPrecision
 from substrax._shared.scatter import platform_of, rows_for
 from substrax._shared.update import update_step
-from substrax._base.trees import KeyPath, PyTree
 from substrax.explicit._metrics import reduce_metrics_collective, reduce_metrics_on_one_device
 from substrax.explicit._pipeline import pipelined_value_and_grad
 from substrax.explicit._prologue import Prologue, Share, open_step
@@ -188,7 +188,9 @@ def sharded_value_and_grad(
 run_step = functools.partial(update_step, sharded_value_and_grad)
 
 
-def _gradients(model: nnx.Module, loss_fn: Callable[..., Any], batch: PyTree, options: StepOptions) -> nnx.State:
+def _gradients(
+    model: nnx.Module, loss_fn: Callable[..., Any], batch: PyTree, options: StepOptions
+) -> nnx.State:
     return sharded_value_and_grad(model, None, loss_fn, batch, options)[2]
 
 
@@ -274,7 +276,13 @@ def _grads_over_devices(step: DeviceStep, model: nnx.Module, shard: PyTree) -> t
         model, step.gather_plans, data_axis, param_dtype, units, rows=p.rows
     )
     running = units_running(
-        model, step.units, data_axis, p.plans, step.in_unit, param_dtype, reduce_dtype,
+        model,
+        step.units,
+        data_axis,
+        p.plans,
+        step.in_unit,
+        param_dtype,
+        reduce_dtype,
         prefetched_units(model),
     )
     with per_device_random_streams(model, p.rows), running:

@@ -15,18 +15,15 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.custom_derivatives import SymbolicZero
 
-from substrax._base import declared
-from substrax._layout import note_layers
-from substrax._metrics.collectives import varying_axes, zeros_of_type
-from substrax._base import scopes
+from substrax._base import declared, scopes
 from substrax._base.hooks import UNIT_HOOK
 from substrax._base.trees import KeyPath, merged, node_at, path_str, picked
+from substrax._layout import note_layers
+from substrax._metrics.collectives import varying_axes, zeros_of_type
 from substrax._shared.scatter import block_shape, tiled
 from substrax.explicit._prefetch import prefetched_layers
 
 __all__ = ["gather_grouped", "run_unit", "scatter_grouped", "units_running", "varying_other"]
-
-
 
 
 _WRAPPED: dict[type, type] = {}
@@ -86,7 +83,9 @@ class _UnitRun:
             return xs
         return [x.astype(self.param_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in xs]
 
-    def scan(self, module: nnx.Module, x: jax.Array, args: tuple[Any, ...], kwargs: dict[str, Any]) -> jax.Array:
+    def scan(
+        self, module: nnx.Module, x: jax.Array, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> jax.Array:
         """``substrax.nn.scan_layers(module, x, *args, **kwargs)`` with ``prefetch``: layer i+1
         gathered while layer i runs (``substrax.explicit._prefetch``)."""
         graphdef, state = nnx.split(module)
@@ -106,7 +105,9 @@ class _UnitRun:
         split_at = [i for i, (p, _) in enumerate(flat) if self.dims.get(tuple(p)) is not None]
         other_at = [i for i in range(len(flat)) if i not in set(split_at)]
         shards = [flat[i][1].get_value() for i in split_at]
-        dims = [self.dim_of(tuple(flat[i][0]), tuple(s.shape[1:])) for i, s in zip(split_at, shards, strict=True)]
+        dims = [
+            self.dim_of(tuple(flat[i][0]), tuple(s.shape[1:])) for i, s in zip(split_at, shards, strict=True)
+        ]
         shapes = [tuple(s.shape[1:]) for s in shards]
         types = [varying_other(s, self.axis) for s in shards]
         in_arrays, rebuild = _array_args(args, kwargs)
@@ -250,7 +251,9 @@ def _merged_module(graphdef: Any, flat: list[Any], split_at: list[int], wholes: 
     values: list[Any] = [None] * len(flat)
     for i, value in [*zip(split_at, wholes, strict=True), *zip(other_at, others, strict=True)]:
         values[i] = value
-    return nnx.merge(graphdef, nnx.from_flat_state([(p, v.replace(x)) for (p, v), x in zip(flat, values, strict=True)]))
+    return nnx.merge(
+        graphdef, nnx.from_flat_state([(p, v.replace(x)) for (p, v), x in zip(flat, values, strict=True)])
+    )
 
 
 def _retraced(traced: list[Any]) -> int:
@@ -302,11 +305,15 @@ class _UnitCall:
         self.graphdef, state = nnx.split(module)
         self.flat = flat = list(nnx.to_flat_state(state))
         self.split_at = split_at = [
-            i for i, (p, v) in enumerate(flat) if isinstance(v, nnx.Param) and run.dims.get(tuple(p)) is not None
+            i
+            for i, (p, v) in enumerate(flat)
+            if isinstance(v, nnx.Param) and run.dims.get(tuple(p)) is not None
         ]
         self.other_at = [i for i in range(len(flat)) if i not in set(split_at)]
         self.shards = shards = [flat[i][1].get_value() for i in split_at]
-        self.dims = [run.dim_of(tuple(flat[i][0]), tuple(s.shape)) for i, s in zip(split_at, shards, strict=True)]
+        self.dims = [
+            run.dim_of(tuple(flat[i][0]), tuple(s.shape)) for i, s in zip(split_at, shards, strict=True)
+        ]
         self.shapes = [tuple(s.shape) for s in shards]
         self.shard_dtypes = [s.dtype for s in shards]
         self.shard_types = [varying_other(s, run.axis) for s in shards]

@@ -10,22 +10,21 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from substrax._base import declared
+from substrax._base import declared, scopes
+from substrax._base.trees import PyTree
 from substrax._batch.leaves import BatchSpec
 from substrax._layout import REPLICA_AXIS, ParamSplit, gradient_spec
-from substrax._base import scopes
 from substrax._shared.loss import loss_and_metrics
 from substrax._shared.microbatch import microbatched, split_microbatches
 from substrax._shared.precision import MixedPrecision
-from substrax._base.trees import PyTree
 from substrax.explicit._grad import data_parallel_value_and_grad
+from substrax.explicit._prologue import Share, open_step
 from substrax.explicit._shard import (
     cast_like,
     gather_whole_varying,
     reduce_gradients,
     varying_carry,
 )
-from substrax.explicit._prologue import Share, open_step
 
 __all__ = ["BatchSpec", "explicit_value_and_grad", "local_value_and_grad", "with_aux"]
 

@@ -10,9 +10,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from substrax._base.trees import PyTree, map_arrays
 from substrax._batch.leaves import BatchSpec
 from substrax._shared.precision import MixedPrecision
-from substrax._base.trees import PyTree, map_arrays
 from substrax.gradcheck._diagnosis import scale_and_diagnosis
 from substrax.gradcheck._gradients import data_parallel_gradients, pipelined_gradients, reference_gradient
 from substrax.gradcheck._layers import layer_axis_names, per_shard_statistics, per_shard_statistics_text

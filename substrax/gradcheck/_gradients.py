@@ -10,12 +10,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from substrax import explicit, spmd
+from substrax._base.trees import PyTree, broadcast_prefix, map_arrays
 from substrax._batch.leaves import BatchSpec
 from substrax._batch.placement import place_batch_on_shards
 from substrax._shared.options import StepOptions
 from substrax._shared.precision import MixedPrecision
-from substrax._base.trees import PyTree, broadcast_prefix, map_arrays
-from substrax import explicit, spmd
 
 
 def _rng_counts(state: nnx.State) -> dict[str, int]:

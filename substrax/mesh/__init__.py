@@ -5,6 +5,7 @@ meshes here default to ``AxisType.Auto`` axes, not ``jax.make_mesh``'s ``Explici
 see the batches guide, "Meshes with Auto axes".
 """
 
+from substrax.mesh import strategies
 from substrax.mesh._gpu import device_memory
 from substrax.mesh._meshes import (
     DeviceMeshManager,
@@ -25,7 +26,6 @@ from substrax.mesh._rules import (
     fsdp_rules,
     partition_spec_for_names,
 )
-from substrax.mesh import strategies
 from substrax.mesh._topology import compile_only, topology_mesh
 from substrax.mesh.strategies import (
     DataParallelStrategy,

@@ -16,6 +16,7 @@ from substrax.mesh._meshes import create_device_mesh
 
 __all__ = ["ParallelismConfig", "ShardingConfig"]
 
+
 def _size(value: object, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{what} must be an int; got {value!r} ({type(value).__name__}).")

@@ -134,7 +134,9 @@ def device_memory(mesh: Any) -> int | None:
     except (RuntimeError, NotImplementedError, AttributeError):  # compile-only devices have none
         stats = {}
     limit = stats.get("bytes_limit") or (
-        TPU_BYTES.get(getattr(device, "device_kind", "")) if getattr(device, "platform", None) == "tpu" else None
+        TPU_BYTES.get(getattr(device, "device_kind", ""))
+        if getattr(device, "platform", None) == "tpu"
+        else None
     )
     return int(limit) if limit else None
 

@@ -36,6 +36,7 @@ __all__ = [
     "TensorParallelStrategy",
 ]
 
+
 @runtime_checkable
 class ShardingStrategy(Protocol):
     """What a strategy has: a mesh axis, a spec for named dimensions, and placement by it."""

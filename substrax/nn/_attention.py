@@ -105,7 +105,9 @@ class ParallelSelfAttention(nnx.Module):
         self.query = ColumnParallelLinear(in_features, qkv_features, **common)
         self.key = ColumnParallelLinear(in_features, qkv_features, **common)
         self.value = ColumnParallelLinear(in_features, qkv_features, **common)
-        self.out = RowParallelLinear(qkv_features, out_features, sequence_parallel=sequence_parallel, **common)
+        self.out = RowParallelLinear(
+            qkv_features, out_features, sequence_parallel=sequence_parallel, **common
+        )
         self.num_heads = num_heads
         self.head_dim = qkv_features // num_heads
         self.causal = causal

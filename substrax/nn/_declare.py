@@ -14,9 +14,9 @@ import jax
 import numpy as np
 from flax import nnx
 
+from substrax._base import scopes
 from substrax._base.declared import KINDS, Declared, name_of, recorder
 from substrax._metrics.collectives import to_varying, varying_axes
-from substrax._base import scopes
 
 __all__ = ["Declared", "copy_to_model_axis", "declare_backward", "declare_forward"]
 

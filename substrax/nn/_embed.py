@@ -9,8 +9,8 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes
 
-from substrax._metrics.collectives import gather_invariant
 from substrax._base import scopes
+from substrax._metrics.collectives import gather_invariant
 from substrax.nn._declare import copy_to_model_axis, declare_forward
 from substrax.nn._linear import Initializer, sharded_param, split_over
 

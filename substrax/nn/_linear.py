@@ -9,8 +9,8 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes
 
-from substrax._metrics.collectives import varying_axes
 from substrax._base import scopes
+from substrax._metrics.collectives import varying_axes
 from substrax.mesh import current_mesh_with
 from substrax.nn._declare import copy_to_model_axis, declare_backward, declare_forward
 
@@ -296,10 +296,14 @@ class RowParallelLinear(_Linear):
             with jax.named_scope(scopes.TENSOR_PARALLEL):
                 if self.sequence_parallel:
                     dim = _sequence_dim(y, self.sequence_axis, "RowParallelLinear")
-                    declare_forward(self, "reduce-scatter", axis, y, "the partial products, summed and scattered")
+                    declare_forward(
+                        self, "reduce-scatter", axis, y, "the partial products, summed and scattered"
+                    )
                     whole = y.shape
                     y = jax.lax.psum_scatter(y, axis, scatter_dimension=dim, tiled=True)
-                    y = declare_backward(self, "all-gather", axis, y, "the output's gradient, gathered", shape=whole)
+                    y = declare_backward(
+                        self, "all-gather", axis, y, "the output's gradient, gathered", shape=whole
+                    )
                 else:
                     declare_forward(self, "all-reduce", axis, y, "the partial products, summed")
                     y = jax.lax.psum(y, axis)

@@ -12,7 +12,6 @@ from substrax._base.hooks import STAGE_HOOK, UNIT_HOOK
 __all__ = ["STAGE_HOOK", "scan_layers", "scan_plain"]
 
 
-
 def scan_layers(stack: nnx.Module, x: jax.Array, *args: Any, remat: bool = False, **kwargs: Any) -> jax.Array:
     """``x`` through each layer of ``stack`` in turn: ``x = layer(x, *args, **kwargs)``.
 
@@ -43,7 +42,9 @@ def scan_layers(stack: nnx.Module, x: jax.Array, *args: Any, remat: bool = False
     return scan_plain(stack, x, args, kwargs, remat)
 
 
-def scan_plain(stack: nnx.Module, x: jax.Array, args: tuple[Any, ...], kwargs: dict[str, Any], remat: bool) -> Any:
+def scan_plain(
+    stack: nnx.Module, x: jax.Array, args: tuple[Any, ...], kwargs: dict[str, Any], remat: bool
+) -> Any:
     """``nnx.scan`` of ``layer(h, *args, **kwargs)`` over ``stack``'s layers (``nnx.remat`` each with ``remat``)."""
 
     def body(h: jax.Array, layer: nnx.Module) -> tuple[jax.Array, None]:

@@ -20,10 +20,9 @@ from substrax._metrics.collectives import (
     reduce_sum_collective,
 )
 from substrax.spmd._metrics import reduce_custom, reduce_max, reduce_mean, reduce_min, reduce_sum
-from substrax.spmd._step import spmd_train_step
 
 # the library's other packages' (the mode chooser, compare_gradients), not in __all__
-from substrax.spmd._step import STEPS
+from substrax.spmd._step import STEPS, spmd_train_step
 
 __all__ = [
     "all_gather",

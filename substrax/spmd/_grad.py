@@ -16,11 +16,11 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from substrax._base.specs import spec_axes
+from substrax._base.trees import PyTree
 from substrax._layout import spec_tuple, without_axes
 from substrax._shared.loss import loss_and_metrics
 from substrax._shared.microbatch import microbatched, split_global_microbatches
 from substrax._shared.options import StepOptions
-from substrax._base.trees import PyTree
 from substrax._shared.pipeline import pipeline_of
 from substrax.spmd._pipeline import pipelined_value_and_grad
 

@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from substrax._metrics.reductions import METRIC_REDUCTIONS, REDUCTION_OPS, check_reduce_fn
 from substrax._base.trees import is_array, map_arrays
+from substrax._metrics.reductions import METRIC_REDUCTIONS, REDUCTION_OPS, check_reduce_fn
 
 __all__ = ["reduce_custom", "reduce_max", "reduce_mean", "reduce_metrics", "reduce_min", "reduce_sum"]
 

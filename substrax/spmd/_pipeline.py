@@ -20,12 +20,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from substrax._base import declared
+from substrax._base.trees import KeyPath, PyTree
 from substrax._layout import STAGE_AXIS, spec_tuple, without_axes
 from substrax._shared.pipeline import Staged, floats_of, put, take, with_floats
-from substrax._shared.schedule import Schedule
 from substrax._shared.pipeline_record import note_pipeline
-from substrax._base.trees import KeyPath, PyTree
-from substrax._base import declared
+from substrax._shared.schedule import Schedule
 
 __all__ = ["pipelined_value_and_grad"]
 

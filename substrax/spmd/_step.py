@@ -121,10 +121,14 @@ def run_step(
     return (loss, reduce_metrics(aux, o.reduce, mesh=found)), applied
 
 
-def _value_and_grad(model: M, optimizer: Any, loss_fn: Callable[..., Any], batch: PyTree, o: StepOptions) -> Any:
+def _value_and_grad(
+    model: M, optimizer: Any, loss_fn: Callable[..., Any], batch: PyTree, o: StepOptions
+) -> Any:
     """``global_gradients`` as ``update_step`` takes it: ``(loss, aux, grads, ways, mesh)``."""
     (loss, aux), grads, ways, found = global_gradients(model, loss_fn, batch, o)
     return loss, aux, grads, ways, found
 
 
-STEPS = ModeSteps(run_step, check_placement, lambda model, loss_fn, batch, o: global_gradients(model, loss_fn, batch, o)[1])
+STEPS = ModeSteps(
+    run_step, check_placement, lambda model, loss_fn, batch, o: global_gradients(model, loss_fn, batch, o)[1]
+)

@@ -99,6 +99,8 @@ print(f"DEVICES {jax.process_count()} x {jax.local_device_count()}", flush=True)
 mesh = create_data_parallel_mesh()
 sharding = create_data_parallel_sharding(mesh)
 mine = process_slice(ROWS)
+
+
 def layout_runs() -> None:
     for mode in substrax.MODES:
         for layout in ("fsdp", "zero1"):
@@ -113,7 +115,8 @@ def layout_runs() -> None:
             print(f"LOSSES {mode} {layout} {','.join(f'{x:.9g}' for x in losses)}", flush=True)
             kernel = optimizer.opt_state[0].mu["hidden"]["kernel"].get_value()
             split = (
-                len(kernel.sharding.device_set) == jax.device_count() and not kernel.sharding.is_fully_replicated
+                len(kernel.sharding.device_set) == jax.device_count()
+                and not kernel.sharding.is_fully_replicated
             )
             print(f"SPLIT {mode} {layout} {split}", flush=True)
 

@@ -228,10 +228,15 @@ def checks() -> None:
         @check(f"hsdp_{mode}")
         def _(mode: str = mode) -> None:
             hosts = np.vectorize(lambda d: d.process_index)(hybrid.devices)
-            assert (hosts == hosts[:, :1]).all() and list(hosts[:, 0]) == [0, 1], hosts  # a replica per process
+            assert (hosts == hosts[:, :1]).all() and list(hosts[:, 0]) == [0, 1], (
+                hosts
+            )  # a replica per process
             model, optimizer = make_placed(MLP, optax.adam(LR), hybrid, layout="hsdp", min_size=1)
             step = substrax.make_train_step(
-                weighted_mse, mode, mesh=hybrid, batch_spec={"rows": P(("replica", "data")), "batch_state": P()}
+                weighted_mse,
+                mode,
+                mesh=hybrid,
+                batch_spec={"rows": P(("replica", "data")), "batch_state": P()},
             )
             losses = []
             for b in batches:
@@ -331,7 +336,11 @@ def checks() -> None:
 
             model, optimizer = make_placed(MLP, optax.sgd(0.0), mesh)
             step = substrax.make_train_step(
-                per_example, mode, mesh=mesh, has_aux=True, reduce={"err": "gather"},
+                per_example,
+                mode,
+                mesh=mesh,
+                has_aux=True,
+                reduce={"err": "gather"},
                 batch_spec={"rows": P("data"), "batch_state": P()},
             )
             b = batches[0]

@@ -121,10 +121,10 @@ def _regions(eqns: list[Any], producer: dict[Any, int], users: dict[Any, set[int
 
         def join(j: int) -> None:
             if j in owner:  # another kernel: merged whole
-                region.update(regions.pop(owner[j]))
+                region.update(regions.pop(owner[j]))  # noqa: B023 (called inside this iteration)
             elif grows(j):
-                region.add(j)
-                todo.append(j)
+                region.add(j)  # noqa: B023
+                todo.append(j)  # noqa: B023
 
         while todo:
             m = todo.popleft()

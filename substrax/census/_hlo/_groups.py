@@ -121,7 +121,9 @@ def _axes_of_pairs(
     return tuple(mesh[i][0] for i in sorted(differ))
 
 
-def pair_shift(pairs: tuple[tuple[int, int], ...] | None, mesh: tuple[tuple[str, int], ...] | None) -> int | None:
+def pair_shift(
+    pairs: tuple[tuple[int, int], ...] | None, mesh: tuple[tuple[str, int], ...] | None
+) -> int | None:
     """The one step every pair of a permute moves along the one mesh axis it moves on (``+1``: to
     the next index, no wrap-around), ``None`` when the pairs or the mesh do not say one."""
     if not pairs or mesh is None:

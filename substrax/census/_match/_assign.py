@@ -48,9 +48,7 @@ class Assignment:
         self.rewrites = self._rewritten()
         left = [j for j in range(len(self.parts)) if j not in self.taken]
         self.model = [
-            j
-            for j in left
-            if attribute_model and self.model_like(self.parts[j]) and not self._shaped_like(j)
+            j for j in left if attribute_model and self.model_like(self.parts[j]) and not self._shaped_like(j)
         ]
         self.unexpected = [j for j in left if j not in self.model]
 

@@ -41,8 +41,10 @@ def rewrite_differences(a: Assignment) -> list[str]:
         n = len(part.row.groups[0]) if part.row.groups else 0
         held = f"{item.bytes // n:,} B" if n else "a slice"
         more = f"{item.bytes - item.bytes // n:,} B" if n else "the rest"
-        what = "sums the whole gradient and keeps it" if item.kind == "reduce-scatter" else (
-            "sums a zero-padded copy of the whole parameter"
+        what = (
+            "sums the whole gradient and keeps it"
+            if item.kind == "reduce-scatter"
+            else ("sums a zero-padded copy of the whole parameter")
         )
         out.append(
             f"{item.kind} compiled as an all-reduce: {item.what} ({item.bytes:,} B) runs as "
