@@ -34,6 +34,7 @@ MODES = ("implicit", "explicit")
 SIZES = {  # name: (d, blocks, heads, seq, batch)
     "13M": (512, 4, 8, 512, 16),
     "102M": (1024, 8, 16, 1024, 8),
+    "354M": (1536, 12, 12, 1024, 4),
     "quick": (128, 2, 4, 128, 8),
     "smoke": (16, 1, 2, 8, 4),
 }
