@@ -35,11 +35,11 @@ CONFIGS = {
 def run(names: list[str], rounds: int, block_s: float) -> list[dict]:
     import jax
     import jax.numpy as jnp
+    import llama
     import numpy as np
     import optax
     from flax import nnx
 
-    import llama
     import substrax
     from substrax.mesh import create_device_mesh
 
