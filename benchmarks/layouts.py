@@ -251,8 +251,9 @@ def goals(rows: list[dict[str, Any]]) -> list[str]:
 def table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     out = [
         (
-            f"layouts: 3-layer MLP, batch {BATCH}, Adam, {meta['devices']} emulated {meta['backend']} devices; "
-            f"{meta['cpus']} CPUs; jax {meta['jax']}, flax {meta['flax']}, optax {meta['optax']}; {meta['date']}"
+            f"layouts: 3-layer MLP, batch {BATCH}, Adam, {meta['devices']} emulated {meta['backend']} "
+            f"devices; {meta['cpus']} CPUs; jax {meta['jax']}, flax {meta['flax']}, optax {meta['optax']}; "
+            f"{meta['date']}"
         ),
         (
             f"{'model':<10} {'spelling':<20} {'median us':>10} {'p25-p75 us':>15} {'x bound':>7} "

@@ -19,14 +19,15 @@ shape it times:
   ``grad`` (so AD transposes the gathers into ``psum_scatter``s over ``data``, the
   replicated parameters' ``pvary`` into ``psum``s, and the column layers' input into a
   ``psum`` over ``model``: attention's input cast to varying once for its three
-  projections, one ``psum`` of its gradient, as ``ParallelSelfAttention`` does), and ``optax.adam`` updating the local slices; ``jax.jit``
-  with the state donated. The minimum a 2-D FSDP step does. Everything is written by
-  hand but the LayerNorms, which are flax's own ``nnx.LayerNorm`` applied to the arrays:
-  every hand spelling of the same arithmetic tried (keepdims means, flax's op order
-  copied line by line) gave a program XLA's CPU compiler fused worse, recomputing the
-  residual stream's gradient sum inside each block's fusions (about +19% bytes accessed
-  per device, by ``compiled.cost_analysis()``, and about 1.4x the step time on (2, 4)),
-  so a bound with them measured the compiler's fusion choice, not the step's work.
+  projections, one ``psum`` of its gradient, as ``ParallelSelfAttention`` does), and
+  ``optax.adam`` updating the local slices; ``jax.jit`` with the state donated. The
+  minimum a 2-D FSDP step does. Everything is written by hand but the LayerNorms, which
+  are flax's own ``nnx.LayerNorm`` applied to the arrays: every hand spelling of the
+  same arithmetic tried (keepdims means, flax's op order copied line by line) gave a
+  program XLA's CPU compiler fused worse, recomputing the residual stream's gradient sum
+  inside each block's fusions (about +19% bytes accessed per device, by
+  ``compiled.cost_analysis()``, and about 1.4x the step time on (2, 4)), so a bound with
+  them measured the compiler's fusion choice, not the step's work.
 - ``implicit`` / ``explicit``: ``substrax.make_train_step(loss_fn, MODE, mesh=mesh)``
   called as ``step(model, optimizer, batch)`` (library defaults, so
   ``skip_nonfinite=True``: the bound has no such check).
@@ -384,7 +385,10 @@ def table(rows: list[dict[str, Any]], meta: dict[str, Any], reference: str) -> s
             f"{meta['devices']} emulated {meta['backend']} devices; {meta['cpus']} CPUs; jax {meta['jax']}, "
             f"flax {meta['flax']}, optax {meta['optax']}; {meta['date']}"
         ),
-        f"command: {meta['command']}; {rows[0]['rounds']} rounds, blocks of {rows[0]['block']} steps; wall {meta['wall_s']:.0f} s",
+        (
+            f"command: {meta['command']}; {rows[0]['rounds']} rounds, blocks of {rows[0]['block']} steps; "
+            f"wall {meta['wall_s']:.0f} s"
+        ),
         "",
         f"| mesh (data,model) | spelling | median ms | p25-p75 ms | x bound | x {ref} bound | state/dev "
         "| comm over data | comm over model | "
@@ -404,23 +408,33 @@ def table(rows: list[dict[str, Any]], meta: dict[str, Any], reference: str) -> s
             f"| {r['ratio_to_8x1_bound']:.2f} | {M.fmt_bytes(state)} | {comm_text(r.get('comm'), 'data')} "
             f"| {comm_text(r.get('comm'), 'model')} | "
             + "".join(f"{comm_text(r.get('comm'), a)} | " for a in axes)
-            + f"{rule} | {gflop} | {mb} | {r['loss_step_1']:.6f} | {r['loss_step_4']:.6f} | {r['compile_s']:.1f} |"
+            + f"{rule} | {gflop} | {mb} | {r['loss_step_1']:.6f} | {r['loss_step_4']:.6f} | "
+            f"{r['compile_s']:.1f} |"
         )
     mismatched = [r for r in rows if r["layout_bytes"] is not None and r["layout_bytes"] != r["state_bytes"]]
     for r in mismatched:
         out.append(
-            f"({r['mesh'][0]},{r['mesh'][1]}) {r['spelling']}: the Layout said {r['layout_bytes']:,} bytes per "
-            f"device, the arrays hold {r['state_bytes']:,}"
+            f"({r['mesh'][0]},{r['mesh'][1]}) {r['spelling']}: the Layout said {r['layout_bytes']:,} "
+            f"bytes per device, the arrays hold {r['state_bytes']:,}"
         )
     out += [
         "",
         "x bound: median step / its mesh shape's bound's median, same run (bound: the 2-D FSDP step by hand",
         f"under shard_map, donated); x {ref} bound: / the median of {reference}.",
         "state/dev: Layout.bytes_per_device (the bound: its arrays' shards, the same).",
-        "comm over AXIS: collective bytes per device per step over that mesh axis (census rows by .axes), then",
-        "executions per step (AG all-gather, RS reduce-scatter, AR all-reduce); the .bind rows: the plain call's",
+        (
+            "comm over AXIS: collective bytes per device per step over that mesh axis (census rows by "
+            ".axes), then"
+        ),
+        (
+            "executions per step (AG all-gather, RS reduce-scatter, AR all-reduce); the .bind rows: the "
+            "plain call's"
+        ),
         "program's collectives (the same program, donated). rule: the census matches the layout's rule.",
-        "GFLOP/dev, MB accessed/dev: compiled.cost_analysis() of one device's program (--quick: the bound's only).",
+        (
+            "GFLOP/dev, MB accessed/dev: compiled.cost_analysis() of one device's program (--quick: the "
+            "bound's only)."
+        ),
         f"loss step 1: the first step's loss, the same for every spelling (asserted, rel. tol. {LOSS_RTOL});",
         "loss step 4: after warm-up.",
         "",
@@ -430,7 +444,8 @@ def table(rows: list[dict[str, Any]], meta: dict[str, Any], reference: str) -> s
         if tuple(r["mesh"]) != (8, 1) and r["spelling"].startswith("explicit"):
             verdict = "met" if r["ratio_to_bound"] <= 1.10 else "MISSED"
             out.append(
-                f"  ({r['mesh'][0]},{r['mesh'][1]}) {r['spelling']}: {r['ratio_to_bound']:.2f}x bound ({verdict})"
+                f"  ({r['mesh'][0]},{r['mesh'][1]}) {r['spelling']}: {r['ratio_to_bound']:.2f}x bound "
+                f"({verdict})"
             )
     return "\n".join(out)
 

@@ -192,7 +192,8 @@ def run_worker(
         return functools.partial(step, model, optimizer, batch), take
 
     def program(name: str) -> str:
-        """The plain, bound and undonated calls of one mode and layout compile one program (unguarded: another)."""
+        """The plain, bound and undonated calls of one mode and layout compile one program
+        (unguarded: another)."""
         if ":" not in name:
             return f"{name} (own)"
         kind, rest = name.split(":", 1)

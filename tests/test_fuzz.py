@@ -182,8 +182,9 @@ BF16_GRADIENT_ROUNDINGS = 16
 
 settings.register_profile(
     "fuzz-ci",
-    # 4 drawn configurations (CURATED run as tests of their own): there were 6 before the precision axis, which changed
-    # which ones are drawn; 6 of the new draws took 48 of the sample's 86 cpu-s, 4 keep it near 70
+    # 4 drawn configurations (CURATED run as tests of their own): there were 6 before the precision axis,
+    # which changed which ones are drawn; 6 of the new draws took 48 of the sample's 86 cpu-s, 4 keep it
+    # near 70
     max_examples=4,
     derandomize=True,
     deadline=None,
@@ -489,7 +490,7 @@ def expected_metrics(config: Config, pe: np.ndarray) -> dict[str, np.ndarray]:
     return out
 
 
-# ----------------------------------------------------------------------------------------- the step under test
+# ------------------------------------------------------------------------------------- the step under test
 
 
 @dataclasses.dataclass
@@ -781,7 +782,8 @@ class Result:
         devs = " ".join(f"{name} {d}" for name, d in self.deviations.items())
         floors = "/".join(f"{self.floors.get(k, 0.0):.0e}" for k in ("loss", "gradient", "state", "metrics"))
         return (
-            f"{'ok  ' if self.ok else 'FAIL'} {self.seconds:4.1f}s/{self.cpu_seconds:4.1f}cpu {self.config.short()} | {devs} | "
+            f"{'ok  ' if self.ok else 'FAIL'} {self.seconds:4.1f}s/{self.cpu_seconds:4.1f}cpu "
+            f"{self.config.short()} | {devs} | "
             f"floor l/g/s/m {floors} | census {self.census} grads {self.gradients}"
             + ("" if not self.blind else f" | blind {','.join(self.blind)}")
             + ("" if self.ok else f" | {self.problems[0][:160]}")

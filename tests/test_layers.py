@@ -37,8 +37,8 @@ def module_of(path: Path) -> str:
 
 
 def imports(path: Path) -> Iterator[str]:
-    """The substrax modules ``path`` imports (``from substrax._base import scopes`` as ``substrax._base.scopes``),
-    at its top or inside a function, under ``TYPE_CHECKING`` too."""
+    """The substrax modules ``path`` imports (``from substrax._base import scopes`` as
+    ``substrax._base.scopes``), at its top or inside a function, under ``TYPE_CHECKING`` too."""
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             yield from (a.name for a in node.names if a.name.split(".")[0] == "substrax")

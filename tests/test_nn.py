@@ -27,6 +27,7 @@ from substrax.nn import (
 )
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
+ROWS = P("data")  # an input's rows split over data, its features whole
 
 
 class Block(nnx.Module):
@@ -83,7 +84,7 @@ def explicit(model: nnx.Module, mesh, x_spec: P, loss_axes):
     return jax.jit(run), jax.jit(forward), state
 
 
-def sharded_forward(model: nnx.Module, mesh, x_spec: P = P("data"), *, check_vma: bool = True):
+def sharded_forward(model: nnx.Module, mesh, x_spec: P = ROWS, *, check_vma: bool = True):
     """``model``'s forward pass under ``shard_map``, parameters split by their metadata; and its state."""
     graphdef, state = nnx.split(model)
     specs = nnx.get_partition_spec(state)

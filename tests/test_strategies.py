@@ -557,8 +557,8 @@ def test_one_axis_over_two_dimensions_is_refused() -> None:
         (
             {"a": DataParallelStrategy(), "b": DataParallelStrategy()},
             (
-                r"Conflicting strategies: 'a' \(DataParallelStrategy\) and 'b' \(DataParallelStrategy\) are of one kind "
-                r"on mesh axis 'data'"
+                r"Conflicting strategies: 'a' \(DataParallelStrategy\) and 'b' \(DataParallelStrategy\) "
+                r"are of one kind on mesh axis 'data'"
             ),
         ),
         (
@@ -568,8 +568,8 @@ def test_one_axis_over_two_dimensions_is_refused() -> None:
         (
             {"dp": DataParallelStrategy(), "tp": TensorParallelStrategy(axis_name="data")},
             (
-                r"Conflicting strategies: 'dp' \(DataParallelStrategy\) and 'tp' \(TensorParallelStrategy\) both use mesh "
-                r"axis 'data'; only data parallelism and FSDP may share an axis"
+                r"Conflicting strategies: 'dp' \(DataParallelStrategy\) and 'tp' \(TensorParallelStrategy\) "
+                r"both use mesh axis 'data'; only data parallelism and FSDP may share an axis"
             ),
         ),
         (
