@@ -1,5 +1,6 @@
 """The parity fuzzer's checks: a draw's run held to its reference runs, within tolerances from
-the noise floor they measure (``tests/test_fuzz.py``'s docstring), and ``check``, both at once."""
+the noise floor they measure (``tests/test_fuzz.py``'s docstring); ``check`` runs both and
+compares them."""
 
 from __future__ import annotations
 
