@@ -11,7 +11,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
-from substrax._base.specs import check_fits, check_spec_axes
+from substrax._base.specs import check_fits, check_spec_axes, spec_axes
 from substrax._base.trees import KeyPath, PyTree, broadcast_prefix, is_array, path_str
 from substrax._batch.leaves import batch_partition_specs, warn_float64
 
@@ -164,7 +164,8 @@ def place_batch_on_shards(
     if check_replicated:
         check_replicated_equal(batch, sharding)
     if todo:
-        placed = jax.make_array_from_process_local_data([shardings[i] for i in todo], [out[i] for i in todo])
+        paths = [path_leaves[i][0] for i in todo]
+        placed = _global_arrays(paths, [shardings[i] for i in todo], [out[i] for i in todo], checked=False)
         for i, arr in zip(todo, placed, strict=True):
             out[i] = arr
     return jax.tree.unflatten(treedef, out)
@@ -181,6 +182,84 @@ def _gathered_shapes(leaves: list[Any]) -> np.ndarray:
         dims = [*shape[: _DIMS - 1], math.prod(shape[_DIMS - 1 :])] if len(shape) >= _DIMS else shape
         rows[i, : 1 + len(dims)] = (len(shape), *dims)
     return np.asarray(multihost_utils.process_allgather(rows))
+
+
+def _refuse_differing_shapes(path_leaves: list[tuple[KeyPath, Any]]) -> None:
+    """Raise a ValueError naming each leaf whose shape differs between processes (one collective)."""
+    every = _gathered_shapes([leaf for _, leaf in path_leaves])
+    differ = [j for j in range(len(path_leaves)) if (every[:, j] != every[0, j]).any()]
+    if differ:
+        listing = "; ".join(
+            f"{path_str(path_leaves[j][0])}: "
+            + ", ".join(f"{_shape_text(every[p, j])} on process {p}" for p in range(every.shape[0]))
+            for j in differ
+        )
+        raise ValueError(
+            f"The batch's leaves differ in shape between processes ({listing}). On several "
+            f"processes each passes the rows it loaded, and the step assembles them in process "
+            f"order (as place_batch_on_shards does): every process must load the same number of "
+            f"rows of each leaf, such as x[substrax.launch.process_slice(global_rows)], and the "
+            f"same replicated values."
+        )
+
+
+def _shared_dim(path: KeyPath, sharding: Sharding) -> int | None:
+    """The dimension to assemble a leaf's rows along across processes, or None: each process's
+    devices hold blocks of it no other process holds (or it is replicated), so its local data
+    is its own block, as ``jax.make_array_from_process_local_data`` takes it.
+
+    Where two processes hold the same block (an axis the leaf is not split over, such as
+    ``stage``, spans the processes), the processes' rows are concatenated in process order
+    along the one dimension the leaf is split on (processes guide).
+    """
+    if not isinstance(sharding, NamedSharding):
+        return None
+    ways = [math.prod(sharding.mesh.shape[a] for a in spec_axes(entry)) for entry in sharding.spec]
+    split = [d for d, w in enumerate(ways) if w > 1]
+    if not split:
+        return None
+    holders: dict[tuple[int, ...], set[int]] = {}
+    for device, index in sharding.devices_indices_map(tuple(ways)).items():
+        holders.setdefault(tuple(i.start or 0 for i in index), set()).add(device.process_index)
+    shared = next((sorted(p) for p in holders.values() if len(p) > 1), None)
+    if shared is None:
+        return None
+    if len(split) > 1:
+        raise ValueError(
+            f"{path_str(path)} is split over dimensions {split} ({sharding.spec}), and processes "
+            f"{shared[0]} and {shared[1]} hold the same blocks of it: an axis it is not split over "
+            f"spans the processes, so each process's rows cannot be its own. Split it along one "
+            f"dimension (each process's rows are then concatenated in process order), or pass it "
+            f"as a global jax.Array."
+        )
+    return split[0]
+
+
+def _global_arrays(
+    paths: list[KeyPath], shardings: list[Sharding], leaves: list[Any], *, checked: bool
+) -> list[jax.Array]:
+    """Each leaf, this process's rows, as the global array on its sharding: the processes' rows
+    in process order. ``checked``: the leaves' shapes are known to agree between processes."""
+    if jax.process_count() == 1:
+        return jax.make_array_from_process_local_data(shardings, leaves)
+    dims = [_shared_dim(path, s) for path, s in zip(paths, shardings, strict=True)]
+    out: list[Any] = [None] * len(leaves)
+    own = [i for i, d in enumerate(dims) if d is None]
+    if own:
+        placed = jax.make_array_from_process_local_data([shardings[i] for i in own], [leaves[i] for i in own])
+        for i, arr in zip(own, placed, strict=True):
+            out[i] = arr
+    shared = [i for i, d in enumerate(dims) if d is not None]
+    if not shared:
+        return out
+    if not checked:
+        _refuse_differing_shapes([(paths[i], leaves[i]) for i in shared])
+    stacked = multihost_utils.process_allgather([np.asarray(leaves[i]) for i in shared])  # (process, ...)
+    for i, every in zip(shared, stacked, strict=True):
+        whole = np.concatenate(list(every), axis=dims[i])
+        check_fits(paths[i], whole.shape, shardings[i].spec, shardings[i].mesh, local=False)
+        out[i] = jax.make_array_from_callback(whole.shape, shardings[i], lambda index, w=whole: w[index])
+    return out
 
 
 def place_process_rows(batch: PyTree, batch_spec: Any, mesh: Mesh, rows: str | tuple[str, ...]) -> PyTree:
@@ -218,21 +297,7 @@ def place_process_rows(batch: PyTree, batch_spec: Any, mesh: Mesh, rows: str | t
     ]
     if not host:
         return batch
-    every = _gathered_shapes([path_leaves[i][1] for i in host])  # before any refusal: no process waits
-    differ = [j for j in range(len(host)) if (every[:, j] != every[0, j]).any()]
-    if differ:
-        listing = "; ".join(
-            f"{path_str(path_leaves[host[j]][0])}: "
-            + ", ".join(f"{_shape_text(every[p, j])} on process {p}" for p in range(every.shape[0]))
-            for j in differ
-        )
-        raise ValueError(
-            f"The batch's leaves differ in shape between processes ({listing}). On several "
-            f"processes each passes the rows it loaded, and the step assembles them in process "
-            f"order (as place_batch_on_shards does): every process must load the same number of "
-            f"rows of each leaf, such as x[substrax.launch.process_slice(global_rows)], and the "
-            f"same replicated values."
-        )
+    _refuse_differing_shapes([path_leaves[i] for i in host])  # before any refusal: no process waits
     out = [leaf for _, leaf in path_leaves]
     shardings = []
     for i in host:
@@ -242,7 +307,8 @@ def place_process_rows(batch: PyTree, batch_spec: Any, mesh: Mesh, rows: str | t
             spec = PartitionSpec()
         check_fits(path, np.shape(leaf), spec, mesh, local=True)
         shardings.append(NamedSharding(mesh, spec))
-    placed = jax.make_array_from_process_local_data(shardings, [out[i] for i in host])
+    paths = [path_leaves[i][0] for i in host]
+    placed = _global_arrays(paths, shardings, [out[i] for i in host], checked=True)
     for i, arr in zip(host, placed, strict=True):
         out[i] = arr
     return jax.tree.unflatten(treedef, out)
