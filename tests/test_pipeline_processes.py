@@ -49,6 +49,17 @@ def test_a_pipeline_trains_on_each_processs_rows_like_one_device(
     )
 
 
+@pytest.mark.parametrize(
+    "name",
+    [
+        "refused_differ",  # where rows are gathered, a leaf whose shape differs between processes is named
+        "refused_two_dims",  # a leaf split on two dimensions whose blocks two processes share is named
+    ],
+)
+def test_rows_that_cannot_be_each_processs_own_are_refused(rows_run: Run, name: str) -> None:
+    assert results(rows_run, name) == {"[p0]": "ok", "[p1]": "ok"}, rows_run.output
+
+
 def test_the_run_ends_cleanly(rows_run: Run) -> None:
     assert rows_run.returncode == 0, rows_run.output
     assert "[p0] ALL DONE" in rows_run.stdout and "[p1] ALL DONE" in rows_run.stdout

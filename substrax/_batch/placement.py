@@ -225,12 +225,20 @@ def _shared_dim(path: KeyPath, sharding: Sharding) -> int | None:
     if shared is None:
         return None
     if len(split) > 1:
+        mesh = sharding.mesh
+        hosts = np.vectorize(lambda d: d.process_index)(mesh.devices)
+        used = {a for entry in sharding.spec for a in spec_axes(entry)}
+        spanning = [
+            a
+            for k, a in enumerate(mesh.axis_names)
+            if a not in used and (hosts != hosts.take([0], axis=k)).any()
+        ]
         raise ValueError(
             f"{path_str(path)} is split over dimensions {split} ({sharding.spec}), and processes "
-            f"{shared[0]} and {shared[1]} hold the same blocks of it: an axis it is not split over "
-            f"spans the processes, so each process's rows cannot be its own. Split it along one "
-            f"dimension (each process's rows are then concatenated in process order), or pass it "
-            f"as a global jax.Array."
+            f"{shared[0]} and {shared[1]} hold the same blocks of it: the mesh's "
+            f"{', '.join(map(repr, spanning))} spans the processes and does not split it, so each "
+            f"process's rows cannot be its own. Split it along one dimension (the processes' "
+            f"rows are then concatenated in process order), or pass it as a global jax.Array."
         )
     return split[0]
 

@@ -1,14 +1,19 @@
 """One process of the pipelined own-rows checks (#60.1), started by ``python -m substrax.launch``.
 
-``python pipeline_rows_worker.py``: on 2 processes x 4 devices, a stack of 4 residual layers
-pipelined over ``stage`` on the meshes ``(stage 4, data 2)`` (the stage axis spans the
-processes: each holds both data shards) and ``(data 2, stage 4)`` (each process one data
-shard), in both modes and both schedules. Each process passes its own 16 of the 32 rows,
-to the plain call as NumPy and through ``place_batch_on_shards``; the losses and
-parameters must be a one-device run's on the whole 32 rows, and a NaN in process 1's rows
-must skip the step. Each check prints ``RESULT <name> ok`` or ``RESULT <name> FAIL <why>``;
-a failed check does not stop the others (every process runs the same ones, so the
-collectives stay in step).
+``python pipeline_rows_worker.py [trains] [refusals]`` (both by default).
+
+Trains: on 2 processes x 4 devices, a stack of 4 residual layers pipelined over ``stage``
+on the meshes ``(stage 4, data 2)`` (the stage axis spans the processes: each holds both
+data shards) and ``(data 2, stage 4)`` (each process one data shard), in both modes and
+both schedules. Each process passes its own 16 of the 32 rows, to the plain call as NumPy
+and through ``place_batch_on_shards``; the losses and parameters must be a one-device
+run's on the whole 32 rows, and a NaN in process 1's rows must skip the step.
+
+Refusals: rows whose shapes differ between processes, and a leaf split on two dimensions
+where the processes hold the same blocks, each named.
+
+Each check prints ``RESULT <name> ok`` or ``RESULT <name> FAIL <why>``; a failed check does
+not stop the others (every process runs the same ones, so the collectives stay in step).
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import substrax  # noqa: E402
 from substrax.launch import process_slice  # noqa: E402
@@ -81,14 +88,25 @@ def gathered(model: nnx.Module) -> dict[str, np.ndarray]:
     }
 
 
-def main() -> None:
+def main(parts: list[str]) -> None:
+    if "trains" in parts:
+        trains()
+    if "refusals" in parts:
+        refusals()
+    if FAILURES:
+        raise SystemExit(f"failed checks: {FAILURES}")
+    print("ALL DONE", flush=True)
+
+
+def own(b: dict) -> dict:
+    """This process's rows of batch ``b``, as NumPy (``process_slice``)."""
+    return {k: v[process_slice(ROWS)] for k, v in b.items()}
+
+
+def trains() -> None:
     batches = sine_batches(3, ROWS)
     poisoned = {k: v.copy() for k, v in sine_batches(1, ROWS, seed=1)[0].items()}
     poisoned["y"][ROWS - 1] = np.nan  # in process 1's rows
-    mine = process_slice(ROWS)
-
-    def own(b: dict) -> dict:
-        return {k: v[mine] for k, v in b.items()}
 
     want_losses, trained = one_device_training(
         batches, optax.sgd(LR), model=Net, loss_fn=mse, device=jax.local_devices()[0]
@@ -135,10 +153,39 @@ def main() -> None:
                     for name, value in want.items():
                         np.testing.assert_allclose(got[name], value, rtol=RTOL, atol=ATOL, err_msg=name)
 
-    if FAILURES:
-        raise SystemExit(f"failed checks: {FAILURES}")
-    print("ALL DONE", flush=True)
+
+def refusals() -> None:
+    """Rows that cannot be placed as each process's own are refused by name (no compile)."""
+    b = own(sine_batches(1, ROWS)[0])
+
+    @check("refused_differ")
+    def _() -> None:  # where the rows are gathered, their shapes must agree
+        mesh = create_device_mesh({"stage": 4, "data": 2})
+        short = {"x": b["x"], "y": b["y"][: ROWS // 4] if jax.process_index() == 1 else b["y"]}
+        expect(
+            lambda: place_batch_on_shards(short, create_data_parallel_sharding(mesh)),
+            "batch['y']: (16,) on process 0, (8,) on process 1",
+        )
+
+    @check("refused_two_dims")
+    def _() -> None:  # split on two dimensions, with 'stage' across the processes: no rows of its own
+        mesh = create_device_mesh({"stage": 2, "data": 2, "model": 2})
+        wide = {"x": np.tile(b["x"], (1, 2))}  # (16, 8)
+        expect(
+            lambda: place_batch_on_shards(wide, NamedSharding(mesh, P("data", "model"))),
+            "batch['x'] is split over dimensions [0, 1] (P('data', 'model')), and processes 0 and 1 hold "
+            "the same blocks of it: the mesh's 'stage' spans the processes and does not split it",
+        )
+
+
+def expect(call, message: str) -> None:
+    try:
+        call()
+    except ValueError as e:
+        assert message in str(e), str(e)
+    else:
+        raise AssertionError(f"no ValueError: {message}")
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:] or ["trains", "refusals"])
