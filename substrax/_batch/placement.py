@@ -127,7 +127,10 @@ def place_batch_on_shards(
     Array leaves (``jax.Array``, NumPy arrays and scalars) are placed in one
     ``jax.make_array_from_process_local_data`` call, outside ``jax.jit``; other leaves are
     returned as they are. On several processes each passes its own rows, stitched in process
-    order. A float64 leaf jax will cast is named in a ``UserWarning``. See the batches guide.
+    order; where processes hold the same rows (an axis the rows are not split over, such as a
+    pipeline's ``stage``, spans them) the rows are gathered first, so every process holds the
+    whole batch (processes guide). A float64 leaf jax will cast is named in a ``UserWarning``.
+    See the batches guide.
 
     Args:
       batch: The batch this process loaded.
@@ -143,7 +146,8 @@ def place_batch_on_shards(
       ValueError: If a leaf has fewer dimensions than its sharding splits, a split
         dimension does not divide by its mesh axes, or the sharding tree does not fit the
         batch (naming the path); with ``check_replicated``, if a replicated leaf differs
-        between processes (naming it and the processes).
+        between processes (naming it and the processes). Where rows are gathered: if a
+        leaf's shape differs between processes, or it is split on several dimensions.
       TypeError: If a leaf is a traced value (the call is inside ``jax.jit``).
     """
     path_leaves, shardings, treedef = _host_leaves(
@@ -274,7 +278,8 @@ def place_process_rows(batch: PyTree, batch_spec: Any, mesh: Mesh, rows: str | t
     """On several processes, a step's batch with each host leaf placed as ``place_batch_on_shards`` does.
 
     A host leaf (a NumPy array or scalar, a ``jax.Array`` on this process's devices) holds this
-    process's rows, assembled in process order on its spec; a global ``jax.Array`` is kept as
+    process's rows, assembled in process order on its spec (gathered where processes hold the
+    same rows, as ``place_batch_on_shards`` does); a global ``jax.Array`` is kept as
     it is. Every process must call it with the same tree (one ``process_allgather`` of the
     host leaves' shapes). On one process it returns ``batch``.
 
@@ -287,7 +292,8 @@ def place_process_rows(batch: PyTree, batch_spec: Any, mesh: Mesh, rows: str | t
 
     Raises:
       ValueError: If a host leaf's shape differs between processes (naming the leaf and each
-        process's shape), or it cannot be split as its spec says (naming the leaf).
+        process's shape), or it cannot be split as its spec says (naming the leaf), or processes
+        hold the same blocks of a leaf split on several dimensions.
     """
     if jax.process_count() == 1:
         return batch
