@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from typing import Any
@@ -207,6 +208,17 @@ def _refuse_differing_shapes(path_leaves: list[tuple[KeyPath, Any]]) -> None:
         )
 
 
+@functools.lru_cache(maxsize=256)
+def _sharers(sharding: NamedSharding) -> tuple[list[int], list[int] | None]:
+    """The dimensions ``sharding`` splits, and two processes holding the same block of it (or None)."""
+    ways = [math.prod(sharding.mesh.shape[a] for a in spec_axes(entry)) for entry in sharding.spec]
+    split = [d for d, w in enumerate(ways) if w > 1]
+    holders: dict[tuple[int, ...], set[int]] = {}
+    for device, index in sharding.devices_indices_map(tuple(ways)).items() if split else ():
+        holders.setdefault(tuple(i.start or 0 for i in index), set()).add(device.process_index)
+    return split, next((sorted(p)[:2] for p in holders.values() if len(p) > 1), None)
+
+
 def _shared_dim(path: KeyPath, sharding: Sharding) -> int | None:
     """The dimension to assemble a leaf's rows along across processes, or None: each process's
     devices hold blocks of it no other process holds (or it is replicated), so its local data
@@ -218,14 +230,7 @@ def _shared_dim(path: KeyPath, sharding: Sharding) -> int | None:
     """
     if not isinstance(sharding, NamedSharding):
         return None
-    ways = [math.prod(sharding.mesh.shape[a] for a in spec_axes(entry)) for entry in sharding.spec]
-    split = [d for d, w in enumerate(ways) if w > 1]
-    if not split:
-        return None
-    holders: dict[tuple[int, ...], set[int]] = {}
-    for device, index in sharding.devices_indices_map(tuple(ways)).items():
-        holders.setdefault(tuple(i.start or 0 for i in index), set()).add(device.process_index)
-    shared = next((sorted(p) for p in holders.values() if len(p) > 1), None)
+    split, shared = _sharers(sharding)
     if shared is None:
         return None
     if len(split) > 1:
