@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -214,10 +215,19 @@ def _row(
 def _compiled(row: dict[str, Any], program: Any, mesh: Mesh) -> PlanRow:
     """``row`` with the bytes of ``program``'s census and its ``memory_analysis()``."""
     by_kind: dict[tuple[str, str], int] = {}
-    for found in census(program, mesh=mesh).rows:
+    report = census(program, mesh=mesh)
+    for found in report.rows:
         key = (found.kind, ",".join(found.axes or ()) or "unnamed groups")
         by_kind[key] = by_kind.get(key, 0) + found.bytes_per_step
     stats = program.memory_analysis()
+    if uncounted := report.uncounted():  # never counted once in silence
+        note = (
+            f"{len(uncounted)} collective(s) of the compiled step sit inside loops whose trip count the "
+            f"program does not show ({', '.join(r.name for r in uncounted[:4])}): each counted once, "
+            f"total_bytes is a lower bound"
+        )
+        warnings.warn(f"plan: {row['mode']} {row['layout']} on {row['mesh']}: {note}", stacklevel=4)
+        row = {**row, "notes": (*row["notes"], note)}
     return PlanRow(
         **row,
         bytes=by_kind,
