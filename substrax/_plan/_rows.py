@@ -183,21 +183,9 @@ def _row(
         "shard_options": shard_options,
         "step_options": {"mesh": mesh, **opts},
     }
-    if compiled:  # the program itself: its census and memory_analysis(), exact
-        try:
-            return _compiled(row, lowered.compile(), mesh)
-        except jax.errors.JaxRuntimeError as e:
-            if (need := _hbm_refusal(str(e))) is None:
-                raise
-            return PlanRow(
-                **row,
-                bytes={},
-                optional_bytes=0,
-                temp_bytes=need,
-                compiler=f"{_platform(mesh)} (compiled)",
-                refused=str(e).splitlines()[0][:400],
-            )
     by_kind, optional = _items.required(expected.items, step.options.microbatches, step.options.data_axis)
+    if compiled:  # the program itself: its census and memory_analysis(), exact
+        return _on_target(row, lowered, mesh, by_kind, optional)
     if "explicit" not in memory:  # the memory is explicit mode's (XLA places the implicit step's)
         if mode != "explicit":
             traced = make_train_step(loss_fn, "explicit", mesh=mesh, **opts).traced(m, o, batch, donate=True)
@@ -210,6 +198,29 @@ def _row(
         output_bytes=memory["explicit"].outputs,
         temp_bytes=memory["explicit"].temporaries,
     )
+
+
+_RULES_BYTES = "no program to take a census of: its bytes are the layout's rule's (the estimate's)"
+
+
+def _on_target(
+    row: dict[str, Any], lowered: Any, mesh: Mesh, by_kind: dict[tuple[str, str], int], optional: int
+) -> PlanRow:
+    """The row of the compiled program; where the TPU compiler refuses it for memory, its refusal
+    with the rule's bytes ``by_kind`` and ``optional`` (no program, no census)."""
+    try:
+        return _compiled(row, lowered.compile(), mesh)
+    except jax.errors.JaxRuntimeError as e:
+        if (need := _hbm_refusal(str(e))) is None:
+            raise
+        return PlanRow(
+            **{**row, "notes": (*row["notes"], _RULES_BYTES)},
+            bytes=by_kind,
+            optional_bytes=optional,
+            temp_bytes=need,
+            compiler=f"{_platform(mesh)} (compiled)",
+            refused=str(e).splitlines()[0][:400],
+        )
 
 
 def _compiled(row: dict[str, Any], program: Any, mesh: Mesh) -> PlanRow:

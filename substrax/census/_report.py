@@ -105,8 +105,9 @@ def census(
     """Count and size every collective of a compiled program.
 
     Args:
-      compiled: a ``jax.stages.Compiled``, a ``jax.stages.Lowered`` (compiled here), or the
-        text of an optimized HLO module (unoptimized text has no collectives yet).
+      compiled: a ``jax.stages.Compiled``, a ``jax.stages.Lowered`` (compiled here), either
+        of ``nnx.jit``'s, or the text of an optimized HLO module (unoptimized text has no
+        collectives yet).
       mesh: optional; the mesh (or ``{axis name: size}``), to name each collective's axes.
 
     Returns:
@@ -119,6 +120,10 @@ def census(
 def _hlo_text(compiled: Any) -> str:
     if isinstance(compiled, str):
         return compiled
+    for stage in ("compiled", "lowered"):  # nnx.jit's stages hold jax's
+        inner = getattr(compiled, stage, None)
+        if isinstance(inner, (jax.stages.Compiled, jax.stages.Lowered)):
+            compiled = inner
     if isinstance(compiled, jax.stages.Lowered):
         compiled = compiled.compile()
     if isinstance(compiled, jax.stages.Compiled):
