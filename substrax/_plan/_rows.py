@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -182,9 +183,9 @@ def _row(
         "shard_options": shard_options,
         "step_options": {"mesh": mesh, **opts},
     }
-    if compiled:  # the program itself: its census and memory_analysis(), exact
-        return _compiled_or_refused(row, lowered, mesh)
     by_kind, optional = _items.required(expected.items, step.options.microbatches, step.options.data_axis)
+    if compiled:  # the program itself: its census and memory_analysis(), exact
+        return _on_target(row, lowered, mesh, by_kind, optional)
     if "explicit" not in memory:  # the memory is explicit mode's (XLA places the implicit step's)
         if mode != "explicit":
             traced = make_train_step(loss_fn, "explicit", mesh=mesh, **opts).traced(m, o, batch, donate=True)
@@ -199,18 +200,23 @@ def _row(
     )
 
 
-def _compiled_or_refused(row: dict[str, Any], lowered: Any, mesh: Mesh) -> PlanRow:
-    """``row`` compiled (``_compiled``); where the compiler refused the program for want of
-    memory, the bytes it asked for as its temporaries, and its refusal."""
+_RULES_BYTES = "no program to take a census of: its bytes are the layout's rule's (the estimate's)"
+
+
+def _on_target(
+    row: dict[str, Any], lowered: Any, mesh: Mesh, by_kind: dict[tuple[str, str], int], optional: int
+) -> PlanRow:
+    """The row of the compiled program; where the TPU compiler refuses it for memory, its refusal
+    with the rule's bytes ``by_kind`` and ``optional`` (no program, no census)."""
     try:
         return _compiled(row, lowered.compile(), mesh)
     except jax.errors.JaxRuntimeError as e:
         if (need := _hbm_refusal(str(e))) is None:
             raise
         return PlanRow(
-            **row,
-            bytes={},
-            optional_bytes=0,
+            **{**row, "notes": (*row["notes"], _RULES_BYTES)},
+            bytes=by_kind,
+            optional_bytes=optional,
             temp_bytes=need,
             compiler=f"{_platform(mesh)} (compiled)",
             refused=str(e).splitlines()[0][:400],
@@ -220,10 +226,19 @@ def _compiled_or_refused(row: dict[str, Any], lowered: Any, mesh: Mesh) -> PlanR
 def _compiled(row: dict[str, Any], program: Any, mesh: Mesh) -> PlanRow:
     """``row`` with the bytes of ``program``'s census and its ``memory_analysis()``."""
     by_kind: dict[tuple[str, str], int] = {}
-    for found in census(program, mesh=mesh).rows:
+    report = census(program, mesh=mesh)
+    for found in report.rows:
         key = (found.kind, ",".join(found.axes or ()) or "unnamed groups")
         by_kind[key] = by_kind.get(key, 0) + found.bytes_per_step
     stats = program.memory_analysis()
+    if uncounted := report.uncounted():  # never counted once in silence
+        note = (
+            f"{len(uncounted)} collective(s) of the compiled step sit inside loops whose trip count the "
+            f"program does not show ({', '.join(r.name for r in uncounted[:4])}): each counted once, "
+            f"total_bytes is a lower bound"
+        )
+        warnings.warn(f"plan: {row['mode']} {row['layout']} on {row['mesh']}: {note}", stacklevel=4)
+        row = {**row, "notes": (*row["notes"], note)}
     return PlanRow(
         **row,
         bytes=by_kind,

@@ -43,7 +43,8 @@ class PlanRow:
         (microbatches + stages - 1)``; 0 without a pipeline. The peak and state bytes of a
         pipelined row are one stage's (every device holds one stage).
       refused: The TPU compiler's refusal of a step that does not fit (its message; ``peak_bytes``
-        then holds the arguments plus the temporaries it says it needed, to its 0.01 GB), else ``""``.
+        then holds the arguments plus the temporaries it says it needed, to its 0.01 GB, and
+        ``bytes`` the layout's rule's, as estimated), else ``""``.
       shard_options: ``shard_state``'s keywords for this configuration (mesh, layout, units...).
       step_options: ``make_train_step``'s keywords (the mesh, the plan's step options).
 

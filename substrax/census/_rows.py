@@ -98,7 +98,8 @@ class Collective:
 
     @property
     def bytes_per_step(self) -> int:
-        """``bytes`` times its executions (a loop of unknown trip count counted once)."""
+        """``bytes`` times its executions; a loop of unknown trip count counted once
+        (``CensusReport.uncounted`` lists those rows; the report's ``str()`` names them)."""
         return self.bytes * (self.executions or 1)
 
     @property

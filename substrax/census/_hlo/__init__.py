@@ -1,11 +1,12 @@
 """A reader of optimized HLO text: the collective instructions a program runs, and what each says.
 
-It knows HLO, not substrax: ``_module``, and ``_sites``, ``_buffers``, ``_groups``, which
-import only ``_module``.
+It knows HLO, not substrax: ``_module``, and ``_loops``, ``_buffers``, ``_groups``, which
+import only ``_module``; ``_sites`` imports ``_module`` and ``_loops``.
 """
 
 from ._buffers import buffer_op_names, operand_buffers, result_buffers
 from ._groups import Groups, mesh_axes, pair_shift, replica_groups, source_target_pairs
+from ._loops import trip_count
 from ._module import KINDS, Computation, Instruction, Module, Operand, op_name, parse_module
 from ._sites import Site, collective_sites
 
@@ -27,4 +28,5 @@ __all__ = [
     "replica_groups",
     "result_buffers",
     "source_target_pairs",
+    "trip_count",
 ]

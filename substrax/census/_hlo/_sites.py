@@ -1,17 +1,17 @@
-"""The walk from ``ENTRY`` to every collective: loops with trip counts, calls, async pairs once."""
+"""The walk from ``ENTRY`` to every collective: loops with their trip counts, calls, async pairs once."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 
+from ._loops import trip_count
 from ._module import KINDS, Computation, Instruction, Module
 
 _CALLS = re.compile(
     r"\b(?P<key>calls|to_apply|body|condition|true_computation|false_computation|branch_computations"
     r"|called_computations)=(?P<value>\{[^}]*\}|%?[\w.\-]+)"
 )
-_TRIP_COUNT = re.compile(r'known_trip_count"?\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
 _MAX_DEPTH = 200
 
 
@@ -24,7 +24,8 @@ class Site:
       instruction: the instruction (a ``-start`` for an asynchronous pair).
       computation: the computation that holds it.
       trip_counts: the trip count of each ``while`` loop around it, outermost first;
-        ``None`` where the compiler does not state it; ``()`` outside loops.
+        ``None`` where neither the compiler states it nor the loop shows it (``trip_count``);
+        ``()`` outside loops.
     """
 
     kind: str
@@ -50,10 +51,10 @@ def _walk(module: Module, name: str, trips: tuple[int | None, ...], sites: list[
             sites.append(Site(kind, instruction, computation, trips))
         if instruction.opcode.endswith("-done") or instruction.opcode == "async-update":
             continue  # the -start that began it already led to the computation it runs
+        looped = instruction.opcode == "while"
+        count = trip_count(module, instruction, computation) if looped else None
         for key, callee in _callees(instruction.attrs):
-            inner = trips
-            if instruction.opcode == "while" and key in ("body", "condition"):
-                inner = (*trips, _trip_count(instruction.attrs))
+            inner = (*trips, count) if looped and key in ("body", "condition") else trips
             _walk(module, callee, inner, sites, depth + 1)
 
 
@@ -70,8 +71,3 @@ def _callees(attrs: str) -> list[tuple[str, str]]:
         for m in _CALLS.finditer(attrs)
         for callee in re.findall(r"%?([\w.\-]+)", m["value"])
     ]
-
-
-def _trip_count(attrs: str) -> int | None:
-    match = _TRIP_COUNT.search(attrs)
-    return int(match[1]) if match else None
