@@ -5,7 +5,9 @@ applies the stack placed over the ``stage`` axis (``shard_state(..., stages=...)
 
 - the *prologue*, ``(outside, microbatch) -> carry``: ``loss_fn`` up to the stack (the
   embedding), stopped there (``scan_layers`` raises ``_Reached`` with its input);
-- the *stage*, ``(stack, carry) -> carry``: one stage's consecutive layers, ``nnx.scan``;
+- the *stage*, ``(stack, carry, streams) -> (carry, streams)``: one stage's consecutive layers,
+  ``nnx.scan``, drawing from their random streams (dropout: a key and a count per layer), which
+  each stage carries from microbatch to microbatch;
 - the *epilogue*, ``(outside, carry, microbatch) -> (loss, aux)``: ``loss_fn`` again, its
   ``scan_layers`` returning the given carry (the head and the loss; the prologue's work
   before it is dead code, removed by XLA).

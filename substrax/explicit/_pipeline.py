@@ -156,9 +156,9 @@ def _gpipe(
 
 def _one_f_one_b(
     p: _Stages, outside: nnx.State, stack: nnx.State, scale: float, dtype: Any
-) -> tuple[Any, Any, Any, Any]:
-    """1F1B's ticks: ``(loss sum, aux, outside grads, stack grads)``, this device's unreduced share, and
-    the streams after its draws."""
+) -> tuple[Any, Any, Any, Any, nnx.State]:
+    """1F1B's ticks: ``(loss sum, aux, outside grads, stack grads, streams)``, this device's unreduced
+    share, and its layers' random streams after their draws."""
     zero_carry = p.carry_type(outside, stack)
     zero_out = p.loss_type(outside, zero_carry)
     depth = p.schedule.stash
