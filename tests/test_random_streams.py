@@ -219,3 +219,24 @@ def test_the_stack_under_the_users_own_remat_in_a_pipeline_is_refused(
         r"own \(jax.checkpoint, nnx.remat.*substrax.nn.scan_layers\(stack, x, remat=True\)",
     ):
         step(model, opt, _batches(1)[0])
+
+
+def test_the_plan_takes_a_model_with_random_streams() -> None:
+    """A key among the state (the stack's dropout keys): ``substrax.plan`` estimates the step (it raised
+    a TypeError on the key's dtype), one device's state, keys and batch the compiled step's arguments."""
+    mesh = create_device_mesh({"data": 8})
+
+    def build() -> tuple[Probe, nnx.Optimizer]:
+        model = Probe()
+        return model, nnx.Optimizer(model, optax.sgd(SGD), wrt=nnx.Param)
+
+    batch = _batches(1)[0]
+    (row,) = substrax.plan(squared_error, *build(), batch, mesh=mesh, layouts=("replicated",)).rows
+    model, opt = build()
+    with jax.set_mesh(mesh):
+        row.shard_state(model, opt)
+    step = row.make_train_step(squared_error)
+    memory = step.lower(model, opt, batch, donate=True).compile().memory_analysis()
+    keys = DEPTH * jax.random.key(0).dtype.itemsize  # the layout's bytes leave typed keys out
+    assert row.state_bytes + row.batch_bytes + keys == memory.argument_size_in_bytes
+    assert row.peak_bytes > row.state_bytes
