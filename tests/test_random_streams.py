@@ -118,10 +118,11 @@ def _documented_masks(keys: np.ndarray, counts: np.ndarray, mode: str, devices: 
     return np.stack(columns, axis=1)
 
 
-@pytest.mark.parametrize("layout", ["replicated", "fsdp"])
+@pytest.mark.parametrize("layout", ["replicated", "fsdp", "hsdp"])
 @pytest.mark.parametrize("mode", substrax.MODES)
 def test_each_layer_and_device_draws_the_documented_mask(mode: str, layout: str) -> None:
-    mesh, model, opt = _placed({"data": 8}, layout)
+    """On 8 devices (HSDP: ``(replica=2, data=4)``, the rows over both, device ``4 r + d``)."""
+    mesh, model, opt = _placed({"replica": 2, "data": 4} if layout == "hsdp" else {"data": 8}, layout)
     keys, counts = _streams(model)
     step = substrax.make_train_step(with_masks, mode, mesh=mesh, has_aux=True, reduce={"masks": "gather"})
     loss, metrics = step(model, opt, _batches(1)[0])
