@@ -123,11 +123,12 @@ def _documented_masks(keys: np.ndarray, counts: np.ndarray, mode: str, devices: 
 def test_each_layer_and_device_draws_the_documented_mask(mode: str, layout: str) -> None:
     """On 8 devices (HSDP: ``(replica=2, data=4)``, the rows over both, device ``4 r + d``)."""
     mesh, model, opt = _placed({"replica": 2, "data": 4} if layout == "hsdp" else {"data": 8}, layout)
-    keys, counts = _streams(model)
+    keys, counts, before = *_streams(model), params_of(model)
     step = substrax.make_train_step(with_masks, mode, mesh=mesh, has_aux=True, reduce={"masks": "gather"})
     loss, metrics = step(model, opt, _batches(1)[0])
     got = np.asarray(metrics["masks"])
     assert np.isfinite(float(loss))
+    assert all(np.any(params_of(model)[k] != v) for k, v in before.items())  # every parameter moved
     np.testing.assert_array_equal(got, _documented_masks(keys, counts, mode, 8))
     assert len({got[:, i].tobytes() for i in range(DEPTH)}) == DEPTH  # each layer its own mask
     blocks = got.reshape(8, ROWS // 8, DEPTH)  # the rows of each data device
