@@ -227,7 +227,10 @@ def test_compare_gradients_rejects_a_candidate_with_missing_leaves(mesh8: jax.sh
 
     with pytest.raises(
         ValueError,
-        match=r"candidate gradient does not have the model's parameters: it lacks \['hidden.bias', 'hidden.kernel', 'out.bias', 'out.kernel'\] and has \['bias', 'kernel'\]",
+        match=(
+            r"candidate gradient does not have the model's parameters: it lacks "
+            r"\['hidden.bias', 'hidden.kernel', 'out.bias', 'out.kernel'\] and has \['bias', 'kernel'\]"
+        ),
     ):
         compare_gradients(MLP(), mse, batch, mesh8, candidate=partial)
 
@@ -415,7 +418,10 @@ def test_loss_output_must_match_has_aux(mesh8: jax.sharding.Mesh, mode: str) -> 
     batch = regression_batches(1, rows=8)[0]
     with pytest.raises(
         ValueError,
-        match=r"loss_fn returned a tuple of 2 where the loss goes; if it returns \(loss, metrics\), pass has_aux=True",
+        match=(
+            r"loss_fn returned a tuple of 2 where the loss goes; if it returns \(loss, metrics\), "
+            r"pass has_aux=True"
+        ),
     ):
         substrax.make_train_step(_metrics_loss, mode, mesh=mesh8)(model, optimizer, batch)
     with pytest.raises(
@@ -466,7 +472,10 @@ def test_collectives_name_an_unbound_axis(mesh8: jax.sharding.Mesh) -> None:
 
     with pytest.raises(
         ValueError,
-        match=r"reduce_mean_collective: axis 'batch' is not bound here \(the enclosing shard_map's axes are \('data',\)\)",
+        match=(
+            r"reduce_mean_collective: axis 'batch' is not bound here "
+            r"\(the enclosing shard_map's axes are \('data',\)\)"
+        ),
     ):
         jax.shard_map(body, mesh=mesh8, in_specs=P("data"), out_specs=P())(np.ones(8))
     with pytest.raises(

@@ -137,8 +137,8 @@ def test_the_peak_estimate_holds_on_a_llama_style_stack() -> None:
 def test_schedule_candidates_and_a_mesh_without_stage() -> None:
     mesh = create_device_mesh({"data": 2, "stage": 4})
     with pytest.raises(ValueError, match="schedule must be one of"):
-        substrax.plan(mse, *build(), batch(), mesh=mesh, layouts=("replicated",), placement={"stages": Residual},
-                      microbatches=K, schedule="zigzag")  # fmt: skip
-    one = substrax.plan(mse, *build(), batch(), mesh=mesh, layouts=("replicated",), placement={"stages": Residual},
-                        microbatches=K, schedule=("1f1b",))  # fmt: skip
+        substrax.plan(mse, *build(), batch(), mesh=mesh, layouts=("replicated",),
+                      placement={"stages": Residual}, microbatches=K, schedule="zigzag")  # fmt: skip
+    one = substrax.plan(mse, *build(), batch(), mesh=mesh, layouts=("replicated",),
+                        placement={"stages": Residual}, microbatches=K, schedule=("1f1b",))  # fmt: skip
     assert [r.schedule for r in one.rows] == ["1f1b"]

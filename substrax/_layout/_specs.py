@@ -123,7 +123,8 @@ def check_declared_rank(variable: nnx.Variable[Any], spec: tuple[Any, ...], name
             f"{name} has {ndim} dimensions but its layer declares a split for {len(spec)} "
             f"({PartitionSpec(*spec)}): it was stacked (nnx.vmap or nnx.scan) without "
             f"transform_metadata={{nnx.PARTITION_NAME: None}}, so the split would land on the wrong "
-            f"dimension. Create the stack with nnx.vmap(..., transform_metadata={{nnx.PARTITION_NAME: None}}), "
+            f"dimension. Create the stack with nnx.vmap(..., "
+            f"transform_metadata={{nnx.PARTITION_NAME: None}}), "
             f"which gives the layer axis its own (unsplit) entry."
         )
 
@@ -146,7 +147,8 @@ def check_mesh_axes(tree: Any, mesh: Any, owner: str) -> None:
             raise ValueError(
                 f"{path_str(tuple(path), owner)} is declared sharded as {PartitionSpec(*spec)}, over "
                 f"mesh axis {refused[0]!r}, which the mesh {dict(mesh.shape)} lacks. Build the mesh "
-                f"with that axis (substrax.mesh.create_device_mesh), or place the state with substrax.shard_state on this mesh, which places such a split whole."
+                f"with that axis (substrax.mesh.create_device_mesh), or place the state with "
+                f"substrax.shard_state on this mesh, which places such a split whole."
             )
         said = variable.get_metadata().get("declared_sharding") or spec
         variable.set_metadata(out_sharding=without_axes(spec, missing), declared_sharding=said)

@@ -183,19 +183,7 @@ def _row(
         "step_options": {"mesh": mesh, **opts},
     }
     if compiled:  # the program itself: its census and memory_analysis(), exact
-        try:
-            return _compiled(row, lowered.compile(), mesh)
-        except jax.errors.JaxRuntimeError as e:
-            if (need := _hbm_refusal(str(e))) is None:
-                raise
-            return PlanRow(
-                **row,
-                bytes={},
-                optional_bytes=0,
-                temp_bytes=need,
-                compiler=f"{_platform(mesh)} (compiled)",
-                refused=str(e).splitlines()[0][:400],
-            )
+        return _compiled_or_refused(row, lowered, mesh)
     by_kind, optional = _items.required(expected.items, step.options.microbatches, step.options.data_axis)
     if "explicit" not in memory:  # the memory is explicit mode's (XLA places the implicit step's)
         if mode != "explicit":
@@ -209,6 +197,24 @@ def _row(
         output_bytes=memory["explicit"].outputs,
         temp_bytes=memory["explicit"].temporaries,
     )
+
+
+def _compiled_or_refused(row: dict[str, Any], lowered: Any, mesh: Mesh) -> PlanRow:
+    """``row`` compiled (``_compiled``); where the compiler refused the program for want of
+    memory, the bytes it asked for as its temporaries, and its refusal."""
+    try:
+        return _compiled(row, lowered.compile(), mesh)
+    except jax.errors.JaxRuntimeError as e:
+        if (need := _hbm_refusal(str(e))) is None:
+            raise
+        return PlanRow(
+            **row,
+            bytes={},
+            optional_bytes=0,
+            temp_bytes=need,
+            compiler=f"{_platform(mesh)} (compiled)",
+            refused=str(e).splitlines()[0][:400],
+        )
 
 
 def _compiled(row: dict[str, Any], program: Any, mesh: Mesh) -> PlanRow:

@@ -196,7 +196,7 @@ class TrainStep:
             arrays: list[jax.Array], batch: PyTree, placed: _PlacedSpecs | None
         ) -> tuple[list[jax.Array], Any, Any]:
             model, optimizer = nnx.merge(graphdef, jax.tree.unflatten(treedef, arrays))
-            # the guarded update in place (substrax._shared.update); reduce-scatters as the platform takes them
+            # guarded update in place (substrax._shared.update); reduce-scatters as the platform takes them
             with donated_state(donate), rows_for(platform):
                 out, applied = self._run(model, optimizer, batch, placed)
             return jax.tree.leaves(nnx.state((model, optimizer))), out, applied

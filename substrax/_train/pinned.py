@@ -34,7 +34,8 @@ def refused(error: BaseException) -> bool:
 
 def _warn(error: BaseException) -> None:
     warnings.warn(
-        f"The TPU compiler cannot emit a reduce-scatter of this step as written ({str(error).splitlines()[0]}); "
+        f"The TPU compiler cannot emit a reduce-scatter of this step as written "
+        f"({str(error).splitlines()[0]}); "
         f"the step is compiled with its reduce-scatter decomposer (substrax._shared.compiler."
         f"TPU_REFUSED_OPTIONS), which may run reduce-scatters as all-reduces of the whole buffer: "
         f"step.check_communication names each (census guide, 'On a TPU').",

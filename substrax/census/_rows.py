@@ -193,7 +193,8 @@ def _part_buffers(row: Collective) -> tuple[Operand, ...]:
 
 
 def collectives(module: _hlo.Module, mesh: tuple[tuple[str, int], ...] | None) -> tuple[Collective, ...]:
-    """One row per collective instruction of ``module``, in program order; ``mesh``: ``(axis, size)`` pairs."""
+    """One row per collective instruction of ``module``, in program order; ``mesh``: ``(axis, size)``
+    pairs."""
     local, across = _slices(module, mesh)
     rows = tuple(_row(site, module, local) for site in _hlo.collective_sites(module))
     if not across:

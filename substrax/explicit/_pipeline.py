@@ -26,6 +26,7 @@ from substrax._base import declared, scopes
 from substrax._base.specs import spec_axes
 from substrax._base.trees import KeyPath, PyTree
 from substrax._metrics.collectives import to_varying_over, varying_axes
+from substrax._shared.loss import loss_and_metrics
 from substrax._shared.microbatch import split_microbatches
 from substrax._shared.pipeline import Staged, advanced, floats_of, put, take, with_floats
 from substrax._shared.pipeline_record import note_pipeline
@@ -244,7 +245,7 @@ def pipelined_value_and_grad(
     note_pipeline(schedule_, mode="explicit")
     devices = math.prod(jax.lax.axis_size(a) for a in rows)
     slices = split_microbatches(shard, share.specs, share.rows, microbatches)
-    staged = Staged(model, stack_path, split_loss)
+    staged = Staged(model, stack_path, lambda m, b: loss_and_metrics(split_loss(m, b), True))  # a scalar loss
     streams = _stage_streams(staged.streams, jax.tree.leaves(staged.stack)[0].shape[0], stage_axis)
     p = _Stages(staged, slices, schedule_, stage_axis, axes, streams)
     outside, stack = p.varying(staged.outside), p.varying(staged.stack)

@@ -46,7 +46,8 @@ def scan_layers(stack: nnx.Module, x: jax.Array, *args: Any, remat: bool = False
 def scan_plain(
     stack: nnx.Module, x: jax.Array, args: tuple[Any, ...], kwargs: dict[str, Any], remat: bool
 ) -> Any:
-    """``nnx.scan`` of ``layer(h, *args, **kwargs)`` over ``stack``'s layers (``nnx.remat`` each with ``remat``)."""
+    """``nnx.scan`` of ``layer(h, *args, **kwargs)`` over ``stack``'s layers (``nnx.remat`` each with
+    ``remat``)."""
 
     def body(h: jax.Array, layer: nnx.Module) -> tuple[jax.Array, None]:
         return layer(h, *args, **kwargs), None
