@@ -181,6 +181,9 @@ def decide(
         for path, variable in of_owner.items():  # everything else: replicated on the mesh
             if (owner, path) not in specs and hasattr(variable.get_value(), "shape"):
                 specs[owner, path] = _base(variable, said[owner, path], axis, mesh)
+                staged = stage is not None and path[: len(stage)] == stage and variable.get_value().shape
+                if owner == "model" and staged:  # a stacked random stream: a stage's layers' counts
+                    specs[owner, path] = (STAGE_AXIS, *specs[owner, path][1:])
     shapes = {p: tuple(np.shape(variables["model"][p].get_value())) for p in mirrors}
     splits = any(choose_split_dim(shapes[p], size, min_size, bases[p]) is not None for p in mirrors)
     return ShardDecision(

@@ -244,8 +244,8 @@ def shard_state(
       stages: On a mesh with a ``stage`` axis, the stack of layers to pipeline: a module
         type (a stack built by ``nnx.vmap`` and applied by ``substrax.nn.scan_layers``), a
         tuple of them, or ``(path, module) -> bool``. Its parameters (and their optimizer
-        state) are split on the layer axis over ``stage``, consecutive layers a stage; the
-        layout applies within a stage (see the pipelines guide).
+        state, and its random streams' counts) are split on the layer axis over ``stage``,
+        consecutive layers a stage; the layout applies within a stage (see the pipelines guide).
 
     Returns:
       The ``Layout``: which leaf went where, the bytes per device, and the parameters

@@ -27,7 +27,8 @@ def scan_layers(stack: nnx.Module, x: jax.Array, *args: Any, remat: bool = False
       stack: One module whose parameters carry a leading layer axis (``nnx.vmap``).
       x: The carry: each layer's input and output, of one shape and type.
       *args: Passed to every layer, the same each time (a mask, positions).
-      remat: Recompute each layer's forward pass in the backward one.
+      remat: Recompute each layer's forward pass in the backward one (in a pipelined step,
+        the way to ask: a ``jax.checkpoint`` or ``nnx.remat`` around ``scan_layers`` is refused).
       **kwargs: Passed to every layer.
 
     Returns:
