@@ -6,10 +6,11 @@ column-parallel and a row-parallel linear: split over ``model`` on a mesh with i
 reads, so its gradient is summed over the stages) and a static keyword, then a head.
 
 Parity: each mode x schedule on four meshes, ``stage=8`` (``data=1``), ``(stage=4, data=2)``,
-``(stage=2, data=2, model=2)`` and ``(replica=2, data=2, stage=2)``, with 8, 4, 8 and 4 microbatches
-and the layouts replicated, FSDP with each layer a unit, ZeRO-1 and HSDP (16 cases, not the full
-product of layouts and microbatches: each case compiles a step); SGD held strictly (float32 round-off), Adam to the
-noise floor measured by the reference run on permuted rows (two cases, FSDP). Then the
+``(stage=2, data=2, model=2)`` and ``(replica=2, data=2, stage=2)``, with 8, 4, 8 and 4
+microbatches and the layouts replicated, FSDP with each layer a unit, ZeRO-1 and HSDP (16 cases,
+not the full product of layouts and microbatches: each case compiles a step); SGD held strictly
+(float32 round-off), Adam to the noise floor measured by the reference run on permuted rows (two
+cases, FSDP). Then the
 placement, ``compare_gradients`` on the pipelined steps, a checkpoint restored onto a mesh
 without ``stage``, the schedules' tables, and every refusal by name.
 """
