@@ -17,7 +17,7 @@ from substrax._base.trees import adopt_assigned_arrays, path_str
 from substrax._layout._decide import ShardDecision, decide
 from substrax._layout._owners import flat_state
 from substrax._layout._report import LAYOUTS, REPLICA_AXIS, REPLICA_KEY, Layout, LayoutKind, layout_of
-from substrax._layout._specs import spec_tuple, split_dim_of, trimmed
+from substrax._layout._specs import model_roles, spec_tuple, split_dim_of, trimmed
 from substrax._layout._stages import mark_stages
 from substrax._layout._units import UnitsSpec, mark_units
 from substrax.mesh import compile_only, current_mesh
@@ -130,8 +130,10 @@ def _mesh_for(
     layout: str,
     replica_axis: str,
 ) -> Mesh:
-    """The concrete mesh to place on (``mesh`` or the one set), with ``axis`` and HSDP's ``replica_axis``."""
-    found = current_mesh(mesh, required_axes=(axis,))
+    """The concrete mesh to place on (``mesh`` or the one set), its axis roles checked (``axis_roles``)
+    and HSDP's ``replica_axis`` on it."""
+    found = current_mesh(mesh)
+    model_roles(model, found, axis, replica_axis)
     if not isinstance(found, Mesh):
         raise ValueError("shard_state places arrays: call it outside jax.jit, with a concrete mesh.")
     if compile_only(found):
