@@ -57,8 +57,8 @@ class StepOptions:
         names an unknown operation, ``microbatches`` is below 1, ``schedule`` is unknown
         or comes with fewer than two microbatches, or
         ``max_skips_in_a_row`` is not a positive int or ``None``.
-      TypeError: If an axis name is not a str, ``microbatches`` is not an int, ``skip_nonfinite`` not a bool, or
-        ``precision`` not a ``MixedPrecision``.
+      TypeError: If an axis name is not a str, ``microbatches`` is not an int,
+        ``skip_nonfinite`` not a bool, or ``precision`` not a ``MixedPrecision``.
     """
 
     mode: Mode = "implicit"

@@ -94,15 +94,16 @@ def make_train_step(
     Raises:
       ValueError: At once: an unknown ``mode``, ``reduce`` without ``has_aux`` or with an
         unknown operation, two roles (``data_axis``, ``replica_axis``, the stage axis) on one
-        axis, ``microbatches`` below 1, an
-        unknown ``schedule``, one with fewer than two microbatches or a ``mesh`` without ``stage``.
-        When called (before compiling): a layer's axis that is another role's, a mesh without
-        ``data_axis`` one axis of which has no role (a misnamed data axis), a batch that does not split over ``data_axis`` (or ``batch_spec``)
-        or into ``microbatches``, an output that does not match ``has_aux``, ``schedule``
-        on a model without a staged stack (or a staged model without ``schedule``), a ``reduce``
-        metric not returned, (explicit) state sharded other than by ``shard_state``,
-        ``"hsdp"`` state placed with another ``replica_axis``, or on several processes a host
-        leaf whose shape differs between them; each names the leaf, metric, parameter or axes.
+        axis, ``microbatches`` below 1, an unknown ``schedule``, one with fewer than two
+        microbatches or a ``mesh`` without ``stage``. When called, before compiling: a layer's
+        axis that is another role's, a mesh without ``data_axis`` one axis of which has no
+        role (a misnamed data axis), a batch that does not split over ``data_axis`` (or
+        ``batch_spec``) or into ``microbatches``, a ``batch_spec`` over the stage axis, an
+        output that does not match ``has_aux``, ``schedule`` on a model without a staged
+        stack (or a staged model without ``schedule``), a ``reduce`` metric not returned,
+        (explicit) state sharded other than by ``shard_state``, ``"hsdp"`` state placed with
+        another ``replica_axis``, or on several processes a host leaf whose shape differs
+        between them; each names the leaf, metric, parameter or axes.
       TypeError: If ``microbatches`` is not an int.
     """
     options = options_from(locals())  # the keywords above, checked once
