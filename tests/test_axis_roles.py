@@ -23,7 +23,7 @@ import optax
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from models import MLP, Residual, Tower, mse, one_device_params, params_of, sine_batches
+from models import MLP, Residual, Tower, mse, one_device_params, params_of, regression_batches, sine_batches
 
 import substrax
 from substrax.mesh import create_device_mesh
@@ -119,6 +119,22 @@ def test_a_mesh_of_model_alone_trains_like_one_device(mode: str, microbatches: i
     for batch in _batches():
         step(model, opt, batch)
     _assert_like(model, reference)
+
+
+@pytest.mark.parametrize("mode", substrax.MODES)
+def test_a_mesh_of_replicas_alone_splits_the_rows_over_them(mode: str) -> None:
+    """``{"replica": 8}``: the replica axis alone splits the rows (the data axis has one device), so
+    ``"hsdp"`` replicates everything and the gradient is summed over ``replica``."""
+    batches = regression_batches(STEPS, ROWS)
+    want = one_device_params(MLP, _tx(), batches)
+    mesh, model, opt = _built({"replica": 8}, MLP)
+    assert substrax.shard_state(model, opt, mesh=mesh, layout="hsdp", min_size=1).kind == "replicated"
+    step = substrax.make_train_step(mse, mode, mesh=mesh, microbatches=2)
+    check = step.check_communication(model, opt, batches[0])
+    assert check.matches and ("replica",) in {row.axes for row in check.report.rows}, str(check)
+    for batch in batches:
+        step(model, opt, batch)
+    _assert_like(model, want)
 
 
 # --- two roles on one axis, refused before anything is lowered --------------------------

@@ -230,7 +230,8 @@ def shard_state(
       layout: ``"fsdp"`` (the default: parameters and their state split), ``"zero1"`` (the
         optimizer state only), ``"replicated"``, or ``"hsdp"`` (FSDP within a replica,
         replicated over ``replica_axis``, which the mesh must have).
-      data_axis: The data axis to split over.
+      data_axis: The data axis to split over; on a mesh without it nothing is split over it (a
+        data axis of one device: the ``Layout``'s kind is ``"replicated"``).
       min_size: Parameters with fewer elements stay replicated.
       params: Older spelling of ``layout`` (``True``: ``"fsdp"``, ``False``: ``"zero1"``); still works.
       axis: Older spelling of ``data_axis``; still works. Given with the newer one, they must agree.
@@ -260,8 +261,10 @@ def shard_state(
         ``units`` or with ``reshard_after_forward=False``; the mesh has a ``stage`` axis without ``stages``,
         or ``stages`` comes without one, with ``prefetch``, matches nothing (naming the module types), a
         module that is no stack or two of them, or a stack whose layers the stages do not divide; ``layout``
-        is unknown or contradicts ``params``; ``axis`` contradicts ``data_axis``; the mesh lacks the axis;
-        ``min_size`` is negative; or the optimizer is not the model's. Each names the axis or leaf.
+        is unknown or contradicts ``params``; ``axis`` contradicts ``data_axis``; two roles (the data,
+        replica and stage axes, the layers' own) share an axis, or the mesh lacks the data axis and another
+        axis has no role (batches guide, "Axis roles"); ``min_size`` is negative; or the optimizer is not
+        the model's. Each names the axis or leaf.
 
     Warns:
       UserWarning: Once per call, naming each parameter of at least ``min_size`` elements

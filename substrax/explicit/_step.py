@@ -98,7 +98,8 @@ def explicit_train_step(
       The global batch's loss, replicated; with ``has_aux``, ``(loss, metrics)``.
 
     Raises:
-      ValueError: If there is no mesh or it lacks ``data_axis``, ``batch_spec`` does not
+      ValueError: If there is no mesh, two roles share an axis or, on a mesh without
+        ``data_axis``, an axis has none (batches guide, "Axis roles"), ``batch_spec`` does not
         fit the batch, a leaf cannot be split over its axes, the output does not match
         ``has_aux``, ``reduce`` comes without ``has_aux`` or names a metric not returned or
         an unknown operation, a variable is declared sharded over an axis other than

@@ -43,8 +43,9 @@ def spmd_train_step(
 ) -> jax.Array | tuple[jax.Array, Any]:
     """Execute a data-parallel training step using SPMD: XLA inserts the gradient all-reduce.
 
-    Call it inside ``@nnx.jit`` with a mesh set; with ``data_axis`` on it the batch is split
-    over it and ``shard_state``'s layout kept (see the modes guide). The keyword options are
+    Call it inside ``@nnx.jit`` with a mesh set: the batch is split over ``data_axis`` (on a
+    mesh without it, not split: a data axis of one device) and ``shard_state``'s layout kept
+    (see the modes guide); with no mesh set, a plain step. The keyword options are
     ``make_train_step``'s; here ``reduce=None`` returns ``aux`` as ``loss_fn`` gave it.
 
     Args:
