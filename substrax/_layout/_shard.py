@@ -230,8 +230,7 @@ def shard_state(
       layout: ``"fsdp"`` (the default: parameters and their state split), ``"zero1"`` (the
         optimizer state only), ``"replicated"``, or ``"hsdp"`` (FSDP within a replica,
         replicated over ``replica_axis``, which the mesh must have).
-      data_axis: The data axis to split over; on a mesh without it nothing is split over it (a
-        data axis of one device: the ``Layout``'s kind is ``"replicated"``).
+      data_axis: The data axis to split over (a mesh without it: one device, nothing split).
       min_size: Parameters with fewer elements stay replicated.
       params: Older spelling of ``layout`` (``True``: ``"fsdp"``, ``False``: ``"zero1"``); still works.
       axis: Older spelling of ``data_axis``; still works. Given with the newer one, they must agree.
