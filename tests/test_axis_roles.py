@@ -121,6 +121,16 @@ def test_a_mesh_of_model_alone_trains_like_one_device(mode: str, microbatches: i
     _assert_like(model, reference)
 
 
+def test_the_plan_of_a_mesh_without_data_names_no_data_axis() -> None:
+    """A collective the rule names no axis for runs over every device there: counted under the mesh's."""
+    mesh, model, opt = _built({"model": 8})
+    table = substrax.plan(
+        mse, model, opt, _batches()[0], mesh=mesh, mode=list(substrax.MODES), layouts=["fsdp"]
+    )
+    for row in table.rows:
+        assert row.bytes and all(axes == "model" for _, axes in row.bytes), (row.mode, row.bytes)
+
+
 @pytest.mark.parametrize("mode", substrax.MODES)
 def test_a_mesh_of_replicas_alone_splits_the_rows_over_them(mode: str) -> None:
     """``{"replica": 8}``: the replica axis alone splits the rows (the data axis has one device), so
