@@ -267,9 +267,16 @@ def test_no_mesh(mesh8: jax.sharding.Mesh) -> None:
 
 
 @pytest.mark.parametrize("mode", substrax.MODES)
-def test_missing_axis_is_refused_when_the_step_is_built(mesh8: jax.sharding.Mesh, mode: str) -> None:
-    with pytest.raises(ValueError, match=r"Axis 'batch' is not in the mesh, whose axes are \('data',\)"):
-        substrax.make_train_step(mse, mode, mesh=mesh8, data_axis="batch")
+def test_a_misnamed_data_axis_is_refused_when_the_step_is_called(mesh8: jax.sharding.Mesh, mode: str) -> None:
+    """A mesh may lack the data axis (one device along it), but not leave an axis without a role."""
+    model, optimizer = _model_and_optimizer(mesh8)
+    step = substrax.make_train_step(mse, mode, mesh=mesh8, data_axis="batch")
+    with pytest.raises(
+        ValueError,
+        match=r"Axis 'batch' is not in the mesh, whose axes are \('data',\)\. .* axis 'data' \(8 devices\) "
+        r"has no role.* Pass data_axis='data'",
+    ):
+        step(model, optimizer, regression_batches(1, rows=8)[0])  # (test_axis_roles: before lowering)
 
 
 def test_batch_spec_errors(mesh8: jax.sharding.Mesh) -> None:

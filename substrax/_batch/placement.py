@@ -12,6 +12,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
+from substrax._base.roles import axis_roles
 from substrax._base.specs import check_fits, check_spec_axes, spec_axes
 from substrax._base.trees import KeyPath, PyTree, broadcast_prefix, is_array, path_str
 from substrax._batch.leaves import batch_partition_specs, warn_float64
@@ -28,11 +29,9 @@ __all__ = [
 
 def row_axes(mesh: Any, data_axis: str = "data", replica_axis: str = "replica") -> str | tuple[str, ...]:
     """The mesh axes a batch's rows are split over: ``data_axis``, after ``replica_axis`` where
-    ``mesh`` has it (hybrid sharding: ``("replica", "data")``, replicas outer)."""
-    names = tuple(getattr(mesh, "axis_names", ()) or ())
-    if replica_axis in names and replica_axis != data_axis:
-        return (replica_axis, data_axis)
-    return data_axis
+    ``mesh`` has it (hybrid sharding: ``("replica", "data")``, replicas outer); an axis the mesh
+    lacks left out (``AxisRoles.rows``). Raises ``axis_roles``'s errors."""
+    return axis_roles(mesh, data_axis, replica_axis).rows
 
 
 def create_data_parallel_sharding(

@@ -33,6 +33,12 @@ def _mesh_label(mesh: Mesh) -> str:
     return ",".join(f"{a}={n}" for a, n in mesh.shape.items())
 
 
+def _unnamed(step: Any, mesh: Mesh) -> str:
+    """The axes of a collective the rule names none for: the data axis, every axis of a mesh without it."""
+    axis = step.options.data_axis
+    return axis if axis in mesh.axis_names else ",".join(mesh.axis_names)
+
+
 def plan(
     loss_fn: Callable[[Any, PyTree], Any],
     model: nnx.Module,
@@ -183,7 +189,7 @@ def _row(
         "shard_options": shard_options,
         "step_options": {"mesh": mesh, **opts},
     }
-    by_kind, optional = _items.required(expected.items, step.options.microbatches, step.options.data_axis)
+    by_kind, optional = _items.required(expected.items, step.options.microbatches, _unnamed(step, mesh))
     if compiled:  # the program itself: its census and memory_analysis(), exact
         return _on_target(row, lowered, mesh, by_kind, optional)
     if "explicit" not in memory:  # the memory is explicit mode's (XLA places the implicit step's)

@@ -267,7 +267,7 @@ def cross_replica_items(
     slice (a ``1/|data|`` of it, in the policy's reduce dtype), summed over the replica
     axis after the reduce-scatter over the data axis (explicit mode: one all-reduce, a
     buffer per slice)."""
-    n = sizes[options.data_axis]
+    n = sizes.get(options.data_axis, 1)  # a mesh without it: one device
     items = []
     for path, shape, dtype, split in leaves:
         if split:
