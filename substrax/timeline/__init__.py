@@ -1,0 +1,14 @@
+"""A compiled step's time, predicted from the program: each operation at its bound on the target,
+each collective on the link its axes span, what the compiled schedule overlaps.
+
+``predict(compiled, mesh=...)`` gives a ``Timeline`` (its FLOPs, compute, communication, exposed
+and step seconds, and its events, which ``write_trace`` writes as a Chrome trace); ``TARGETS``
+holds each accelerator's public numbers (``Target``). ``substrax.plan`` predicts each row it
+compiles for a TPU or a GPU. See the planning guide, "Seconds".
+"""
+
+from substrax.timeline._targets import LINKS, TARGETS, Target, target_of
+from substrax.timeline._timeline import Timeline, predict
+from substrax.timeline._walk import Event
+
+__all__ = ["LINKS", "TARGETS", "Event", "Target", "Timeline", "predict", "target_of"]
