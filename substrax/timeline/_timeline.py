@@ -106,13 +106,14 @@ def predict(
     links = axis_links(mesh) if mesh is not None else {}
     devices = module.num_devices or (math.prod(mesh.shape.values()) if mesh is not None else None)
     span = walk(module, rows, links, chosen, devices)
+    exposed = min(span.exposed, span.communication)  # equal but for the clock's round-off
     return Timeline(
         target=chosen,
         flops=span.flops,
         compute_seconds=span.compute,
         communication_seconds=span.communication,
-        exposed_seconds=span.exposed,
-        step_seconds=span.duration,
+        exposed_seconds=exposed,
+        step_seconds=span.compute + exposed,
         events=tuple(span.events),
         notes=tuple(span.notes),
     )
