@@ -34,6 +34,7 @@ MODES = ("implicit", "explicit")
 SIZES = {  # name: (d, blocks, heads, seq, batch)
     "13M": (512, 4, 8, 512, 16),
     "102M": (1024, 8, 16, 1024, 8),
+    "342M": (1536, 12, 12, 1024, 4),
     "quick": (128, 2, 4, 128, 8),
     "smoke": (16, 1, 2, 8, 4),
 }
@@ -47,7 +48,14 @@ PEAK_TFLOPS = {
 
 
 def run(
-    sizes: list[str], precisions: list[str], rounds: int, block_s: float, peak: float | None
+    sizes: list[str],
+    precisions: list[str],
+    rounds: int,
+    block_s: float,
+    peak: float | None,
+    spellings: tuple[str, ...] = ("bound", "plain", "bind"),
+    planned: bool = True,
+    modes: tuple[str, ...] = MODES,
 ) -> list[dict]:
     import jax
     import jax.numpy as jnp
@@ -78,33 +86,41 @@ def run(
             memory: dict[str, dict[str, Any]] = {}
             model, optimizer = fresh()
             params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-            calls["bound"] = _bound(model, optimizer, example.loss_fn, batch, policy, mesh)
+            if "bound" in spellings:
+                calls["bound"] = _bound(model, optimizer, example.loss_fn, batch, policy, mesh)
             label = {"size": size, "params": int(params), "precision": precision_name}
-            for mode in MODES:
+            for mode in modes:
                 try:
                     step = substrax.make_train_step(example.loss_fn, mode, mesh=mesh, precision=policy)
                     model, optimizer = fresh()
                     started = time.perf_counter()
                     compiled = step.lower(model, optimizer, batch, donate=True).compile()
                     memory[mode] = {**M.memory(compiled), "compile_s": time.perf_counter() - started}
-                    planned = substrax.plan(
-                        example.loss_fn, model, optimizer, batch, mesh=mesh, mode=mode,
-                        layouts=["replicated"], precision=policy,
-                    )  # fmt: skip
-                    memory[mode]["plan_peak_bytes"] = planned.rows[0].peak_bytes
-                    calls[f"plain:{mode}"] = _plain(step, model, optimizer, batch)
-                    bound_model, bound_optimizer = fresh()
-                    calls[f"bind:{mode}"] = _bind(step, bound_model, bound_optimizer, batch)
+                    del compiled
+                    if planned:
+                        plan = substrax.plan(
+                            example.loss_fn, model, optimizer, batch, mesh=mesh, mode=mode,
+                            layouts=["replicated"], precision=policy,
+                        )  # fmt: skip
+                        memory[mode]["plan_peak_bytes"] = plan.rows[0].peak_bytes
+                    if "plain" in spellings:
+                        calls[f"plain:{mode}"] = _plain(step, model, optimizer, batch)
+                    if "bind" in spellings:
+                        if "plain" not in spellings:  # one copy of the state on the chip, not two
+                            del model, optimizer
+                        bound_model, bound_optimizer = fresh()
+                        calls[f"bind:{mode}"] = _bind(step, bound_model, bound_optimizer, batch)
                 except Exception as e:  # a mode the library refuses: its row says why, the run goes on
                     rows.append({**label, "spelling": mode, "error": f"{type(e).__name__}: {e}"})
                     calls = {k: v for k, v in calls.items() if not k.endswith(f":{mode}")}
             for call in calls.values():  # compiled and run once before any is timed
                 jax.block_until_ready(call())
-            samples, block = M.interleaved(calls, rounds, block_s, "bound")
+            reference = "bound" if "bound" in calls else next(iter(calls))
+            samples, block = M.interleaved(calls, rounds, block_s, reference)
             tokens_per_step = batch_rows * seq
             for name, times in samples.items():
                 median = float(np.median(times))
-                ratio = M.paired_ratio(times, [samples["bound"]])
+                ratio = M.paired_ratio(times, [samples[reference]])
                 mode = name.split(":")[-1]
                 row = {
                     "size": size, "params": int(params), "d": d, "blocks": blocks, "seq": seq,
@@ -117,6 +133,7 @@ def run(
                 if name != "bound":
                     row |= {f"{k}": v for k, v in memory[mode].items()}
                 rows.append(row)
+                print(row, flush=True)
     return rows
 
 
@@ -204,6 +221,9 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="a small size, 3 rounds (runs on a CPU too)")
     parser.add_argument("--smoke", action="store_true", help="tiny, one round of one step: that it runs")
+    parser.add_argument("--spellings", default="bound,plain,bind", help="of bound, plain, bind")
+    parser.add_argument("--modes", default=",".join(MODES), help="of implicit, explicit")
+    parser.add_argument("--no-plan", action="store_true", help="skip substrax.plan's peak (a compile each)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.smoke or args.quick:
@@ -213,7 +233,11 @@ def main() -> None:
 
     import jax
 
-    rows = run(args.sizes.split(","), args.precisions.split(","), args.rounds, args.block_s, args.peak_tflops)
+    spellings = tuple(args.spellings.split(","))
+    rows = run(
+        args.sizes.split(","), args.precisions.split(","), args.rounds, args.block_s, args.peak_tflops,
+        spellings, not args.no_plan, tuple(args.modes.split(",")),
+    )  # fmt: skip
     machine = {**M.machine(), "device_kind": jax.devices()[0].device_kind}
     text = table(rows, machine)
     print(text)

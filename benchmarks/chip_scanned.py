@@ -1,0 +1,111 @@
+"""One accelerator chip: a scanned Llama-style decoder's step in both modes, side by side.
+
+The model is ``tests/llama.py``'s (RoPE, grouped-query attention, RMSNorm, SwiGLU; blocks stacked by
+``nnx.vmap`` and applied by ``nnx.scan``, under ``nnx.remat`` when asked), trained with AdamW through
+``make_train_step(loss_fn, MODE).bind(model, optimizer)``. Both modes run interleaved after warm-up
+(``benchmarks/_measure.py``); each row gives the median step time and the explicit/implicit ratio
+measured in the same rounds.
+
+    python benchmarks/chip_scanned.py --json benchmarks/results/chip_scanned_tpu_v5e.json   # on the chip
+    python benchmarks/chip_scanned.py --smoke --json out.json                                # on a CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import _measure as M  # benchmarks/_measure.py: run as `python benchmarks/NAME.py`
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+MODES = ("implicit", "explicit")
+# name: (d, depth, heads, kv_heads, hidden, vocab, seq, batch, precision, remat)
+CONFIGS = {
+    "245M-bf16": (1024, 16, 16, 4, 3456, 32000, 1024, 8, "bf16", True),
+    "245M-f32": (1024, 16, 16, 4, 3456, 32000, 1024, 4, "f32", True),
+    "31M-bf16-remat": (512, 8, 8, 2, 1408, 8192, 512, 32, "bf16", True),
+    "31M-bf16": (512, 8, 8, 2, 1408, 8192, 512, 16, "bf16", False),
+    "smoke": (32, 2, 4, 2, 64, 128, 16, 4, "bf16", True),
+}
+
+
+def run(names: list[str], rounds: int, block_s: float) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    import llama
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    import substrax
+    from substrax.mesh import create_device_mesh
+
+    mesh = create_device_mesh({"data": 1}, devices=jax.devices()[:1])
+    rows = []
+    for name in names:
+        d, depth, heads, kv, hidden, vocab, seq, rows_, precision, remat = CONFIGS[name]
+        policy = substrax.MixedPrecision(jnp.bfloat16) if precision == "bf16" else None
+        tokens = np.random.default_rng(0).integers(0, vocab, (rows_, seq + 1)).astype(np.int32)
+        batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
+        calls, first = {}, {}
+        for mode in MODES:
+            with jax.set_mesh(mesh):
+                model = llama.Llama(vocab, d, depth, heads=heads, kv_heads=kv, hidden=hidden, remat=remat)
+                optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
+            params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+            step = substrax.make_train_step(llama.loss_fn, mode, mesh=mesh, precision=policy)
+            fast = step.bind(model, optimizer)
+            calls[mode] = lambda fast=fast: fast(batch)
+            first[mode] = M.first_call_s(calls[mode], warmup=2)
+        samples, block = M.interleaved(calls, rounds, block_s, "implicit")
+        ratio = M.paired_ratio(samples["explicit"], [samples["implicit"]])
+        for mode in MODES:
+            median = float(np.median(samples[mode]))
+            rows.append({
+                "config": name, "params": int(params), "d": d, "depth": depth, "seq": seq, "batch": rows_,
+                "precision": precision, "remat": remat, "mode": mode, "median_step_us": median * 1e6,
+                "first_call_s": first[mode], "explicit_over_implicit": ratio["paired_ratio"],
+                "tokens_per_s": rows_ * seq / median, "block": block, "rounds": rounds,
+            })  # fmt: skip
+    return rows
+
+
+def table(rows: list[dict], machine: dict[str, Any]) -> str:
+    lines = [
+        f"{machine['device_kind']} ({machine['backend']}), jax {machine['jax']}, {machine['date']}",
+        f"{'config':<16} {'params':>8} {'mode':<9} {'step ms':>9} {'expl/impl':>9} {'tokens/s':>11}",
+    ]
+    for r in rows:
+        lines.append(
+            f"{r['config']:<16} {r['params'] / 1e6:>7.1f}M {r['mode']:<9} {r['median_step_us'] / 1e3:>9.2f} "
+            f"{r['explicit_over_implicit']:>9.3f} {r['tokens_per_s']:>11,.0f}"
+        )
+    lines.append("expl/impl: the median over rounds of explicit's time / implicit's in that round (same run)")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", default="245M-bf16,245M-f32,31M-bf16-remat,31M-bf16")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--block-s", type=float, default=0.5, help="seconds of steps per sample")
+    parser.add_argument("--smoke", action="store_true", help="tiny, one round: that it runs")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if args.smoke:
+        args.configs, args.rounds, args.block_s = "smoke", 1, 0.0
+
+    import jax
+
+    rows = run(args.configs.split(","), args.rounds, args.block_s)
+    machine = {**M.machine(), "device_kind": jax.devices()[0].device_kind}
+    text = table(rows, machine)
+    print(text)
+    M.write(args.json, {"machine": machine, "rows": rows}, text + "\n")
+
+
+if __name__ == "__main__":
+    main()
