@@ -1,74 +1,17 @@
-"""A compiled row's seconds: its program's predicted step (``substrax.timeline``), and its MFU.
-
-MFU is the model's FLOPs over what the devices could do in the predicted step: ``model_flops /
-(devices x peak x step_seconds)``. The model's FLOPs are three times the forward pass's matrix
-products (the loss function's ``dot_general`` and convolutions, traced on the global batch, a
-scan's body its length times): the backward pass computes two products for each forward one, and
-recomputation under remat is the program's cost, not the model's. For a transformer this is
-``6 x parameters x tokens`` (the matrix parameters') plus attention's ``12 x layers x seq x d x
-tokens``, counted from the program the model is, not from a formula.
-"""
+"""A compiled row's seconds: its program's predicted step (``substrax.timeline``), and its MFU:
+the model's FLOPs (``timeline.model_flops``) over what the devices could do in the predicted step,
+``model_flops / (devices x peak x step_seconds)``."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
 from typing import Any
 
-import jax
-import numpy as np
-from flax import nnx
-from jax.extend import core as jcore
 from jax.sharding import Mesh
 
-from substrax.timeline import predict, target_of
+from substrax.timeline import model_flops, predict, target_of
 
-__all__ = ["matmul_flops", "model_flops", "timed"]
-
-
-def model_flops(loss_fn: Callable[..., Any], model: nnx.Module, batch: Any, mesh: Mesh) -> float | None:
-    """The model's FLOPs per step: three times the forward pass's matrix products, traced on the
-    global ``batch``; ``None`` where the loss function cannot be traced alone."""
-    graphdef, state = nnx.split(model)
-    shapes = jax.tree.map(_abstract, (state, batch))
-
-    def forward(state: Any, batch: Any) -> Any:
-        return loss_fn(nnx.merge(graphdef, state), batch)
-
-    try:
-        with jax.set_mesh(mesh):
-            traced = jax.make_jaxpr(forward)(*shapes)
-    except Exception:  # noqa: BLE001  (a loss that only runs inside a step: no MFU)
-        return None
-    return 3.0 * matmul_flops(traced.jaxpr)
-
-
-def matmul_flops(jaxpr: Any) -> float:
-    """The FLOPs of ``jaxpr``'s matrix products (``dot_general``, ``conv_general_dilated``), a scan's
-    body counted its length times."""
-    return float(sum(_product_flops(e) * runs for e, runs in _eqns(jaxpr, 1)))
-
-
-def _product_flops(eqn: Any) -> int:
-    name = eqn.primitive.name
-    if name == "dot_general":
-        (contracting, _), _ = eqn.params["dimension_numbers"]
-        lhs = eqn.invars[0].aval.shape
-        return 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in contracting)
-    if name == "conv_general_dilated":
-        rhs = eqn.invars[1].aval.shape
-        spec = eqn.params["dimension_numbers"].rhs_spec  # (out features, in features, *spatial)
-        per_output = rhs[spec[1]] * math.prod(rhs[d] for d in spec[2:])
-        return 2 * math.prod(eqn.outvars[0].aval.shape) * per_output
-    return 0
-
-
-def _eqns(jaxpr: Any, runs: int) -> Iterable[tuple[Any, int]]:
-    for e in jaxpr.eqns:
-        yield e, runs
-        inner = runs * (e.params["length"] if e.primitive.name == "scan" else 1)
-        for sub in jcore.jaxprs_in_params(e.params):
-            yield from _eqns(getattr(sub, "jaxpr", sub), inner)
+__all__ = ["model_flops", "timed"]
 
 
 def timed(program: Any, mesh: Mesh, flops_of_model: float | None) -> dict[str, Any]:
@@ -90,9 +33,3 @@ def timed(program: Any, mesh: Mesh, flops_of_model: float | None) -> dict[str, A
         "mfu": mfu,
         "timeline": timeline,
     }
-
-
-def _abstract(x: Any) -> Any:
-    if isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
-        return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
-    return x

@@ -233,7 +233,7 @@ def _human(seconds: float) -> str:
 
 
 def _gib(n: int) -> str:
-    return f"{n / 2**30:.3f}" if n < 2**30 else f"{n / 2**30:.2f}"
+    return f"{n / 2**30:.3g}" if n < 2**30 else f"{n / 2**30:.2f}"
 
 
 def _ms(seconds: float | None) -> str:
