@@ -39,6 +39,7 @@ _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _GEMM_CONTRACTING = re.compile(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]')
 _LABELS = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")
 _WINDOW = re.compile(r"window=\{([^}]*)\}")
+_DEPTH = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +80,7 @@ def instruction_cost(module: Any, computation: Any, instruction: Any) -> Cost:
     flops = _flops(module, computation, instruction)
     if instruction.opcode in ("fusion", "fusion-start"):
         fused = module.computations.get(_called(instruction))
-        moved = _fusion_bytes(computation, instruction, fused) if fused is not None else 0
+        moved = _fusion_bytes(computation, instruction, fused, module) if fused is not None else 0
     else:
         moved = _size(instruction.shape) + sum(_size(_shape(computation, o)) for o in instruction.operands)
     return dataclasses.replace(flops, bytes=float(moved))
@@ -138,26 +139,44 @@ def _dims(window: str, key: str) -> list[int]:
     return [int(x) for x in found.group(1).split("x")] if found else []
 
 
-def _fusion_bytes(computation: Any, instruction: Any, fused: Any) -> int:
-    """The bytes a fusion moves: each operand as it reads it (sliced, or not at all when updated in
-    place), and its results (an in-place update's: the update)."""
-    params = {int(i.operands[0]): i for i in fused.instructions if i.opcode == "parameter" and i.operands}
-    users: dict[str, list[Any]] = {}
-    for inner in fused.instructions:
-        for o in inner.operands:
-            users.setdefault(operand_name(o), []).append(inner)
-    moved = 0
-    for number, operand in enumerate(instruction.operands):
-        param = params.get(number)
-        read = users.get(param.name, []) if param is not None else []
-        if read and all(u.opcode == "dynamic-update-slice" and operand_name(u.operands[0]) == param.name
-                        for u in read):  # fmt: skip
-            continue  # a buffer updated in place: the update is written, the rest stays
-        if read and all(u.opcode in _SLICES and operand_name(u.operands[0]) == param.name for u in read):
-            moved += sum(_size(u.shape) for u in read)
-        else:
-            moved += _size(_shape(computation, operand))
+def _fusion_bytes(computation: Any, instruction: Any, fused: Any, module: Any) -> int:
+    """The bytes a fusion moves: each operand as it reads it (``_read``), and its results (an
+    in-place update's: the update)."""
+    moved = sum(
+        _read(module, fused, _parameter(fused, number), _size(_shape(computation, operand)))
+        for number, operand in enumerate(instruction.operands)
+    )
     return moved + _result_bytes(fused)
+
+
+def _read(module: Any, fused: Any, name: str | None, size: int, depth: int = 0) -> int:
+    """The bytes of ``fused``'s value ``name`` (``size`` in all) its users read: a slice's, none of
+    a buffer updated in place, through views and nested fusions; all of it where another reads it."""
+    users = [u for u in fused.instructions if any(operand_name(o) == name for o in u.operands)]
+    if name is None or depth > _DEPTH:
+        return size
+    total = 0
+    for user in users:
+        first = operand_name(user.operands[0]) == name
+        if user.opcode in _SLICES and first:
+            total += _size(user.shape)
+        elif user.opcode == "dynamic-update-slice" and first and len(user.operands) > 1:
+            continue  # updated in place: the update is written, the rest stays
+        elif user.opcode == "bitcast":
+            total += _read(module, fused, user.name, size, depth + 1)
+        elif user.opcode == "fusion" and (inner := module.computations.get(_called(user))) is not None:
+            numbers = [i for i, o in enumerate(user.operands) if operand_name(o) == name]
+            total += sum(_read(module, inner, _parameter(inner, i), size, depth + 1) for i in numbers)
+        else:
+            return size
+    return min(total, size)
+
+
+def _parameter(fused: Any, number: int) -> str | None:
+    """The name of ``fused``'s parameter ``number``."""
+    return next(
+        (i.name for i in fused.instructions if i.opcode == "parameter" and i.operands == [str(number)]), None
+    )
 
 
 def _result_bytes(fused: Any) -> int:
