@@ -17,9 +17,15 @@ that count does), with ``--peak-tflops`` or the chip's bfloat16 peak from its de
 197). Per mode and precision, the compiled step's peak (``memory_analysis()``: argument + output +
 temp - alias, donated) beside ``substrax.plan``'s ``peak_bytes`` for the same configuration.
 
+With ``--predict`` it runs on a CPU instead (with libtpu): each size, precision and mode compiled for
+a one-chip v5e topology, its step predicted from the program (``substrax.timeline.predict``) beside
+the step the chip measured (``benchmarks/_predicted.py``; ``--programs DIR`` keeps the compiled
+programs and predicts from them again).
+
     python benchmarks/chip.py --json benchmarks/results/chip_tpu_v5e.json       # on the chip
     python benchmarks/chip.py --quick --json benchmarks/results/chip_quick.json  # make bench
     python benchmarks/chip.py --smoke --json out.json                            # tests/test_benchmarks.py
+    python benchmarks/chip.py --predict --programs /tmp/programs --json benchmarks/results/chip_predicted.json
 """
 
 from __future__ import annotations
@@ -137,6 +143,39 @@ def run(
     return rows
 
 
+def predicted(
+    sizes: list[str], precisions: list[str], modes: tuple[str, ...], programs: str | None
+) -> list[dict]:
+    """Each configuration's step predicted from its program compiled for v5e:1x1, beside the chip's."""
+    import _predicted as P  # benchmarks/_predicted.py
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import substrax
+
+    example = M.load_example()
+    rows = []
+    for size in sizes:
+        d, blocks, heads, seq, batch_rows = SIZES[size]
+        for precision in precisions:
+            policy = substrax.MixedPrecision(jnp.bfloat16) if precision == "bf16" else None
+
+            def build(
+                d=d, blocks=blocks, heads=heads, seq=seq, batch_rows=batch_rows, policy=policy
+            ) -> tuple:
+                model, optimizer = nnx.eval_shape(
+                    lambda: example.make_model(0, seq=seq, d=d, heads=heads, blocks=blocks)
+                )
+                batch = {k: jax.ShapeDtypeStruct((batch_rows, seq), jnp.int32) for k in ("tokens", "targets")}
+                return example.loss_fn, model, optimizer, batch, policy
+
+            for mode in modes:
+                rows.append(P.predict(f"{size}-{precision}", mode, build, programs))
+                print(rows[-1], flush=True)
+    return P.joined(rows)
+
+
 def _bound(model: Any, optimizer: Any, loss_fn: Any, batch: Any, policy: Any, mesh: Any) -> Any:
     """By hand: one donated ``jax.jit`` step of the split state (bfloat16: parameters cast inside)."""
     import jax
@@ -224,8 +263,21 @@ def main() -> None:
     parser.add_argument("--spellings", default="bound,plain,bind", help="of bound, plain, bind")
     parser.add_argument("--modes", default=",".join(MODES), help="of implicit, explicit")
     parser.add_argument("--no-plan", action="store_true", help="skip substrax.plan's peak (a compile each)")
+    parser.add_argument("--predict", action="store_true", help="on a CPU: predicted beside the chip's")
+    parser.add_argument("--programs", default=None, help="with --predict: where to keep the programs")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.predict:
+        import _predicted as P
+
+        sizes = args.sizes if args.sizes != "13M,102M" else "13M,102M,342M"
+        rows = predicted(
+            sizes.split(","), args.precisions.split(","), tuple(args.modes.split(",")), args.programs
+        )
+        text = P.table(rows)
+        print(text)
+        M.write(args.json, {"machine": M.machine(), "rows": rows}, text + "\n")
+        return
     if args.smoke or args.quick:
         args.sizes, args.rounds, args.block_s = ("smoke", 1, 0.0) if args.smoke else ("quick", 3, 0.2)
     if args.smoke:  # bfloat16 alone: every spelling once, with the policy's cast

@@ -8,6 +8,11 @@ measured in the same rounds.
 
     python benchmarks/chip_scanned.py --json benchmarks/results/chip_scanned_tpu_v5e.json   # on the chip
     python benchmarks/chip_scanned.py --smoke --json out.json                                # on a CPU
+    python benchmarks/chip_scanned.py --predict --json benchmarks/results/chip_scanned_predicted.json
+
+``--predict`` runs on a CPU (with libtpu): each configuration and mode compiled for a one-chip v5e
+topology, its step predicted from the program beside the step the chip measured
+(``benchmarks/_predicted.py``).
 """
 
 from __future__ import annotations
@@ -73,6 +78,38 @@ def run(names: list[str], rounds: int, block_s: float) -> list[dict]:
     return rows
 
 
+def predicted(names: list[str], programs: str | None) -> list[dict]:
+    """Each configuration's step predicted from its program compiled for v5e:1x1, beside the chip's."""
+    import _predicted as P  # benchmarks/_predicted.py
+    import jax
+    import jax.numpy as jnp
+    import llama
+    import optax
+    from flax import nnx
+
+    import substrax
+
+    rows = []
+    for name in names:
+        d, depth, heads, kv, hidden, vocab, seq, rows_, precision, remat = CONFIGS[name]
+        policy = substrax.MixedPrecision(jnp.bfloat16) if precision == "bf16" else None
+
+        def build(d=d, depth=depth, heads=heads, kv=kv, hidden=hidden, vocab=vocab, seq=seq, rows_=rows_,
+                  remat=remat, policy=policy) -> tuple:  # fmt: skip
+            def make() -> tuple:
+                model = llama.Llama(vocab, d, depth, heads=heads, kv_heads=kv, hidden=hidden, remat=remat)
+                return model, nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
+
+            model, optimizer = nnx.eval_shape(make)
+            batch = {k: jax.ShapeDtypeStruct((rows_, seq), jnp.int32) for k in ("tokens", "targets")}
+            return llama.loss_fn, model, optimizer, batch, policy
+
+        for mode in MODES:
+            rows.append(P.predict(name, mode, build, programs))
+            print(rows[-1], flush=True)
+    return P.joined(rows)
+
+
 def table(rows: list[dict], machine: dict[str, Any]) -> str:
     lines = [
         f"{machine['device_kind']} ({machine['backend']}), jax {machine['jax']}, {machine['date']}",
@@ -93,8 +130,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--block-s", type=float, default=0.5, help="seconds of steps per sample")
     parser.add_argument("--smoke", action="store_true", help="tiny, one round: that it runs")
+    parser.add_argument("--predict", action="store_true", help="on a CPU: predicted beside the chip's")
+    parser.add_argument("--programs", default=None, help="with --predict: where to keep the programs")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.predict:
+        import _predicted as P
+
+        rows = predicted(args.configs.split(","), args.programs)
+        text = P.table(rows)
+        print(text)
+        M.write(args.json, {"machine": M.machine(), "rows": rows}, text + "\n")
+        return
     if args.smoke:
         args.configs, args.rounds, args.block_s = "smoke", 1, 0.0
 

@@ -68,12 +68,22 @@ def _run(path: Path):
 # The three longest run in make test-slow (.ci/run runs it): two processes, every layout
 # compiled, tensor parallelism on three meshes.
 SLOW = {"04_several_processes", "05_layouts_and_communication", "06_tensor_parallelism"}
+# Those that compile for a TPU topology (libtpu) run in make test-tpu (tests/test_tpu_notebooks.py).
+TPU = {"08_a_pod_step_predicted"}
+
+
+def _marks(path: Path) -> list[pytest.MarkDecorator]:
+    if path.stem in TPU:
+        return [
+            pytest.mark.skip(
+                reason="compiles for a TPU topology: make test-tpu runs it (test_tpu_notebooks.py)"
+            )
+        ]
+    return [pytest.mark.slow] if path.stem in SLOW else []
 
 
 @pytest.mark.parametrize(
-    "path",
-    [pytest.param(p, marks=pytest.mark.slow) if p.stem in SLOW else p for p in NOTEBOOKS],
-    ids=[p.stem for p in NOTEBOOKS],
+    "path", [pytest.param(p, marks=_marks(p)) for p in NOTEBOOKS], ids=[p.stem for p in NOTEBOOKS]
 )
 def test_notebook_runs(path: Path) -> None:
     code = [cell for cell in nbformat.read(path, as_version=4).cells if cell.cell_type == "code"]

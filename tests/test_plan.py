@@ -424,7 +424,7 @@ def test_the_estimate_follows_xla_cpu_unless_asked_to_compile() -> None:
     mesh = substrax.mesh.create_device_mesh({"data": 8})
     estimated = substrax.plan(mse, *_abstract_mlp(), _MLP_BATCH, mesh=mesh, layouts=["fsdp"])
     compiled = substrax.plan(mse, *_abstract_mlp(), _MLP_BATCH, mesh=mesh, layouts=["fsdp"], compiled=True)
-    assert estimated.rows[0].compiler == "XLA:CPU rules (estimated)" and "peak B (est.)" in str(estimated)
+    assert estimated.rows[0].compiler == "XLA:CPU rules (estimated)" and "peak GiB (est.)" in str(estimated)
     assert compiled.rows[0].compiler == "cpu (compiled)"
     model, optimizer = _abstract_mlp()
     compiled.rows[0].shard_state(model, optimizer)

@@ -48,7 +48,7 @@ def test_the_plan_on_a_tpu_mesh_is_the_compiled_programs_memory() -> None:
     found = substrax.plan(mse, *_abstract(), BATCH, mesh=mesh, mode=("explicit", "implicit"))
     assert len(found.rows) == 8
     assert {r.compiler for r in found.rows} == {"tpu (compiled)"}
-    assert "peak B (compiled)" in str(found)
+    assert "peak GiB (compiled)" in str(found)
     for row in found.rows:
         model, optimizer = _abstract()
         row.shard_state(model, optimizer)

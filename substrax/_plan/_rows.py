@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 from substrax import _layout
 from substrax._base import declared
 from substrax._base.trees import PyTree
-from substrax._plan import _items, _memory, _pipeline
+from substrax._plan import _items, _memory, _pipeline, _seconds, _units
 from substrax._plan._table import Plan, PlanRow
 from substrax._shared.options import Mode
 from substrax._shared.pipeline_record import recording_pipeline
@@ -48,7 +48,7 @@ def plan(
     mesh: Mesh | Sequence[Mesh],
     mode: Mode | Sequence[Mode] = "explicit",
     layouts: Iterable[str] | None = None,
-    units: Iterable[Any] = (None,),
+    units: Iterable[Any] | None = None,
     placement: Mapping[str, Any] | None = None,
     compiled: bool | None = None,
     schedule: str | None | Sequence[str | None] = None,
@@ -74,8 +74,9 @@ def plan(
       mode: ``"implicit"``, ``"explicit"``, or both.
       layouts: The layouts to try; default every one the mesh allows (``"hsdp"`` with a
         ``replica`` axis).
-      units: ``shard_state``'s ``units`` to try under FSDP and HSDP (``None``: none), e.g.
-        ``(None, Block)``.
+      units: ``shard_state``'s ``units`` to try under FSDP and HSDP (``None`` among them: none),
+        e.g. ``(None, Block)``; default none, and on a model with a stack of blocks (two or more
+        of a module made of layers, or one stacked by ``nnx.vmap``) its block's type too.
       placement: ``shard_state``'s other keywords for every configuration (``min_size``,
         ``reshard_after_forward``, ``prefetch``, ...).
       compiled: Compile each row's step and read its memory (``memory_analysis()``) and
@@ -86,7 +87,9 @@ def plan(
       **step_options: ``make_train_step``'s other keywords (``microbatches``, ``has_aux``, ...).
 
     Returns:
-      A ``Plan``; ``print`` it for the table, ``.best(memory=...)`` to choose.
+      A ``Plan``; ``print`` it for the table, ``.best()`` to choose. A row compiled for a TPU or a
+      GPU also predicts its step (``step_seconds``, ``mfu``, its ``timeline``: see the planning
+      guide, "Seconds").
 
     Raises:
       TypeError: If ``units`` is not an iterable of candidates (a module type given alone).
@@ -97,6 +100,7 @@ def plan(
     meshes = [mesh] if isinstance(mesh, Mesh) else list(mesh)
     modes = [mode] if isinstance(mode, str) else list(mode)
     rows = []
+    flops: dict[int, float | None] = {}  # per mesh: the model's FLOPs, for a row's MFU
     memory: dict[Any, dict[str, _memory.Memory]] = {}  # per configuration: explicit mode's, for both modes
     for m in meshes:
         replica = step_options.get("replica_axis", "replica")
@@ -108,12 +112,18 @@ def plan(
                     config = (loss_fn, model, optimizer, batch, m, md, kind, unit, place, opts)
                     on_target = _platform(m) != "cpu" if compiled is None else compiled
                     estimate = memory.setdefault((id(m), kind, u, sched), {})
-                    rows.append(_row(*config, memory=estimate, compiled=on_target))
+                    if on_target and id(m) not in flops:
+                        flops[id(m)] = _seconds.model_flops(loss_fn, model, batch, m)
+                    rows.append(_row(*config, memory=estimate, compiled=on_target, flops=flops.get(id(m))))
     return Plan(tuple(rows))
 
 
-def _candidates(model: nnx.Module, units: Iterable[Any]) -> list[Any]:
-    """The ``units`` candidates, each checked to match a submodule of ``model``."""
+def _candidates(model: nnx.Module, units: Iterable[Any] | None) -> list[Any]:
+    """The ``units`` candidates, each checked to match a submodule of ``model`` (``None``: none, and
+    the model's block where it has a stack of them)."""
+    if units is None:
+        block = _units.block_of(model)
+        return [None] if block is None else [None, block]
     if isinstance(units, type) or callable(units) or not isinstance(units, Iterable):
         name = getattr(units, "__qualname__", repr(units))
         raise TypeError(
@@ -146,6 +156,7 @@ def _row(
     *,
     memory: dict[str, _memory.Memory],
     compiled: bool = False,
+    flops: float | None = None,
 ) -> PlanRow:
     """One configuration's row; ``memory`` holds its explicit step's estimate once made."""
     graphdef, state = nnx.split((model, optimizer))
@@ -191,7 +202,7 @@ def _row(
     }
     by_kind, optional = _items.required(expected.items, step.options.microbatches, _unnamed(step, mesh))
     if compiled:  # the program itself: its census and memory_analysis(), exact
-        return _on_target(row, lowered, mesh, by_kind, optional)
+        return _on_target(row, lowered, mesh, by_kind, optional, flops)
     if "explicit" not in memory:  # the memory is explicit mode's (XLA places the implicit step's)
         if mode != "explicit":
             traced = make_train_step(loss_fn, "explicit", mesh=mesh, **opts).traced(m, o, batch, donate=True)
@@ -210,12 +221,17 @@ _RULES_BYTES = "no program to take a census of: its bytes are the layout's rule'
 
 
 def _on_target(
-    row: dict[str, Any], lowered: Any, mesh: Mesh, by_kind: dict[tuple[str, str], int], optional: int
+    row: dict[str, Any],
+    lowered: Any,
+    mesh: Mesh,
+    by_kind: dict[tuple[str, str], int],
+    optional: int,
+    flops: float | None = None,
 ) -> PlanRow:
     """The row of the compiled program; where the TPU compiler refuses it for memory, its refusal
     with the rule's bytes ``by_kind`` and ``optional`` (no program, no census)."""
     try:
-        return _compiled(row, lowered.compile(), mesh)
+        return _compiled(row, lowered.compile(), mesh, flops)
     except jax.errors.JaxRuntimeError as e:
         if (need := _hbm_refusal(str(e))) is None:
             raise
@@ -229,8 +245,9 @@ def _on_target(
         )
 
 
-def _compiled(row: dict[str, Any], program: Any, mesh: Mesh) -> PlanRow:
-    """``row`` with the bytes of ``program``'s census and its ``memory_analysis()``."""
+def _compiled(row: dict[str, Any], program: Any, mesh: Mesh, flops: float | None = None) -> PlanRow:
+    """``row`` with the bytes of ``program``'s census and its ``memory_analysis()``, and on a TPU or a
+    GPU its predicted step (``flops``: the model's, for its MFU)."""
     by_kind: dict[tuple[str, str], int] = {}
     report = census(program, mesh=mesh)
     for found in report.rows:
@@ -253,6 +270,7 @@ def _compiled(row: dict[str, Any], program: Any, mesh: Mesh) -> PlanRow:
         temp_bytes=stats.temp_size_in_bytes,
         padding_bytes=stats.argument_size_in_bytes - row["state_bytes"] - row["batch_bytes"],
         compiler=f"{program_platform(program)} (compiled)",
+        **_seconds.timed(program, mesh, flops),
     )
 
 
