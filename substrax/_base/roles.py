@@ -41,15 +41,6 @@ class AxisRoles:
     stage: str = STAGE_AXIS
     model: tuple[str, ...] | None = None
 
-    def size(self, axis: str) -> int:
-        """``axis``'s size: 1 where the mesh lacks it."""
-        return int(self.shape.get(axis, 1))
-
-    @property
-    def data_size(self) -> int:
-        """The data axis's size (1 on a mesh without it)."""
-        return self.size(self.data)
-
     @property
     def rows(self) -> str | tuple[str, ...]:
         """The axes a batch's rows are split over: ``data``, after ``replica`` where the mesh
