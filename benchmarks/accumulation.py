@@ -45,6 +45,144 @@ import _measure as M  # benchmarks/_measure.py: run as `python benchmarks/NAME.p
 MODES = ("implicit", "explicit")
 
 
+@functools.cache  # one MLP class for every spelling, as one model type
+def _model(width: int, layers: int) -> tuple[Any, Callable[..., Any]]:
+    """``(MLP, loss_fn)``: ``layers`` hidden ReLU layers of ``width``, mean squared error."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            self.hidden = nnx.List([nnx.Linear(width, width, rngs=rngs) for _ in range(layers)])
+            self.out = nnx.Linear(width, 1, rngs=rngs)
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            for layer in self.hidden:
+                x = jax.nn.relu(layer(x))
+            return self.out(x)
+
+    def loss_fn(model: MLP, batch: dict[str, jax.Array]) -> jax.Array:
+        return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+    return MLP, loss_fn
+
+
+def _microbatches(host: dict[str, Any], k: int, sharding: Any) -> list[dict[str, Any]]:
+    """Microbatch j: every device's j-th slice of its rows, as the accumulating step cuts them."""
+    import numpy as np
+
+    from substrax.spmd import place_batch_on_shards
+
+    devices = sharding.mesh.size
+    rows_per_device = len(host["x"]) // devices
+    m = rows_per_device // k
+    out = []
+    for j in range(k):
+        rows = np.concatenate(
+            [
+                np.arange(d * rows_per_device + j * m, d * rows_per_device + (j + 1) * m)
+                for d in range(devices)
+            ]
+        )
+        out.append(place_batch_on_shards({key: v[rows] for key, v in host.items()}, sharding))
+    return out
+
+
+def _census_facts(fast: Any, batch: Any, calls_per_step: int) -> dict[str, Any]:
+    """The step's census, per optimizer step (``calls_per_step`` calls of ``fast``)."""
+    comparison = fast.census(batch)
+    brief = M.collectives(comparison.report)
+    row: dict[str, Any] = {"census_matches": comparison.matches, "calls_per_optimizer_step": calls_per_step}
+    row["comm_bytes"] = brief["comm_bytes"] * calls_per_step
+    row["executions"] = {kind: n * calls_per_step for kind, n in brief["executions"].items()}
+    row["all_reduces"] = row["executions"].get("all-reduce", 0)
+    row["collectives_in_loop"] = brief["in_loop"]
+    return row
+
+
+def _spelling(
+    name: str, sharding: Any, host: dict[str, Any], batch: Any, width: int, layers: int
+) -> tuple[dict[str, Any], Callable[[], Any] | None, Callable[[], list] | None]:
+    """One spelling built, compiled and its census taken: ``(row, call, params)``; a spelling
+    that raised has its row's ``error`` and no call."""
+    import jax
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    import substrax
+
+    MLP, loss_fn = _model(width, layers)
+    mesh = sharding.mesh
+    row: dict[str, Any] = {"spelling": name}
+    try:
+        *multi, mode, k_text = name.split(":")
+        k = int(k_text[1:])
+        row |= {"mode": mode, "k": k, "multisteps": bool(multi)}
+        model = MLP(nnx.Rngs(0))
+        if multi:
+            tx = optax.MultiSteps(optax.adam(1e-3), every_k_schedule=k)
+            optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+            step = substrax.make_train_step(loss_fn, mode, mesh=mesh)
+            pieces = _microbatches(host, k, sharding)
+            fast = step.bind(model, optimizer)
+
+            def call(fast: Any = fast, pieces: list = pieces) -> Any:
+                for piece in pieces:
+                    loss = fast(piece)
+                return loss
+
+            compiled_batch, calls_per_step = pieces[0], k
+        else:
+            optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+            step = substrax.make_train_step(loss_fn, mode, mesh=mesh, microbatches=k)
+            fast = step.bind(model, optimizer)
+            call = functools.partial(fast, batch)
+            compiled_batch, calls_per_step = batch, 1
+        row["compile_s"] = M.first_call_s(call, 3)
+        fast.sync()  # memory of the step compiled undonated: the update writes buffers of its own,
+        lowered = step.lower(model, optimizer, compiled_batch, donate=False)
+        row |= M.memory(lowered.compile())  # temp: the activations
+        row |= _census_facts(fast, compiled_batch, calls_per_step)
+
+        def params(model: Any = model, fast: Any = fast) -> list:
+            fast.sync()
+            return [np.asarray(a) for a in jax.tree.leaves(nnx.state(model, nnx.Param))]
+
+    except M.REPORTED as e:
+        row["error"] = M.error_text(e)
+        return row, None, None
+    return row, call, params
+
+
+def _rows(
+    names: list[str], info: dict[str, dict[str, Any]], samples: dict[str, list[float]], common: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """One row per spelling: ``common``, its facts, its timing and its ratio to the one it is compared to."""
+    import numpy as np
+
+    medians = {name: float(np.median(samples[name])) * 1e6 for name in samples}
+    rows = []
+    for name in names:
+        row = common | info[name]
+        if name in samples:
+            row |= M.summary_us(samples[name])
+            one = f"{row['mode']}:k1"
+            if row["multisteps"]:
+                base = f"explicit:k{row['k']}"
+                row["vs"] = base
+            else:
+                base = one
+                row["vs"] = one
+                if info.get(one, {}).get("temp_bytes"):
+                    row["temp_ratio_to_k1"] = row["temp_bytes"] / info[one]["temp_bytes"]
+            if base in medians:
+                row["ratio"] = medians[name] / medians[base]
+        rows.append(row)
+    return rows
+
+
 def run(
     width: int,
     layers: int,
@@ -61,108 +199,28 @@ def run(
     use_cpu_devices(devices)
 
     import jax
-    import jax.numpy as jnp
     import numpy as np
-    import optax
     from flax import nnx
 
-    import substrax
     from substrax.mesh import create_device_mesh
     from substrax.spmd import create_data_parallel_sharding, place_batch_on_shards
 
-    mesh = create_device_mesh({"data": devices})
-    sharding = create_data_parallel_sharding(mesh)
-
-    class MLP(nnx.Module):
-        def __init__(self, rngs: nnx.Rngs) -> None:
-            self.hidden = nnx.List([nnx.Linear(width, width, rngs=rngs) for _ in range(layers)])
-            self.out = nnx.Linear(width, 1, rngs=rngs)
-
-        def __call__(self, x: jax.Array) -> jax.Array:
-            for layer in self.hidden:
-                x = jax.nn.relu(layer(x))
-            return self.out(x)
-
-    def loss_fn(model: MLP, batch: dict[str, jax.Array]) -> jax.Array:
-        return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
-
-    def fresh(tx: optax.GradientTransformation) -> tuple[MLP, nnx.Optimizer]:
-        model = MLP(nnx.Rngs(0))
-        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
-
+    sharding = create_data_parallel_sharding(create_device_mesh({"data": devices}))
     rng = np.random.default_rng(0)
     host = {
         "x": rng.normal(size=(batch_size, width)).astype(np.float32),
         "y": rng.normal(size=(batch_size, 1)).astype(np.float32),
     }
     batch = place_batch_on_shards(host, sharding)
-    rows_per_device = batch_size // devices
-
-    def microbatches(k: int) -> list[dict[str, jax.Array]]:
-        """Microbatch j: every device's j-th slice of its rows, as the accumulating step cuts them."""
-        m = rows_per_device // k
-        out = []
-        for j in range(k):
-            rows = np.concatenate(
-                [
-                    np.arange(d * rows_per_device + j * m, d * rows_per_device + (j + 1) * m)
-                    for d in range(devices)
-                ]
-            )
-            out.append(place_batch_on_shards({key: v[rows] for key, v in host.items()}, sharding))
-        return out
-
     names = [f"{mode}:k{k}" for mode in modes for k in ks]
     names += [f"multisteps:{mode}:k{k}" for k in multi_ks for mode in modes]
     calls: dict[str, Callable[[], Any]] = {}
     info: dict[str, dict[str, Any]] = {}
     params_of: dict[str, Callable[[], list]] = {}
     for name in names:
-        row: dict[str, Any] = {"spelling": name}
-        try:
-            *multi, mode, k_text = name.split(":")
-            k = int(k_text[1:])
-            row |= {"mode": mode, "k": k, "multisteps": bool(multi)}
-            if multi:
-                model, optimizer = fresh(optax.MultiSteps(optax.adam(1e-3), every_k_schedule=k))
-                step = substrax.make_train_step(loss_fn, mode, mesh=mesh)
-                pieces = microbatches(k)
-                fast = step.bind(model, optimizer)
-
-                def call(fast: Any = fast, pieces: list = pieces) -> Any:
-                    for piece in pieces:
-                        loss = fast(piece)
-                    return loss
-
-                compiled_batch, calls_per_step = pieces[0], k
-            else:
-                model, optimizer = fresh(optax.adam(1e-3))
-                step = substrax.make_train_step(loss_fn, mode, mesh=mesh, microbatches=k)
-                fast = step.bind(model, optimizer)
-                call = functools.partial(fast, batch)
-                compiled_batch, calls_per_step = batch, 1
-            row["compile_s"] = M.first_call_s(call, 3)
-            fast.sync()  # memory of the step compiled undonated: the update writes buffers of its own,
-            lowered = step.lower(model, optimizer, compiled_batch, donate=False)
-            row |= M.memory(lowered.compile())  # temp: the activations
-            comparison = fast.census(compiled_batch)
-            brief = M.collectives(comparison.report)
-            row["census_matches"] = comparison.matches
-            row["calls_per_optimizer_step"] = calls_per_step
-            row["comm_bytes"] = brief["comm_bytes"] * calls_per_step
-            row["executions"] = {kind: n * calls_per_step for kind, n in brief["executions"].items()}
-            row["all_reduces"] = row["executions"].get("all-reduce", 0)
-            row["collectives_in_loop"] = brief["in_loop"]
-            calls[name] = call
-
-            def params(model: Any = model, fast: Any = fast) -> list:
-                fast.sync()
-                return [np.asarray(a) for a in jax.tree.leaves(nnx.state(model, nnx.Param))]
-
-            params_of[name] = params
-        except M.REPORTED as e:
-            row["error"] = M.error_text(e)
-        info[name] = row
+        info[name], call, params = _spelling(name, sharding, host, batch, width, layers)
+        if call is not None and params is not None:
+            calls[name], params_of[name] = call, params
 
     for name in names:  # same update as the explicit accumulation, after the same 4 optimizer steps
         twin = f"explicit:k{info[name].get('k')}"
@@ -172,26 +230,10 @@ def run(
 
     print(f"  compiled {len(calls)} spellings; timing", file=sys.stderr)
     samples, block = M.interleaved(calls, rounds, block_s, reference=names[0])
-    medians = {name: float(np.median(samples[name])) * 1e6 for name in calls}
+    MLP = _model(width, layers)[0]
     params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(nnx.state(MLP(nnx.Rngs(0)), nnx.Param)))
-    rows = []
-    for name in names:
-        row = {"width": width, "layers": layers, "batch": batch_size, "params": params, "devices": devices}
-        row |= {"rounds": rounds, "block": block} | info[name]
-        if name in calls:
-            row |= M.summary_us(samples[name])
-            one = f"{row['mode']}:k1"
-            if row["multisteps"]:
-                base = f"explicit:k{row['k']}"
-                row["vs"] = base
-            else:
-                base = one
-                row["vs"] = one
-                if info.get(one, {}).get("temp_bytes"):
-                    row["temp_ratio_to_k1"] = row["temp_bytes"] / info[one]["temp_bytes"]
-            if base in medians:
-                row["ratio"] = medians[name] / medians[base]
-        rows.append(row)
+    common = {"width": width, "layers": layers, "batch": batch_size, "params": params, "devices": devices}
+    rows = _rows(names, info, samples, common | {"rounds": rounds, "block": block})
     return rows, {"width": width, "layers": layers, "batch": batch_size, "params": params}
 
 

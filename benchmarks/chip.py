@@ -94,31 +94,15 @@ def run(
             params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
             if "bound" in spellings:
                 calls["bound"] = _bound(model, optimizer, example.loss_fn, batch, policy, mesh)
+            del model, optimizer  # each mode makes its own
             label = {"size": size, "params": int(params), "precision": precision_name}
             for mode in modes:
                 try:
-                    step = substrax.make_train_step(example.loss_fn, mode, mesh=mesh, precision=policy)
-                    model, optimizer = fresh()
-                    started = time.perf_counter()
-                    compiled = step.lower(model, optimizer, batch, donate=True).compile()
-                    memory[mode] = {**M.memory(compiled), "compile_s": time.perf_counter() - started}
-                    del compiled
-                    if planned:
-                        plan = substrax.plan(
-                            example.loss_fn, model, optimizer, batch, mesh=mesh, mode=mode,
-                            layouts=["replicated"], precision=policy,
-                        )  # fmt: skip
-                        memory[mode]["plan_peak_bytes"] = plan.rows[0].peak_bytes
-                    if "plain" in spellings:
-                        calls[f"plain:{mode}"] = _plain(step, model, optimizer, batch)
-                    if "bind" in spellings:
-                        if "plain" not in spellings:  # one copy of the state on the chip, not two
-                            del model, optimizer
-                        bound_model, bound_optimizer = fresh()
-                        calls[f"bind:{mode}"] = _bind(step, bound_model, bound_optimizer, batch)
+                    made = _mode_calls(example, mode, mesh, policy, batch, fresh, spellings, planned)
+                    memory[mode], more = made
+                    calls |= more
                 except Exception as e:  # a mode the library refuses: its row says why, the run goes on
                     rows.append({**label, "spelling": mode, "error": f"{type(e).__name__}: {e}"})
-                    calls = {k: v for k, v in calls.items() if not k.endswith(f":{mode}")}
             for call in calls.values():  # compiled and run once before any is timed
                 jax.block_until_ready(call())
             reference = "bound" if "bound" in calls else next(iter(calls))
@@ -174,6 +158,35 @@ def predicted(
                 rows.append(P.predict(f"{size}-{precision}", mode, build, programs))
                 print(rows[-1], flush=True)
     return P.joined(rows)
+
+
+def _mode_calls(
+    example: Any, mode: str, mesh: Any, policy: Any, batch: Any, fresh: Any, spellings: Any, planned: bool
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One mode's compiled memory (and plan peak), and its timed spellings' calls."""
+    import substrax
+
+    step = substrax.make_train_step(example.loss_fn, mode, mesh=mesh, precision=policy)
+    model, optimizer = fresh()
+    started = time.perf_counter()
+    compiled = step.lower(model, optimizer, batch, donate=True).compile()
+    memory = {**M.memory(compiled), "compile_s": time.perf_counter() - started}
+    del compiled
+    if planned:
+        plan = substrax.plan(
+            example.loss_fn, model, optimizer, batch, mesh=mesh, mode=mode,
+            layouts=["replicated"], precision=policy,
+        )  # fmt: skip
+        memory["plan_peak_bytes"] = plan.rows[0].peak_bytes
+    calls = {}
+    if "plain" in spellings:
+        calls[f"plain:{mode}"] = _plain(step, model, optimizer, batch)
+    if "bind" in spellings:
+        if "plain" not in spellings:  # one copy of the state on the chip, not two
+            del model, optimizer
+        bound_model, bound_optimizer = fresh()
+        calls[f"bind:{mode}"] = _bind(step, bound_model, bound_optimizer, batch)
+    return memory, calls
 
 
 def _bound(model: Any, optimizer: Any, loss_fn: Any, batch: Any, policy: Any, mesh: Any) -> Any:

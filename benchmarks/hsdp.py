@@ -95,7 +95,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             continue
         axes = ", ".join(f"{k}: {v:,}" for k, v in sorted(r["by_axis"].items()))
         lines.append(
-            f"{r['layout']} | {r['mesh']} | {r['mode']} | {r['param_bytes']:,} | {r['bytes_per_step']:,} | {axes} | "
+            f"{r['layout']} | {r['mesh']} | {r['mode']} | {r['param_bytes']:,} | {r['bytes_per_step']:,} | "
+            f"{axes} | "
             f"{r['formula_within']:,.0f} / {r['formula_across']:,.0f}"
         )
     return "\n".join(lines)

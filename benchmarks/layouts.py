@@ -56,27 +56,16 @@ MIN_SIZE = 1024  # substrax.shard_state's default
 SMOKE_SPELLINGS = (*BOUNDS, "replicated:explicit", "zero1:implicit", "fsdp:explicit")  # each layout once
 
 
-def run(
-    widths: list[int], rounds: int, block_s: float, devices: int, spellings: tuple[str, ...] | None = None
-) -> list[dict[str, Any]]:
-    from substrax.mesh import use_cpu_devices
+LEARNING_RATE = 1e-3
 
-    use_cpu_devices(devices)
 
+@functools.cache  # one MLP class for every spelling, as one model type
+def _mlp() -> tuple[Any, Callable[..., Any], Callable[..., Any]]:
+    """``(MLP, loss_fn, forward)``: the 3-layer model, its mean squared error, and the same
+    forward pass written over a dict of arrays (the bound's)."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
-    import optax
     from flax import nnx
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    import substrax
-    from substrax.mesh import create_device_mesh
-    from substrax.spmd import create_data_parallel_sharding, place_batch_on_shards
-
-    mesh = create_device_mesh({"data": devices})
-    learning_rate = 1e-3
 
     class MLP(nnx.Module):
         def __init__(self, width: int, rngs: nnx.Rngs) -> None:
@@ -95,132 +84,203 @@ def run(
         h = jax.nn.relu(h @ params["mid"]["kernel"] + params["mid"]["bias"])
         return h @ params["out"]["kernel"] + params["out"]["bias"]
 
-    def hand_step(
-        width: int, split: bool, batch: dict[str, jax.Array]
-    ) -> tuple[Callable, Callable, Callable]:
-        """The bound: (step call, lowering, current arrays)."""
-        model = MLP(width, nnx.Rngs(0))
-        params = {
-            name: {"kernel": layer.kernel[...], "bias": layer.bias[...]}
-            for name, layer in (("inp", model.inp), ("mid", model.mid), ("out", model.out))
-        }
+    return MLP, loss_fn, forward
 
-        def spec(a: Any) -> P:
-            n = devices
-            return P("data") if split and a.size >= MIN_SIZE and a.shape[0] % n == 0 else P()
 
-        param_specs = jax.tree.map(spec, params)
-        params = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), params, param_specs)
-        tx = optax.adam(learning_rate)
-        opt_state = tx.init(params)
-        opt_specs = optax.tree_map_params(
-            tx, lambda _, s: s, opt_state, param_specs, transform_non_params=lambda _: P()
-        )
-        opt_state = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), opt_state, opt_specs)
-        state = (params, opt_state)
-        treedef = jax.tree.structure(state)
-        specs = jax.tree.leaves((param_specs, opt_specs), is_leaf=lambda s: isinstance(s, P))
+def _hand_state(mesh: Any, width: int, split: bool) -> tuple[Any, Any, Any, Any]:
+    """The bound's state: ``(state, param_specs, opt_specs, tx)``, the parameters and Adam's
+    moments of at least ``MIN_SIZE`` elements split over ``data`` (``split``), else replicated."""
+    import jax
+    import optax
+    from flax import nnx
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
-        def gather(a: jax.Array, s: P) -> jax.Array:
-            return jax.lax.all_gather(a, "data", axis=0, tiled=True) if s == P("data") else a
+    model = _mlp()[0](width, nnx.Rngs(0))
+    params = {
+        name: {"kernel": layer.kernel[...], "bias": layer.bias[...]}
+        for name, layer in (("inp", model.inp), ("mid", model.mid), ("out", model.out))
+    }
 
-        def per_device(arrays: list[jax.Array], shard: dict[str, jax.Array]) -> tuple[list[jax.Array], Any]:
-            params, opt_state = jax.tree.unflatten(treedef, arrays)
+    def spec(a: Any) -> P:
+        n = mesh.size
+        return P("data") if split and a.size >= MIN_SIZE and a.shape[0] % n == 0 else P()
 
-            def global_loss(params: Any) -> jax.Array:
-                whole = jax.tree.map(gather, params, param_specs)
-                return jax.lax.pmean(jnp.mean((forward(whole, shard["x"]) - shard["y"]) ** 2), "data")
+    param_specs = jax.tree.map(spec, params)
+    params = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), params, param_specs)
+    tx = optax.adam(LEARNING_RATE)
+    opt_state = tx.init(params)
+    opt_specs = optax.tree_map_params(
+        tx, lambda _, s: s, opt_state, param_specs, transform_non_params=lambda _: P()
+    )
+    opt_state = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), opt_state, opt_specs)
+    return (params, opt_state), param_specs, opt_specs, tx
 
-            loss, grads = jax.value_and_grad(global_loss)(params)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            params = optax.apply_updates(params, updates)
-            return jax.tree.leaves((params, opt_state)), loss
 
-        mapped = jax.shard_map(
-            per_device, mesh=mesh, in_specs=(specs, P("data")), out_specs=(specs, P()), check_vma=True
-        )
-        jitted = jax.jit(mapped, donate_argnums=0)
-        box = [jax.tree.leaves(state)]
+def _hand_step(
+    mesh: Any, width: int, split: bool, batch: dict[str, Any]
+) -> tuple[Callable, Callable, Callable]:
+    """The bound: (step call, lowering, current arrays)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import PartitionSpec as P
 
-        def call() -> Any:
-            box[0], loss = jitted(box[0], batch)
-            return loss
+    forward = _mlp()[2]
+    state, param_specs, opt_specs, tx = _hand_state(mesh, width, split)
+    treedef = jax.tree.structure(state)
+    specs = jax.tree.leaves((param_specs, opt_specs), is_leaf=lambda s: isinstance(s, P))
 
-        return call, lambda: jitted.lower(box[0], batch), lambda: box[0]
+    def gather(a: jax.Array, s: P) -> jax.Array:
+        return jax.lax.all_gather(a, "data", axis=0, tiled=True) if s == P("data") else a
 
-    def library_step(
-        width: int, layout: str, mode: str, batch: dict[str, jax.Array]
-    ) -> tuple[Callable, Callable, Callable, Callable, Any]:
-        """``.bind``: (step call, lowering, current arrays, census, the Layout shard_state returned)."""
-        model = MLP(width, nnx.Rngs(0))
-        optimizer = nnx.Optimizer(model, optax.adam(learning_rate), wrt=nnx.Param)
-        placed = None
-        if layout != "replicated":
-            placed = substrax.shard_state(model, optimizer, mesh=mesh, params=layout == "fsdp")
-        fast = substrax.make_train_step(loss_fn, mode, mesh=mesh).bind(model, optimizer)
+    def per_device(arrays: list[jax.Array], shard: dict[str, jax.Array]) -> tuple[list[jax.Array], Any]:
+        params, opt_state = jax.tree.unflatten(treedef, arrays)
 
-        def arrays() -> list[jax.Array]:
-            fast.sync()
-            return jax.tree.leaves(nnx.state((model, optimizer)))
+        def global_loss(params: Any) -> jax.Array:
+            whole = jax.tree.map(gather, params, param_specs)
+            return jax.lax.pmean(jnp.mean((forward(whole, shard["x"]) - shard["y"]) ** 2), "data")
 
-        return fast, lambda: fast.lower(batch), arrays, lambda: fast.census(batch), placed
+        loss, grads = jax.value_and_grad(global_loss)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return jax.tree.leaves((params, opt_state)), loss
+
+    mapped = jax.shard_map(
+        per_device, mesh=mesh, in_specs=(specs, P("data")), out_specs=(specs, P()), check_vma=True
+    )
+    jitted = jax.jit(mapped, donate_argnums=0)
+    box = [jax.tree.leaves(state)]
+
+    def call() -> Any:
+        box[0], loss = jitted(box[0], batch)
+        return loss
+
+    return call, lambda: jitted.lower(box[0], batch), lambda: box[0]
+
+
+def _library_step(
+    mesh: Any, width: int, layout: str, mode: str, batch: dict[str, Any]
+) -> tuple[Callable, Callable, Callable, Callable, Any]:
+    """``.bind``: (step call, lowering, current arrays, census, the Layout shard_state returned)."""
+    import jax
+    import optax
+    from flax import nnx
+
+    import substrax
+
+    MLP, loss_fn, _ = _mlp()
+    model = MLP(width, nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(LEARNING_RATE), wrt=nnx.Param)
+    placed = None
+    if layout != "replicated":
+        placed = substrax.shard_state(model, optimizer, mesh=mesh, params=layout == "fsdp")
+    fast = substrax.make_train_step(loss_fn, mode, mesh=mesh).bind(model, optimizer)
+
+    def arrays() -> list[jax.Array]:
+        fast.sync()
+        return jax.tree.leaves(nnx.state((model, optimizer)))
+
+    return fast, lambda: fast.lower(batch), arrays, lambda: fast.census(batch), placed
+
+
+def _spelling(
+    name: str, mesh: Any, width: int, batch: dict[str, Any]
+) -> tuple[dict[str, Any], Callable[[], Any] | None, Callable[[], list] | None]:
+    """One spelling built, compiled, warmed up and its census taken: ``(row, call, arrays)``;
+    a spelling that raised has its row's ``error`` and no call."""
+    import jax
+
+    import substrax
 
     def census_of(lower: Callable[[], Any]) -> Any:
         return substrax.census(lower().compile(), mesh=mesh)
 
+    row: dict[str, Any] = {"spelling": name}
+    try:
+        if name in BOUNDS:
+            call, lower, arrays = _hand_step(mesh, width, name == "bound", batch)
+            take_census: Callable[[], Any] = functools.partial(census_of, lower)
+            row["layout_bytes"] = None
+        else:
+            layout, mode = name.split(":")
+            fast, lower, arrays, census, placed = _library_step(mesh, width, layout, mode, batch)
+            call = functools.partial(fast, batch)
+            take_census = census
+            row["layout_bytes"] = None if placed is None else placed.bytes_per_device
+        start = time.perf_counter()
+        jax.block_until_ready(call())
+        row["compile_s"] = time.perf_counter() - start
+        for _ in range(3):
+            loss = call()
+        row["loss_after_4_steps"] = float(loss)
+        row |= M.memory(lower().compile())
+        result = take_census()
+        report = getattr(result, "report", result)
+        row |= M.collectives(report)
+        row["census_matches"] = getattr(result, "matches", None)
+    except M.REPORTED as e:  # reported, not fatal
+        row["error"] = M.error_text(e)
+        return row, None, None
+    return row, call, arrays
+
+
+def _width_rows(
+    mesh: Any, width: int, rounds: int, block_s: float, spellings: tuple[str, ...] | None, rng: Any
+) -> list[dict[str, Any]]:
+    """Every spelling at one width, timed interleaved: one row each."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from substrax.spmd import create_data_parallel_sharding, place_batch_on_shards
+
+    host = {
+        "x": rng.normal(size=(BATCH, width)).astype(np.float32),
+        "y": rng.normal(size=(BATCH, 1)).astype(np.float32),
+    }
+    batch = place_batch_on_shards(host, create_data_parallel_sharding(mesh))
+    names = list(spellings or (*BOUNDS, *(f"{layout}:{mode}" for layout in LAYOUTS for mode in MODES)))
+    calls: dict[str, Callable[[], Any]] = {}
+    info: dict[str, dict[str, Any]] = {}
+    arrays_of: dict[str, Callable[[], list]] = {}
+    for name in names:
+        info[name], call, arrays = _spelling(name, mesh, width, batch)
+        if call is not None and arrays is not None:
+            calls[name], arrays_of[name] = call, arrays
+
+    params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(nnx.state(_mlp()[0](width, nnx.Rngs(0)))))
+    samples, block = M.interleaved(calls, rounds, block_s, reference="bound")
+    bound_us = float(np.median(samples["bound"])) * 1e6
+    rows = []
+    devices = mesh.size
+    for name in names:
+        row = {"model": f"mlp-w{width}", "width": width, "params": params, "batch": BATCH}
+        row |= {"devices": devices, "rounds": rounds, "block": block, "bound_us": bound_us} | info[name]
+        if name in calls:
+            row |= M.summary_us(samples[name])
+            row["ratio_to_bound"] = row["median_us"] / bound_us
+            row["state_bytes"] = M.state_bytes(arrays_of[name]())
+        rows.append(row)
+    return rows
+
+
+def run(
+    widths: list[int], rounds: int, block_s: float, devices: int, spellings: tuple[str, ...] | None = None
+) -> list[dict[str, Any]]:
+    from substrax.mesh import use_cpu_devices
+
+    use_cpu_devices(devices)
+
+    import numpy as np
+
+    from substrax.mesh import create_device_mesh
+
+    mesh = create_device_mesh({"data": devices})
     rng = np.random.default_rng(0)
     rows: list[dict[str, Any]] = []
     for width in widths:
-        host = {
-            "x": rng.normal(size=(BATCH, width)).astype(np.float32),
-            "y": rng.normal(size=(BATCH, 1)).astype(np.float32),
-        }
-        batch = place_batch_on_shards(host, create_data_parallel_sharding(mesh))
-        names = list(spellings or (*BOUNDS, *(f"{layout}:{mode}" for layout in LAYOUTS for mode in MODES)))
-        calls: dict[str, Callable[[], Any]] = {}
-        info: dict[str, dict[str, Any]] = {}
-        arrays_of: dict[str, Callable[[], list]] = {}
-        for name in names:
-            row: dict[str, Any] = {"spelling": name}
-            try:
-                if name in BOUNDS:
-                    call, lower, arrays = hand_step(width, name == "bound", batch)
-                    take_census: Callable[[], Any] = functools.partial(census_of, lower)
-                    row["layout_bytes"] = None
-                else:
-                    layout, mode = name.split(":")
-                    fast, lower, arrays, census, placed = library_step(width, layout, mode, batch)
-                    call = functools.partial(fast, batch)
-                    take_census = census
-                    row["layout_bytes"] = None if placed is None else placed.bytes_per_device
-                start = time.perf_counter()
-                jax.block_until_ready(call())
-                row["compile_s"] = time.perf_counter() - start
-                for _ in range(3):
-                    loss = call()
-                row["loss_after_4_steps"] = float(loss)
-                row |= M.memory(lower().compile())
-                result = take_census()
-                report = getattr(result, "report", result)
-                row |= M.collectives(report)
-                row["census_matches"] = getattr(result, "matches", None)
-                calls[name] = call
-                arrays_of[name] = arrays
-            except (ValueError, TypeError, NotImplementedError, RuntimeError) as e:  # reported, not fatal
-                row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"[:300]
-            info[name] = row
-
-        params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(nnx.state(MLP(width, nnx.Rngs(0)))))
-        samples, block = M.interleaved(calls, rounds, block_s, reference="bound")
-        bound_us = float(np.median(samples["bound"])) * 1e6
-        for name in names:
-            row = {"model": f"mlp-w{width}", "width": width, "params": params, "batch": BATCH}
-            row |= {"devices": devices, "rounds": rounds, "block": block, "bound_us": bound_us} | info[name]
-            if name in calls:
-                row |= M.summary_us(samples[name])
-                row["ratio_to_bound"] = row["median_us"] / bound_us
-                row["state_bytes"] = M.state_bytes(arrays_of[name]())
-            rows.append(row)
+        rows += _width_rows(mesh, width, rounds, block_s, spellings, rng)
         print(f"  width {width}: done", file=sys.stderr)
     return rows
 
@@ -251,8 +311,9 @@ def goals(rows: list[dict[str, Any]]) -> list[str]:
 def table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     out = [
         (
-            f"layouts: 3-layer MLP, batch {BATCH}, Adam, {meta['devices']} emulated {meta['backend']} devices; "
-            f"{meta['cpus']} CPUs; jax {meta['jax']}, flax {meta['flax']}, optax {meta['optax']}; {meta['date']}"
+            f"layouts: 3-layer MLP, batch {BATCH}, Adam, {meta['devices']} emulated {meta['backend']} "
+            f"devices; {meta['cpus']} CPUs; jax {meta['jax']}, flax {meta['flax']}, optax {meta['optax']}; "
+            f"{meta['date']}"
         ),
         (
             f"{'model':<10} {'spelling':<20} {'median us':>10} {'p25-p75 us':>15} {'x bound':>7} "

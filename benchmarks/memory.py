@@ -113,7 +113,8 @@ def table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                 r = mine[d]
                 cells.append(
                     "n/a" if "error" in r else
-                    f"{M.fmt_bytes(r['argument_bytes'])} / {M.fmt_bytes(r['temp_bytes'])} / {M.fmt_bytes(r['peak_bytes'])}"
+                    f"{M.fmt_bytes(r['argument_bytes'])} / {M.fmt_bytes(r['temp_bytes'])} / "
+                    f"{M.fmt_bytes(r['peak_bytes'])}"
                 )  # fmt: skip
             lo, hi = mine[depths[0]], mine[depths[-1]]
             slope = (

@@ -175,7 +175,8 @@ def run(
 
 def table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     title = (
-        f"pipeline: {meta['depth']} residual blocks of width {meta['width']} between an embedding and a head, "
+        f"pipeline: {meta['depth']} residual blocks of width {meta['width']} "
+        "between an embedding and a head, "
         f"global batch {meta['batch']}, Adam, 8 emulated {meta['backend']} devices; {meta['cpus']} CPUs; "
         f"jax {meta['jax']}, flax {meta['flax']}, optax {meta['optax']}; {meta['date']}"
     )
@@ -192,12 +193,21 @@ def table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         ("compile s", ">9", M.compile_cell),
     ]
     notes = [
-        "median: per step (.bind, donated); ratio: the paired ratio to the same mode's data8 row at the same K",
+        (
+            "median: per step (.bind, donated); ratio: the paired ratio to the same mode's data8 row at the "
+            "same K"
+        ),
         "(each round's time over that row's, median over rounds). bubble: (S - 1) / (K + S - 1).",
         "arg, temp, peak: memory_analysis() of one device's program (arguments: its state and batch; peak:",
         "argument + output + temp - alias); temp/dp: temp over the data8 row's. comm: collective bytes per",
-        "device per step from the census (loops multiplied out), permutes: the collective-permutes among them;",
-        "rule: the census matches the step's expected communication (implicit pipelines: XLA's own choice).",
+        (
+            "device per step from the census (loops multiplied out), permutes: the collective-permutes among "
+            "them;"
+        ),
+        (
+            "rule: the census matches the step's expected communication (implicit pipelines: XLA's own "
+            "choice)."
+        ),
     ]
     return M.table(title, columns, rows, notes)
 

@@ -19,14 +19,15 @@ shape it times:
   ``grad`` (so AD transposes the gathers into ``psum_scatter``s over ``data``, the
   replicated parameters' ``pvary`` into ``psum``s, and the column layers' input into a
   ``psum`` over ``model``: attention's input cast to varying once for its three
-  projections, one ``psum`` of its gradient, as ``ParallelSelfAttention`` does), and ``optax.adam`` updating the local slices; ``jax.jit``
-  with the state donated. The minimum a 2-D FSDP step does. Everything is written by
-  hand but the LayerNorms, which are flax's own ``nnx.LayerNorm`` applied to the arrays:
-  every hand spelling of the same arithmetic tried (keepdims means, flax's op order
-  copied line by line) gave a program XLA's CPU compiler fused worse, recomputing the
-  residual stream's gradient sum inside each block's fusions (about +19% bytes accessed
-  per device, by ``compiled.cost_analysis()``, and about 1.4x the step time on (2, 4)),
-  so a bound with them measured the compiler's fusion choice, not the step's work.
+  projections, one ``psum`` of its gradient, as ``ParallelSelfAttention`` does), and
+  ``optax.adam`` updating the local slices; ``jax.jit`` with the state donated. The
+  minimum a 2-D FSDP step does. Everything is written by hand but the LayerNorms, which
+  are flax's own ``nnx.LayerNorm`` applied to the arrays: every hand spelling of the
+  same arithmetic tried (keepdims means, flax's op order copied line by line) gave a
+  program XLA's CPU compiler fused worse, recomputing the residual stream's gradient sum
+  inside each block's fusions (about +19% bytes accessed per device, by
+  ``compiled.cost_analysis()``, and about 1.4x the step time on (2, 4)), so a bound with
+  them measured the compiler's fusion choice, not the step's work.
 - ``implicit`` / ``explicit``: ``substrax.make_train_step(loss_fn, MODE, mesh=mesh)``
   called as ``step(model, optimizer, batch)`` (library defaults, so
   ``skip_nonfinite=True``: the bound has no such check).
@@ -54,6 +55,7 @@ optimized HLO there, to read its collectives and fusions.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import sys
 import time
@@ -71,31 +73,15 @@ LOSS_RTOL = 2e-5  # float32 round-off of sums taken in other orders
 SMOKE = {"WIDTH": 32, "LAYERS": 1, "VOCAB": 32, "SEQ": 8}  # --smoke: the model, small enough to compile fast
 
 
-def run(
-    shapes: tuple[tuple[int, int], ...],
-    spellings: tuple[str, ...],
-    rounds: int,
-    block_s: float,
-    hlo_dir: str | None = None,
-    library_cost: bool = True,
-) -> tuple[list[dict[str, Any]], str]:
-    from substrax.mesh import use_cpu_devices
-
-    use_cpu_devices(8)
-
+@functools.cache  # one LM class for every spelling; built after --smoke set the sizes
+def _model() -> tuple[Any, Callable[..., Any]]:
+    """``(LM, loss_fn)``: the transformer of ``substrax.nn`` layers, next-token cross entropy."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
     import optax
     from flax import nnx
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
-    import substrax
-    from substrax._metrics.collectives import to_varying
-    from substrax.mesh import create_device_mesh
     from substrax.nn import ColumnParallelLinear, ParallelSelfAttention, RowParallelLinear
-    from substrax.spmd import create_data_parallel_sharding, place_batch_on_shards
 
     class Block(nnx.Module):
         def __init__(self, rngs: nnx.Rngs) -> None:
@@ -127,194 +113,252 @@ def run(
         logits = model(batch["tokens"][:, :-1])
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:]).mean()
 
-    # --- the bound: the same forward pass by hand, on pure arrays ------------------------------
+    return LM, loss_fn
 
-    norm_graph = nnx.graphdef(nnx.LayerNorm(WIDTH, rngs=nnx.Rngs(0)))
 
-    def layer_norm(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
-        """flax's own LayerNorm on the arrays ``p`` (see the module docstring for why not by hand)."""
-        return nnx.merge(norm_graph, nnx.State(p))(x)  # type: ignore[no-any-return]
+# --- the bound: the same forward pass by hand, on pure arrays ----------------------------------
 
-    def dense(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
-        return x @ p["kernel"] + p["bias"]
 
-    def row_parallel(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
-        """The row layer: this device's partial product, summed over ``model`` (Megatron's psum)."""
-        return jax.lax.psum(x @ p["kernel"], "model") + p["bias"]
+@functools.cache
+def _norm_graph() -> Any:
+    from flax import nnx
 
-    def attention(p: dict[str, Any], x: jax.Array) -> jax.Array:
-        head_dim = WIDTH // HEADS
-        heads = p["query"]["kernel"].shape[1] // head_dim  # this device's heads
+    return nnx.graphdef(nnx.LayerNorm(WIDTH, rngs=nnx.Rngs(0)))
 
-        def split(y: jax.Array) -> jax.Array:
-            return y.reshape(*y.shape[:-1], heads, head_dim)
 
-        x = to_varying(x, "model")  # Megatron's f, once for q, k and v: one psum of x's gradient
-        q = split(dense(p["query"], x)) / math.sqrt(head_dim)
-        k, v = split(dense(p["key"], x)), split(dense(p["value"], x))
-        scores = jnp.einsum("...qhd,...khd->...hqk", q, k)
-        mask = jnp.tril(jnp.ones((x.shape[-2], x.shape[-2]), bool))
-        weights = jax.nn.softmax(jnp.where(mask, scores, jnp.finfo(scores.dtype).min), axis=-1)
-        mixed = jnp.einsum("...hqk,...khd->...qhd", weights, v)
-        return row_parallel(p["out"], mixed.reshape(*mixed.shape[:-2], heads * head_dim))
+def _layer_norm(p: dict[str, Any], x: Any) -> Any:
+    """flax's own LayerNorm on the arrays ``p`` (see the module docstring for why not by hand)."""
+    from flax import nnx
 
-    def hand_loss(p: dict[str, Any], tokens: jax.Array) -> jax.Array:
-        inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        x = jnp.take(p["tok"]["embedding"], inputs, axis=0) + p["pos"]["embedding"][: inputs.shape[1]]
-        for i in range(LAYERS):
-            b = p["blocks"][i]
-            x = x + attention(b["attn"], layer_norm(b["ln1"], x))
-            x = x + row_parallel(b["down"], jax.nn.gelu(dense(b["up"], layer_norm(b["ln2"], x))))
-        logits = dense(p["head"], layer_norm(p["ln"], x))
-        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    return nnx.merge(_norm_graph(), nnx.State(p))(x)
 
-    def data_dim(spec: P) -> int | None:
-        for dim, entry in enumerate(spec):
-            if entry == "data" or (isinstance(entry, tuple) and "data" in entry):
-                return dim
-        return None
 
-    def bound_step(mesh: Any, batch: Any) -> dict[str, Any]:
-        model, _, _ = build(mesh)  # the library's placement, read back as specs
-        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-        param_specs = jax.tree.map(lambda a: a.sharding.spec, params)
-        dims = jax.tree.map(data_dim, param_specs, is_leaf=lambda s: isinstance(s, P))
-        tx = optax.adam(LEARNING_RATE)
-        opt_state = tx.init(params)  # zeros, placed as the parameters (count replicated)
-        opt_specs = optax.tree_map_params(
-            tx, lambda _, s: s, opt_state, param_specs, transform_non_params=lambda _: P()
-        )
-        opt_state = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), opt_state, opt_specs)
-        state = (params, opt_state)
-        treedef = jax.tree.structure(state)
-        specs = jax.tree.leaves((param_specs, opt_specs), is_leaf=lambda s: isinstance(s, P))
-        gather_dims = jax.tree.leaves(dims, is_leaf=lambda d: d is None)
+def _dense(p: dict[str, Any], x: Any) -> Any:
+    return x @ p["kernel"] + p["bias"]
 
-        def per_device(arrays: list[jax.Array], tokens: jax.Array) -> tuple[list[jax.Array], jax.Array]:
-            params, opt_state = jax.tree.unflatten(treedef, arrays)
-            flat, param_def = jax.tree.flatten(params)
 
-            def global_loss(flat: list[jax.Array]) -> jax.Array:
-                whole = [
-                    a if d is None else jax.lax.all_gather(a, "data", axis=d, tiled=True)
-                    for a, d in zip(flat, gather_dims, strict=True)
-                ]
-                return jax.lax.pmean(hand_loss(jax.tree.unflatten(param_def, whole), tokens), "data")
+def _row_parallel(p: dict[str, Any], x: Any) -> Any:
+    """The row layer: this device's partial product, summed over ``model`` (Megatron's psum)."""
+    import jax
 
-            loss, grads = jax.value_and_grad(global_loss)(flat)
-            grads = jax.tree.unflatten(param_def, grads)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            params = optax.apply_updates(params, updates)
-            return jax.tree.leaves((params, opt_state)), loss
+    return jax.lax.psum(x @ p["kernel"], "model") + p["bias"]
 
-        mapped = jax.shard_map(
-            per_device, mesh=mesh, in_specs=(specs, P("data")), out_specs=(specs, P()), check_vma=True
-        )
-        box = [jax.tree.leaves(state)]
-        tokens = batch["tokens"]
-        start = time.perf_counter()
-        compiled = jax.jit(mapped, donate_argnums=0).lower(box[0], tokens).compile()  # timed and counted
-        compile_s = time.perf_counter() - start
 
-        def call() -> jax.Array:
-            box[0], loss = compiled(box[0], tokens)
-            return loss
+def _attention(p: dict[str, Any], x: Any) -> Any:
+    import jax
+    import jax.numpy as jnp
 
-        def census() -> Any:
-            return substrax.census(compiled, mesh=mesh)
+    from substrax._metrics.collectives import to_varying
 
-        return {
-            "call": call,
-            "census": census,
-            "state_bytes": lambda: M.state_bytes(box[0]),
-            "layout_bytes": None,
-            "compile_s": compile_s,
-            "compiled": lambda: compiled,
-        }
+    head_dim = WIDTH // HEADS
+    heads = p["query"]["kernel"].shape[1] // head_dim  # this device's heads
 
-    # --- the library ---------------------------------------------------------------------------
+    def split(y: jax.Array) -> jax.Array:
+        return y.reshape(*y.shape[:-1], heads, head_dim)
 
-    def build(mesh: Any) -> tuple[LM, nnx.Optimizer, Any]:
-        model = LM(nnx.Rngs(0))
-        optimizer = nnx.Optimizer(model, optax.adam(LEARNING_RATE), wrt=nnx.Param)
-        layout = substrax.shard_state(model, optimizer, mesh=mesh, layout="fsdp")
-        return model, optimizer, layout
+    x = to_varying(x, "model")  # Megatron's f, once for q, k and v: one psum of x's gradient
+    q = split(_dense(p["query"], x)) / math.sqrt(head_dim)
+    k, v = split(_dense(p["key"], x)), split(_dense(p["value"], x))
+    scores = jnp.einsum("...qhd,...khd->...hqk", q, k)
+    mask = jnp.tril(jnp.ones((x.shape[-2], x.shape[-2]), bool))
+    weights = jax.nn.softmax(jnp.where(mask, scores, jnp.finfo(scores.dtype).min), axis=-1)
+    mixed = jnp.einsum("...hqk,...khd->...qhd", weights, v)
+    return _row_parallel(p["out"], mixed.reshape(*mixed.shape[:-2], heads * head_dim))
 
-    def library_step(mesh: Any, spelling: str, batch: Any) -> dict[str, Any]:
-        mode, _, bind = spelling.partition(".")
-        model, optimizer, layout = build(mesh)
-        step = substrax.make_train_step(loss_fn, mode, mesh=mesh)  # type: ignore[arg-type]
-        if bind:
-            fast = step.bind(model, optimizer)
-            call: Callable[[], Any] = lambda: fast(batch)
-            census: Callable[[], Any] = lambda: fast.check_communication(batch)  # syncs first
 
-            def arrays() -> list[jax.Array]:
-                fast.sync()
-                return jax.tree.leaves(nnx.state((model, optimizer)))
+def _hand_loss(p: dict[str, Any], tokens: Any) -> Any:
+    import jax
+    import jax.numpy as jnp
+    import optax
 
-        else:
-            call = lambda: step(model, optimizer, batch)
-            census = lambda: step.check_communication(model, optimizer, batch)
-            arrays = lambda: jax.tree.leaves(nnx.state((model, optimizer)))
-        compiled = (
-            (lambda: fast.lower(batch).compile())
-            if bind
-            else (lambda: step.lower(model, optimizer, batch).compile())
-        )
-        return {
-            "call": call,
-            "census": census,
-            "state_bytes": lambda: M.state_bytes(arrays()),
-            "layout_bytes": layout.bytes_per_device,
-            "compiled": compiled,
-        }
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    x = jnp.take(p["tok"]["embedding"], inputs, axis=0) + p["pos"]["embedding"][: inputs.shape[1]]
+    for i in range(LAYERS):
+        b = p["blocks"][i]
+        x = x + _attention(b["attn"], _layer_norm(b["ln1"], x))
+        x = x + _row_parallel(b["down"], jax.nn.gelu(_dense(b["up"], _layer_norm(b["ln2"], x))))
+    logits = _dense(p["head"], _layer_norm(p["ln"], x))
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
-    rng = np.random.default_rng(0)
-    host = {"tokens": rng.integers(0, VOCAB, size=(BATCH, SEQ + 1)).astype(np.int32)}
-    params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(nnx.state(LM(nnx.Rngs(0)), nnx.Param)))
 
-    built: dict[str, dict[str, Any]] = {}
-    info: dict[str, dict[str, Any]] = {}
-    for shape in shapes:
-        mesh = create_device_mesh({"data": shape[0], "model": shape[1]})
-        batch = place_batch_on_shards(host, create_data_parallel_sharding(mesh))
-        for spelling in spellings:
-            name = f"{shape}:{spelling}"
-            s = bound_step(mesh, batch) if spelling == "bound" else library_step(mesh, spelling, batch)
-            row: dict[str, Any] = {"mesh": list(shape), "spelling": spelling, "params": params}
-            start = time.perf_counter()
-            row["loss_step_1"] = float(jax.block_until_ready(s["call"]()))
-            row["compile_s"] = time.perf_counter() - start + s.get("compile_s", 0.0)
-            for _ in range(3):
-                loss = s["call"]()
-            row["loss_step_4"] = float(loss)
-            plain = info.get(f"{shape}:{spelling.split('.')[0]}") if spelling.endswith(".bind") else None
-            if plain is not None:  # the plain call's program, donated: the same collectives
-                row |= {k: plain[k] for k in ("census_matches", "comm", "comm_bytes")}
-            else:
-                result = s["census"]()
-                report = getattr(result, "report", result)
-                row["census_matches"] = getattr(result, "matches", None)
-                row["comm"] = by_axis(report)
-                row["comm_bytes"] = int(report.bytes_per_step())
-            row["layout_bytes"] = s["layout_bytes"]
-            if plain is not None and "flops_per_device" in plain and not hlo_dir:
-                row |= {k: plain[k] for k in ("flops_per_device", "bytes_accessed_per_device")}
-            elif hlo_dir or library_cost or spelling == "bound":  # the library's steps compile again
-                compiled = s["compiled"]()
-                row |= cost(compiled)
-                if hlo_dir:  # the optimized HLO, to read the collectives and fusions
-                    path = Path(hlo_dir) / f"{shape[0]}x{shape[1]}_{spelling}.hlo.txt"
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    path.write_text(compiled.as_text())
-            built[name], info[name] = s, row
-            print(
-                f"  {name}: compiled in {row['compile_s']:.1f} s, loss {row['loss_step_1']:.6f}",
-                file=sys.stderr,
-            )
+def _data_dim(spec: Any) -> int | None:
+    for dim, entry in enumerate(spec):
+        if entry == "data" or (isinstance(entry, tuple) and "data" in entry):
+            return dim
+    return None
 
-    # the bound computes the step's loss: every spelling's first loss, every mesh shape's
+
+def _bound_state(mesh: Any) -> tuple[Any, list[Any], list[int | None], Any]:
+    """The bound's state as the library places it: ``(state, specs, gather_dims, tx)``, the
+    specs of its flattened arrays and, per parameter, the dimension split over ``data``."""
+    import jax
+    import optax
+    from flax import nnx
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    model, _, _ = _build(mesh)  # the library's placement, read back as specs
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    param_specs = jax.tree.map(lambda a: a.sharding.spec, params)
+    dims = jax.tree.map(_data_dim, param_specs, is_leaf=lambda s: isinstance(s, P))
+    tx = optax.adam(LEARNING_RATE)
+    opt_state = tx.init(params)  # zeros, placed as the parameters (count replicated)
+    opt_specs = optax.tree_map_params(
+        tx, lambda _, s: s, opt_state, param_specs, transform_non_params=lambda _: P()
+    )
+    opt_state = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), opt_state, opt_specs)
+    specs = jax.tree.leaves((param_specs, opt_specs), is_leaf=lambda s: isinstance(s, P))
+    return (params, opt_state), specs, jax.tree.leaves(dims, is_leaf=lambda d: d is None), tx
+
+
+def _bound_step(mesh: Any, batch: Any) -> dict[str, Any]:
+    import jax
+    import optax
+    from jax.sharding import PartitionSpec as P
+
+    import substrax
+
+    state, specs, gather_dims, tx = _bound_state(mesh)
+    treedef = jax.tree.structure(state)
+
+    def per_device(arrays: list[jax.Array], tokens: jax.Array) -> tuple[list[jax.Array], jax.Array]:
+        params, opt_state = jax.tree.unflatten(treedef, arrays)
+        flat, param_def = jax.tree.flatten(params)
+
+        def global_loss(flat: list[jax.Array]) -> jax.Array:
+            whole = [
+                a if d is None else jax.lax.all_gather(a, "data", axis=d, tiled=True)
+                for a, d in zip(flat, gather_dims, strict=True)
+            ]
+            return jax.lax.pmean(_hand_loss(jax.tree.unflatten(param_def, whole), tokens), "data")
+
+        loss, grads = jax.value_and_grad(global_loss)(flat)
+        grads = jax.tree.unflatten(param_def, grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return jax.tree.leaves((params, opt_state)), loss
+
+    mapped = jax.shard_map(
+        per_device, mesh=mesh, in_specs=(specs, P("data")), out_specs=(specs, P()), check_vma=True
+    )
+    box = [jax.tree.leaves(state)]
+    tokens = batch["tokens"]
+    start = time.perf_counter()
+    compiled = jax.jit(mapped, donate_argnums=0).lower(box[0], tokens).compile()  # timed and counted
+    compile_s = time.perf_counter() - start
+
+    def call() -> jax.Array:
+        box[0], loss = compiled(box[0], tokens)
+        return loss
+
+    def census() -> Any:
+        return substrax.census(compiled, mesh=mesh)
+
+    return {
+        "call": call,
+        "census": census,
+        "state_bytes": lambda: M.state_bytes(box[0]),
+        "layout_bytes": None,
+        "compile_s": compile_s,
+        "compiled": lambda: compiled,
+    }
+
+
+# --- the library -------------------------------------------------------------------------------
+
+
+def _build(mesh: Any) -> tuple[Any, Any, Any]:
+    import optax
+    from flax import nnx
+
+    import substrax
+
+    model = _model()[0](nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(LEARNING_RATE), wrt=nnx.Param)
+    layout = substrax.shard_state(model, optimizer, mesh=mesh, layout="fsdp")
+    return model, optimizer, layout
+
+
+def _library_step(mesh: Any, spelling: str, batch: Any) -> dict[str, Any]:
+    import jax
+    from flax import nnx
+
+    import substrax
+
+    mode, _, bind = spelling.partition(".")
+    model, optimizer, layout = _build(mesh)
+    step = substrax.make_train_step(_model()[1], mode, mesh=mesh)  # type: ignore[arg-type]
+    if bind:
+        fast = step.bind(model, optimizer)
+        call: Callable[[], Any] = lambda: fast(batch)
+        census: Callable[[], Any] = lambda: fast.check_communication(batch)  # syncs first
+
+        def arrays() -> list[jax.Array]:
+            fast.sync()
+            return jax.tree.leaves(nnx.state((model, optimizer)))
+
+    else:
+        call = lambda: step(model, optimizer, batch)
+        census = lambda: step.check_communication(model, optimizer, batch)
+        arrays = lambda: jax.tree.leaves(nnx.state((model, optimizer)))
+    compiled = (
+        (lambda: fast.lower(batch).compile())
+        if bind
+        else (lambda: step.lower(model, optimizer, batch).compile())
+    )
+    return {
+        "call": call,
+        "census": census,
+        "state_bytes": lambda: M.state_bytes(arrays()),
+        "layout_bytes": layout.bytes_per_device,
+        "compiled": compiled,
+    }
+
+
+# --- the measurements --------------------------------------------------------------------------
+
+
+def _facts(
+    s: dict[str, Any],
+    shape: tuple[int, int],
+    spelling: str,
+    plain: dict[str, Any] | None,
+    hlo_dir: str | None,
+    library_cost: bool,
+) -> dict[str, Any]:
+    """One spelling's losses, census and cost (``plain``: the plain call's row, for a ``.bind``)."""
+    import jax
+
+    row: dict[str, Any] = {}
+    start = time.perf_counter()
+    row["loss_step_1"] = float(jax.block_until_ready(s["call"]()))
+    row["compile_s"] = time.perf_counter() - start + s.get("compile_s", 0.0)
+    for _ in range(3):
+        loss = s["call"]()
+    row["loss_step_4"] = float(loss)
+    if plain is not None:  # the plain call's program, donated: the same collectives
+        row |= {k: plain[k] for k in ("census_matches", "comm", "comm_bytes")}
+    else:
+        result = s["census"]()
+        report = getattr(result, "report", result)
+        row["census_matches"] = getattr(result, "matches", None)
+        row["comm"] = by_axis(report)
+        row["comm_bytes"] = int(report.bytes_per_step())
+    row["layout_bytes"] = s["layout_bytes"]
+    if plain is not None and "flops_per_device" in plain and not hlo_dir:
+        row |= {k: plain[k] for k in ("flops_per_device", "bytes_accessed_per_device")}
+    elif hlo_dir or library_cost or spelling == "bound":  # the library's steps compile again
+        compiled = s["compiled"]()
+        row |= cost(compiled)
+        if hlo_dir:  # the optimized HLO, to read the collectives and fusions
+            path = Path(hlo_dir) / f"{shape[0]}x{shape[1]}_{spelling}.hlo.txt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(compiled.as_text())
+    return row
+
+
+def _check_losses(info: dict[str, dict[str, Any]], shapes: tuple[tuple[int, int], ...]) -> None:
+    """The bound computes the step's loss: every spelling's first loss, every mesh shape's."""
     first = info[f"{shapes[0]}:bound"]["loss_step_1"]
     for name, row in info.items():
         assert math.isclose(row["loss_step_1"], first, rel_tol=LOSS_RTOL), (name, row["loss_step_1"], first)
@@ -324,6 +368,49 @@ def run(
             row["loss_step_4"],
             bound4,
         )
+
+
+def run(
+    shapes: tuple[tuple[int, int], ...],
+    spellings: tuple[str, ...],
+    rounds: int,
+    block_s: float,
+    hlo_dir: str | None = None,
+    library_cost: bool = True,
+) -> tuple[list[dict[str, Any]], str]:
+    from substrax.mesh import use_cpu_devices
+
+    use_cpu_devices(8)
+
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from substrax.mesh import create_device_mesh
+    from substrax.spmd import create_data_parallel_sharding, place_batch_on_shards
+
+    rng = np.random.default_rng(0)
+    host = {"tokens": rng.integers(0, VOCAB, size=(BATCH, SEQ + 1)).astype(np.int32)}
+    params = sum(
+        int(np.prod(a.shape)) for a in jax.tree.leaves(nnx.state(_model()[0](nnx.Rngs(0)), nnx.Param))
+    )
+    built: dict[str, dict[str, Any]] = {}
+    info: dict[str, dict[str, Any]] = {}
+    for shape in shapes:
+        mesh = create_device_mesh({"data": shape[0], "model": shape[1]})
+        batch = place_batch_on_shards(host, create_data_parallel_sharding(mesh))
+        for spelling in spellings:
+            name = f"{shape}:{spelling}"
+            s = _bound_step(mesh, batch) if spelling == "bound" else _library_step(mesh, spelling, batch)
+            plain = info.get(f"{shape}:{spelling.split('.')[0]}") if spelling.endswith(".bind") else None
+            row = {"mesh": list(shape), "spelling": spelling, "params": params}
+            row |= _facts(s, shape, spelling, plain, hlo_dir, library_cost)
+            built[name], info[name] = s, row
+            print(
+                f"  {name}: compiled in {row['compile_s']:.1f} s, loss {row['loss_step_1']:.6f}",
+                file=sys.stderr,
+            )
+    _check_losses(info, shapes)
 
     calls = {name: s["call"] for name, s in built.items()}
     reference = f"{shapes[0]}:bound"
@@ -384,7 +471,10 @@ def table(rows: list[dict[str, Any]], meta: dict[str, Any], reference: str) -> s
             f"{meta['devices']} emulated {meta['backend']} devices; {meta['cpus']} CPUs; jax {meta['jax']}, "
             f"flax {meta['flax']}, optax {meta['optax']}; {meta['date']}"
         ),
-        f"command: {meta['command']}; {rows[0]['rounds']} rounds, blocks of {rows[0]['block']} steps; wall {meta['wall_s']:.0f} s",
+        (
+            f"command: {meta['command']}; {rows[0]['rounds']} rounds, blocks of {rows[0]['block']} steps; "
+            f"wall {meta['wall_s']:.0f} s"
+        ),
         "",
         f"| mesh (data,model) | spelling | median ms | p25-p75 ms | x bound | x {ref} bound | state/dev "
         "| comm over data | comm over model | "
@@ -404,23 +494,33 @@ def table(rows: list[dict[str, Any]], meta: dict[str, Any], reference: str) -> s
             f"| {r['ratio_to_8x1_bound']:.2f} | {M.fmt_bytes(state)} | {comm_text(r.get('comm'), 'data')} "
             f"| {comm_text(r.get('comm'), 'model')} | "
             + "".join(f"{comm_text(r.get('comm'), a)} | " for a in axes)
-            + f"{rule} | {gflop} | {mb} | {r['loss_step_1']:.6f} | {r['loss_step_4']:.6f} | {r['compile_s']:.1f} |"
+            + f"{rule} | {gflop} | {mb} | {r['loss_step_1']:.6f} | {r['loss_step_4']:.6f} | "
+            f"{r['compile_s']:.1f} |"
         )
     mismatched = [r for r in rows if r["layout_bytes"] is not None and r["layout_bytes"] != r["state_bytes"]]
     for r in mismatched:
         out.append(
-            f"({r['mesh'][0]},{r['mesh'][1]}) {r['spelling']}: the Layout said {r['layout_bytes']:,} bytes per "
-            f"device, the arrays hold {r['state_bytes']:,}"
+            f"({r['mesh'][0]},{r['mesh'][1]}) {r['spelling']}: the Layout said {r['layout_bytes']:,} "
+            f"bytes per device, the arrays hold {r['state_bytes']:,}"
         )
     out += [
         "",
         "x bound: median step / its mesh shape's bound's median, same run (bound: the 2-D FSDP step by hand",
         f"under shard_map, donated); x {ref} bound: / the median of {reference}.",
         "state/dev: Layout.bytes_per_device (the bound: its arrays' shards, the same).",
-        "comm over AXIS: collective bytes per device per step over that mesh axis (census rows by .axes), then",
-        "executions per step (AG all-gather, RS reduce-scatter, AR all-reduce); the .bind rows: the plain call's",
+        (
+            "comm over AXIS: collective bytes per device per step over that mesh axis (census rows by "
+            ".axes), then"
+        ),
+        (
+            "executions per step (AG all-gather, RS reduce-scatter, AR all-reduce); the .bind rows: the "
+            "plain call's"
+        ),
         "program's collectives (the same program, donated). rule: the census matches the layout's rule.",
-        "GFLOP/dev, MB accessed/dev: compiled.cost_analysis() of one device's program (--quick: the bound's only).",
+        (
+            "GFLOP/dev, MB accessed/dev: compiled.cost_analysis() of one device's program (--quick: the "
+            "bound's only)."
+        ),
         f"loss step 1: the first step's loss, the same for every spelling (asserted, rel. tol. {LOSS_RTOL});",
         "loss step 4: after warm-up.",
         "",
@@ -430,7 +530,8 @@ def table(rows: list[dict[str, Any]], meta: dict[str, Any], reference: str) -> s
         if tuple(r["mesh"]) != (8, 1) and r["spelling"].startswith("explicit"):
             verdict = "met" if r["ratio_to_bound"] <= 1.10 else "MISSED"
             out.append(
-                f"  ({r['mesh'][0]},{r['mesh'][1]}) {r['spelling']}: {r['ratio_to_bound']:.2f}x bound ({verdict})"
+                f"  ({r['mesh'][0]},{r['mesh'][1]}) {r['spelling']}: {r['ratio_to_bound']:.2f}x bound "
+                f"({verdict})"
             )
     return "\n".join(out)
 

@@ -45,6 +45,7 @@ so; the script then exits with status 1, naming every such row.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import subprocess
@@ -97,6 +98,321 @@ def communication(take_census: Callable[[], Any] | None) -> tuple[int | None, bo
     return int(report.bytes_per_step()), getattr(result, "matches", None)
 
 
+@dataclasses.dataclass
+class _Setup:
+    """What every measurement of one worker shares."""
+
+    mesh: Any
+    rounds: int
+    block_s: float
+    with_census: bool
+
+
+@dataclasses.dataclass
+class _Found:
+    """What ``_measure`` found of its spellings: calls, compile seconds, census, errors, samples."""
+
+    calls: dict[str, Callable[[], Any]] = dataclasses.field(default_factory=dict)
+    compile_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    # by program: MODE[:LAYOUT], or the bound
+    comm: dict[str, tuple[int | None, bool | None]] = dataclasses.field(default_factory=dict)
+    errors: dict[str, str] = dataclasses.field(default_factory=dict)
+    census_errors: dict[str, str] = dataclasses.field(default_factory=dict)
+    samples: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    block: int = 0
+
+    def failed(self, name: str, e: Exception) -> None:  # a spelling the library refuses: reported, not fatal
+        self.errors[name] = M.error_text(e)
+        self.calls.pop(name, None)
+
+
+def _stepper(setup: _Setup, jitted: Any, arrays: list, batch: Any) -> Spelling:
+    import substrax
+
+    program_census = substrax.census if setup.with_census else None
+    box = [arrays]
+
+    def call() -> Any:
+        box[0], loss = jitted(box[0], batch)
+        return loss
+
+    take = (lambda: program_census(jitted.lower(box[0], batch).compile())) if program_census else None
+    return call, take
+
+
+def _jit_bound(setup: _Setup, model: Any, optimizer: Any, loss_fn: Callable, batch: Any) -> Spelling:
+    """By hand: split once, and step a flat list of arrays (an nnx.State argument would
+    cost a Python pytree flatten per call), donated; XLA inserts the all-reduce."""
+    import jax
+    from flax import nnx
+
+    graphdef, state = nnx.split((model, optimizer))
+    treedef = jax.tree.structure(state)
+
+    def pure(arrays: list, batch: Any) -> tuple:
+        model, optimizer = nnx.merge(graphdef, jax.tree.unflatten(treedef, arrays))
+        loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+        optimizer.update(model, grads)
+        return jax.tree.leaves(nnx.state((model, optimizer))), loss
+
+    return _stepper(setup, jax.jit(pure, donate_argnums=0), jax.tree.leaves(state), batch)
+
+
+def _shard_map_bound(setup: _Setup, model: Any, optimizer: Any, loss_fn: Callable, batch: Any) -> Spelling:
+    """The same step under shard_map: each device its shard, the loss pmean-ed before grad."""
+    import jax
+    from flax import nnx
+    from jax.sharding import PartitionSpec as P
+
+    graphdef, state = nnx.split((model, optimizer))
+    treedef = jax.tree.structure(state)
+
+    def per_device(arrays: list, shard: Any) -> tuple:
+        model, optimizer = nnx.merge(graphdef, jax.tree.unflatten(treedef, arrays))
+        global_loss = lambda model: jax.lax.pmean(loss_fn(model, shard), "data")  # noqa: E731
+        loss, grads = nnx.value_and_grad(global_loss)(model)
+        optimizer.update(model, grads)
+        return jax.tree.leaves(nnx.state((model, optimizer))), loss
+
+    mapped = jax.shard_map(
+        per_device, mesh=setup.mesh, in_specs=(P(), P("data")), out_specs=(P(), P()), check_vma=True
+    )
+    return _stepper(setup, jax.jit(mapped, donate_argnums=0), jax.tree.leaves(state), batch)
+
+
+def _spelling(
+    setup: _Setup, name: str, fresh: Callable[[], tuple], loss_fn: Callable, batch: Any
+) -> Spelling:
+    """One spelling on a model and optimizer of its own: its step call (no arguments)
+    and, where it compiles by itself, a call that takes its census."""
+    from flax import nnx
+
+    import substrax
+    from substrax.explicit import explicit_train_step
+    from substrax.spmd import spmd_train_step
+
+    model, optimizer = fresh()
+    if name in BOUNDS:
+        return (_jit_bound if name == "bound" else _shard_map_bound)(setup, model, optimizer, loss_fn, batch)
+    if name in MODES:
+        inner = spmd_train_step if name == "implicit" else explicit_train_step
+        jitted = nnx.jit(functools.partial(lambda m, o, b, inner: inner(m, o, loss_fn, b), inner=inner))
+        return functools.partial(jitted, model, optimizer, batch), None
+    kind, mode, *layout = name.split(":")
+    if layout:
+        substrax.shard_state(model, optimizer, mesh=setup.mesh, params=layout[0] == "fsdp")
+    guarded = not kind.endswith("_unguarded")  # the non-finite guard on (the default) or off
+    step = substrax.make_train_step(loss_fn, mode, skip_nonfinite=guarded)  # type: ignore[arg-type]
+    if kind.startswith("bound_step"):
+        fast = step.bind(model, optimizer, donate=kind != "bound_step_undonated")
+        take = functools.partial(fast.census, batch) if setup.with_census else None
+        return functools.partial(fast, batch), take
+    take = functools.partial(step.census, model, optimizer, batch) if setup.with_census else None
+    return functools.partial(step, model, optimizer, batch), take
+
+
+def _program(name: str) -> str:
+    """The plain, bound and undonated calls of one mode and layout compile one program
+    (unguarded: another)."""
+    if ":" not in name:
+        return f"{name} (own)"
+    kind, rest = name.split(":", 1)
+    return f"{rest} unguarded" if kind.endswith("_unguarded") else rest
+
+
+def _warm(found: _Found, built: dict[str, Spelling]) -> None:
+    """Each built spelling's first call (its compile, timed), three more, and its census."""
+    import jax
+
+    for name, (call, take_census) in built.items():
+        try:
+            start = time.perf_counter()
+            jax.block_until_ready(call())
+            found.compile_s[name] = time.perf_counter() - start
+            for _ in range(3):
+                jax.block_until_ready(call())
+            found.calls[name] = call
+        except Exception as e:
+            found.failed(name, e)
+            continue
+        try:
+            if found.comm.get(_program(name), (None, None))[0] is None:
+                found.comm[_program(name)] = communication(take_census)
+        except Exception as e:  # the census failed, not the step: time it anyway
+            found.census_errors[name] = M.error_text(e)
+
+
+def _time(found: _Found, rounds: int, block_s: float) -> None:
+    """Every call once per round, interleaved, each sample a block of calls sized from the bound."""
+    import jax
+
+    calls = found.calls
+    start = time.perf_counter()
+    for _ in range(3):
+        jax.block_until_ready(calls["bound"]())
+    block = max(1, min(50, int(block_s / ((time.perf_counter() - start) / 3))))  # each run ~block_s
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in list(calls.items()):  # interleaved: every spelling once per round
+            try:
+                start = time.perf_counter()
+                for _ in range(block):
+                    out = call()
+                jax.block_until_ready(out)
+                samples[name].append((time.perf_counter() - start) / block)
+            except Exception as e:
+                found.failed(name, e)
+    found.samples, found.block = samples, block
+
+
+def _rows(
+    setup: _Setup, found: _Found, label: dict[str, Any], names: list[str], params: int
+) -> list[dict[str, Any]]:
+    import jax
+    import numpy as np
+
+    samples = found.samples
+    bounds_us = {name: float(np.median(samples[name])) * 1e6 for name in BOUNDS}
+    bound_us = min(bounds_us.values())
+    rows = []
+    for name in names:
+        row = {
+            **label,
+            "params": params,
+            "devices": setup.mesh.size,
+            "mode": name,
+            "backend": jax.default_backend(),
+        }
+        row |= {
+            "rounds": setup.rounds,
+            "block": found.block,
+            "bound_us": bounds_us,
+            "faster_bound": min(bounds_us, key=lambda name: bounds_us[name]),
+        }
+        if name in found.errors or not samples.get(name):
+            rows.append(row | {"error": found.errors.get(name, "no samples")})
+            continue
+        times = np.asarray(samples[name]) * 1e6
+        comm = found.comm.get(_program(name), (None, None))
+        rows.append(
+            row
+            | {
+                "median_step_us": float(np.median(times)),
+                "p25_step_us": float(np.percentile(times, 25)),
+                "p75_step_us": float(np.percentile(times, 75)),
+                "ratio_to_bound": float(np.median(times)) / bound_us,
+                **M.paired_ratio(samples[name], [samples[b] for b in BOUNDS]),
+                "compile_s": found.compile_s[name],
+                "comm_bytes": comm[0],
+                "comm_as_expected": comm[1],
+            }
+            | ({"census_error": found.census_errors[name]} if name in found.census_errors else {})
+        )
+    return rows
+
+
+def _measure(
+    setup: _Setup,
+    label: dict[str, Any],
+    names: list[str],
+    fresh: Callable[[], tuple],
+    loss_fn: Callable,
+    host_batch: Any,
+) -> list[dict[str, Any]]:
+    """Build every spelling, warm each up, then time them in interleaved rounds."""
+    import jax
+    from flax import nnx
+
+    from substrax.spmd import create_data_parallel_sharding, place_batch_on_shards
+
+    batch = place_batch_on_shards(host_batch, create_data_parallel_sharding(setup.mesh))
+    found = _Found()
+    with jax.set_mesh(setup.mesh):
+        params = int(sum(x.size for x in jax.tree.leaves(nnx.state(fresh()[0], nnx.Param))))
+        # Build every spelling before running any: shard_state invalidates the plain
+        # call's cached split of every model, so a layout placed after a plain step's
+        # first call would recompile that step once, inside the timing.
+        built = {}
+        for name in names:
+            try:
+                built[name] = _spelling(setup, name, fresh, loss_fn, batch)
+            except Exception as e:
+                found.failed(name, e)
+        _warm(found, built)
+        _time(found, setup.rounds, setup.block_s)
+    return _rows(setup, found, label, names, params)
+
+
+@functools.cache  # one MLP class for every width, as one model type
+def _mlp() -> tuple[Any, Callable[..., Any]]:
+    """``(MLP, mse)``: 64 features, two ReLU layers of ``width``, one output."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    class MLP(nnx.Module):
+        def __init__(self, width: int, rngs: nnx.Rngs) -> None:
+            self.inp = nnx.Linear(64, width, rngs=rngs)
+            self.mid = nnx.Linear(width, width, rngs=rngs)
+            self.out = nnx.Linear(width, 1, rngs=rngs)
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return self.out(jax.nn.relu(self.mid(jax.nn.relu(self.inp(x)))))
+
+    def mse(model: MLP, batch: dict[str, jax.Array]) -> jax.Array:
+        return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+    return MLP, mse
+
+
+def _mlp_rows(setup: _Setup, widths: list[int], smoke: bool) -> list[dict[str, Any]]:
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    MLP, mse = _mlp()
+    rng = np.random.default_rng(0)
+    host = {
+        "x": rng.normal(size=(256, 64)).astype(np.float32),
+        "y": rng.normal(size=(256, 1)).astype(np.float32),
+    }
+    names = reference_spellings() + mode_spellings(("make_train_step", "bound_step", "bound_step_undonated"))
+    if smoke:  # each spelling the transformer's rows leave out, in one mode
+        names = [*reference_spellings(), "bound_step_undonated:explicit"]
+    rows: list[dict[str, Any]] = []
+    for width in widths:
+
+        def fresh_mlp(width: int = width) -> tuple[Any, nnx.Optimizer]:
+            model = MLP(width, nnx.Rngs(0))
+            return model, nnx.Optimizer(model, optax.adam(1e-4), wrt=nnx.Param)
+
+        rows += _measure(setup, {"model": f"mlp-w{width}", "width": width}, names, fresh_mlp, mse, host)
+    return rows
+
+
+def _transformer_rows(
+    setup: _Setup, layouts: tuple[str, ...], quick: bool, smoke: bool
+) -> list[dict[str, Any]]:
+    lm = M.load_example()
+    sizes = SMOKE_LM if smoke else {}
+    host = next(lm.batches(lm.stdlib_text(), 32, sizes.get("seq", 32), seed=0))
+    if smoke:  # the plain call and .bind, one mode each, and one unguarded
+        names = [
+            *BOUNDS,
+            "make_train_step:implicit",
+            "bound_step:explicit",
+            "bound_step_unguarded:implicit",
+        ]
+    elif quick:  # its compiles dominate: the bounds, the plain call and .bind, guarded and not
+        names = [*BOUNDS, *mode_spellings(GUARD_KINDS)]
+    else:
+        names = reference_spellings() + mode_spellings(GUARD_KINDS)
+        names += mode_spellings(("make_train_step", "bound_step", "bound_step_undonated"), layouts)
+        names = list(dict.fromkeys(names))
+    fresh = functools.partial(lm.make_model, **sizes)
+    return _measure(setup, {"model": "transformer", **sizes}, names, fresh, lm.loss_fn, host)
+
+
 def run_worker(
     devices: int,
     models: list[str],
@@ -108,247 +424,18 @@ def run_worker(
     with_census: bool = True,
     smoke: bool = False,
 ) -> list[dict[str, Any]]:
-    import jax
-
     from substrax.mesh import use_cpu_devices
 
     use_cpu_devices(devices)  # affects the CPU backend only; on a GPU run pass --devices 1
 
-    import jax.numpy as jnp
-    import numpy as np
-    import optax
-    from flax import nnx
-    from jax.sharding import PartitionSpec as P
-
-    import substrax
-    from substrax.explicit import explicit_train_step
     from substrax.mesh import create_device_mesh
-    from substrax.spmd import create_data_parallel_sharding, place_batch_on_shards, spmd_train_step
 
-    mesh = create_device_mesh({"data": devices})
-    program_census = substrax.census if with_census else None
-
-    def jit_bound(model: Any, optimizer: Any, loss_fn: Callable, batch: Any) -> Spelling:
-        """By hand: split once, and step a flat list of arrays (an nnx.State argument would
-        cost a Python pytree flatten per call), donated; XLA inserts the all-reduce."""
-        graphdef, state = nnx.split((model, optimizer))
-        treedef = jax.tree.structure(state)
-
-        def pure(arrays: list, batch: Any) -> tuple:
-            model, optimizer = nnx.merge(graphdef, jax.tree.unflatten(treedef, arrays))
-            loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
-            optimizer.update(model, grads)
-            return jax.tree.leaves(nnx.state((model, optimizer))), loss
-
-        return stepper(jax.jit(pure, donate_argnums=0), jax.tree.leaves(state), batch)
-
-    def shard_map_bound(model: Any, optimizer: Any, loss_fn: Callable, batch: Any) -> Spelling:
-        """The same step under shard_map: each device its shard, the loss pmean-ed before grad."""
-        graphdef, state = nnx.split((model, optimizer))
-        treedef = jax.tree.structure(state)
-
-        def per_device(arrays: list, shard: Any) -> tuple:
-            model, optimizer = nnx.merge(graphdef, jax.tree.unflatten(treedef, arrays))
-            global_loss = lambda model: jax.lax.pmean(loss_fn(model, shard), "data")  # noqa: E731
-            loss, grads = nnx.value_and_grad(global_loss)(model)
-            optimizer.update(model, grads)
-            return jax.tree.leaves(nnx.state((model, optimizer))), loss
-
-        mapped = jax.shard_map(
-            per_device, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()), check_vma=True
-        )
-        return stepper(jax.jit(mapped, donate_argnums=0), jax.tree.leaves(state), batch)
-
-    def stepper(jitted: Any, arrays: list, batch: Any) -> Spelling:
-        box = [arrays]
-
-        def call() -> Any:
-            box[0], loss = jitted(box[0], batch)
-            return loss
-
-        take = (lambda: program_census(jitted.lower(box[0], batch).compile())) if program_census else None
-        return call, take
-
-    def spelling(name: str, fresh: Callable[[], tuple], loss_fn: Callable, batch: Any) -> Spelling:
-        """One spelling on a model and optimizer of its own: its step call (no arguments)
-        and, where it compiles by itself, a call that takes its census."""
-        model, optimizer = fresh()
-        if name in BOUNDS:
-            return (jit_bound if name == "bound" else shard_map_bound)(model, optimizer, loss_fn, batch)
-        if name in MODES:
-            inner = spmd_train_step if name == "implicit" else explicit_train_step
-            jitted = nnx.jit(functools.partial(lambda m, o, b, inner: inner(m, o, loss_fn, b), inner=inner))
-            return functools.partial(jitted, model, optimizer, batch), None
-        kind, mode, *layout = name.split(":")
-        if layout:
-            substrax.shard_state(model, optimizer, mesh=mesh, params=layout[0] == "fsdp")
-        guarded = not kind.endswith("_unguarded")  # the non-finite guard on (the default) or off
-        step = substrax.make_train_step(loss_fn, mode, skip_nonfinite=guarded)  # type: ignore[arg-type]
-        if kind.startswith("bound_step"):
-            fast = step.bind(model, optimizer, donate=kind != "bound_step_undonated")
-            take = functools.partial(fast.census, batch) if with_census else None
-            return functools.partial(fast, batch), take
-        take = functools.partial(step.census, model, optimizer, batch) if with_census else None
-        return functools.partial(step, model, optimizer, batch), take
-
-    def program(name: str) -> str:
-        """The plain, bound and undonated calls of one mode and layout compile one program (unguarded: another)."""
-        if ":" not in name:
-            return f"{name} (own)"
-        kind, rest = name.split(":", 1)
-        return f"{rest} unguarded" if kind.endswith("_unguarded") else rest
-
-    def measure(
-        label: dict[str, Any],
-        names: list[str],
-        fresh: Callable[[], tuple],
-        loss_fn: Callable,
-        host_batch: Any,
-    ) -> list[dict[str, Any]]:
-        """Build every spelling, warm each up, then time them in interleaved rounds."""
-        batch = place_batch_on_shards(host_batch, create_data_parallel_sharding(mesh))
-        calls: dict[str, Callable[[], Any]] = {}
-        compile_s: dict[str, float] = {}
-        comm: dict[str, tuple[int | None, bool | None]] = {}  # by program: MODE[:LAYOUT], or the bound
-        errors: dict[str, str] = {}
-        census_errors: dict[str, str] = {}
-
-        def failed(name: str, e: Exception) -> None:  # a spelling the library refuses: reported, not fatal
-            errors[name] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"[:300]
-            calls.pop(name, None)
-
-        with jax.set_mesh(mesh):
-            params = int(sum(x.size for x in jax.tree.leaves(nnx.state(fresh()[0], nnx.Param))))
-            # Build every spelling before running any: shard_state invalidates the plain
-            # call's cached split of every model, so a layout placed after a plain step's
-            # first call would recompile that step once, inside the timing.
-            built = {}
-            for name in names:
-                try:
-                    built[name] = spelling(name, fresh, loss_fn, batch)
-                except Exception as e:
-                    failed(name, e)
-            for name, (call, take_census) in built.items():
-                try:
-                    start = time.perf_counter()
-                    jax.block_until_ready(call())
-                    compile_s[name] = time.perf_counter() - start
-                    for _ in range(3):
-                        jax.block_until_ready(call())
-                    calls[name] = call
-                except Exception as e:
-                    failed(name, e)
-                    continue
-                try:
-                    if comm.get(program(name), (None, None))[0] is None:
-                        comm[program(name)] = communication(take_census)
-                except Exception as e:  # the census failed, not the step: time it anyway
-                    census_errors[name] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"[:300]
-            start = time.perf_counter()
-            for _ in range(3):
-                jax.block_until_ready(calls["bound"]())
-            block = max(1, min(50, int(block_s / ((time.perf_counter() - start) / 3))))  # each run ~block_s
-            samples: dict[str, list[float]] = {name: [] for name in calls}
-            for _ in range(rounds):
-                for name, call in list(calls.items()):  # interleaved: every spelling once per round
-                    try:
-                        start = time.perf_counter()
-                        for _ in range(block):
-                            out = call()
-                        jax.block_until_ready(out)
-                        samples[name].append((time.perf_counter() - start) / block)
-                    except Exception as e:
-                        failed(name, e)
-
-        bounds_us = {name: float(np.median(samples[name])) * 1e6 for name in BOUNDS}
-        bound_us = min(bounds_us.values())
-        rows = []
-        for name in names:
-            row = {
-                **label,
-                "params": params,
-                "devices": devices,
-                "mode": name,
-                "backend": jax.default_backend(),
-            }
-            row |= {
-                "rounds": rounds,
-                "block": block,
-                "bound_us": bounds_us,
-                "faster_bound": min(bounds_us, key=lambda name: bounds_us[name]),
-            }
-            if name in errors or not samples.get(name):
-                rows.append(row | {"error": errors.get(name, "no samples")})
-                continue
-            times = np.asarray(samples[name]) * 1e6
-            rows.append(
-                row
-                | {
-                    "median_step_us": float(np.median(times)),
-                    "p25_step_us": float(np.percentile(times, 25)),
-                    "p75_step_us": float(np.percentile(times, 75)),
-                    "ratio_to_bound": float(np.median(times)) / bound_us,
-                    **M.paired_ratio(samples[name], [samples[b] for b in BOUNDS]),
-                    "compile_s": compile_s[name],
-                    "comm_bytes": comm.get(program(name), (None, None))[0],
-                    "comm_as_expected": comm.get(program(name), (None, None))[1],
-                }
-                | ({"census_error": census_errors[name]} if name in census_errors else {})
-            )
-        return rows
-
+    setup = _Setup(create_device_mesh({"data": devices}), rounds, block_s, with_census)
     rows: list[dict[str, Any]] = []
     if "mlp" in models:
-
-        class MLP(nnx.Module):
-            def __init__(self, width: int, rngs: nnx.Rngs) -> None:
-                self.inp = nnx.Linear(64, width, rngs=rngs)
-                self.mid = nnx.Linear(width, width, rngs=rngs)
-                self.out = nnx.Linear(width, 1, rngs=rngs)
-
-            def __call__(self, x: jax.Array) -> jax.Array:
-                return self.out(jax.nn.relu(self.mid(jax.nn.relu(self.inp(x)))))
-
-        def mse(model: MLP, batch: dict[str, jax.Array]) -> jax.Array:
-            return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
-
-        rng = np.random.default_rng(0)
-        host = {
-            "x": rng.normal(size=(256, 64)).astype(np.float32),
-            "y": rng.normal(size=(256, 1)).astype(np.float32),
-        }
-        names = reference_spellings() + mode_spellings(
-            ("make_train_step", "bound_step", "bound_step_undonated")
-        )
-        if smoke:  # each spelling the transformer's rows leave out, in one mode
-            names = [*reference_spellings(), "bound_step_undonated:explicit"]
-        for width in widths:
-
-            def fresh_mlp(width: int = width) -> tuple[MLP, nnx.Optimizer]:
-                model = MLP(width, nnx.Rngs(0))
-                return model, nnx.Optimizer(model, optax.adam(1e-4), wrt=nnx.Param)
-
-            rows += measure({"model": f"mlp-w{width}", "width": width}, names, fresh_mlp, mse, host)
-
+        rows += _mlp_rows(setup, widths, smoke)
     if "transformer" in models:
-        lm = M.load_example()
-        sizes = SMOKE_LM if smoke else {}
-        host = next(lm.batches(lm.stdlib_text(), 32, sizes.get("seq", 32), seed=0))
-        if smoke:  # the plain call and .bind, one mode each, and one unguarded
-            names = [
-                *BOUNDS,
-                "make_train_step:implicit",
-                "bound_step:explicit",
-                "bound_step_unguarded:implicit",
-            ]
-        elif quick:  # its compiles dominate: the bounds, the plain call and .bind, guarded and not
-            names = [*BOUNDS, *mode_spellings(GUARD_KINDS)]
-        else:
-            names = reference_spellings() + mode_spellings(GUARD_KINDS)
-            names += mode_spellings(("make_train_step", "bound_step", "bound_step_undonated"), layouts)
-            names = list(dict.fromkeys(names))
-        fresh = functools.partial(lm.make_model, **sizes)
-        rows += measure({"model": "transformer", **sizes}, names, fresh, lm.loss_fn, host)
+        rows += _transformer_rows(setup, layouts, quick, smoke)
     return rows
 
 

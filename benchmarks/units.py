@@ -103,7 +103,8 @@ def table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             lines.append(f"{r['width']} | {r['depth']} | {blocks} | {r['spelling']} | n/a: {r['error']}")
             continue
         lines.append(
-            f"{r['width']} | {r['depth']} | {blocks} | {r['spelling']} | {r.get('median_us', 0) / 1e3:.2f} ms | "
+            f"{r['width']} | {r['depth']} | {blocks} | {r['spelling']} | "
+            f"{r.get('median_us', 0) / 1e3:.2f} ms | "
             f"{r.get('x_jit', float('nan')):.2f} | {r['compile_s']:.1f} | {M.fmt_bytes(r['peak_bytes'])} | "
             f"{r['comm_bytes']:,}"
         )

@@ -26,22 +26,22 @@ draws the same global batch and places only its own rows (``process_slice``); th
 is the same.
 
 ``--mesh`` lays the devices out on two axes, ``data`` and ``model`` (default: every
-device on ``data``, and no ``model`` axis: the layers then compute as plain ones). The model is built from ``substrax.nn``'s
-tensor-parallel layers, one definition for every mesh: on ``--mesh data=4,model=2``
-each attention layer's heads and each MLP's hidden features are split over ``model``
-(the MLP a column-parallel up projection, gelu, a row-parallel down projection; the
-token and position tables by features; the output layer whole), the batch is split
-over ``data`` only (both devices of a ``model`` pair see the same rows), and
-``--layout`` splits the state over ``data`` on another dimension (the table printed at
-the start shows each array's splits). Each device then holds a quarter of the batch
-and half of every split parameter; in the forward pass each attention layer's and
-MLP's partial results are summed over ``model`` and the embeddings' features gathered. The arithmetic is
-the same: the losses equal ``--mesh data=8``'s to float32 round-off (sums taken in
-another order), in both modes and every layout; checkpoints restore across meshes. The
-heads (4) must divide by the ``model`` size. With ``--dropout`` the implicit step draws
-the same masks on every mesh; the explicit step draws each ``data`` device's own, so
-its losses then depend on the ``data`` size (not on ``model``: both devices of a
-``model`` pair draw the same mask).
+device on ``data``, and no ``model`` axis: the layers then compute as plain ones). The
+model is built from ``substrax.nn``'s tensor-parallel layers, one definition for every
+mesh: on ``--mesh data=4,model=2`` each attention layer's heads and each MLP's hidden
+features are split over ``model`` (the MLP a column-parallel up projection, gelu, a
+row-parallel down projection; the token and position tables by features; the output
+layer whole), the batch is split over ``data`` only (both devices of a ``model`` pair
+see the same rows), and ``--layout`` splits the state over ``data`` on another dimension
+(the table printed at the start shows each array's splits). Each device then holds a
+quarter of the batch and half of every split parameter; in the forward pass each
+attention layer's and MLP's partial results are summed over ``model`` and the
+embeddings' features gathered. The arithmetic is the same: the losses equal
+``--mesh data=8``'s to float32 round-off (sums taken in another order), in both modes and every
+layout; checkpoints restore across meshes. The heads (4) must divide by the ``model``
+size. With ``--dropout`` the implicit step draws the same masks on every mesh; the
+explicit step draws each ``data`` device's own, so its losses then depend on the
+``data`` size (not on ``model``: both devices of a ``model`` pair draw the same mask).
 """
 
 from __future__ import annotations
@@ -298,7 +298,8 @@ def mesh_shape(axes: dict[str, int], devices: int, batch: int, heads: int = HEAD
         )
     if batch % (data * replica):
         raise ValueError(
-            f"--batch {batch} does not split over replica x data = {replica * data} devices; make it a multiple"
+            f"--batch {batch} does not split over replica x data = {replica * data} devices; "
+            "make it a multiple"
         )
     return shape
 

@@ -124,7 +124,8 @@ def _every_layout(demo: _Demo) -> None:
     steps = min(demo.steps, 20)
     print(f"\nlayouts ({jax.device_count()} devices), {steps} steps each:")
     print(
-        f"  {'layout':<10} {'mode':<9} {'state B/device':>14}  {'census':<9} {'all-reduce':>10} {'all-gather':>10} {'reduce-scatter':>14}  final loss"
+        f"  {'layout':<10} {'mode':<9} {'state B/device':>14}  {'census':<9} {'all-reduce':>10} "
+        f"{'all-gather':>10} {'reduce-scatter':>14}  final loss"
     )
     layout_losses: dict[tuple[str, str], list[float]] = {}
     fsdp_census = None

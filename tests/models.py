@@ -191,7 +191,8 @@ def params_of(model: nnx.Module) -> dict[str, np.ndarray]:
 
 
 def sine_batches(steps: int, rows: int, din: int = 4, seed: int = 0) -> list[dict[str, np.ndarray]]:
-    """``steps`` batches of ``rows`` normal rows ``x`` (``din`` features) and ``y = sin(sum(x))``, one generator."""
+    """``steps`` batches of ``rows`` normal rows ``x`` (``din`` features) and ``y = sin(sum(x))``, one
+    generator."""
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(steps):

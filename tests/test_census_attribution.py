@@ -96,7 +96,8 @@ def test_named_scopes_reach_the_compiled_hlo_per_buffer(mesh8: jax.sharding.Mesh
 
 
 def test_combined_names_are_split_when_no_get_tuple_element_says() -> None:
-    text = """HloModule m, num_partitions=8
+    text = (
+        """HloModule m, num_partitions=8
 
 %add (x: f32[], y: f32[]) -> f32[] {
   %x = f32[] parameter(0)
@@ -107,9 +108,11 @@ def test_combined_names_are_split_when_no_get_tuple_element_says() -> None:
 ENTRY %main (a: f32[4], b: f32[]) -> (f32[4], f32[]) {
   %a = f32[4]{0} parameter(0)
   %b = f32[] parameter(1)
-  ROOT %ar = (f32[4]{0}, f32[]) all-reduce(%a, %b), replica_groups={}, to_apply=%add, metadata={op_name="jit(s)/shard_map/(transpose(jvp())/psum:jvp(substrax.loss)/psum)"}
-}
 """
+        "  ROOT %ar = (f32[4]{0}, f32[]) all-reduce(%a, %b), replica_groups={}, to_apply=%add, "
+        'metadata={op_name="jit(s)/shard_map/(transpose(jvp())/psum:jvp(substrax.loss)/psum)"}\n'
+        "}\n"
+    )
     (row,) = census(text).rows
     assert [p.op_name for p in row.parts] == [
         "jit(s)/shard_map/transpose(jvp())/psum",

@@ -9,10 +9,18 @@ by a sunk constant, compared with a constant in the condition.
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 import pytest
+from flax import nnx
+from models import MLP, mse
 
+import substrax
 from substrax.census import census
 from substrax.census._hlo import parse_module, trip_count
+from substrax.mesh import create_device_mesh
 
 F32 = 4
 
@@ -147,3 +155,37 @@ def test_trip_count_takes_a_while() -> None:
     module = parse_module(_loop())
     with pytest.raises(ValueError, match="takes a while instruction, not parameter"):
         trip_count(module, module.computations[module.entry].instructions[0])
+
+
+def _looping(model: MLP, batch: dict) -> jax.Array:
+    """``mse`` and a psum over ``data`` in a loop whose trip count depends on the batch."""
+    loss = mse(model, batch)
+    n = 2 + (jnp.sum(batch["x"]) > 1e9).astype(jnp.int32)
+    body = lambda c: (c[0] + 1, c[1] + jax.lax.psum(c[1], "data"))  # noqa: E731
+    _, summed = jax.lax.while_loop(lambda c: c[0] < n, body, (0, jax.lax.stop_gradient(loss)))
+    return loss + 0.0 * summed
+
+
+def test_a_loop_of_unknown_trip_count_is_never_counted_once_in_silence() -> None:
+    """The census names it (``uncounted``, "at least"), the comparison notes it, the plan notes and warns."""
+    mesh = create_device_mesh({"data": 8})
+    model = MLP(4, 8, 1)
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=(16, 4)).astype(np.float32), "y": np.zeros((16, 1), np.float32)}
+    with pytest.warns(UserWarning, match="inside loops whose trip count the program does not show"):
+        (row,) = substrax.plan(
+            _looping, model, optimizer, batch, mesh=mesh, layouts=["replicated"], compiled=True
+        ).rows
+    assert any("total_bytes is a lower bound" in n for n in row.notes)
+    substrax.shard_state(model, optimizer, mesh=mesh, layout="replicated")
+    found = substrax.make_train_step(_looping, "explicit", mesh=mesh).check_communication(
+        model, optimizer, batch
+    )
+    (loop,) = found.report.uncounted()
+    assert loop.kind == "all-reduce" and loop.trip_counts == (None,)
+    assert "at least: 1 of them inside loops" in str(found.report) and "loop x? (counted once)" in str(
+        found.report
+    )
+    # the model's own psum: accepted (the model's communication is its own), and noted
+    assert any("inside a loop whose trip count the program does not show" in n for n in found.notes)

@@ -153,8 +153,12 @@ def damage(step: Path, how: str) -> None:
 
 
 DAMAGE = {
-    "1 byte flipped": r"(model|optimizer)\[.*\] (does not match the checksum recorded when it was saved|could not be read)",
-    "64 bytes flipped": r"(model|optimizer)\[.*\] (does not match the checksum recorded when it was saved|could not be read)",
+    "1 byte flipped": (
+        r"(model|optimizer)\[.*\] (does not match the checksum recorded when it was saved|could not be read)"
+    ),
+    "64 bytes flipped": (
+        r"(model|optimizer)\[.*\] (does not match the checksum recorded when it was saved|could not be read)"
+    ),
     "truncated": r"(model|optimizer)\[.*\] could not be read \(.*\)",
     "_METADATA deleted": r"its index of arrays \(default/_METADATA\) is missing",
 }
@@ -253,7 +257,10 @@ def test_a_directory_belongs_to_one_manager_at_a_time(tmp_path: Path) -> None:
         assert {"run", "since", "command", "token"} <= held.keys()
         with pytest.raises(
             DirectoryInUseError,
-            match=rf"^{tmp_path} is already open in this process \(since {re.escape(held['since'])}\): .* close the other first\.$",
+            match=(
+                rf"^{tmp_path} is already open in this process \(since {re.escape(held['since'])}\): "
+                r".* close the other first\.$"
+            ),
         ):
             CheckpointManager(tmp_path)
         with pytest.raises(DirectoryInUseError):
@@ -407,17 +414,26 @@ def test_only_committed_steps_are_listed_or_named(tmp_path: Path, held_commits: 
         (
             "end",
             0,
-            "the CheckpointManager of {d} was still open as the script ended: step 1, still being written, was committed.",
+            (
+                "the CheckpointManager of {d} was still open as the script ended: step 1, still being "
+                "written, was committed."
+            ),
         ),
         (
             "raise",
             1,
-            "the CheckpointManager of {d} was still open as the script ended: step 1, still being written, was committed.",
+            (
+                "the CheckpointManager of {d} was still open as the script ended: step 1, still being "
+                "written, was committed."
+            ),
         ),
         (
             "scope",
             0,
-            "a CheckpointManager of {d} was collected unclosed while saving; its save was finished as the script ended.",
+            (
+                "a CheckpointManager of {d} was collected unclosed while saving; its save was finished as "
+                "the script ended."
+            ),
         ),
     ],
 )
@@ -512,7 +528,10 @@ def test_an_abandoned_reads_unretrieved_future_goes_to_debug_and_others_pass(
         (
             "substrax.checkpoint",
             "DEBUG",
-            "a read abandoned at a damaged step ended late: ValueError('DATA_LOSS: Error opening \"zarr\" driver')",
+            (
+                "a read abandoned at a damaged step ended late: "
+                "ValueError('DATA_LOSS: Error opening \"zarr\" driver')"
+            ),
         ),
         ("asyncio", "ERROR", "Future exception was never retrieved"),
     ], said

@@ -11,9 +11,10 @@ reason names where that code is tested instead.
 Docstrings: every ``>>>`` example in the docstrings of the public API (``substrax`` and each
 of its modules without a leading underscore: ``substrax.spmd``, ``substrax.explicit``,
 ``substrax.checkpoint``, ``substrax.launch``, ``substrax.mesh``, ...; the modules
-themselves, each name in their ``__all__`` and its methods) runs as a doctest. An example may use the names ``docs/snippets/setup.py`` defines (``model``,
-``optimizer``, ``loss_fn``, ``batch``, ``mesh``, ``jax``, ``jnp``, ``np``, ``optax``, ``nnx``,
-``substrax``): a small MLP, its Adam optimizer, its loss and a batch of 64 rows.
+themselves, each name in their ``__all__`` and its methods) runs as a doctest. An example
+may use the names ``docs/snippets/setup.py`` defines (``model``, ``optimizer``, ``loss_fn``,
+``batch``, ``mesh``, ``jax``, ``jnp``, ``np``, ``optax``, ``nnx``, ``substrax``): a small
+MLP, its Adam optimizer, its loss and a batch of 64 rows.
 """
 
 from __future__ import annotations

@@ -227,7 +227,10 @@ def test_compare_gradients_rejects_a_candidate_with_missing_leaves(mesh8: jax.sh
 
     with pytest.raises(
         ValueError,
-        match=r"candidate gradient does not have the model's parameters: it lacks \['hidden.bias', 'hidden.kernel', 'out.bias', 'out.kernel'\] and has \['bias', 'kernel'\]",
+        match=(
+            r"candidate gradient does not have the model's parameters: it lacks "
+            r"\['hidden.bias', 'hidden.kernel', 'out.bias', 'out.kernel'\] and has \['bias', 'kernel'\]"
+        ),
     ):
         compare_gradients(MLP(), mse, batch, mesh8, candidate=partial)
 
@@ -264,9 +267,16 @@ def test_no_mesh(mesh8: jax.sharding.Mesh) -> None:
 
 
 @pytest.mark.parametrize("mode", substrax.MODES)
-def test_missing_axis_is_refused_when_the_step_is_built(mesh8: jax.sharding.Mesh, mode: str) -> None:
-    with pytest.raises(ValueError, match=r"Axis 'batch' is not in the mesh, whose axes are \('data',\)"):
-        substrax.make_train_step(mse, mode, mesh=mesh8, data_axis="batch")
+def test_a_misnamed_data_axis_is_refused_when_the_step_is_called(mesh8: jax.sharding.Mesh, mode: str) -> None:
+    """A mesh may lack the data axis (one device along it), but not leave an axis without a role."""
+    model, optimizer = _model_and_optimizer(mesh8)
+    step = substrax.make_train_step(mse, mode, mesh=mesh8, data_axis="batch")
+    with pytest.raises(
+        ValueError,
+        match=r"Axis 'batch' is not in the mesh, whose axes are \('data',\)\. .* axis 'data' \(8 devices\) "
+        r"has no role.* Pass data_axis='data'",
+    ):
+        step(model, optimizer, regression_batches(1, rows=8)[0])  # (test_axis_roles: before lowering)
 
 
 def test_batch_spec_errors(mesh8: jax.sharding.Mesh) -> None:
@@ -415,7 +425,10 @@ def test_loss_output_must_match_has_aux(mesh8: jax.sharding.Mesh, mode: str) -> 
     batch = regression_batches(1, rows=8)[0]
     with pytest.raises(
         ValueError,
-        match=r"loss_fn returned a tuple of 2 where the loss goes; if it returns \(loss, metrics\), pass has_aux=True",
+        match=(
+            r"loss_fn returned a tuple of 2 where the loss goes; if it returns \(loss, metrics\), "
+            r"pass has_aux=True"
+        ),
     ):
         substrax.make_train_step(_metrics_loss, mode, mesh=mesh8)(model, optimizer, batch)
     with pytest.raises(
@@ -466,7 +479,10 @@ def test_collectives_name_an_unbound_axis(mesh8: jax.sharding.Mesh) -> None:
 
     with pytest.raises(
         ValueError,
-        match=r"reduce_mean_collective: axis 'batch' is not bound here \(the enclosing shard_map's axes are \('data',\)\)",
+        match=(
+            r"reduce_mean_collective: axis 'batch' is not bound here "
+            r"\(the enclosing shard_map's axes are \('data',\)\)"
+        ),
     ):
         jax.shard_map(body, mesh=mesh8, in_specs=P("data"), out_specs=P())(np.ones(8))
     with pytest.raises(

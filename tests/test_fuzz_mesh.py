@@ -1,22 +1,23 @@
 """The parity fuzzer's mesh-shape axis: tensor-parallel models on (data, model) meshes.
 
 Hypothesis draws a ``MeshConfig``: the mesh shape (``data`` x ``model``, 1 to 8 devices,
-``model`` absent or of size 1, 2, 4 or 8), the mode, the layout, microbatches, the optimizer,
-the model (``substrax.nn`` attention with 2, 4 or 8 heads, causal or not, and a
-column/row MLP, 1 or 2 blocks, width), the seed, and under FSDP whether each layer is a unit. ``check`` trains it for a few steps
-with ``substrax.make_train_step`` and, separately, with a plain one-device reference
-(``nnx.value_and_grad`` and ``optimizer.update`` under ``nnx.jit``, no mesh: the layers
-are plain ones there), and holds the losses and the parameters to it: strictly (float32
-round-off) under SGD-family optimizers; under Adam to a float64 one-device run, within ``SAFETY`` x a noise floor measured in the
-same draw: the largest distance from it of the float32 reference and of three float32 runs
-with the batch's rows permuted (different summation orders of the same mean; see below). A leaf whose true gradient is zero (an
-attention layer's key bias: softmax ignores that shift) holds round-off alone, which Adam
-turns into steps of about its learning rate whatever the round-off's size: there two valid
-runs may differ by up to 2 x lr x steps, and that is its tolerance (declared, found by this
-fuzzer: ``MeshConfig(mode='explicit', data=1, model=4, layout='fsdp', microbatches=2,
-optimizer='adam', heads=4, causal=True, blocks=2, width=32, seed=236)``). In explicit mode
-the step's census must match, with each layer's collectives over ``model`` expected from
-what the layers declare (``substrax.nn.declare_forward``, ...).
+``model`` absent or of size 1, 2, 4 or 8), the mode, the layout, microbatches, the
+optimizer, the model (``substrax.nn`` attention with 2, 4 or 8 heads, causal or not, and a
+column/row MLP, 1 or 2 blocks, width), the seed, and under FSDP whether each layer is a
+unit. ``check`` trains it for a few steps with ``substrax.make_train_step`` and, separately,
+with a plain one-device reference (``nnx.value_and_grad`` and ``optimizer.update`` under
+``nnx.jit``, no mesh: the layers are plain ones there), and holds the losses and the
+parameters to it: strictly (float32 round-off) under SGD-family optimizers; under Adam to a
+float64 one-device run, within ``SAFETY`` x a noise floor measured in the same draw: the
+largest distance from it of the float32 reference and of three float32 runs with the batch's
+rows permuted (different summation orders of the same mean; see below). A leaf whose true
+gradient is zero (an attention layer's key bias: softmax ignores that shift) holds round-off
+alone, which Adam turns into steps of about its learning rate whatever the round-off's size:
+there two valid runs may differ by up to 2 x lr x steps, and that is its tolerance
+(declared, found by this fuzzer: ``MeshConfig(mode='explicit', data=1, model=4, layout='fsdp',
+microbatches=2, optimizer='adam', heads=4, causal=True, blocks=2, width=32, seed=236)``).
+In explicit mode the step's census must match, with each layer's collectives over ``model``
+expected from what the layers declare (``substrax.nn.declare_forward``, ...).
 
 The pipeline is an axis too (drawn last, so the other axes draw as before): ``stages``
 (none, 2 or 4: the blocks stacked by ``nnx.vmap``, as many or twice as many as the stages,
@@ -161,7 +162,8 @@ def _with_pipeline(draw: st.DrawFn, c: MeshConfig) -> MeshConfig:
 
 
 class Block(nnx.Module):
-    """Attention with heads split over ``model``, then a column -> gelu -> row MLP: one layer of ``Stacked``."""
+    """Attention with heads split over ``model``, then a column -> gelu -> row MLP: one layer of
+    ``Stacked``."""
 
     def __init__(self, c: MeshConfig, rngs: nnx.Rngs) -> None:
         d = c.width
@@ -339,8 +341,8 @@ def check(c: MeshConfig) -> None:
     if c.stages is not None and c.units:  # the stack a unit: each layer gathered in turn, within a stage
         units = Block
     substrax.shard_state(
-        model, optimizer, mesh=mesh, layout=c.layout, min_size=64, units=units if c.layout == "fsdp" else None,
-        stages=None if c.stages is None else Block,
+        model, optimizer, mesh=mesh, layout=c.layout, min_size=64,
+        units=units if c.layout == "fsdp" else None, stages=None if c.stages is None else Block,
     )  # fmt: skip
     schedule = None if c.stages is None else c.schedule
     step = substrax.make_train_step(
@@ -348,8 +350,11 @@ def check(c: MeshConfig) -> None:
     )
     losses = [float(step(model, optimizer, b)) for b in batches]
     loss_tol = STRICT_ATOL + SAFETY * np.asarray(loss_floor)
-    np.testing.assert_array_less(np.abs(np.asarray(losses) - want_losses), loss_tol + STRICT_RTOL * np.abs(want_losses),
-                                 err_msg=f"{c}: losses {losses}, reference {want_losses}, floor {loss_floor}")  # fmt: skip
+    np.testing.assert_array_less(
+        np.abs(np.asarray(losses) - want_losses),
+        loss_tol + STRICT_RTOL * np.abs(want_losses),
+        err_msg=f"{c}: losses {losses}, reference {want_losses}, floor {loss_floor}",
+    )
     off = off_reference(c, params_of(model), want, floor)
     assert not off, f"{c}: parameters off the reference: {off}"
     if c.mode == "explicit":

@@ -1,11 +1,11 @@
 """Hybrid sharding (#28): FSDP over ``data`` within a replica, replicated over ``replica``.
 
 On ``(replica=2, data=4)``: both modes split the batch's rows over both axes and train to
-the one-device result (SGD with momentum, whose state ZeRO-1 splits: strictly) in every layout, with and without microbatches and
-units; the explicit step's census expects the gathers and reduce-scatters over ``data``
-and one all-reduce of the gradient's slices over ``replica``, outside any loop; a mesh
-without the replica axis is refused by name; a checkpoint saved under HSDP restores into
-FSDP on one axis and into replicated state.
+the one-device result (SGD with momentum, whose state ZeRO-1 splits: strictly) in every
+layout, with and without microbatches and units; the explicit step's census expects the
+gathers and reduce-scatters over ``data`` and one all-reduce of the gradient's slices over
+``replica``, outside any loop; a mesh without the replica axis is refused by name; a
+checkpoint saved under HSDP restores into FSDP on one axis and into replicated state.
 """
 
 from __future__ import annotations

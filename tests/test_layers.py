@@ -37,8 +37,8 @@ def module_of(path: Path) -> str:
 
 
 def imports(path: Path) -> Iterator[str]:
-    """The substrax modules ``path`` imports (``from substrax._base import scopes`` as ``substrax._base.scopes``),
-    at its top or inside a function, under ``TYPE_CHECKING`` too."""
+    """The substrax modules ``path`` imports (``from substrax._base import scopes`` as
+    ``substrax._base.scopes``), at its top or inside a function, under ``TYPE_CHECKING`` too."""
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             yield from (a.name for a in node.names if a.name.split(".")[0] == "substrax")
@@ -112,16 +112,30 @@ def test_no_modules_import_each_other_in_a_circle() -> None:
     assert not circles, "\n".join(circles)
 
 
-def test_no_module_over_400_lines_and_no_function_over_80() -> None:
-    """docs/development.md's sizes: a module read top to bottom, a function on one screen."""
+def oversized(paths: list[Path], module_lines: int, function_lines: int) -> list[str]:
+    """Each module of ``paths`` over ``module_lines`` lines, and each function over ``function_lines``."""
     wrong = []
-    for path in SOURCES:
+    for path in paths:
         text = path.read_text()
-        if text.count("\n") > 400:
+        if text.count("\n") > module_lines:
             wrong.append(f"{path.relative_to(ROOT)}: {text.count(chr(10))} lines (split it by concept)")
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 lines = node.end_lineno - node.lineno + 1
-                if lines > 80:
+                if lines > function_lines:
                     wrong.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {lines} lines")
+    return wrong
+
+
+def test_no_module_over_400_lines_and_no_function_over_80() -> None:
+    """docs/development.md's sizes: a module read top to bottom, a function on one screen."""
+    wrong = oversized(SOURCES, 400, 80)
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_test_or_benchmark_module_over_600_lines_and_no_function_over_80() -> None:
+    """The tests and benchmarks held near the library's sizes (docs/development.md), split by what
+    they test or measure."""
+    paths = sorted((ROOT / "tests").rglob("*.py")) + sorted((ROOT / "benchmarks").rglob("*.py"))
+    wrong = oversized(paths, 600, 80)
     assert not wrong, "\n".join(wrong)

@@ -247,7 +247,10 @@ def test_shard_state_errors(mesh8: jax.sharding.Mesh) -> None:
     other = nnx.Optimizer(MLP(width=32), optax.adam(LR), wrt=nnx.Param)
     with pytest.raises(
         ValueError,
-        match=r"optimizer\['opt_state'\]\[0\]\['mu'\]\['hidden'\]\['bias'\] \(shape \(32,\)\) mirrors no parameter",
+        match=(
+            r"optimizer\['opt_state'\]\[0\]\['mu'\]\['hidden'\]\['bias'\] \(shape \(32,\)\) "
+            r"mirrors no parameter"
+        ),
     ):
         substrax.shard_state(model, other, mesh=mesh8)
 
@@ -381,7 +384,10 @@ def test_microbatch_errors(mesh8: jax.sharding.Mesh, batches: list) -> None:
         step = substrax.make_train_step(mse, mode, mesh=mesh8, microbatches=3)
         with pytest.raises(
             ValueError,
-            match=r"batch\['x'\] has 4 rows per device \(32 rows over 8 devices\), which do not split into microbatches=3",
+            match=(
+                r"batch\['x'\] has 4 rows per device \(32 rows over 8 devices\), "
+                r"which do not split into microbatches=3"
+            ),
         ):
             step(model, optimizer, batches[0])
 

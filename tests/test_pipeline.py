@@ -5,11 +5,11 @@ column-parallel and a row-parallel linear: split over ``model`` on a mesh with i
 ``substrax.nn.scan_layers`` with a gate computed from a parameter (an argument every stage
 reads, so its gradient is summed over the stages) and a static keyword, then a head.
 
-Parity: each mode x schedule on three meshes, ``stage=8`` (``data=1``), ``(stage=4, data=2)``
-and ``(stage=2, data=2, model=2)``, with 8, 4 and 8 microbatches and the layouts replicated,
-FSDP with each layer a unit, and ZeRO-1 (12 cases, not the full product of layouts and
-microbatches: each case compiles a step); SGD held strictly (float32 round-off), Adam to the
-noise floor measured by the reference run on permuted rows (two cases, FSDP). Then the
+Parity: each mode x schedule on four meshes, ``stage=8`` (``data=1``), ``(stage=4, data=2)``,
+``(stage=2, data=2, model=2)`` and ``(replica=2, data=2, stage=2)``, with 8, 4, 8 and 4 microbatches
+and the layouts replicated, FSDP with each layer a unit, ZeRO-1 and HSDP (16 cases, not the full
+product of layouts and microbatches: each case compiles a step); SGD held strictly (float32
+round-off), Adam to the noise floor measured by the reference run on permuted rows (two cases, FSDP). Then the
 placement, ``compare_gradients`` on the pipelined steps, a checkpoint restored onto a mesh
 without ``stage``, the schedules' tables, and every refusal by name.
 """
@@ -41,6 +41,7 @@ CASES = {  # name: (mesh, layout, microbatches)
     "stage8": ({"data": 1, "stage": 8}, "replicated", 8),
     "stage4-data2-units": ({"data": 2, "stage": 4}, "units", 4),
     "stage2-data2-model2": ({"data": 2, "stage": 2, "model": 2}, "zero1", 8),
+    "replica2-data2-stage2-hsdp": ({"replica": 2, "data": 2, "stage": 2}, "hsdp", 4),
 }
 
 

@@ -69,7 +69,10 @@ def test_indivisible_rows_name_path_size_and_axis(mesh8: jax.sharding.Mesh) -> N
     batch = {"x": np.ones((12, 3)), "y": [np.ones(16), np.ones(10)]}
     with pytest.raises(
         ValueError,
-        match=r"batch\['y'\]\[1\] has size 10 along dimension 0, which does not divide by 8, the size of mesh axis 'data' \(8\)",
+        match=(
+            r"batch\['y'\]\[1\] has size 10 along dimension 0, which does not divide by 8, "
+            r"the size of mesh axis 'data' \(8\)"
+        ),
     ):
         place_batch_on_shards({"y": batch["y"]}, create_data_parallel_sharding(mesh8))
     with pytest.raises(ValueError, match=r"batch\['x'\] has size 12 .* multiple of 8"):
@@ -149,12 +152,18 @@ def test_nnx_state_errors() -> None:
         place_nnx_state_on_shards(state, mesh, {nnx.PathContains("kernel"): P("rows")})
     with pytest.raises(
         ValueError,
-        match=r"state\['head'\]\['bias'\] has size 2 along dimension 0, which does not divide by 4.* Make that size a multiple of 4\.$",
+        match=(
+            r"state\['head'\]\['bias'\] has size 2 along dimension 0, which does not divide by 4.* "
+            r"Make that size a multiple of 4\.$"
+        ),
     ):
         place_nnx_state_on_shards(state, mesh, {nnx.PathContains("bias"): P("model")})
     with pytest.raises(
         ValueError,
-        match=r"state\['head'\]\['bias'\] has shape \(2,\) .* give it a spec with no more dimensions than it has",
+        match=(
+            r"state\['head'\]\['bias'\] has shape \(2,\) .* "
+            r"give it a spec with no more dimensions than it has"
+        ),
     ):
         place_nnx_state_on_shards(state, mesh, {nnx.PathContains("bias"): P(None, "model")})
     with pytest.raises(

@@ -1,5 +1,6 @@
-"""Scanned stacks (#27.4): layers made by ``nnx.vmap``, applied by ``nnx.scan``, with and without ``nnx.remat``,
-or by ``substrax.nn.scan_layers`` with the stack a unit placed with ``prefetch=True``.
+"""Scanned stacks (#27.4): layers made by ``nnx.vmap``, applied by ``nnx.scan``, with and
+without ``nnx.remat``, or by ``substrax.nn.scan_layers`` with the stack a unit placed with
+``prefetch=True``.
 
 Against a one-device reference (SGD: strictly) on ``data=8`` and ``(data=4, model=2)``
 with ``substrax.nn`` layers inside; the census of the explicit step (a unit's gathers

@@ -98,7 +98,7 @@ def test_a_refused_compile_is_compiled_again_with_the_decomposer_warning(monkeyp
     TPU_REFUSED_OPTIONS (here emptied: the CPU compiler takes no TPU option) and called again;
     another error propagates. The compile-only TPU case is tests/test_tpu_census.py's."""
     monkeypatch.setattr(pinned, "TPU_REFUSED_OPTIONS", {})
-    step = pinned._PinnedJit(lambda x: x * 2)
+    step = pinned._StepJit(lambda x: x * 2, pinned.TPU_COMPILER_OPTIONS)
     calls = []
 
     def refusing(x: jax.Array) -> jax.Array:

@@ -124,6 +124,29 @@ def test_explicit_train_step_in_your_own_jit_takes_the_steps_compiler_options() 
     assert found == [(0, 0), (len(_split(model)),) * 2]
 
 
+def test_explicit_train_step_in_nnx_jit_compiled_with_the_steps_options_is_the_steps_program() -> None:
+    """``nnx.jit`` takes no compiler options when called; its lowering takes them when compiled:
+    over 256 chips the same gathers and tiled reduce-scatters as ``make_train_step``'s step (whose
+    census the other test holds: without the options, none). ``substrax.census`` takes ``nnx.jit``'s
+    stages (before: a TypeError)."""
+    mesh = topology_mesh("v5e:16x16", {"data": 256})
+    model, optimizer, batch = _placed(mesh, 64)
+
+    @nnx.jit
+    def step(model: nnx.Module, optimizer: nnx.Optimizer, batch: dict) -> jax.Array:
+        return substrax.explicit.explicit_train_step(model, optimizer, lm.loss_fn, batch)
+
+    with jax.set_mesh(mesh):
+        lowered = step.lower(model, optimizer, batch)
+    report = substrax.census(lowered.compile(substrax.explicit.compiler_options(mesh)), mesh=mesh)
+    split = len(_split(model))
+    assert report.count("all-gather") == report.count("reduce-scatter") == split
+    ours = substrax.make_train_step(lm.loss_fn, "explicit", mesh=mesh).lower(model, optimizer, batch)
+    written = substrax.census(ours, mesh=mesh)
+    shapes = lambda r: sorted(str(b) for row in r.rows if row.kind == "reduce-scatter" for b in row.operands)  # noqa: E731
+    assert shapes(report) == shapes(written)  # the step's tiles: (2048, 128) a kernel's gradient
+
+
 def test_a_reduce_scatter_the_tpu_cannot_emit_compiles_with_its_decomposer() -> None:
     """A loss function's own psum_scatter of a (4, 32, 128) activation over 8 chips (blocks of 4
     rows): the TPU compiler refuses it with its decomposer off (UNIMPLEMENTED); the step compiles

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import optax
 import pytest
@@ -78,3 +82,25 @@ def test_arrays_on_a_compile_only_mesh_are_refused_naming_the_leaf() -> None:
     optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
     with pytest.raises(ValueError, match=r"compile-only.*model\['hidden'\]\['bias'\] is one.*nnx.eval_shape"):
         substrax.shard_state(model, optimizer, mesh=mesh)
+
+
+@needs_libtpu
+def test_libtpu_prints_no_hostname_error_for_a_compile_only_topology() -> None:
+    """Before: libtpu's INVALID_ARGUMENT about TPU_WORKER_HOSTNAMES, its source trace and a host
+    bounds warning on stderr, every run (a fresh process: libtpu loads once); a real error still
+    comes through (an unknown topology, with libtpu's message)."""
+    script = (
+        "from substrax.mesh import topology_mesh\n"
+        "topology_mesh('v5e:2x4', {'data': 8})\n"
+        "try:\n"
+        "    topology_mesh('v9z:2x4', {'data': 8})\n"
+        "except ValueError as e:\n"
+        "    print('refused:', str(e)[:60])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TPU_")} | {"JAX_PLATFORMS": "cpu"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "refused: Unknown TPU topology 'v9z:2x4'" in run.stdout
+    for noise in ("TPU_WORKER_HOSTNAMES", "Source Location Trace", "host bounds"):
+        assert noise not in run.stderr, run.stderr

@@ -88,3 +88,22 @@ def test_a_step_the_tpu_compiler_refuses_is_a_row_that_does_not_fit() -> None:
         found.best()
     small = substrax.plan(mse, *_abstract(), BATCH, mesh=mesh, layouts=["replicated"])
     assert small.rows[0].fits is True and small.best() is small.rows[0]
+
+
+def test_a_refused_row_gives_the_rules_bytes() -> None:
+    """8 chips, each holding a replicated MLP of 2.16B float32 parameters, its gradients and SGD:
+    refused (over 16 GiB). Its bytes are the rule's, every gradient all-reduced whole, as the
+    estimate's. Before: ``total_bytes`` 0 (no census without a program)."""
+    mesh = topology_mesh("v5e:2x4", {"data": 8})
+    model, optimizer = nnx.eval_shape(
+        lambda: (m := MLP(128, 1 << 23, 128), nnx.Optimizer(m, optax.sgd(0.1), wrt=nnx.Param))
+    )
+    batch = {k: jax.ShapeDtypeStruct((64, 128), jnp.float32) for k in ("x", "y")}
+    (row,) = substrax.plan(mse, model, optimizer, batch, mesh=mesh, layouts=["replicated"]).rows
+    (rule,) = substrax.plan(
+        mse, model, optimizer, batch, mesh=mesh, layouts=["replicated"], compiled=False
+    ).rows
+    parameters = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert row.refused and row.fits is False
+    assert row.bytes == rule.bytes and row.total_bytes == parameters + 4  # the gradients and the loss
+    assert any("its bytes are the layout's rule's" in n for n in row.notes)

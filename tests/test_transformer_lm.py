@@ -1,6 +1,7 @@
 """``examples/transformer_lm.py`` trains: both modes give the same falling losses, on one
 process and on two under the launcher, on the ``data=8`` mesh and on ``data=4,model=2``,
-and its stacked blocks pipelined over ``stage=4,data=2`` (both schedules).
+and its stacked blocks pipelined over ``stage=4,data=2`` (both schedules); with dropout in the
+stacked blocks, both modes train.
 
 The two-process run starts first, in the background, and the one-process runs go on
 in this process (8 emulated devices, from conftest) while it starts up.
@@ -154,6 +155,25 @@ def test_pipelined_blocks_give_the_data_parallel_losses_and_resume_without_stage
     np.testing.assert_allclose(first, want[:2], rtol=RTOL_2D)
     np.testing.assert_allclose(gpipe, want[:2], rtol=RTOL_2D)
     np.testing.assert_allclose(resumed, want[2:], rtol=RTOL_2D)
+
+
+DROPOUT = ["--scan", "--dropout", "0.1", "--steps", "2", "--log-every", "1", "--sample", "0"]
+
+
+def test_dropout_in_the_scanned_blocks_trains_in_both_modes() -> None:
+    """``--scan --dropout 0.1`` (#60 item 3): each stacked block draws from its own stream
+    (``nnx.split_rngs``), into whose key the explicit step folds each data device's index. Both modes
+    train; their losses differ (the implicit step draws one mask for the global batch, the explicit
+    step each device's own: the modes guide)."""
+    example = load_example()
+    got = {}
+    for mode in substrax.MODES:
+        with contextlib.redirect_stdout(io.StringIO()):
+            got[mode] = example.main([*DROPOUT, "--mode", mode])
+    for mode, losses in got.items():
+        assert len(losses) == 2 and all(np.isfinite(losses)), (mode, losses)
+        assert losses[1] < losses[0] - 0.5, (mode, losses)
+    assert not np.allclose(got["explicit"], got["implicit"], rtol=1e-5), got
 
 
 def test_a_2d_mesh_gives_the_data_parallel_losses(runs: dict[str, tuple[list[float], str]]) -> None:

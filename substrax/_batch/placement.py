@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from typing import Any
@@ -11,7 +12,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
-from substrax._base.specs import check_fits, check_spec_axes
+from substrax._base.roles import axis_roles
+from substrax._base.specs import check_fits, check_spec_axes, spec_axes
 from substrax._base.trees import KeyPath, PyTree, broadcast_prefix, is_array, path_str
 from substrax._batch.leaves import batch_partition_specs, warn_float64
 
@@ -27,11 +29,9 @@ __all__ = [
 
 def row_axes(mesh: Any, data_axis: str = "data", replica_axis: str = "replica") -> str | tuple[str, ...]:
     """The mesh axes a batch's rows are split over: ``data_axis``, after ``replica_axis`` where
-    ``mesh`` has it (hybrid sharding: ``("replica", "data")``, replicas outer)."""
-    names = tuple(getattr(mesh, "axis_names", ()) or ())
-    if replica_axis in names and replica_axis != data_axis:
-        return (replica_axis, data_axis)
-    return data_axis
+    ``mesh`` has it (hybrid sharding: ``("replica", "data")``, replicas outer); an axis the mesh
+    lacks left out (``AxisRoles.rows``). Raises ``axis_roles``'s errors."""
+    return axis_roles(mesh, data_axis, replica_axis).rows
 
 
 def create_data_parallel_sharding(
@@ -127,7 +127,10 @@ def place_batch_on_shards(
     Array leaves (``jax.Array``, NumPy arrays and scalars) are placed in one
     ``jax.make_array_from_process_local_data`` call, outside ``jax.jit``; other leaves are
     returned as they are. On several processes each passes its own rows, stitched in process
-    order. A float64 leaf jax will cast is named in a ``UserWarning``. See the batches guide.
+    order; where processes hold the same rows (an axis the rows are not split over, such as a
+    pipeline's ``stage``, spans them) the rows are gathered first, so every process holds the
+    whole batch (processes guide). A float64 leaf jax will cast is named in a ``UserWarning``.
+    See the batches guide.
 
     Args:
       batch: The batch this process loaded.
@@ -143,7 +146,8 @@ def place_batch_on_shards(
       ValueError: If a leaf has fewer dimensions than its sharding splits, a split
         dimension does not divide by its mesh axes, or the sharding tree does not fit the
         batch (naming the path); with ``check_replicated``, if a replicated leaf differs
-        between processes (naming it and the processes).
+        between processes (naming it and the processes). Where rows are gathered: if a
+        leaf's shape differs between processes, or it is split on several dimensions.
       TypeError: If a leaf is a traced value (the call is inside ``jax.jit``).
     """
     path_leaves, shardings, treedef = _host_leaves(
@@ -164,7 +168,8 @@ def place_batch_on_shards(
     if check_replicated:
         check_replicated_equal(batch, sharding)
     if todo:
-        placed = jax.make_array_from_process_local_data([shardings[i] for i in todo], [out[i] for i in todo])
+        paths = [path_leaves[i][0] for i in todo]
+        placed = _global_arrays(paths, [shardings[i] for i in todo], [out[i] for i in todo], checked=False)
         for i, arr in zip(todo, placed, strict=True):
             out[i] = arr
     return jax.tree.unflatten(treedef, out)
@@ -183,11 +188,102 @@ def _gathered_shapes(leaves: list[Any]) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(rows))
 
 
+def _refuse_differing_shapes(path_leaves: list[tuple[KeyPath, Any]]) -> None:
+    """Raise a ValueError naming each leaf whose shape differs between processes (one collective)."""
+    every = _gathered_shapes([leaf for _, leaf in path_leaves])
+    differ = [j for j in range(len(path_leaves)) if (every[:, j] != every[0, j]).any()]
+    if differ:
+        listing = "; ".join(
+            f"{path_str(path_leaves[j][0])}: "
+            + ", ".join(f"{_shape_text(every[p, j])} on process {p}" for p in range(every.shape[0]))
+            for j in differ
+        )
+        raise ValueError(
+            f"The batch's leaves differ in shape between processes ({listing}). On several "
+            f"processes each passes the rows it loaded, and the step assembles them in process "
+            f"order (as place_batch_on_shards does): every process must load the same number of "
+            f"rows of each leaf, such as x[substrax.launch.process_slice(global_rows)], and the "
+            f"same replicated values."
+        )
+
+
+@functools.lru_cache(maxsize=256)
+def _sharers(sharding: NamedSharding) -> tuple[list[int], list[int] | None]:
+    """The dimensions ``sharding`` splits, and two processes holding the same block of it (or None)."""
+    ways = [math.prod(sharding.mesh.shape[a] for a in spec_axes(entry)) for entry in sharding.spec]
+    split = [d for d, w in enumerate(ways) if w > 1]
+    holders: dict[tuple[int, ...], set[int]] = {}
+    for device, index in sharding.devices_indices_map(tuple(ways)).items() if split else ():
+        holders.setdefault(tuple(i.start or 0 for i in index), set()).add(device.process_index)
+    return split, next((sorted(p)[:2] for p in holders.values() if len(p) > 1), None)
+
+
+def _shared_dim(path: KeyPath, sharding: Sharding) -> int | None:
+    """The dimension to assemble a leaf's rows along across processes, or None: each process's
+    devices hold blocks of it no other process holds (or it is replicated), so its local data
+    is its own block, as ``jax.make_array_from_process_local_data`` takes it.
+
+    Where two processes hold the same block (an axis the leaf is not split over, such as
+    ``stage``, spans the processes), the processes' rows are concatenated in process order
+    along the one dimension the leaf is split on (processes guide).
+    """
+    if not isinstance(sharding, NamedSharding):
+        return None
+    split, shared = _sharers(sharding)
+    if shared is None:
+        return None
+    if len(split) > 1:
+        mesh = sharding.mesh
+        hosts = np.vectorize(lambda d: d.process_index)(mesh.devices)
+        used = {a for entry in sharding.spec for a in spec_axes(entry)}
+        spanning = [
+            a
+            for k, a in enumerate(mesh.axis_names)
+            if a not in used and (hosts != hosts.take([0], axis=k)).any()
+        ]
+        raise ValueError(
+            f"{path_str(path)} is split over dimensions {split} ({sharding.spec}), and processes "
+            f"{shared[0]} and {shared[1]} hold the same blocks of it: the mesh's "
+            f"{', '.join(map(repr, spanning))} spans the processes and does not split it, so each "
+            f"process's rows cannot be its own. Split it along one dimension (the processes' "
+            f"rows are then concatenated in process order), or pass it as a global jax.Array."
+        )
+    return split[0]
+
+
+def _global_arrays(
+    paths: list[KeyPath], shardings: list[Sharding], leaves: list[Any], *, checked: bool
+) -> list[jax.Array]:
+    """Each leaf, this process's rows, as the global array on its sharding: the processes' rows
+    in process order. ``checked``: the leaves' shapes are known to agree between processes."""
+    if jax.process_count() == 1:
+        return jax.make_array_from_process_local_data(shardings, leaves)
+    dims = [_shared_dim(path, s) for path, s in zip(paths, shardings, strict=True)]
+    out: list[Any] = [None] * len(leaves)
+    own = [i for i, d in enumerate(dims) if d is None]
+    if own:
+        placed = jax.make_array_from_process_local_data([shardings[i] for i in own], [leaves[i] for i in own])
+        for i, arr in zip(own, placed, strict=True):
+            out[i] = arr
+    shared = [i for i, d in enumerate(dims) if d is not None]
+    if not shared:
+        return out
+    if not checked:
+        _refuse_differing_shapes([(paths[i], leaves[i]) for i in shared])
+    stacked = multihost_utils.process_allgather([np.asarray(leaves[i]) for i in shared])  # (process, ...)
+    for i, every in zip(shared, stacked, strict=True):
+        whole = np.concatenate(list(every), axis=dims[i])
+        check_fits(paths[i], whole.shape, shardings[i].spec, shardings[i].mesh, local=False)
+        out[i] = jax.make_array_from_callback(whole.shape, shardings[i], lambda index, w=whole: w[index])
+    return out
+
+
 def place_process_rows(batch: PyTree, batch_spec: Any, mesh: Mesh, rows: str | tuple[str, ...]) -> PyTree:
     """On several processes, a step's batch with each host leaf placed as ``place_batch_on_shards`` does.
 
     A host leaf (a NumPy array or scalar, a ``jax.Array`` on this process's devices) holds this
-    process's rows, assembled in process order on its spec; a global ``jax.Array`` is kept as
+    process's rows, assembled in process order on its spec (gathered where processes hold the
+    same rows, as ``place_batch_on_shards`` does); a global ``jax.Array`` is kept as
     it is. Every process must call it with the same tree (one ``process_allgather`` of the
     host leaves' shapes). On one process it returns ``batch``.
 
@@ -200,7 +296,8 @@ def place_process_rows(batch: PyTree, batch_spec: Any, mesh: Mesh, rows: str | t
 
     Raises:
       ValueError: If a host leaf's shape differs between processes (naming the leaf and each
-        process's shape), or it cannot be split as its spec says (naming the leaf).
+        process's shape), or it cannot be split as its spec says (naming the leaf), or processes
+        hold the same blocks of a leaf split on several dimensions.
     """
     if jax.process_count() == 1:
         return batch
@@ -218,21 +315,7 @@ def place_process_rows(batch: PyTree, batch_spec: Any, mesh: Mesh, rows: str | t
     ]
     if not host:
         return batch
-    every = _gathered_shapes([path_leaves[i][1] for i in host])  # before any refusal: no process waits
-    differ = [j for j in range(len(host)) if (every[:, j] != every[0, j]).any()]
-    if differ:
-        listing = "; ".join(
-            f"{path_str(path_leaves[host[j]][0])}: "
-            + ", ".join(f"{_shape_text(every[p, j])} on process {p}" for p in range(every.shape[0]))
-            for j in differ
-        )
-        raise ValueError(
-            f"The batch's leaves differ in shape between processes ({listing}). On several "
-            f"processes each passes the rows it loaded, and the step assembles them in process "
-            f"order (as place_batch_on_shards does): every process must load the same number of "
-            f"rows of each leaf, such as x[substrax.launch.process_slice(global_rows)], and the "
-            f"same replicated values."
-        )
+    _refuse_differing_shapes([path_leaves[i] for i in host])  # before any refusal: no process waits
     out = [leaf for _, leaf in path_leaves]
     shardings = []
     for i in host:
@@ -242,7 +325,8 @@ def place_process_rows(batch: PyTree, batch_spec: Any, mesh: Mesh, rows: str | t
             spec = PartitionSpec()
         check_fits(path, np.shape(leaf), spec, mesh, local=True)
         shardings.append(NamedSharding(mesh, spec))
-    placed = jax.make_array_from_process_local_data(shardings, [out[i] for i in host])
+    paths = [path_leaves[i][0] for i in host]
+    placed = _global_arrays(paths, shardings, [out[i] for i in host], checked=True)
     for i, arr in zip(host, placed, strict=True):
         out[i] = arr
     return jax.tree.unflatten(treedef, out)

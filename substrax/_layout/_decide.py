@@ -69,8 +69,8 @@ class ShardDecision:
 
     @property
     def size(self) -> int:
-        """The data axis's size."""
-        return int(self.mesh.shape[self.axis])
+        """The data axis's size (1 on a mesh without it)."""
+        return int(self.mesh.shape.get(self.axis, 1))
 
 
 def _joined(kept: list[tuple[str, ...]]) -> Spec:
@@ -157,7 +157,8 @@ def decide(
         check_declared_rank(variable, said["model", path] or (), path_str(path, "model"))
     unit_list = find_units(model, units, reshard_after_forward, prefetch)
     stacks = stacked_modules(model, unit_list + ([stage] if stage is not None else []))
-    size = mesh.shape[axis]
+    size = mesh.shape.get(axis, 1)
+    splitting = layout != "replicated" and axis in mesh.axis_names  # without the data axis: nothing splits
     bases = {p: _base(variables["model"][p], said["model", p], axis, mesh) for p in mirrors}
     specs: dict[Leaf, Spec] = {}
     left_whole = []
@@ -168,8 +169,8 @@ def decide(
             base = (STAGE_AXIS, *base[1:])  # the pipeline's: consecutive layers a stage
         # a stack's layer axis stays whole over data: nnx.scan hands each layer its slice
         taken = ("layers", *base[1:]) if any(path[: len(u)] == u for u in stacks) else base
-        dim = None if layout == "replicated" else choose_split_dim(shape, size, min_size, taken)
-        if dim is None and layout != "replicated":
+        dim = choose_split_dim(shape, size, min_size, taken) if splitting else None
+        if dim is None and splitting:
             left_whole.append(LeftWhole(path_str(path, "model"), shape, _why_whole(shape, size, min_size)))
         split = with_axis(base, dim, axis)
         specs["model", path] = split if layout in ("fsdp", "hsdp") else base
@@ -181,8 +182,13 @@ def decide(
         for path, variable in of_owner.items():  # everything else: replicated on the mesh
             if (owner, path) not in specs and hasattr(variable.get_value(), "shape"):
                 specs[owner, path] = _base(variable, said[owner, path], axis, mesh)
+                staged = stage is not None and path[: len(stage)] == stage and variable.get_value().shape
+                if owner == "model" and staged:  # a stacked random stream: a stage's layers' counts
+                    specs[owner, path] = (STAGE_AXIS, *specs[owner, path][1:])
     shapes = {p: tuple(np.shape(variables["model"][p].get_value())) for p in mirrors}
-    splits = any(choose_split_dim(shapes[p], size, min_size, bases[p]) is not None for p in mirrors)
+    splits = axis in mesh.axis_names and any(
+        choose_split_dim(shapes[p], size, min_size, bases[p]) is not None for p in mirrors
+    )
     return ShardDecision(
         mesh, layout, layout if splits else "replicated", axis, min_size, replica_axis, specs,
         _declared(variables, said, mesh), tuple(unit_list), reshard_after_forward, prefetch, stage,

@@ -15,7 +15,7 @@ from substrax._base.specs import spec_axes
 from substrax._base.trees import adopt_assigned_arrays, path_str
 from substrax._layout._owners import flat_state
 from substrax._layout._specs import spec_tuple, split_dim_of, without_axis
-from substrax.mesh import current_mesh, current_mesh_with
+from substrax.mesh import current_mesh, mesh_in_effect
 
 __all__ = [
     "LAYOUTS",
@@ -225,10 +225,8 @@ def _axis_sizes(
         if isinstance(getattr(v.get_value(), "sharding", None), NamedSharding)
     ]
     with_axis = [m for m in meshes if axis in m.axis_names]
-    if not with_axis:
-        found = current_mesh_with(axis, mesh)
-        with_axis = [found] if found is not None else []
-    return (with_axis[0].shape[axis], dict(with_axis[0].shape)) if with_axis else (1, {})
+    found = with_axis[0] if with_axis else mesh_in_effect(mesh) or (meshes[0] if meshes else None)
+    return (1, {}) if found is None else (found.shape.get(axis, 1), dict(found.shape))  # no axis: one device
 
 
 def _rows(

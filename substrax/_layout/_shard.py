@@ -17,7 +17,7 @@ from substrax._base.trees import adopt_assigned_arrays, path_str
 from substrax._layout._decide import ShardDecision, decide
 from substrax._layout._owners import flat_state
 from substrax._layout._report import LAYOUTS, REPLICA_AXIS, REPLICA_KEY, Layout, LayoutKind, layout_of
-from substrax._layout._specs import spec_tuple, split_dim_of, trimmed
+from substrax._layout._specs import model_roles, spec_tuple, split_dim_of, trimmed
 from substrax._layout._stages import mark_stages
 from substrax._layout._units import UnitsSpec, mark_units
 from substrax.mesh import compile_only, current_mesh
@@ -130,8 +130,10 @@ def _mesh_for(
     layout: str,
     replica_axis: str,
 ) -> Mesh:
-    """The concrete mesh to place on (``mesh`` or the one set), with ``axis`` and HSDP's ``replica_axis``."""
-    found = current_mesh(mesh, required_axes=(axis,))
+    """The concrete mesh to place on (``mesh`` or the one set), its axis roles checked (``axis_roles``)
+    and HSDP's ``replica_axis`` on it."""
+    found = current_mesh(mesh)
+    model_roles(model, found, axis, replica_axis)
     if not isinstance(found, Mesh):
         raise ValueError("shard_state places arrays: call it outside jax.jit, with a concrete mesh.")
     if compile_only(found):
@@ -228,7 +230,7 @@ def shard_state(
       layout: ``"fsdp"`` (the default: parameters and their state split), ``"zero1"`` (the
         optimizer state only), ``"replicated"``, or ``"hsdp"`` (FSDP within a replica,
         replicated over ``replica_axis``, which the mesh must have).
-      data_axis: The data axis to split over.
+      data_axis: The data axis to split over (a mesh without it: one device, nothing split).
       min_size: Parameters with fewer elements stay replicated.
       params: Older spelling of ``layout`` (``True``: ``"fsdp"``, ``False``: ``"zero1"``); still works.
       axis: Older spelling of ``data_axis``; still works. Given with the newer one, they must agree.
@@ -244,8 +246,8 @@ def shard_state(
       stages: On a mesh with a ``stage`` axis, the stack of layers to pipeline: a module
         type (a stack built by ``nnx.vmap`` and applied by ``substrax.nn.scan_layers``), a
         tuple of them, or ``(path, module) -> bool``. Its parameters (and their optimizer
-        state) are split on the layer axis over ``stage``, consecutive layers a stage; the
-        layout applies within a stage (see the pipelines guide).
+        state, and its random streams' counts) are split on the layer axis over ``stage``,
+        consecutive layers a stage; the layout applies within a stage (see the pipelines guide).
 
     Returns:
       The ``Layout``: which leaf went where, the bytes per device, and the parameters
@@ -258,8 +260,10 @@ def shard_state(
         ``units`` or with ``reshard_after_forward=False``; the mesh has a ``stage`` axis without ``stages``,
         or ``stages`` comes without one, with ``prefetch``, matches nothing (naming the module types), a
         module that is no stack or two of them, or a stack whose layers the stages do not divide; ``layout``
-        is unknown or contradicts ``params``; ``axis`` contradicts ``data_axis``; the mesh lacks the axis;
-        ``min_size`` is negative; or the optimizer is not the model's. Each names the axis or leaf.
+        is unknown or contradicts ``params``; ``axis`` contradicts ``data_axis``; two roles (the data,
+        replica and stage axes, the layers' own) share an axis, or the mesh lacks the data axis and another
+        axis has no role (batches guide, "Axis roles"); ``min_size`` is negative; or the optimizer is not
+        the model's. Each names the axis or leaf.
 
     Warns:
       UserWarning: Once per call, naming each parameter of at least ``min_size`` elements

@@ -10,6 +10,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from substrax._base.roles import STAGE_AXIS, AxisRoles, axis_roles
 from substrax._base.specs import spec_axes
 from substrax._base.trees import path_str
 
@@ -18,6 +19,8 @@ __all__ = [
     "choose_split_dim",
     "declared_spec",
     "gradient_spec",
+    "model_axes",
+    "model_roles",
     "optional_axes",
     "spec_tuple",
     "split_dim_of",
@@ -37,6 +40,28 @@ def declared_spec(variable: nnx.Variable[Any]) -> tuple[Any, ...] | None:
 def optional_axes(variable: nnx.Variable[Any]) -> tuple[str, ...]:
     """The axes of its spec a mesh may lack (metadata ``optional_axes``): it is then whole over them."""
     return tuple(variable.get_metadata().get("optional_axes") or ())
+
+
+def model_axes(tree: Any, data_axis: str, stage_axis: str) -> tuple[str, ...]:
+    """The mesh axes ``tree``'s layers split over themselves (the model role's axes).
+
+    Each axis a variable's spec or declaration names, but ``data_axis`` and ``stage_axis``
+    (where ``shard_state`` puts the layouts' and the pipeline's splits), and each
+    ``substrax.nn`` layer's own axis (``optional_axes``), whatever its name.
+    """
+    axes: dict[str, None] = {}
+    for _, variable in nnx.to_flat_state(nnx.state(tree)):
+        said = (declared_spec(variable) or ()) + tuple(variable.get_metadata().get("declared_sharding") or ())
+        named = (a for e in said for a in spec_axes(e) if a not in (data_axis, stage_axis))
+        axes.update(dict.fromkeys((*optional_axes(variable), *named)))
+    return tuple(axes)
+
+
+def model_roles(model: Any, mesh: Any, data_axis: str, replica_axis: str) -> AxisRoles:
+    """``axis_roles`` of a step or layout of ``model`` on ``mesh``: its layers' axes (``model_axes``) checked
+    against the other roles'; the one place ``shard_state`` and both modes resolve them."""
+    axes = None if model is None else model_axes(model, data_axis, STAGE_AXIS)
+    return axis_roles(mesh, data_axis, replica_axis, model_axes=axes)
 
 
 def without_axes(spec: tuple[Any, ...], axes: tuple[str, ...]) -> tuple[Any, ...]:
@@ -123,7 +148,8 @@ def check_declared_rank(variable: nnx.Variable[Any], spec: tuple[Any, ...], name
             f"{name} has {ndim} dimensions but its layer declares a split for {len(spec)} "
             f"({PartitionSpec(*spec)}): it was stacked (nnx.vmap or nnx.scan) without "
             f"transform_metadata={{nnx.PARTITION_NAME: None}}, so the split would land on the wrong "
-            f"dimension. Create the stack with nnx.vmap(..., transform_metadata={{nnx.PARTITION_NAME: None}}), "
+            f"dimension. Create the stack with nnx.vmap(..., "
+            f"transform_metadata={{nnx.PARTITION_NAME: None}}), "
             f"which gives the layer axis its own (unsplit) entry."
         )
 
@@ -146,7 +172,8 @@ def check_mesh_axes(tree: Any, mesh: Any, owner: str) -> None:
             raise ValueError(
                 f"{path_str(tuple(path), owner)} is declared sharded as {PartitionSpec(*spec)}, over "
                 f"mesh axis {refused[0]!r}, which the mesh {dict(mesh.shape)} lacks. Build the mesh "
-                f"with that axis (substrax.mesh.create_device_mesh), or place the state with substrax.shard_state on this mesh, which places such a split whole."
+                f"with that axis (substrax.mesh.create_device_mesh), or place the state with "
+                f"substrax.shard_state on this mesh, which places such a split whole."
             )
         said = variable.get_metadata().get("declared_sharding") or spec
         variable.set_metadata(out_sharding=without_axes(spec, missing), declared_sharding=said)

@@ -11,12 +11,12 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
+from substrax._base.roles import STAGE_AXIS
 from substrax._base.trees import KeyPath, path_str
 from substrax._layout._units import UnitsSpec, matched_modules, stacked_modules
 
 __all__ = ["STAGE_AXIS", "STAGE_KEY", "find_stages", "mark_stages", "staged_stack"]
 
-STAGE_AXIS = "stage"
 STAGE_KEY = "pipeline_stack"
 
 

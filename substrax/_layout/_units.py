@@ -45,7 +45,8 @@ def _matcher(units: UnitsSpec, keyword: str = "units") -> Callable[[KeyPath, Any
     if callable(units):
         return lambda path, node: isinstance(node, nnx.Module) and bool(units(path, node))
     raise TypeError(
-        f"{keyword} must be a module type, a tuple of them, or a function (path, module) -> bool; got {units!r}."
+        f"{keyword} must be a module type, a tuple of them, or a function (path, module) -> bool; "
+        f"got {units!r}."
     )
 
 
@@ -126,7 +127,10 @@ def _matched_nothing(model: nnx.Module, units: UnitsSpec, keyword: str = "units"
         else f"It has no submodule: drop {keyword}="
     )
     what = "gathered as a unit (plain FSDP)" if keyword == "units" else "split over the stages (no pipeline)"
-    return f"{keyword}={asked} matched no submodule of the {type(model).__name__}, so no parameter would be {what}. {has}."
+    return (
+        f"{keyword}={asked} matched no submodule of the {type(model).__name__}, so no parameter would be "
+        f"{what}. {has}."
+    )
 
 
 def stacked_modules(model: nnx.Module, units: list[KeyPath]) -> set[KeyPath]:

@@ -19,7 +19,8 @@ __all__ = ["gathered", "one_run", "recomputes", "required", "traced_gathers"]
 def required(
     items: Sequence[Any], microbatches: int, data_axis: str
 ) -> tuple[dict[tuple[str, str], int], int]:
-    """The bytes per step of the required ``items`` per (kind, axes), and those of the optional ones."""
+    """The bytes per step of the required ``items`` per (kind, axes), and those of the optional ones;
+    ``data_axis``: the axes an item naming none is counted under."""
     by_kind: dict[tuple[str, str], int] = {}
     optional = 0
     for item in items:

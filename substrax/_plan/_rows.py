@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -30,6 +31,12 @@ __all__ = ["plan"]
 
 def _mesh_label(mesh: Mesh) -> str:
     return ",".join(f"{a}={n}" for a, n in mesh.shape.items())
+
+
+def _unnamed(step: Any, mesh: Mesh) -> str:
+    """The axes of a collective the rule names none for: the data axis, every axis of a mesh without it."""
+    axis = step.options.data_axis
+    return axis if axis in mesh.axis_names else ",".join(mesh.axis_names)
 
 
 def plan(
@@ -193,12 +200,9 @@ def _row(
         "shard_options": shard_options,
         "step_options": {"mesh": mesh, **opts},
     }
+    by_kind, optional = _items.required(expected.items, step.options.microbatches, _unnamed(step, mesh))
     if compiled:  # the program itself: its census and memory_analysis(), exact
-        try:
-            return _compiled(row, lowered.compile(), mesh, flops)
-        except jax.errors.JaxRuntimeError as e:
-            return _refused(row, e, mesh)
-    by_kind, optional = _items.required(expected.items, step.options.microbatches, step.options.data_axis)
+        return _on_target(row, lowered, mesh, by_kind, optional, flops)
     if "explicit" not in memory:  # the memory is explicit mode's (XLA places the implicit step's)
         if mode != "explicit":
             traced = make_train_step(loss_fn, "explicit", mesh=mesh, **opts).traced(m, o, batch, donate=True)
@@ -213,14 +217,51 @@ def _row(
     )
 
 
+_RULES_BYTES = "no program to take a census of: its bytes are the layout's rule's (the estimate's)"
+
+
+def _on_target(
+    row: dict[str, Any],
+    lowered: Any,
+    mesh: Mesh,
+    by_kind: dict[tuple[str, str], int],
+    optional: int,
+    flops: float | None = None,
+) -> PlanRow:
+    """The row of the compiled program; where the TPU compiler refuses it for memory, its refusal
+    with the rule's bytes ``by_kind`` and ``optional`` (no program, no census)."""
+    try:
+        return _compiled(row, lowered.compile(), mesh, flops)
+    except jax.errors.JaxRuntimeError as e:
+        if (need := _hbm_refusal(str(e))) is None:
+            raise
+        return PlanRow(
+            **{**row, "notes": (*row["notes"], _RULES_BYTES)},
+            bytes=by_kind,
+            optional_bytes=optional,
+            temp_bytes=need,
+            compiler=f"{_platform(mesh)} (compiled)",
+            refused=str(e).splitlines()[0][:400],
+        )
+
+
 def _compiled(row: dict[str, Any], program: Any, mesh: Mesh, flops: float | None = None) -> PlanRow:
     """``row`` with the bytes of ``program``'s census and its ``memory_analysis()``, and on a TPU or a
     GPU its predicted step (``flops``: the model's, for its MFU)."""
     by_kind: dict[tuple[str, str], int] = {}
-    for found in census(program, mesh=mesh).rows:
+    report = census(program, mesh=mesh)
+    for found in report.rows:
         key = (found.kind, ",".join(found.axes or ()) or "unnamed groups")
         by_kind[key] = by_kind.get(key, 0) + found.bytes_per_step
     stats = program.memory_analysis()
+    if uncounted := report.uncounted():  # never counted once in silence
+        note = (
+            f"{len(uncounted)} collective(s) of the compiled step sit inside loops whose trip count the "
+            f"program does not show ({', '.join(r.name for r in uncounted[:4])}): each counted once, "
+            f"total_bytes is a lower bound"
+        )
+        warnings.warn(f"plan: {row['mode']} {row['layout']} on {row['mesh']}: {note}", stacklevel=4)
+        row = {**row, "notes": (*row["notes"], note)}
     return PlanRow(
         **row,
         bytes=by_kind,
@@ -230,20 +271,6 @@ def _compiled(row: dict[str, Any], program: Any, mesh: Mesh, flops: float | None
         padding_bytes=stats.argument_size_in_bytes - row["state_bytes"] - row["batch_bytes"],
         compiler=f"{program_platform(program)} (compiled)",
         **_seconds.timed(program, mesh, flops),
-    )
-
-
-def _refused(row: dict[str, Any], error: jax.errors.JaxRuntimeError, mesh: Mesh) -> PlanRow:
-    """The row of a step the TPU compiler refused for its memory (``error``, re-raised if not that)."""
-    if (need := _hbm_refusal(str(error))) is None:
-        raise error
-    return PlanRow(
-        **row,
-        bytes={},
-        optional_bytes=0,
-        temp_bytes=need,
-        compiler=f"{_platform(mesh)} (compiled)",
-        refused=str(error).splitlines()[0][:400],
     )
 
 

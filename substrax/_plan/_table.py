@@ -44,7 +44,8 @@ class PlanRow:
         (microbatches + stages - 1)``; 0 without a pipeline. The peak and state bytes of a
         pipelined row are one stage's (every device holds one stage).
       refused: The TPU compiler's refusal of a step that does not fit (its message; ``peak_bytes``
-        then holds the arguments plus the temporaries it says it needed, to its 0.01 GB), else ``""``.
+        then holds the arguments plus the temporaries it says it needed, to its 0.01 GB, and
+        ``bytes`` the layout's rule's, as estimated), else ``""``.
       flops: FLOPs per device per step, the compiled program's (loops their trip count times);
         ``None`` where estimated on the CPU (as every field below but ``timeline``).
       compute_seconds: The program's operations, each at its bound on the target (matrix units or

@@ -26,12 +26,21 @@ def _row_ways(spec: PartitionSpec, sizes: Mapping[str, int]) -> int:
     return math.prod(sizes[a] for a in axes)
 
 
-def _has_rows(spec: PartitionSpec) -> bool:
+def _has_rows(spec: PartitionSpec, rows: str | tuple[str, ...] | None = None) -> bool:
+    """Whether a leaf on ``spec`` has rows to cut: its dimension 0 is split. On a mesh without row
+    axes (``rows`` empty: a data axis of one device) nothing is split: any spec with an entry
+    (the default's ``P(None)``) has rows, ``P()`` is batch-level."""
+    if rows is not None and not spec_axes(rows):
+        return bool(len(spec))
     return bool(len(spec)) and spec[0] is not None
 
 
 def check_microbatches(
-    microbatches: int, batch: PyTree = None, specs: PyTree = None, mesh: Any = None, data_axis: str = "data"
+    microbatches: int,
+    batch: PyTree = None,
+    specs: PyTree = None,
+    mesh: Any = None,
+    data_axis: str | tuple[str, ...] = "data",
 ) -> None:
     """Refuse a ``microbatches`` that is not a positive int, or does not divide the rows per device.
 
@@ -50,7 +59,7 @@ def check_microbatches(
     for (path, leaf), spec in zip(
         leaves, jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, PartitionSpec)), strict=True
     ):
-        if not _has_rows(spec):
+        if not _has_rows(spec, data_axis):
             continue
         ways = _row_ways(spec, dict(mesh.shape))
         rows = np.shape(leaf)[0] // ways
@@ -73,6 +82,8 @@ def split_rows_over(specs: PyTree, data_axis: str, hybrid: str | tuple[str, ...]
     """
     if not isinstance(hybrid, tuple):
         return data_axis
+    if not hybrid:  # a mesh without row axes: the rows are not split
+        return hybrid
     replicas = set(hybrid) - {data_axis}
     kinds = {
         bool(replicas & set(spec_axes(spec[0])))
@@ -88,26 +99,31 @@ def split_rows_over(specs: PyTree, data_axis: str, hybrid: str | tuple[str, ...]
     return hybrid if kinds == {True} or not kinds else data_axis
 
 
-def split_microbatches(shard: PyTree, specs: PyTree, data_axis: str, microbatches: int) -> PyTree:
-    """One device's shard as ``microbatches`` slices stacked on a new leading axis (inside shard_map)."""
+def split_microbatches(
+    shard: PyTree, specs: PyTree, data_axis: str | tuple[str, ...], microbatches: int
+) -> PyTree:
+    """One device's shard as ``microbatches`` slices stacked on a new leading axis (inside shard_map);
+    ``data_axis``: the axes the rows are split over."""
 
     def cut(x: jax.Array, spec: PartitionSpec) -> jax.Array:
-        if not _has_rows(spec):
+        if not _has_rows(spec, data_axis):
             return jnp.broadcast_to(x, (microbatches, *jnp.shape(x)))
         return x.reshape(microbatches, x.shape[0] // microbatches, *x.shape[1:])
 
     return jax.tree.map(cut, shard, specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
 
 
-def split_global_microbatches(batch: PyTree, specs: PyTree, ways: int, microbatches: int) -> PyTree:
+def split_global_microbatches(
+    batch: PyTree, specs: PyTree, ways: int, microbatches: int, rows: str | tuple[str, ...] | None = None
+) -> PyTree:
     """The global batch as ``microbatches`` global slices: slice j holds every device's j-th rows.
 
     For the implicit step, so that each microbatch keeps its rows on the device that
-    loaded them: rows ``(N, k, m)`` become ``(k, N * m)``.
+    loaded them: rows ``(N, k, m)`` become ``(k, N * m)``. ``rows``: the axes the rows are split over.
     """
 
     def cut(x: jax.Array, spec: PartitionSpec) -> jax.Array:
-        if not _has_rows(spec):
+        if not _has_rows(spec, rows):
             return jnp.broadcast_to(x, (microbatches, *jnp.shape(x)))
         m = x.shape[0] // (ways * microbatches)
         y = x.reshape(ways, microbatches, m, *x.shape[1:])

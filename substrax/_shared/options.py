@@ -6,7 +6,8 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, NamedTuple
 
-from substrax._batch.placement import row_axes
+from substrax._base.roles import AxisRoles, axis_roles
+from substrax._layout import model_roles
 from substrax._metrics.reductions import METRIC_REDUCTIONS
 from substrax._shared.microbatch import check_microbatches
 from substrax._shared.precision import MixedPrecision
@@ -51,12 +52,13 @@ class StepOptions:
       schedule: ``"gpipe"`` or ``"1f1b"``: the staged stack runs as a pipeline; or ``None``.
 
     Raises:
-      ValueError: If ``mode`` is unknown, ``reduce`` is given without ``has_aux`` or
+      ValueError: If ``mode`` is unknown, ``data_axis`` and ``replica_axis`` name one axis or
+        the stage axis, ``reduce`` is given without ``has_aux`` or
         names an unknown operation, ``microbatches`` is below 1, ``schedule`` is unknown
         or comes with fewer than two microbatches, or
         ``max_skips_in_a_row`` is not a positive int or ``None``.
-      TypeError: If ``microbatches`` is not an int, ``skip_nonfinite`` not a bool, or
-        ``precision`` not a ``MixedPrecision``.
+      TypeError: If an axis name is not a str, ``microbatches`` is not an int,
+        ``skip_nonfinite`` not a bool, or ``precision`` not a ``MixedPrecision``.
     """
 
     mode: Mode = "implicit"
@@ -86,6 +88,7 @@ class StepOptions:
                         f"Metric {name!r} asks for reduction {op!r}; use one of "
                         f"{', '.join(repr(a) for a in METRIC_REDUCTIONS)} or None (keep it unreduced)."
                     )
+        axis_roles(None, self.data_axis, self.replica_axis)  # the names alone: two roles never share one
         check_microbatches(self.microbatches)
         check_schedule(self.schedule, self.microbatches)
         if not isinstance(self.skip_nonfinite, bool):
@@ -98,10 +101,17 @@ class StepOptions:
                 f"precision must be a substrax.MixedPrecision policy or None; got {self.precision!r}."
             )
 
+    def roles(self, mesh: Any, model: Any = None) -> AxisRoles:
+        """The step's ``AxisRoles`` on ``mesh``, checked (``substrax._layout.model_roles``). With
+        ``model``, its layers' axes too: none may be another role's, and on a mesh without
+        ``data_axis`` every axis needs a role."""
+        return model_roles(model, mesh, self.data_axis, self.replica_axis)
+
     def row_axes(self, mesh: Any) -> str | tuple[str, ...]:
         """The mesh axes the batch's rows are split over: ``data_axis``, after
-        ``replica_axis`` where ``mesh`` has it (hybrid sharding: ``("replica", "data")``)."""
-        return row_axes(mesh, self.data_axis, self.replica_axis)
+        ``replica_axis`` where ``mesh`` has it (hybrid sharding: ``("replica", "data")``);
+        an axis ``mesh`` lacks left out (``()``: the rows are not split)."""
+        return self.roles(mesh).rows
 
     def replace(self, **changes: Any) -> StepOptions:
         """A copy with ``changes``, checked again."""

@@ -5,7 +5,9 @@ applies the stack placed over the ``stage`` axis (``shard_state(..., stages=...)
 
 - the *prologue*, ``(outside, microbatch) -> carry``: ``loss_fn`` up to the stack (the
   embedding), stopped there (``scan_layers`` raises ``_Reached`` with its input);
-- the *stage*, ``(stack, carry) -> carry``: one stage's consecutive layers, ``nnx.scan``;
+- the *stage*, ``(stack, carry, streams) -> (carry, streams)``: one stage's consecutive layers,
+  ``nnx.scan``, drawing from their random streams (dropout: a key and a count per layer), which
+  each stage carries from microbatch to microbatch;
 - the *epilogue*, ``(outside, carry, microbatch) -> (loss, aux)``: ``loss_fn`` again, its
   ``scan_layers`` returning the given carry (the head and the loss; the prologue's work
   before it is dead code, removed by XLA).
@@ -26,6 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.extend.core import get_opaque_trace_state
 
 from substrax._base import declared
 from substrax._base.hooks import STAGE_HOOK
@@ -35,6 +38,7 @@ from substrax._shared.schedule import check_stage_axis
 
 __all__ = [
     "Staged",
+    "advanced",
     "floats_of",
     "pipeline_of",
     "put",
@@ -78,17 +82,19 @@ def pipeline_of(options: Any, mesh: Any, model: nnx.Module) -> KeyPath | None:
 
 
 def _scan_stack(
-    graphdef: Any, params: nnx.State, rest: nnx.State, x: Any, args: Any, kwargs: Any, remat: bool
-) -> Any:
+    graphdef: Any, params: nnx.State, streams: nnx.State, x: Any, args: Any, kwargs: Any, remat: bool
+) -> tuple[Any, nnx.State]:
     """``scan_layers``'s ``nnx.scan`` as ``jax.lax.scan`` over the stack's state (each layer merged
-    from its slice), so that it traces at any level of the pipeline's loops and conds."""
+    from its slice), so that it traces at any level of the pipeline's loops and conds: the output,
+    and the layers' random streams after their draws."""
 
-    def body(h: Any, layer: nnx.State) -> tuple[Any, None]:
-        return nnx.merge(graphdef, layer, rest)(h, *args, **kwargs), None
+    def body(h: Any, layer: tuple[nnx.State, nnx.State]) -> tuple[Any, nnx.State]:
+        merged = nnx.merge(graphdef, *layer)
+        return merged(h, *args, **kwargs), nnx.state(merged, nnx.RngState)
 
     if remat:
         body = jax.checkpoint(body)
-    return jax.lax.scan(body, x, params)[0]
+    return jax.lax.scan(body, x, (params, streams))
 
 
 def take(tree: PyTree, i: Any) -> PyTree:
@@ -99,6 +105,20 @@ def take(tree: PyTree, i: Any) -> PyTree:
 def put(tree: PyTree, i: Any, value: PyTree) -> PyTree:
     """``tree`` with entry ``i`` of each leaf's leading axis set to ``value``'s leaf."""
     return jax.tree.map(lambda x, v: jax.lax.dynamic_update_index_in_dim(x, v, i, 0), tree, value)
+
+
+def advanced(streams: nnx.State, drawn: nnx.State, valid: Any) -> nnx.State:
+    """``streams`` with each count taken from ``drawn`` (the same streams after a stage's draws) where
+    ``valid``: one flag, or one per stage (the leading axis); a bubble's slot draws nothing."""
+
+    def pick(old: nnx.Variable[Any], new: nnx.Variable[Any]) -> nnx.Variable[Any]:
+        if not isinstance(old, nnx.RngCount):
+            return old
+        x, flag = new.get_value(), jnp.asarray(valid)
+        flag = jnp.reshape(flag, flag.shape + (1,) * (x.ndim - flag.ndim))
+        return old.replace(jnp.where(flag, x, old.get_value()))
+
+    return jax.tree.map(pick, streams, drawn, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def floats_of(carry: PyTree) -> list[Any]:
@@ -123,10 +143,27 @@ class _Reached(Exception):
         self.x, self.args, self.kwargs, self.remat = x, args, kwargs, remat
 
 
+def _trace() -> Any:
+    """The trace jax is building now (a transform inside ``loss_fn`` builds another)."""
+    return get_opaque_trace_state(convention="nnx")
+
+
 class _Capture:
+    def __init__(self, where: str) -> None:
+        self.where, self.trace = where, _trace()
+
     def reached(
         self, stack: nnx.Module, x: Any, args: tuple[Any, ...], kwargs: dict[str, Any], remat: bool
     ) -> Any:
+        if _trace() != self.trace:  # its input would leak out of the transform's trace
+            raise ValueError(
+                f"loss_fn ran the staged stack {self.where} through scan_layers inside a transform of its "
+                f"own (jax.checkpoint, nnx.remat, a vmap or a loop around it): a pipeline cuts the loss "
+                f"at scan_layers and runs each stage's layers in its own loop, which no transform in "
+                f"loss_fn can span. Call scan_layers at the top level of the forward pass; to recompute "
+                f"the layers in the backward pass, ask scan_layers: substrax.nn.scan_layers(stack, x, "
+                f"remat=True) (each layer rematerialized within its stage)."
+            )
         raise _Reached(x, args, kwargs, remat)
 
 
@@ -169,9 +206,12 @@ class Staged:
     ``outside`` and ``stack`` are ``nnx.State``s of its parameters; the functions merge
     them again (the stack's with paths relative to it).
 
+    ``streams``: the stack's random streams (``nnx.RngState``, a key and a count per layer:
+    ``nnx.split_rngs``), which a stage hands its layers and takes back advanced.
+
     Raises:
-      ValueError: If the stack holds state other than ``nnx.Param`` (its layers must be
-        pure functions of their parameters), naming it.
+      ValueError: If the stack holds state other than ``nnx.Param`` and random streams (its
+        layers must be functions of their parameters and draws), naming it.
     """
 
     def __init__(
@@ -184,15 +224,16 @@ class Staged:
         flat = [(tuple(p), v) for p, v in nnx.to_flat_state(params)]
         self.outside = nnx.from_flat_state([(p, v) for p, v in flat if p[:n] != self.path])
         self.stack_whole = nnx.from_flat_state([(p, v) for p, v in flat if p[:n] == self.path])
-        self.stack_graphdef, self.stack, stack_rest = nnx.split(node_at(model, self.path), nnx.Param, ...)
-        for p, v in nnx.to_flat_state(stack_rest):
+        self.stack_graphdef, self.stack, self.streams, other = nnx.split(
+            node_at(model, self.path), nnx.Param, nnx.RngState, ...
+        )
+        for p, v in nnx.to_flat_state(other):
             raise ValueError(
                 f"The staged stack {self.where} holds {path_str(tuple(p), 'stack')} ({type(v).__name__}): "
-                f"a pipeline runs each stage's layers as functions of their parameters only (no batch "
-                f"statistics, random streams or other state in the stack). Remove it from the layers "
-                f"(dropout off, LayerNorm rather than BatchNorm), or place the model without stages=."
+                f"a pipeline runs each stage's layers as functions of their parameters and random streams "
+                f"only (no batch statistics or other state in the stack). Remove it from the layers "
+                f"(LayerNorm rather than BatchNorm), or place the model without stages=."
             )
-        self.stack_rest = stack_rest
         self.static: _Static | None = None
 
     def _model(self, outside: nnx.State, stack_whole: nnx.State | None = None) -> nnx.Module:
@@ -214,7 +255,7 @@ class Staged:
     def prologue(self, outside: nnx.State, batch: PyTree) -> tuple[Any, list[Any]]:
         """``loss_fn`` up to the stack: the carry ``(x, arrays)`` entering its first layer."""
         model = self._model(outside)
-        object.__setattr__(node_at(model, self.path), STAGE_HOOK, _Capture())
+        object.__setattr__(node_at(model, self.path), STAGE_HOOK, _Capture(self.where))
         try:
             self.split_loss(model, batch)
         except _Reached as r:
@@ -235,18 +276,27 @@ class Staged:
             self.static = static
         return reached.x, arrays
 
-    def stage(self, stack: nnx.State, carry: tuple[Any, list[Any]]) -> tuple[Any, list[Any]]:
-        """One stage: ``carry``'s ``x`` through the layers of ``stack`` (this stage's slice of it)."""
+    def stage(
+        self, stack: nnx.State, carry: tuple[Any, list[Any]], streams: nnx.State
+    ) -> tuple[tuple[Any, list[Any]], nnx.State]:
+        """One stage: ``carry``'s ``x`` through the layers of ``stack`` (this stage's slice of it),
+        drawing from ``streams`` (the same slice of the stack's random streams); those after."""
         assert self.static is not None, "the prologue is traced first"
         x, arrays = carry
         args, kwargs = self.static.rebuild(arrays)
-        y = _scan_stack(self.stack_graphdef, stack, self.stack_rest, x, args, kwargs, self.static.remat)
+        y, streams = _scan_stack(self.stack_graphdef, stack, streams, x, args, kwargs, self.static.remat)
         if jnp.shape(y) != jnp.shape(x) or jnp.result_type(y) != jnp.result_type(x):
             raise ValueError(
                 f"The staged stack {self.where} maps its input {jax.typeof(x).str_short()} to "
                 f"{jax.typeof(y).str_short()}; its layers must keep the carry's shape and dtype."
             )
-        return y, arrays
+        return (y, arrays), streams
+
+    def keep_draws(self, model: nnx.Module, streams: nnx.State) -> None:
+        """Set the counts of ``model``'s stack to those of ``streams`` (the whole stack's, after the
+        step's draws: each layer's count advanced as the same step without stages advances it)."""
+        counts = [(p, v) for p, v in nnx.to_flat_state(streams) if isinstance(v, nnx.RngCount)]
+        nnx.update(node_at(model, self.path), nnx.from_flat_state(counts))
 
     def epilogue(self, outside: nnx.State, carry: tuple[Any, list[Any]], batch: PyTree) -> tuple[Any, Any]:
         """``loss_fn`` from the stack's output ``carry`` on: ``(loss, aux)``."""

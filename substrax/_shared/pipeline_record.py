@@ -74,8 +74,9 @@ def note_pipeline(schedule: Any = None, *, mode: str = "", carry: Any = None, au
     if fields is None:
         return
     if schedule is not None:
-        fields.update(schedule=schedule.name, stages=int(schedule.stages), microbatches=int(schedule.microbatches),
-                      ticks=int(schedule.ticks), phases=tuple(schedule.phases), mode=mode)  # fmt: skip
+        fields.update(schedule=schedule.name, stages=int(schedule.stages),
+                      microbatches=int(schedule.microbatches), ticks=int(schedule.ticks),
+                      phases=tuple(schedule.phases), mode=mode)  # fmt: skip
     if carry is not None:
         fields["carry"] = _avals(carry)
     if aux is not None:

@@ -91,7 +91,8 @@ class BoundTrainStep:
         return self._step._lower(self._split, arrays, batch, donate=self._donate)
 
     def check_communication(self, batch: PyTree) -> Comparison:
-        """This step's census against its layout's rule (see ``TrainStep.check_communication``); syncs first."""
+        """This step's census against its layout's rule (see ``TrainStep.check_communication``); syncs
+        first."""
         self.sync()
         return self._step.check_communication(self.model, self.optimizer, batch)
 

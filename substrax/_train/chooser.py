@@ -28,7 +28,7 @@ from substrax._train.bound import BoundTrainStep
 from substrax._train.pinned import pinned_jit
 from substrax._train.split import SplitState, uncommitted_as_replicated
 from substrax.census import Comparison, check_communication
-from substrax.mesh import current_mesh, current_mesh_with
+from substrax.mesh import current_mesh, mesh_in_effect
 
 __all__ = ["MODES", "BoundTrainStep", "TrainStep", "make_train_step"]
 
@@ -64,7 +64,9 @@ def make_train_step(
         mean over the batch's examples. In explicit mode it sees one device's shard.
       mode: ``"implicit"`` (XLA inserts the reduction) or ``"explicit"`` (``shard_map``).
       mesh: The mesh (the step sets it); ``None`` uses the one ``jax.set_mesh`` sets around the call.
-      data_axis: The mesh axis the batch is split over.
+      data_axis: The mesh axis the batch is split over; a mesh without it has a data axis of
+        one device (rows not split: a pipeline or tensor parallelism alone; see the batches
+        guide, "Axis roles").
       batch_spec: A ``PartitionSpec`` or a prefix tree of them. Default: a leaf placed on
         the mesh keeps its spec, any other is split over ``data_axis``.
       has_aux: Whether ``loss_fn`` returns ``(loss, metrics)``, metrics a flat mapping.
@@ -91,14 +93,17 @@ def make_train_step(
 
     Raises:
       ValueError: At once: an unknown ``mode``, ``reduce`` without ``has_aux`` or with an
-        unknown operation, a ``mesh`` without ``data_axis``, ``microbatches`` below 1, an
-        unknown ``schedule``, one with fewer than two microbatches or a ``mesh`` without ``stage``.
-        When called: a batch that does not split over ``data_axis`` (or ``batch_spec``)
-        or into ``microbatches``, an output that does not match ``has_aux``, ``schedule``
-        on a model without a staged stack (or a staged model without ``schedule``), a ``reduce``
-        metric not returned, (explicit) state sharded other than by ``shard_state``,
-        ``"hsdp"`` state placed with another ``replica_axis``, or on several processes a host
-        leaf whose shape differs between them; each names the leaf, metric, parameter or axes.
+        unknown operation, two roles (``data_axis``, ``replica_axis``, the stage axis) on one
+        axis, ``microbatches`` below 1, an unknown ``schedule``, one with fewer than two
+        microbatches or a ``mesh`` without ``stage``. When called, before compiling: a layer's
+        axis that is another role's, a mesh without ``data_axis`` one axis of which has no
+        role (a misnamed data axis), a batch that does not split over ``data_axis`` (or
+        ``batch_spec``) or into ``microbatches``, a ``batch_spec`` over the stage axis, an
+        output that does not match ``has_aux``, ``schedule`` on a model without a staged
+        stack (or a staged model without ``schedule``), a ``reduce`` metric not returned,
+        (explicit) state sharded other than by ``shard_state``, ``"hsdp"`` state placed with
+        another ``replica_axis``, or on several processes a host leaf whose shape differs
+        between them; each names the leaf, metric, parameter or axes.
       TypeError: If ``microbatches`` is not an int.
     """
     options = options_from(locals())  # the keywords above, checked once
@@ -128,7 +133,7 @@ class TrainStep:
             raise TypeError(f"options must be a substrax.StepOptions; got {options!r}. Use make_train_step.")
         self.options = options
         if options.mesh is not None:
-            current_mesh(options.mesh, required_axes=(options.data_axis,))
+            options.roles(current_mesh(options.mesh))  # two roles on one axis refused before any trace
             check_stage_axis(options.schedule, options.mesh)
         self.loss_fn = loss_fn
         # the chooser always reduces metrics (unlisted ones by their mean)
@@ -196,7 +201,7 @@ class TrainStep:
             arrays: list[jax.Array], batch: PyTree, placed: _PlacedSpecs | None
         ) -> tuple[list[jax.Array], Any, Any]:
             model, optimizer = nnx.merge(graphdef, jax.tree.unflatten(treedef, arrays))
-            # the guarded update in place (substrax._shared.update); reduce-scatters as the platform takes them
+            # guarded update in place (substrax._shared.update); reduce-scatters as the platform takes them
             with donated_state(donate), rows_for(platform):
                 out, applied = self._run(model, optimizer, batch, placed)
             return jax.tree.leaves(nnx.state((model, optimizer))), out, applied
@@ -230,7 +235,7 @@ class TrainStep:
 
     def _concrete_mesh(self) -> Mesh | None:
         """The mesh the step runs on (its own, else ``jax.set_mesh``'s), or None inside a trace."""
-        mesh = current_mesh_with(self.data_axis, self.mesh)
+        mesh = mesh_in_effect(self.mesh)
         return mesh if isinstance(mesh, Mesh) else None
 
     def _lower(self, split: SplitState, arrays: list[jax.Array], batch: PyTree, donate: bool = False) -> Any:

@@ -9,10 +9,9 @@ import types
 from typing import Any
 
 from substrax.census._expected import SOURCES, Expected, ExpectedCollective, expected_communication
-from substrax.census._hlo import KINDS, Operand
 
 # the library's other packages' (the mode chooser, the plan, the timeline), not in __all__
-from substrax.census._hlo import arrays, operand_name, parse_module, trip_count
+from substrax.census._hlo import KINDS, Operand, arrays, operand_name, parse_module, trip_count
 from substrax.census._platform import program_platform
 from substrax.census._report import CensusReport, Comparison, KindTotal, census, compare
 from substrax.census._rows import Collective, Part, library_scope, phase_of

@@ -87,9 +87,10 @@ def unit_items(
 
     The split parameters outside every unit are the root unit: one all-gather before the
     forward pass and one reduce-scatter after the backward (after the microbatch loop),
-    per dtype and set of other axes. Per unit and dtype: an all-gather in the forward pass, another in the backward with
-    ``reshard_after_forward`` (optional: AD drops it for a unit whose input needs no
-    gradient, such as the first), and one reduce-scatter of its gradient; with
+    per dtype and set of other axes. Per unit and dtype: an all-gather in the forward
+    pass, another in the backward with ``reshard_after_forward`` (optional: AD drops it
+    for a unit whose input needs no gradient, such as the first), and one reduce-scatter
+    of its gradient; with
     microbatches, each runs once per microbatch, inside the loop. A stacked unit that
     ran one layer at a time (``nnx.scan``; ``layered``: unit path -> layers, recorded
     while the step was traced) moves one layer's buffer per iteration, inside the loop.
@@ -150,8 +151,10 @@ def _moved(
     moved: dict[tuple[KeyPath, str, str, tuple[str, ...]], int] = {}
     for path, shape, dtype, _ in leaves:
         if path in owner:
-            for kind, want in (("gather", None if precision is None else precision.param_dtype),
-                               ("reduce", None if precision is None else precision.reduce_dtype)):  # fmt: skip
+            for kind, want in (
+                ("gather", None if precision is None else precision.param_dtype),
+                ("reduce", None if precision is None else precision.reduce_dtype),
+            ):
                 floating = jnp.issubdtype(np.dtype(dtype), jnp.floating)
                 key = (
                     owner[path],
@@ -238,9 +241,10 @@ def _prefetched_items(
     common = dict(scopes=(scopes.UNIT,), buffer=buffer)
     if kind == "reduce":
         return [
-            ExpectedCollective("reduce-scatter", f"unit {name} layer 0", layer * k, "gradients", in_loop=k > 1, **common),
-            ExpectedCollective("reduce-scatter", f"unit {name} layers 1-{layers - 1}", layer * (layers - 1) * k,
-                               "gradients", in_loop=k > 1 or layers > 2, **common),
+            ExpectedCollective("reduce-scatter", f"unit {name} layer 0", layer * k, "gradients",
+                               in_loop=k > 1, **common),
+            ExpectedCollective("reduce-scatter", f"unit {name} layers 1-{layers - 1}",
+                               layer * (layers - 1) * k, "gradients", in_loop=k > 1 or layers > 2, **common),
         ]  # fmt: skip
     why = "a parameter its layer's gradient does not read (a bias) is not gathered for the backward pass"
     return [
@@ -263,7 +267,7 @@ def cross_replica_items(
     slice (a ``1/|data|`` of it, in the policy's reduce dtype), summed over the replica
     axis after the reduce-scatter over the data axis (explicit mode: one all-reduce, a
     buffer per slice)."""
-    n = sizes[options.data_axis]
+    n = sizes.get(options.data_axis, 1)  # a mesh without it: one device
     items = []
     for path, shape, dtype, split in leaves:
         if split:
@@ -271,7 +275,8 @@ def cross_replica_items(
             moved = precision.reduce_dtype if precision is not None and floating else dtype
             items.append(
                 ExpectedCollective(
-                    "all-reduce", f"across {options.replica_axis!r}: {path}", math.prod(shape) // n * _itemsize(moved, communicated),
+                    "all-reduce", f"across {options.replica_axis!r}: {path}",
+                    math.prod(shape) // n * _itemsize(moved, communicated),
                     "gradients", scopes=(scopes.GRAD_REDUCE,), axes=(options.replica_axis,),
                 )
             )  # fmt: skip

@@ -87,8 +87,8 @@ def stage_unit_items(units: list[ExpectedCollective], run: PipelineRun) -> list[
             required = recomputed and run.schedule == "1f1b"
             out.append(
                 dataclasses.replace(
-                    item, what=f"{item.what}, {_ticks(ticks)} of {loop}", bytes=item.bytes * ticks, in_loop=True,
-                    optional=item.optional and not required, why="" if required else item.why,
+                    item, what=f"{item.what}, {_ticks(ticks)} of {loop}", bytes=item.bytes * ticks,
+                    in_loop=True, optional=item.optional and not required, why="" if required else item.why,
                 )
             )  # fmt: skip
     return out
@@ -120,7 +120,8 @@ def permute_items(run: PipelineRun, implicit: bool = False) -> list[ExpectedColl
                 optional = last or (i > 0 and (shift == -1 or implicit))
                 items.append(
                     ExpectedCollective(
-                        "collective-permute", f"pipeline: {name}{leaf} to the {to} stage, {_ticks(ticks)} of {loop}",
+                        "collective-permute",
+                        f"pipeline: {name}{leaf} to the {to} stage, {_ticks(ticks)} of {loop}",
                         _bytes(aval) * ticks, "pipeline", scopes=(scopes.PIPELINE,), buffer=_buffer(aval),
                         phase=phase, axes=(STAGE_AXIS,), in_loop=ticks > 1, shift=shift, optional=optional,
                         why=(_LAST if last else _IMPLICIT if implicit else _DEAD) if optional else "",
@@ -180,8 +181,8 @@ def pipeline_items(
     for i, aval in enumerate(run.aux):
         items.append(
             ExpectedCollective(
-                "all-reduce", f"pipeline: metrics leaf {i}, the last stage's, over stages", _bytes(aval), "pipeline",
-                scopes=(scopes.METRICS,), axes=(STAGE_AXIS,), buffer=_buffer(aval),
+                "all-reduce", f"pipeline: metrics leaf {i}, the last stage's, over stages", _bytes(aval),
+                "pipeline", scopes=(scopes.METRICS,), axes=(STAGE_AXIS,), buffer=_buffer(aval),
             )
         )  # fmt: skip
     if math.prod(sizes.get(a, 1) for a in data_axes) == 1:  # else one sum over data and stage: the loss's
@@ -196,8 +197,9 @@ def pipeline_note(run: PipelineRun) -> str:
     loops = ", ".join(f"{loop} {ticks}" for loop, ticks, _, _ in _loops(run))
     idle = run.stages - 1
     return (
-        f"pipeline: {run.schedule} over {run.stages} stages, {run.microbatches} microbatches; ticks per loop: "
-        f"{loops}; bubble (stages - 1) / (microbatches + stages - 1) = {idle}/{run.microbatches + idle} "
-        f"({idle / (run.microbatches + idle):.0%}). The census counts a collective inside these loops once per "
-        f"tick; a stage's own work there (a unit's gathers) runs under the tick's cond, skipped in the bubble"
+        f"pipeline: {run.schedule} over {run.stages} stages, {run.microbatches} microbatches; ticks per "
+        f"loop: {loops}; bubble (stages - 1) / (microbatches + stages - 1) = "
+        f"{idle}/{run.microbatches + idle} ({idle / (run.microbatches + idle):.0%}). The census counts a "
+        f"collective inside these loops once per tick; a stage's own work there (a unit's gathers) runs "
+        f"under the tick's cond, skipped in the bubble"
     )

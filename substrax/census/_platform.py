@@ -10,7 +10,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from substrax._shared.options import StepOptions
-from substrax.mesh import current_mesh_with
+from substrax.mesh import mesh_in_effect
 
 __all__ = ["axis_sizes", "mesh_context", "mesh_of", "program_platform"]
 
@@ -26,12 +26,14 @@ def mesh_of(
     """The concrete mesh the step runs on: its own, the state's, or the one set by ``jax.set_mesh``."""
     if isinstance(options.mesh, jax.sharding.Mesh):
         return options.mesh
+    meshes = []
     for _, variable in nnx.to_flat_state(nnx.state((model, optimizer))):
         sharding = getattr(variable.get_value(), "sharding", None)
         mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None
-        if isinstance(mesh, jax.sharding.Mesh) and options.data_axis in mesh.axis_names:
-            return mesh
-    found = current_mesh_with(options.data_axis)
+        if isinstance(mesh, jax.sharding.Mesh):
+            meshes.append(mesh)
+    with_data = [m for m in meshes if options.data_axis in m.axis_names]  # a mesh may lack it (one device)
+    found = (with_data or meshes or [mesh_in_effect()])[0]
     return found if isinstance(found, jax.sharding.Mesh) else None
 
 

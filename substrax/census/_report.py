@@ -69,6 +69,11 @@ class CensusReport:
         """The rows of ``kind`` that sit inside a ``while`` loop."""
         return tuple(r for r in self._select(kind) if r.in_loop)
 
+    def uncounted(self, kind: str | None = None) -> tuple[Collective, ...]:
+        """The rows of ``kind`` inside a loop whose trip count the program shows nowhere: each is
+        counted once in ``bytes_per_step``, a lower bound (``str()`` says so)."""
+        return tuple(r for r in self._select(kind) if r.executions is None)
+
     @property
     def kinds(self) -> tuple[str, ...]:
         """The kinds present, in the order of ``KINDS``."""
@@ -100,8 +105,9 @@ def census(
     """Count and size every collective of a compiled program.
 
     Args:
-      compiled: a ``jax.stages.Compiled``, a ``jax.stages.Lowered`` (compiled here), or the
-        text of an optimized HLO module (unoptimized text has no collectives yet).
+      compiled: a ``jax.stages.Compiled``, a ``jax.stages.Lowered`` (compiled here), either
+        of ``nnx.jit``'s, or the text of an optimized HLO module (unoptimized text has no
+        collectives yet).
       mesh: optional; the mesh (or ``{axis name: size}``), to name each collective's axes.
 
     Returns:
@@ -114,6 +120,10 @@ def census(
 def _hlo_text(compiled: Any) -> str:
     if isinstance(compiled, str):
         return compiled
+    for stage in ("compiled", "lowered"):  # nnx.jit's stages hold jax's
+        inner = getattr(compiled, stage, None)
+        if isinstance(inner, (jax.stages.Compiled, jax.stages.Lowered)):
+            compiled = inner
     if isinstance(compiled, jax.stages.Lowered):
         compiled = compiled.compile()
     if isinstance(compiled, jax.stages.Compiled):
@@ -208,6 +218,12 @@ def _format_report(report: CensusReport) -> str:
         return "census: no collectives"
     total = report.bytes_per_step()
     head = f"census: {report.count()} collective(s), {total:,} B per device per step"
+    uncounted = report.uncounted()
+    if uncounted:  # never counted once in silence
+        head += (
+            f"\n  at least: {len(uncounted)} of them inside loops whose trip count the program does "
+            f"not show, each counted once ({', '.join(r.name for r in uncounted)})"
+        )
     rows = [("#", "kind", "instruction", "axes", "buffers", "bytes", "runs")]
     for i, row in enumerate(report.rows):
         rows.append(
@@ -232,7 +248,7 @@ def _axes_text(row: Collective) -> str:
 def _runs(row: Collective) -> str:
     if not row.in_loop:
         return "once"
-    return f"loop x{row.trip_count}" if row.trip_count is not None else "loop x?"
+    return f"loop x{row.trip_count}" if row.trip_count is not None else "loop x? (counted once)"
 
 
 def _format_comparison(comparison: Comparison) -> str:

@@ -98,7 +98,8 @@ class Collective:
 
     @property
     def bytes_per_step(self) -> int:
-        """``bytes`` times its executions (a loop of unknown trip count counted once)."""
+        """``bytes`` times its executions; a loop of unknown trip count counted once
+        (``CensusReport.uncounted`` lists those rows; the report's ``str()`` names them)."""
         return self.bytes * (self.executions or 1)
 
     @property
@@ -193,7 +194,8 @@ def _part_buffers(row: Collective) -> tuple[Operand, ...]:
 
 
 def collectives(module: _hlo.Module, mesh: tuple[tuple[str, int], ...] | None) -> tuple[Collective, ...]:
-    """One row per collective instruction of ``module``, in program order; ``mesh``: ``(axis, size)`` pairs."""
+    """One row per collective instruction of ``module``, in program order; ``mesh``: ``(axis, size)``
+    pairs."""
     local, across = _slices(module, mesh)
     rows = tuple(_row(site, module, local) for site in _hlo.collective_sites(module))
     if not across:

@@ -262,7 +262,7 @@ def _parameter_items(
         per_tick = options if pipeline is None else options.replace(microbatches=1, schedule=None)
         again = recomputed or (pipeline is not None and pipeline.schedule == "1f1b")
         leaves, units = unit_items(
-            step.model, leaves, per_tick, sizes[options.data_axis], step.precision, step.widened,
+            step.model, leaves, per_tick, sizes.get(options.data_axis, 1), step.precision, step.widened,
             layered, again, step.platform,
         )  # fmt: skip
         units = units if pipeline is None else stage_unit_items(units, pipeline)
@@ -280,7 +280,7 @@ def _written(
     options, sizes = step.options, step.sizes
     if options.mode != "explicit" or step.n == 1:
         return list(items)
-    written = tiled_scatters(items, leaves, sizes[options.data_axis], step.platform)
+    written = tiled_scatters(items, leaves, sizes.get(options.data_axis, 1), step.platform)
     if across:  # each whole gradient summed over the replica and data axes at once (not a slice's sum)
         over = tuple(a for a in sizes if a in (options.replica_axis, options.data_axis))
         whole = [i.kind == "all-reduce" and i.category == "gradients" for i in written]

@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from substrax._base import scopes
 from substrax._base.trees import KeyPath
 from substrax._layout import gradient_spec
+from substrax._shared.compiled import cached
 from substrax._shared.options import StepOptions
 from substrax._shared.update import apply_update, donated_state, state_values
 from substrax.census._expected import ExpectedCollective
@@ -62,7 +63,8 @@ def update_census(
         return jax.tree.leaves(nnx.state((model, optimizer)))
 
     with mesh_context(options):
-        compiled = jax.jit(update, donate_argnums=0).lower(arrays, grads, loss).compile()
+        lowered = jax.jit(update, donate_argnums=0).lower(arrays, grads, loss)
+        compiled = cached(lowered, None, lowered.compile)  # once per program: plan's, then the census's
     return census(compiled, mesh=mesh)
 
 

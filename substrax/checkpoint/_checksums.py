@@ -1,4 +1,5 @@
-"""Whether each array of a state is finite, and its checksum, alike in every layout and on any number of processes.
+"""Whether each array of a state is finite, and its checksum, alike in every layout and on
+any number of processes.
 
 See ``inspect_arrays``. ``everywhere`` asks every process of a run one question.
 """

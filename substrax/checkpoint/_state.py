@@ -125,7 +125,8 @@ def flatten(tree: Any, prefix: Key = ()) -> Iterator[tuple[Key, Any]]:
 
 
 def check_tree(step: int, slots: list[Slot], saved: Mapping[Key, tuple[int, ...]], directory: str) -> None:
-    """Refuse a checkpoint whose arrays (``saved``: their shapes) do not match the state's, naming the first."""
+    """Refuse a checkpoint whose arrays (``saved``: their shapes) do not match the state's, naming the
+    first."""
     where = f"the checkpoint at step {step} in {directory}"
     have = {slot.key: slot for slot in slots}
     for slot in slots:

@@ -26,8 +26,9 @@ from substrax._base import declared, scopes
 from substrax._base.specs import spec_axes
 from substrax._base.trees import KeyPath, PyTree
 from substrax._metrics.collectives import to_varying_over, varying_axes
+from substrax._shared.loss import loss_and_metrics
 from substrax._shared.microbatch import split_microbatches
-from substrax._shared.pipeline import Staged, floats_of, put, take, with_floats
+from substrax._shared.pipeline import Staged, advanced, floats_of, put, take, with_floats
 from substrax._shared.pipeline_record import note_pipeline
 from substrax._shared.schedule import Schedule
 from substrax.explicit._prologue import Share
@@ -54,6 +55,17 @@ def _from_last(x: Any, last: Any, axis: str) -> Any:
     return total.astype(x.dtype)
 
 
+def _stage_streams(streams: nnx.State, layers: int, axis: str) -> nnx.State:
+    """This stage's ``layers`` layers of each random stream: one placed whole (a key) sliced at the
+    stage's first layer, one split over ``axis`` (a count: ``shard_state``'s) as it is."""
+    first = jax.lax.axis_index(axis) * layers
+
+    def own(x: Any) -> Any:
+        return x if x.shape[0] == layers else jax.lax.dynamic_slice_in_dim(x, first, layers)
+
+    return jax.tree.map(own, streams)
+
+
 @dataclasses.dataclass(eq=False)
 class _Stages:
     """This device's view of the pipeline: its stage index, the pieces, the permutes.
@@ -66,6 +78,7 @@ class _Stages:
     schedule: Schedule
     axis: str
     axes: tuple[str, ...]
+    streams: nnx.State  # this stage's layers' random streams, as the step starts
 
     def __post_init__(self) -> None:
         self.k, self.n = self.schedule.microbatches, self.schedule.stages
@@ -84,8 +97,9 @@ class _Stages:
     def prologue(self, outside: nnx.State, j: Any) -> Any:
         return self.varying(self.staged.prologue(outside, self.microbatch(j)))
 
-    def stage(self, stack: nnx.State, carry: Any) -> Any:
-        return _typed_like(self.varying(self.staged.stage(stack, carry)), carry)
+    def stage(self, stack: nnx.State, carry: Any, streams: nnx.State) -> tuple[Any, nnx.State]:
+        out, drawn = self.staged.stage(stack, carry, streams)
+        return _typed_like(self.varying(out), carry), _typed_like(drawn, streams)
 
     def epilogue(self, outside: nnx.State, carry: Any, j: Any) -> tuple[Any, Any]:
         loss, aux = self.staged.epilogue(outside, carry, self.microbatch(j))
@@ -103,7 +117,7 @@ class _Stages:
         """Zeros of the carry's type: the prologue's output, varying over every axis a stage's output does."""
         with declared.silenced():  # a trace for types: the ticks' own traces record the layers' collectives
             carry = self.prologue(outside, 0)
-            out = self.stage(stack, carry)
+            out, _ = self.stage(stack, carry, self.streams)
         typed = jax.tree.map(lambda c, o: to_varying_over(c, tuple(varying_axes(o) or ())), carry, out)
         zeros = _zeros_like(typed)
         note_pipeline(carry=zeros)  # for the census: the permutes' buffers
@@ -114,87 +128,97 @@ class _Stages:
             return _zeros_like(self.epilogue(outside, carry, 0))
 
 
-def _gpipe(p: _Stages, outside: nnx.State, stack: nnx.State, scale: float) -> tuple[Any, tuple[Any, Any]]:
-    """This device's share of the loss, and its per-microbatch aux: GPipe's forward ticks."""
+def _gpipe(
+    p: _Stages, outside: nnx.State, stack: nnx.State, scale: float
+) -> tuple[Any, tuple[Any, Any, nnx.State]]:
+    """This device's share of the loss, ``(the loss sum, its per-microbatch aux, the streams after)``:
+    GPipe's forward ticks."""
     zero_carry = p.carry_type(outside, stack)
     zero_out = p.loss_type(outside, zero_carry)
     ticks = p.schedule.ticks
 
-    def tick(recv: Any, t: Any) -> tuple[Any, Any]:
+    def tick(state: Any, t: Any) -> tuple[Any, Any]:
+        recv, streams = state
         j = p.schedule.forward(t, p.s)
         carry = jax.lax.cond(
             p.first & p.valid(j), lambda: _typed_like(p.prologue(outside, j), recv), lambda: recv
         )
-        out = jax.lax.cond(p.valid(j), lambda: p.stage(stack, carry), lambda: carry)
+        out, streams = jax.lax.cond(
+            p.valid(j), lambda: p.stage(stack, carry, streams), lambda: (carry, streams)
+        )
         done = jax.lax.cond(p.last & p.valid(j), lambda: p.epilogue(outside, out, j), lambda: zero_out)
-        return p.send(out, 1), done
+        return (p.send(out, 1), streams), done
 
-    _, (losses, aux) = jax.lax.scan(tick, zero_carry, jnp.arange(ticks))
+    (_, streams), (losses, aux) = jax.lax.scan(tick, (zero_carry, p.streams), jnp.arange(ticks))
     first = p.n - 1  # the last stage's tick of microbatch 0
     aux = jax.tree.map(lambda a: a[first : first + p.k], aux)
-    return jnp.sum(losses) * scale, (jnp.sum(losses), aux)
+    return jnp.sum(losses) * scale, (jnp.sum(losses), aux, streams)
 
 
 def _one_f_one_b(
     p: _Stages, outside: nnx.State, stack: nnx.State, scale: float, dtype: Any
-) -> tuple[Any, Any, Any, Any]:
-    """1F1B's ticks: ``(loss sum, aux, outside grads, stack grads)``, this device's unreduced share."""
+) -> tuple[Any, Any, Any, Any, nnx.State]:
+    """1F1B's ticks: ``(loss sum, aux, outside grads, stack grads, streams)``, this device's unreduced
+    share, and its layers' random streams after their draws."""
     zero_carry = p.carry_type(outside, stack)
     zero_out = p.loss_type(outside, zero_carry)
     depth = p.schedule.stash
 
-    def backward(c: Any, g: list[Any], j: Any) -> tuple[Any, Any, Any, Any, Any]:
-        """The stage's backward slot on microbatch ``j`` (its input ``c``, the output's cotangent ``g``):
-        its forward recomputed, with the prologue on stage 0 and the loss on the last stage."""
+    def backward(c: Any, used: nnx.State, g: list[Any], j: Any) -> tuple[Any, ...]:
+        """The stage's backward slot on microbatch ``j`` (its input ``c``, the streams it drew from
+        ``used``, the output's cotangent ``g``): its forward recomputed, with the prologue on stage 0
+        and the loss on the last stage; the streams after its draws last."""
 
         def f(outside: nnx.State, stack: nnx.State, floats: list[Any]) -> tuple[Any, Any]:
             c_in = with_floats(c, floats)
             c_in = jax.lax.cond(p.first, lambda: _typed_like(p.prologue(outside, j), c_in), lambda: c_in)
-            out = p.stage(stack, c_in)
+            out, drawn = p.stage(stack, c_in, used)
             loss, aux = jax.lax.cond(p.last, lambda: p.epilogue(outside, out, j), lambda: zero_out)
-            return (floats_of(out), loss), aux
+            return (floats_of(out), loss), (aux, drawn)
 
-        (out, loss), vjp, aux = jax.vjp(f, outside, stack, floats_of(c), has_aux=True)
+        (out, loss), vjp, (aux, drawn) = jax.vjp(f, outside, stack, floats_of(c), has_aux=True)
         ct = (jax.lax.cond(p.last, lambda: _zeros_like(out), lambda: g), jnp.full_like(loss, scale))
         d_outside, d_stack, d_c = vjp(ct)
-        return d_outside, d_stack, d_c, loss, aux
+        return d_outside, d_stack, d_c, loss, aux, drawn
 
-    zero_back = (_zeros_like(outside), _zeros_like(stack), floats_of(zero_carry), *zero_out)
+    zero_back = (_zeros_like(outside), _zeros_like(stack), floats_of(zero_carry), *zero_out, p.streams)
 
     def tick(state: Any, t: Any, forward: bool, backward_: bool) -> tuple[Any, None]:
-        recv, recv_g, stash, (g_out, g_stack), losses, auxes = state
-        if (
-            forward
-        ):  # this stage's forward slot: microbatch jf from the previous stage (stage 0: the prologue)
+        (recv, streams), recv_g, stash, (g_out, g_stack), losses, auxes = state
+        if forward:  # its forward slot: microbatch jf from the previous stage (stage 0: the prologue)
             jf = p.schedule.forward(t, p.s)
             carry = jax.lax.cond(
                 p.first & p.valid(jf), lambda: _typed_like(p.prologue(outside, jf), recv), lambda: recv
             )
-            stash = jax.lax.cond(p.valid(jf), lambda: put(stash, jf % depth, carry), lambda: stash)
-            recv = p.send(
-                jax.lax.cond(p.valid(jf) & ~p.last, lambda: p.stage(stack, carry), lambda: carry), 1
+            # the stage's input and the streams it draws from (the last stage draws in its backward slot)
+            stash = jax.lax.cond(p.valid(jf), lambda: put(stash, jf % depth, (carry, streams)), lambda: stash)
+            out, streams = jax.lax.cond(
+                p.valid(jf) & ~p.last, lambda: p.stage(stack, carry, streams), lambda: (carry, streams)
             )
+            recv = p.send(out, 1)
         if backward_:  # its backward slot: microbatch jb's cotangent from the next stage (the last: the loss)
             jb = p.schedule.backward(t, p.s)
-            d_out, d_stack, d_c, loss, aux = jax.lax.cond(
-                p.valid(jb), lambda: backward(take(stash, jb % depth), recv_g, jb), lambda: zero_back
+            d_out, d_stack, d_c, loss, aux, drawn = jax.lax.cond(
+                p.valid(jb), lambda: backward(*take(stash, jb % depth), recv_g, jb), lambda: zero_back
             )
+            streams = advanced(streams, drawn, p.last & p.valid(jb))
             g_out, g_stack = jax.tree.map(
                 lambda a, d: a + d.astype(a.dtype), (g_out, g_stack), (d_out, d_stack)
             )
             auxes = jax.lax.cond(p.last & p.valid(jb), lambda: put(auxes, jb, aux), lambda: auxes)
             losses, recv_g = losses + loss, p.send(d_c, -1)
-        return (recv, recv_g, stash, (g_out, g_stack), losses, auxes), None
+        return ((recv, streams), recv_g, stash, (g_out, g_stack), losses, auxes), None
 
     stash = jax.tree.map(lambda z: jnp.zeros((depth, *z.shape), z.dtype), zero_carry)
+    stash = (p.varying(stash), jax.tree.map(lambda x: jnp.broadcast_to(x, (depth, *x.shape)), p.streams))
     auxes = jax.tree.map(lambda z: jnp.zeros((p.k, *z.shape), z.dtype), zero_out[1])
     grads = (_zeros_like(outside, dtype), _zeros_like(stack, dtype))
-    state = (zero_carry, floats_of(zero_carry), p.varying(stash), grads, zero_out[0], p.varying(auxes))
+    state = ((zero_carry, p.streams), floats_of(zero_carry), stash, grads, zero_out[0], p.varying(auxes))
     for start, stop, forward, backward_ in p.schedule.phases:
         body = functools.partial(tick, forward=forward, backward_=backward_)
         state, _ = jax.lax.scan(body, state, jnp.arange(start, stop))
-    _, _, _, (g_out, g_stack), losses, auxes = state
-    return losses, auxes, g_out, g_stack
+    (_, streams), _, _, (g_out, g_stack), losses, auxes = state
+    return losses, auxes, g_out, g_stack, streams
 
 
 def pipelined_value_and_grad(
@@ -221,16 +245,18 @@ def pipelined_value_and_grad(
     note_pipeline(schedule_, mode="explicit")
     devices = math.prod(jax.lax.axis_size(a) for a in rows)
     slices = split_microbatches(shard, share.specs, share.rows, microbatches)
-    staged = Staged(model, stack_path, split_loss)
-    p = _Stages(staged, slices, schedule_, stage_axis, axes)
+    staged = Staged(model, stack_path, lambda m, b: loss_and_metrics(split_loss(m, b), True))  # a scalar loss
+    streams = _stage_streams(staged.streams, jax.tree.leaves(staged.stack)[0].shape[0], stage_axis)
+    p = _Stages(staged, slices, schedule_, stage_axis, axes, streams)
     outside, stack = p.varying(staged.outside), p.varying(staged.stack)
     scale = 1.0 / (microbatches * devices)
     if schedule == "gpipe":
-        (_, (total, aux)), (g_out, g_stack) = jax.value_and_grad(
+        (_, (total, aux, streams)), (g_out, g_stack) = jax.value_and_grad(
             lambda o, s: _gpipe(p, o, s, scale), argnums=(0, 1), has_aux=True
         )(outside, stack)
     else:
-        total, aux, g_out, g_stack = _one_f_one_b(p, outside, stack, scale, share.accumulate_dtype)
+        total, aux, g_out, g_stack, streams = _one_f_one_b(p, outside, stack, scale, share.accumulate_dtype)
+    staged.keep_draws(model, streams)  # this stage's layers' counts (split over stage_axis, as placed)
     note_pipeline(aux=aux)
     with jax.named_scope(scopes.PIPELINE):  # the outside parameters' gradient, from the first and last stages
         g_out = jax.lax.psum(g_out, stage_axis)

@@ -9,8 +9,8 @@ from flax import nnx
 
 from substrax._base.specs import spec_axes
 from substrax._base.trees import KeyPath, PyTree
-from substrax._batch.placement import batch_partition_specs, row_axes
-from substrax._layout import ParamSplit, check_mesh_axes, check_replica_axis, parameter_splits
+from substrax._batch.placement import batch_partition_specs
+from substrax._layout import ParamSplit, check_mesh_axes, check_replica_axis, model_roles, parameter_splits
 from substrax._shared.microbatch import check_microbatches, split_rows_over
 from substrax.explicit._shard import check_layers_take_blocks
 from substrax.mesh import current_mesh
@@ -24,7 +24,8 @@ class Prologue:
 
     Attributes:
       mesh: The mesh.
-      data_axis: The mesh axis the state is split over.
+      data_axis: The mesh axis the state is split over (on a mesh without it, the replica
+        axis where the mesh has one: the rows' only axis).
       specs: The batch's partition specs.
       rows: The axes the batch's rows are split over: ``data_axis``, or ``(replica, data)``
         for hybrid sharding, where the loss, the metrics and the gradient are reduced over both.
@@ -99,12 +100,15 @@ def open_step(
     (``check_replica_axis``).
 
     Raises:
-      ValueError: If there is no mesh or it lacks ``data_axis``, the state was placed with
+      ValueError: If there is no mesh, two roles share an axis or, on a mesh without
+        ``data_axis``, an axis has none (``model_roles``), the state was placed with
         another replica axis, ``batch_spec`` does not fit the batch, ``microbatches`` does
         not divide the rows per device, or a parameter cannot be split as placed.
     """
-    mesh = current_mesh(mesh, required_axes=(data_axis,))
-    hybrid = row_axes(mesh, data_axis, replica_axis)
+    mesh = current_mesh(mesh)
+    hybrid = model_roles(model, mesh, data_axis, replica_axis).rows  # the roles checked first
+    if data_axis not in mesh.axis_names and isinstance(hybrid, str):
+        data_axis = hybrid  # a data axis of one device: the replica axis alone splits the rows
     if check_replica:
         check_replica_axis(model, replica_axis, hybrid)
     specs = batch_partition_specs(batch, batch_spec, mesh, hybrid)

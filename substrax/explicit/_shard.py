@@ -28,6 +28,7 @@ __all__ = [
     "check_layers_take_blocks",
     "check_placement",
     "check_reduced_over_other_axes",
+    "fold_in_each",
     "gather_whole_varying",
     "param_vars",
     "per_device_random_streams",
@@ -228,17 +229,27 @@ def without_axis_specs(specs: PyTree, axis: str) -> PyTree:
 
 @contextlib.contextmanager
 def per_device_random_streams(model: nnx.Module, data_axis: str | tuple[str, ...]) -> Iterator[None]:
-    """Fold each device's index into every ``nnx.Rngs`` key for one step; keys restored after."""
+    """Fold each device's index into every ``nnx.Rngs`` key for one step; keys restored after.
+
+    A stacked stream (``nnx.split_rngs``: one key per layer) has the index folded into each
+    of its keys, so every layer keeps its own stream on every device.
+    """
     keys = [v for _, v in nnx.iter_graph(model) if isinstance(v, nnx.RngKey)]
     saved = [key.get_value() for key in keys]
     index = jax.lax.axis_index(data_axis)
     for key, value in zip(keys, saved, strict=True):
-        key.set_value(jax.random.fold_in(value, index))
+        key.set_value(fold_in_each(value, index))
     try:
         yield
     finally:
         for key, value in zip(keys, saved, strict=True):
             key.set_value(value)
+
+
+def fold_in_each(keys: jax.Array, data: Any) -> jax.Array:
+    """``jax.random.fold_in(key, data)`` for each key of the key array ``keys`` (of any shape)."""
+    flat = keys.reshape(-1)
+    return jax.vmap(jax.random.fold_in, in_axes=(0, None))(flat, data).reshape(keys.shape)
 
 
 def settle_per_device_state(state: nnx.State, specs: Any, data_axis: str | tuple[str, ...]) -> nnx.State:

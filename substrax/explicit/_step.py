@@ -98,7 +98,8 @@ def explicit_train_step(
       The global batch's loss, replicated; with ``has_aux``, ``(loss, metrics)``.
 
     Raises:
-      ValueError: If there is no mesh or it lacks ``data_axis``, ``batch_spec`` does not
+      ValueError: If there is no mesh, two roles share an axis or, on a mesh without
+        ``data_axis``, an axis has none (batches guide, "Axis roles"), ``batch_spec`` does not
         fit the batch, a leaf cannot be split over its axes, the output does not match
         ``has_aux``, ``reduce`` comes without ``has_aux`` or names a metric not returned or
         an unknown operation, a variable is declared sharded over an axis other than
@@ -152,7 +153,7 @@ def sharded_value_and_grad(
         replica_axis=o.replica_axis, microbatches=o.microbatches,
     )  # fmt: skip
     step = _device_step(model, loss_fn, p, o)
-    p, data_axis = step.opening, o.data_axis
+    p, data_axis = step.opening, step.opening.data_axis
     # An axis of size 1 needs no collective: the state enters replicated over it (the same
     # placement), so nothing is typed as varying over it and none is emitted. On `data` the
     # batch enters whole too; on `model` the layers hold their whole parameters and run as
@@ -215,7 +216,7 @@ def _device_step(model: nnx.Module, loss_fn: Callable[..., Any], p: Prologue, o:
     precision = o.precision
     split_loss = with_aux(loss_fn if precision is None else precision.loss_fn(loss_fn, o.has_aux), o.has_aux)
     # nothing split over one device: no gather, no unit (replicas alone)
-    single = p.mesh.shape[o.data_axis] == 1
+    single = p.mesh.shape.get(p.data_axis, 1) == 1
     if single:
         p = dataclasses.replace(p, plans={path: ParamSplit(None, None) for path in p.plans})
     units = {} if single else unit_paths(model)
@@ -264,7 +265,7 @@ def _grads_on_one_device(step: DeviceStep, model: nnx.Module, shard: PyTree) -> 
     if precision is not None:
         for variable in param_vars(model).values():
             variable.set_value(precision.cast_params(variable.get_value()))
-    return held, _value_and_grad(step, model, shard, p.data_axis, one_device=True)
+    return held, _value_and_grad(step, model, shard, p.rows, one_device=True)
 
 
 def _grads_over_devices(step: DeviceStep, model: nnx.Module, shard: PyTree) -> tuple[Any, Any]:

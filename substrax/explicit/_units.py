@@ -232,7 +232,8 @@ def _scatter_rows(buffer: jax.Array, axis: str, scope: str) -> jax.Array:
 
 
 def _array_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[jax.Array], Any]:
-    """The arrays among a call's arguments, and ``rebuild(arrays) -> (args, kwargs)`` with the rest as given."""
+    """The arrays among a call's arguments, and ``rebuild(arrays) -> (args, kwargs)`` with the rest
+    as given."""
     leaves, tree = jax.tree.flatten((args, kwargs))
     at = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
 
@@ -247,7 +248,8 @@ def _array_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[jax
 
 def _merged_module(graphdef: Any, flat: list[Any], split_at: list[int], wholes: list[Any],
                    other_at: list[int], others: list[Any]) -> nnx.Module:  # fmt: skip
-    """The module of ``graphdef`` over ``flat``'s variables, valued ``wholes`` at ``split_at`` and ``others`` at ``other_at``."""
+    """The module of ``graphdef`` over ``flat``'s variables, valued ``wholes`` at ``split_at`` and
+    ``others`` at ``other_at``."""
     values: list[Any] = [None] * len(flat)
     for i, value in [*zip(split_at, wholes, strict=True), *zip(other_at, others, strict=True)]:
         values[i] = value

@@ -11,6 +11,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from substrax._base import declared, scopes
+from substrax._base.specs import spec_axes
 from substrax._base.trees import PyTree
 from substrax._batch.leaves import BatchSpec
 from substrax._layout import REPLICA_AXIS, ParamSplit, gradient_spec
@@ -22,6 +23,7 @@ from substrax.explicit._prologue import Share, open_step
 from substrax.explicit._shard import (
     cast_like,
     gather_whole_varying,
+    param_vars,
     reduce_gradients,
     varying_carry,
 )
@@ -118,17 +120,24 @@ def explicit_value_and_grad(
         replica_axis=REPLICA_AXIS, check_replica=False,
     )  # fmt: skip
     plans = {q: ParamSplit(plan.gather_dim, None) for q, plan in p.plans.items()}  # every gradient whole
+    data_axis, one_device = p.data_axis, not spec_axes(p.rows)  # no row axis (no data axis): no collective
 
     def per_device(state: nnx.State, shard: PyTree) -> tuple[jax.Array, nnx.State]:
         model = nnx.merge(p.graphdef, state)
-        held = gather_whole_varying(
-            model, plans, data_axis, None if precision is None else precision.param_dtype, rows=p.rows
-        )
+        if one_device:  # as the step's _grads_on_one_device: the parameters as held, cast by the policy
+            held = {q: v.get_value() for q, v in param_vars(model).items()}
+            for v in param_vars(model).values() if precision is not None else ():
+                v.set_value(precision.cast_params(v.get_value()))
+        else:
+            dtype = None if precision is None else precision.param_dtype
+            held = gather_whole_varying(model, plans, data_axis, dtype, rows=p.rows)
         run_loss = loss_fn if precision is None else precision.loss_fn(loss_fn, False)
-        loss, _, grads = local_value_and_grad(model, with_aux(run_loss, False), shard, Share(p.specs, p.rows))
+        share = Share(p.specs, p.rows, one_device=one_device)
+        loss, _, grads = local_value_and_grad(model, with_aux(run_loss, False), shard, share)
         if precision is not None:
             grads = jax.tree.map(lambda g: g.astype(precision.reduce_dtype), grads)
-        grads = reduce_gradients(grads, plans, data_axis, replicas=p.replicas)
+        if not one_device:
+            grads = reduce_gradients(grads, plans, data_axis, replicas=p.replicas)
         return loss, cast_like(grads, held)
 
     grad_specs = nnx.from_flat_state(

@@ -96,8 +96,10 @@ def reference_gradient(
 
 
 def _batch_shardings(host_batch: PyTree, mesh: Mesh, data_axis: str, batch_spec: BatchSpec | None) -> PyTree:
-    """One NamedSharding per batch leaf, from ``batch_spec`` (default: every leaf on ``data_axis``)."""
-    spec = PartitionSpec(data_axis) if batch_spec is None else batch_spec
+    """One NamedSharding per batch leaf, from ``batch_spec`` (default: every leaf on ``data_axis``;
+    whole on a mesh without it, a data axis of one device)."""
+    rows = data_axis if data_axis in mesh.axis_names else None
+    spec = PartitionSpec(rows) if batch_spec is None else batch_spec
     _, specs, treedef = broadcast_prefix(
         spec, host_batch, lambda s: isinstance(s, (PartitionSpec, NamedSharding)), what="batch_spec"
     )

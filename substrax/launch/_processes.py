@@ -155,7 +155,8 @@ def _signal_group(group: int, sig: int) -> None:
 
 
 def terminate(children: Sequence[Child]) -> None:
-    """SIGTERM to the run's process group, and SIGCONT: a stopped process acts on SIGTERM only once continued."""
+    """SIGTERM to the run's process group, and SIGCONT: a stopped process acts on SIGTERM only once
+    continued."""
     group = children[0].proc.pid
     _signal_group(group, signal.SIGTERM)
     _signal_group(group, signal.SIGCONT)

@@ -16,6 +16,7 @@ from substrax.mesh._meshes import (
     current_mesh,
     current_mesh_with,
     get_mesh_info,
+    mesh_in_effect,
     mesh_info,
     use_cpu_devices,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "device_memory",
     "fsdp_rules",
     "get_mesh_info",
+    "mesh_in_effect",
     "mesh_info",
     "partition_spec_for_names",
     "topology_mesh",

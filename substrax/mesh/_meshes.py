@@ -20,6 +20,7 @@ __all__ = [
     "current_mesh",
     "current_mesh_with",
     "get_mesh_info",
+    "mesh_in_effect",
     "mesh_info",
     "use_cpu_devices",
 ]
@@ -275,6 +276,16 @@ def current_mesh_with(axis: str, mesh: Mesh | AbstractMesh | None = None) -> Mes
     if axis not in found.axis_names:  # an abstract mesh set alone
         found = jax.sharding.get_abstract_mesh()
     return found if axis in found.axis_names else None
+
+
+def mesh_in_effect(mesh: Mesh | AbstractMesh | None = None) -> Mesh | AbstractMesh | None:
+    """``mesh``, else the one set by ``jax.set_mesh`` (inside ``jax.jit``: the abstract mesh), else None."""
+    if mesh is not None:
+        return mesh
+    found = _set_mesh()
+    if not found.axis_names:  # an abstract mesh set alone
+        found = jax.sharding.get_abstract_mesh()
+    return found if found.axis_names else None
 
 
 def _set_mesh() -> Mesh | AbstractMesh:

@@ -115,7 +115,8 @@ class ParallelSelfAttention(nnx.Module):
         self.sequence_parallel = sequence_parallel
 
     def _local_heads(self) -> int | None:
-        """How many heads this device runs; ``None`` (all of them) unless inside ``shard_map`` over the axis."""
+        """How many heads this device runs; ``None`` (all of them) unless inside ``shard_map`` over the
+        axis."""
         axis = self.model_axis
         whole = self.num_heads * self.head_dim
         if not split_over(self.query.kernel[...], axis, 1, whole, "ParallelSelfAttention"):

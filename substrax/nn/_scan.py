@@ -27,7 +27,8 @@ def scan_layers(stack: nnx.Module, x: jax.Array, *args: Any, remat: bool = False
       stack: One module whose parameters carry a leading layer axis (``nnx.vmap``).
       x: The carry: each layer's input and output, of one shape and type.
       *args: Passed to every layer, the same each time (a mask, positions).
-      remat: Recompute each layer's forward pass in the backward one.
+      remat: Recompute each layer's forward pass in the backward one (in a pipelined step,
+        the way to ask: a ``jax.checkpoint`` or ``nnx.remat`` around ``scan_layers`` is refused).
       **kwargs: Passed to every layer.
 
     Returns:
@@ -45,7 +46,8 @@ def scan_layers(stack: nnx.Module, x: jax.Array, *args: Any, remat: bool = False
 def scan_plain(
     stack: nnx.Module, x: jax.Array, args: tuple[Any, ...], kwargs: dict[str, Any], remat: bool
 ) -> Any:
-    """``nnx.scan`` of ``layer(h, *args, **kwargs)`` over ``stack``'s layers (``nnx.remat`` each with ``remat``)."""
+    """``nnx.scan`` of ``layer(h, *args, **kwargs)`` over ``stack``'s layers (``nnx.remat`` each with
+    ``remat``)."""
 
     def body(h: jax.Array, layer: nnx.Module) -> tuple[jax.Array, None]:
         return layer(h, *args, **kwargs), None

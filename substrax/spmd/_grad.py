@@ -74,7 +74,7 @@ def global_value_and_grad(
     assert mesh is not None  # run_step refuses microbatches without a mesh
     rows = spec_axes(o.row_axes(mesh))
     ways = math.prod(mesh.shape[a] for a in rows)
-    slices = split_global_microbatches(batch, specs, ways, o.microbatches)
+    slices = split_global_microbatches(batch, specs, ways, o.microbatches, rows)
     if stack is not None:
         out, grads = pipelined_value_and_grad(
             checked_loss, model, slices, mesh=mesh, rows=rows, schedule=o.schedule,

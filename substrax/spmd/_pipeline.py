@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from substrax._base import declared
 from substrax._base.trees import KeyPath, PyTree
 from substrax._layout import STAGE_AXIS, spec_tuple, without_axes
-from substrax._shared.pipeline import Staged, floats_of, put, take, with_floats
+from substrax._shared.pipeline import Staged, advanced, floats_of, put, take, with_floats
 from substrax._shared.pipeline_record import note_pipeline
 from substrax._shared.schedule import Schedule
 
@@ -70,6 +70,10 @@ class _Global:
 
         return jax.tree.map(view, stack, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
+    def split_streams(self, streams: nnx.State) -> nnx.State:
+        """The stack's random streams ``[L]`` as ``[S, L / S]``, as ``split_stack`` views its parameters."""
+        return jax.tree.map(lambda x: x.reshape(self.n, x.shape[0] // self.n, *x.shape[1:]), streams)
+
     def over_stages(self, tree: PyTree) -> PyTree:
         """``tree`` (a leading stage axis) constrained split over ``stage`` there."""
 
@@ -97,21 +101,21 @@ def _first(ids: Any, like: Any) -> Any:
 
 
 def _masked(stage: Callable[..., Any]) -> Callable[..., Any]:
-    """``stage(valid, params, carry)``: the stage; its cotangents selected where ``valid``, else zeros."""
+    """``stage(valid, params, carry, streams)``: the stage; its cotangents where ``valid``, else zeros."""
 
     @jax.custom_vjp
-    def run(valid: Any, params: Any, carry: Any) -> Any:
-        return stage(params, carry)
+    def run(valid: Any, params: Any, carry: Any, streams: Any) -> Any:
+        return stage(params, carry, streams)
 
-    def fwd(valid: Any, params: Any, carry: Any) -> tuple[Any, Any]:
-        out, vjp = jax.vjp(stage, params, carry)
-        return out, (valid, vjp)
+    def fwd(valid: Any, params: Any, carry: Any, streams: Any) -> tuple[Any, Any]:
+        out, vjp, drawn = jax.vjp(lambda p, c: stage(p, c, streams), params, carry, has_aux=True)
+        return (out, drawn), (valid, vjp)
 
-    def bwd(res: Any, ct: Any) -> tuple[None, Any, Any]:
+    def bwd(res: Any, ct: Any) -> tuple[None, Any, Any, None]:
         valid, vjp = res
-        d_params, d_carry = vjp(ct)
+        d_params, d_carry = vjp(ct[0])
         pick = lambda x: jnp.where(valid, x, jnp.zeros_like(x))  # noqa: E731
-        return None, jax.tree.map(pick, d_params), jax.tree.map(pick, d_carry)
+        return None, jax.tree.map(pick, d_params), jax.tree.map(pick, d_carry), None
 
     run.defvjp(fwd, bwd)
     return run
@@ -128,39 +132,60 @@ def _types(g: _Global, outside: nnx.State) -> tuple[Any, Any]:
         return carry, jax.eval_shape(lambda: g.staged.epilogue(outside, _zeros(carry), g.microbatch(0)))
 
 
-def _gpipe(g: _Global, outside: nnx.State, stack: nnx.State) -> tuple[Any, Any]:
-    """The mean loss over microbatches (and the aux stacked): GPipe's forward ticks (autodiff: the rest)."""
+def _gpipe(g: _Global, outside: nnx.State, stack: nnx.State, streams: nnx.State) -> tuple[Any, Any]:
+    """The mean loss over microbatches, and ``(the aux stacked, the streams after)``: GPipe's forward
+    ticks (autodiff: the rest)."""
     staged, k = g.staged, g.k
     carry0, out0 = _types(g, outside)
     note_pipeline(carry=carry0)  # for the census: one stage's carry, global
     masked = _masked(staged.stage)
 
-    def tick(carry: Any, t: Any) -> tuple[Any, Any]:
+    def tick(state: Any, t: Any) -> tuple[Any, Any]:
+        carry, streams = state
         x0 = jax.lax.cond(t < k, lambda: staged.prologue(outside, g.microbatch(t)), lambda: _zeros(carry0))
         carry = g.over_stages(g.feed(carry, x0))
-        out = g.stages(masked, g.valid(g.schedule.forward(t, g.ids)), stack, carry)
+        valid = g.valid(g.schedule.forward(t, g.ids))
+        out, drawn = g.stages(masked, valid, stack, carry, streams)
         j = t - (g.n - 1)
         last = jax.tree.map(lambda y: y[g.n - 1], out)
         done = jax.lax.cond(
             j >= 0, lambda: staged.epilogue(outside, last, g.microbatch(j)), lambda: _zeros(out0)
         )
-        return g.shift(out, 1), done
+        return (g.shift(out, 1), advanced(streams, drawn, valid)), done
 
-    _, (losses, aux) = jax.lax.scan(tick, g.over_stages(_zeros(carry0, (g.n,))), jnp.arange(g.schedule.ticks))
+    start = (g.over_stages(_zeros(carry0, (g.n,))), streams)
+    (_, streams), (losses, aux) = jax.lax.scan(tick, start, jnp.arange(g.schedule.ticks))
     aux = jax.tree.map(lambda a: a[g.n - 1 : g.n - 1 + k], aux)
-    return jnp.sum(losses) / k, aux
+    return jnp.sum(losses) / k, (aux, streams)
 
 
-def _one_f_one_b(g: _Global, outside: nnx.State, stack: nnx.State, dtype: Any) -> tuple[Any, Any, Any, Any]:
-    """1F1B's ticks, every stage at once: ``(mean loss, aux, outside grads, stack grads)``."""
+def _first_state(g: _Global, types: tuple[Any, Any], params: Any, streams: nnx.State, dtype: Any) -> Any:
+    """1F1B's loop state before its first tick: ``((carry, streams), cotangents, stash, grads, loss sum,
+    aux)``; ``types``: the carry's and the epilogue's zeros, ``params``: ``(outside, stack)``."""
+    (carry0, out0), n, depth = types, g.n, g.schedule.stash
+    stashed = jax.tree.map(lambda x: jnp.broadcast_to(x[:, None], (n, depth, *x.shape[1:])), streams)
+    return (
+        (g.over_stages(_zeros(carry0, (n,))), streams),
+        g.over_stages(_zeros(floats_of(carry0), (n,))),
+        (g.over_stages(_zeros(carry0, (n, depth))), stashed),
+        jax.tree.map(lambda x: jnp.zeros(x.shape, dtype or x.dtype), params),
+        jnp.zeros(out0[0].shape, out0[0].dtype),
+        _zeros(out0[1], (g.k,)),
+    )
+
+
+def _one_f_one_b(
+    g: _Global, outside: nnx.State, stack: nnx.State, streams: nnx.State, dtype: Any
+) -> tuple[Any, Any, Any, Any, Any]:
+    """1F1B's ticks, every stage at once: ``(mean loss, aux, outside grads, stack grads, streams after)``."""
     staged, k, n, depth = g.staged, g.k, g.n, g.schedule.stash
     carry0, out0 = _types(g, outside)
     note_pipeline(carry=carry0)  # for the census: one stage's carry, global
     floats0 = floats_of(carry0)
 
-    def stage_vjp(params: Any, carry: Any) -> tuple[Any, Any]:
+    def stage_vjp(params: Any, carry: Any, streams: Any) -> tuple[Any, Any]:
         def f(p: nnx.State, fl: list[Any]) -> list[Any]:
-            return floats_of(staged.stage(p, with_floats(carry, fl)))
+            return floats_of(staged.stage(p, with_floats(carry, fl), streams)[0])
 
         out, vjp = jax.vjp(f, params, floats_of(carry))
         return with_floats(carry, out), vjp
@@ -178,24 +203,25 @@ def _one_f_one_b(g: _Global, outside: nnx.State, stack: nnx.State, dtype: Any) -
         return vjp(ct)[0]
 
     def tick(state: Any, t: Any, forward: bool, backward: bool) -> tuple[Any, None]:
-        carry, cts, stash, (g_out, g_stack), total, auxes = state
+        (carry, streams), cts, stash, (g_out, g_stack), total, auxes = state
         if forward:  # every stage's forward slot: microbatch t - s (stage 0's from the prologue)
             x0 = jax.lax.cond(
                 t < k, lambda: staged.prologue(outside, g.microbatch(t)), lambda: _zeros(carry0)
             )
             carry = g.over_stages(g.feed(carry, x0))
             jf = g.schedule.forward(t, g.ids)
-            stash = g.stages(
+            stash = g.stages(  # the stage's input and the streams it draws from: its backward reruns it
                 lambda st, j, c: jax.lax.cond(g.valid(j), lambda: put(st, j % depth, c), lambda: st),
                 stash,
                 jf,
-                carry,
+                (carry, streams),
             )
-            carry = g.shift(g.stages(staged.stage, stack, carry), 1)
+            out, drawn = g.stages(staged.stage, stack, carry, streams)
+            carry, streams = g.shift(out, 1), advanced(streams, drawn, g.valid(jf))
         if backward:  # every stage's backward slot: microbatch t - (2S - 2 - s), recomputed from the stash
             jb = g.schedule.backward(t, g.ids)
-            held = g.stages(lambda st, j: take(st, j % depth), stash, jb)
-            last, vjps = g.stages(stage_vjp, stack, held)
+            held, used = g.stages(lambda st, j: take(st, j % depth), stash, jb)
+            last, vjps = g.stages(stage_vjp, stack, held, used)
             j = t - (n - 1)  # the last stage's: its loss and the loss's cotangent
             loss, aux, d_epi, ct_last = jax.lax.cond(
                 g.valid(j),
@@ -215,22 +241,14 @@ def _one_f_one_b(g: _Global, outside: nnx.State, stack: nnx.State, dtype: Any) -
             g_stack = jax.tree.map(lambda a, b: a + b.astype(a.dtype), g_stack, d_stack)
             auxes = jax.lax.cond(g.valid(j), lambda: put(auxes, j, aux), lambda: auxes)
             total, cts = total + loss, g.shift(d_c, -1)
-        return (carry, cts, stash, (g_out, g_stack), total, auxes), None
+        return ((carry, streams), cts, stash, (g_out, g_stack), total, auxes), None
 
-    grads = jax.tree.map(lambda x: jnp.zeros(x.shape, dtype or x.dtype), (outside, stack))
-    state = (
-        g.over_stages(_zeros(carry0, (n,))),
-        g.over_stages(_zeros(floats0, (n,))),
-        g.over_stages(_zeros(carry0, (n, depth))),
-        grads,
-        jnp.zeros(out0[0].shape, out0[0].dtype),
-        _zeros(out0[1], (k,)),
-    )
+    state = _first_state(g, (carry0, out0), (outside, stack), streams, dtype)
     for start, stop, forward, backward in g.schedule.phases:
         body = functools.partial(tick, forward=forward, backward=backward)
         state, _ = jax.lax.scan(body, state, jnp.arange(start, stop))
-    _, _, _, (g_out, g_stack), total, auxes = state
-    return total / k, auxes, g_out, g_stack
+    (_, streams), _, _, (g_out, g_stack), total, auxes = state
+    return total / k, auxes, g_out, g_stack, streams
 
 
 def pipelined_value_and_grad(
@@ -254,14 +272,15 @@ def pipelined_value_and_grad(
     g = _Global(staged, slices, Schedule(schedule, mesh.shape[STAGE_AXIS], microbatches), mesh, rows)
     note_pipeline(g.schedule, mode="implicit")
     layers = jax.tree.leaves(staged.stack)[0].shape[0]
-    stack = g.split_stack(staged.stack)
+    stack, streams = g.split_stack(staged.stack), g.split_streams(staged.streams)
     if schedule == "gpipe":
-        (loss, aux), (g_out, g_stack) = jax.value_and_grad(
-            lambda o, s: _gpipe(g, o, s), argnums=(0, 1), has_aux=True
+        (loss, (aux, streams)), (g_out, g_stack) = jax.value_and_grad(
+            lambda o, s: _gpipe(g, o, s, streams), argnums=(0, 1), has_aux=True
         )(staged.outside, stack)
     else:
-        loss, aux, g_out, g_stack = _one_f_one_b(g, staged.outside, stack, accumulate_dtype)
-    g_stack = jax.tree.map(lambda x: x.reshape(layers, *x.shape[2:]), g_stack)
+        loss, aux, g_out, g_stack, streams = _one_f_one_b(g, staged.outside, stack, streams, accumulate_dtype)
+    g_stack, streams = jax.tree.map(lambda x: x.reshape(layers, *x.shape[2:]), (g_stack, streams))
+    staged.keep_draws(model, streams)  # each layer's count as far as the step's draws took it
     grads = [(tuple(p), v) for p, v in nnx.to_flat_state(g_out)]
     grads += [((*staged.path, *p), v) for p, v in nnx.to_flat_state(g_stack)]
     order = {tuple(p): i for i, (p, _) in enumerate(nnx.to_flat_state(nnx.state(model, nnx.Param)))}

@@ -14,7 +14,7 @@ from substrax._shared.microbatch import check_microbatches, unfold_global_gather
 from substrax._shared.options import ModeSteps, StepOptions, options_from
 from substrax._shared.precision import MixedPrecision
 from substrax._shared.update import update_step
-from substrax.mesh import current_mesh, current_mesh_with
+from substrax.mesh import current_mesh, mesh_in_effect
 from substrax.spmd._grad import global_value_and_grad
 from substrax.spmd._metrics import reduce_metrics
 
@@ -43,8 +43,9 @@ def spmd_train_step(
 ) -> jax.Array | tuple[jax.Array, Any]:
     """Execute a data-parallel training step using SPMD: XLA inserts the gradient all-reduce.
 
-    Call it inside ``@nnx.jit`` with a mesh set; with ``data_axis`` on it the batch is split
-    over it and ``shard_state``'s layout kept (see the modes guide). The keyword options are
+    Call it inside ``@nnx.jit`` with a mesh set: the batch is split over ``data_axis`` (on a
+    mesh without it, not split: a data axis of one device) and ``shard_state``'s layout kept
+    (see the modes guide); with no mesh set, a plain step. The keyword options are
     ``make_train_step``'s; here ``reduce=None`` returns ``aux`` as ``loss_fn`` gave it.
 
     Args:
@@ -84,13 +85,13 @@ def global_gradients(
     """The step's gradient half: ``((loss, aux), grads, ways, mesh)``; ``ways``: the devices the
     rows are split over (with microbatches), ``mesh``: the one the batch is split over, or None."""
     o = options
-    found = current_mesh_with(o.data_axis, o.mesh)  # the mesh the batch is split over
-    if found is None and (o.batch_spec is not None or o.microbatches > 1):
-        current_mesh(o.mesh, required_axes=(o.data_axis,))  # raises, naming what is missing
+    found = mesh_in_effect(o.mesh)  # the mesh the step runs on, or None: a plain step
+    if found is None and (o.batch_spec is not None or o.microbatches > 1 or o.schedule is not None):
+        current_mesh(o.mesh)  # raises, naming what is missing
     specs = None
     if found is not None:
+        rows = o.roles(found, model).rows  # data, or (replica, data) for hybrid sharding; checked
         check_mesh_axes(model, found, "model")
-        rows = o.row_axes(found)  # data, or (replica, data) for hybrid sharding
         check_replica_axis(model, o.replica_axis, rows)
         specs = batch_partition_specs(batch, o.batch_spec, found, rows)
         check_microbatches(o.microbatches, batch, specs, found, rows)

@@ -9,10 +9,11 @@ checkpoint into a fresh FSDP model, train the last ``STEPS`` steps again, and pr
 ``RESUMED <json>``.
 
 ``python ckpt_worker.py crash DIR`` (one process, 8 CPU devices): saves step 1, then
-starts an asynchronous save of step 2 in which orbax's commit (the rename of the
-temporary directory) never returns; it prints ``COMMITTING`` there, with every array of
-step 2 written, and waits to be killed, its manager's claim on DIR still held. Step 1 holds a fresh model's FSDP state (seed 0)
-and its Adam optimizer's, step 2 every array of it plus one.
+starts an asynchronous save of step 2 in which orbax's commit (the rename of the temporary
+directory) never returns; it prints ``COMMITTING`` there, with every array of step 2
+written, and waits to be killed, its manager's claim on DIR still held. Step 1 holds a
+fresh model's FSDP state (seed 0) and its Adam optimizer's, step 2 every array of it plus
+one.
 """
 
 from __future__ import annotations

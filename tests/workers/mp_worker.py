@@ -99,11 +99,45 @@ def params(model: nnx.Module) -> dict[str, np.ndarray]:
     return {"/".join(map(str, path)): local_value(var.get_value()) for path, var in flat}
 
 
-def checks() -> None:
-    mesh = create_device_mesh({"data": jax.device_count()})
-    rows_sharding = create_data_parallel_sharding(mesh)
-    replicated = NamedSharding(mesh, P())
-    shardings = {"rows": rows_sharding, "batch_state": replicated}
+def batch_shardings(mesh: jax.sharding.Mesh) -> dict[str, NamedSharding]:
+    """The batch's shardings: its rows over every device, the batch-level value replicated."""
+    return {"rows": create_data_parallel_sharding(mesh), "batch_state": NamedSharding(mesh, P())}
+
+
+def own_rows(b: dict) -> dict:
+    """What this process loads of batch ``b``, as NumPy: its rows, and the batch-level value."""
+    mine = jax.tree.map(lambda a: a[process_slice(ROWS)], b["rows"])
+    return {"rows": mine, "batch_state": b["batch_state"]}
+
+
+def reference(batches: list[dict], make_tx, steps: int) -> tuple[list[float], dict[str, np.ndarray]]:
+    """``steps`` of ``batches`` on one device (this process's first), the whole batch, with ``make_tx()``."""
+    tx = make_tx()
+    device = jax.local_devices()[0]
+    losses, model = one_device_training(batches[:steps], tx, loss_fn=weighted_mse, device=device)
+    return losses, params(model)
+
+
+def assert_trained_like(model: MLP, losses: list[float], want: tuple[list[float], dict]) -> None:
+    np.testing.assert_allclose(losses, want[0], rtol=1e-5)
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))  # split over both processes: gathered
+    got = {"/".join(map(str, k)): multihost_utils.process_allgather(v.get_value(), tiled=True)
+           for k, v in flat}  # fmt: skip
+    assert got.keys() == want[1].keys()
+    for name in want[1]:
+        np.testing.assert_allclose(got[name], want[1][name], rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def assert_params_equal_reference(model: MLP, ref_params: dict[str, np.ndarray]) -> None:
+    got = params(model)
+    assert got.keys() == ref_params.keys()
+    for name in ref_params:
+        np.testing.assert_allclose(got[name], ref_params[name], rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def placement_checks(mesh: jax.sharding.Mesh) -> None:
+    """Placement over both processes: the topology, rows stitched, replicated values checked."""
+    rows_sharding, shardings = create_data_parallel_sharding(mesh), batch_shardings(mesh)
     me = jax.process_index()
 
     @check("topology")
@@ -160,68 +194,48 @@ def checks() -> None:
         assert sorted(set(hosts[:, 0])) == [0, 1], hosts
         assert substrax.mesh.get_mesh_info(hybrid) == {"total_devices": 8, "axes": {"data": 4, "model": 2}}
 
-    batches = global_batches()
-    device = jax.local_devices()[0]  # the reference: one device, the whole batch
 
-    def reference(make_tx, steps: int) -> tuple[list[float], dict[str, np.ndarray]]:
-        """``steps`` of ``batches`` on one device, the whole batch, with ``make_tx()``."""
-        tx = make_tx()
-        losses, model = one_device_training(batches[:steps], tx, loss_fn=weighted_mse, device=device)
-        return losses, params(model)
+def train(mesh: jax.sharding.Mesh, batches: list[dict], mode: str, steps: int, *, hold: bool = False):
+    """Train ``steps`` of ``batches`` in ``mode``; ``hold``: process 1 alone holds the
+    state's arrays across each step, as a save in flight does on some processes."""
+    model, optimizer = make_placed(MLP, optax.adam(LR), mesh)
+    step = substrax.make_train_step(
+        weighted_mse, mode, mesh=mesh, batch_spec={"rows": P("data"), "batch_state": P()}
+    )
+    losses, held = [], []
+    for b in batches[:steps]:  # each process loads its rows, and the same batch-level value
+        if hold and jax.process_index() == 1:
+            held.append(jax.tree.leaves(nnx.state((model, optimizer))))
+        rows = jax.tree.map(lambda a: a[process_slice(ROWS)], b["rows"])
+        placed = place_batch_on_shards({"rows": rows, "batch_state": b["batch_state"]}, batch_shardings(mesh))
+        losses.append(float(local_value(step(model, optimizer, placed))))
+    return model, step, held, losses
 
-    ref_losses, ref_params = reference(lambda: optax.adam(LR), len(batches))
 
-    def assert_trained_like(model: MLP, losses: list[float], want: tuple[list[float], dict]) -> None:
-        np.testing.assert_allclose(losses, want[0], rtol=1e-5)
-        flat = nnx.to_flat_state(nnx.state(model, nnx.Param))  # split over both processes: gathered
-        got = {"/".join(map(str, k)): multihost_utils.process_allgather(v.get_value(), tiled=True)
-               for k, v in flat}  # fmt: skip
-        assert got.keys() == want[1].keys()
-        for name in want[1]:
-            np.testing.assert_allclose(got[name], want[1][name], rtol=1e-5, atol=1e-5, err_msg=name)
-
-    def own_rows(b: dict) -> dict:
-        """What this process loads of batch ``b``, as NumPy: its rows, and the batch-level value."""
-        mine = jax.tree.map(lambda a: a[process_slice(ROWS)], b["rows"])
-        return {"rows": mine, "batch_state": b["batch_state"]}
-
-    def train(mode: str, steps: int, *, hold: bool = False):
-        """Train ``steps`` of ``batches`` in ``mode``; ``hold``: process 1 alone holds the
-        state's arrays across each step, as a save in flight does on some processes."""
-        model, optimizer = make_placed(MLP, optax.adam(LR), mesh)
-        step = substrax.make_train_step(
-            weighted_mse, mode, mesh=mesh, batch_spec={"rows": P("data"), "batch_state": P()}
-        )
-        losses, held = [], []
-        for b in batches[:steps]:  # each process loads its rows, and the same batch-level value
-            if hold and jax.process_index() == 1:
-                held.append(jax.tree.leaves(nnx.state((model, optimizer))))
-            rows = jax.tree.map(lambda a: a[process_slice(ROWS)], b["rows"])
-            placed = place_batch_on_shards({"rows": rows, "batch_state": b["batch_state"]}, shardings)
-            losses.append(float(local_value(step(model, optimizer, placed))))
-        np.testing.assert_allclose(losses, ref_losses[:steps], rtol=1e-5)
-        return model, step, held
-
+def step_checks(mesh: jax.sharding.Mesh, batches: list[dict], want: tuple[list[float], dict]) -> None:
+    """Both steps train as one device does, with arrays held on one process too."""
+    ref_losses, ref_params = want
     for mode in substrax.MODES:
 
         @check(f"steps_{mode}")
         def _(mode: str = mode) -> None:
-            model, _, _ = train(mode, STEPS)
-            got = params(model)
-            assert got.keys() == ref_params.keys()
-            for name in ref_params:
-                np.testing.assert_allclose(got[name], ref_params[name], rtol=1e-5, atol=1e-5, err_msg=name)
+            model, _, _, losses = train(mesh, batches, mode, STEPS)
+            np.testing.assert_allclose(losses, ref_losses[:STEPS], rtol=1e-5)
+            assert_params_equal_reference(model, ref_params)
 
         @check(f"held_{mode}")
         def _(mode: str = mode) -> None:
             # every process must still run one and the same program (else a hang, jax 0.12.1)
-            _, step, held = train(mode, 3, hold=True)
+            _, step, held, losses = train(mesh, batches, mode, 3, hold=True)
+            np.testing.assert_allclose(losses, ref_losses[:3], rtol=1e-5)
             assert not any(a.is_deleted() for arrays in held for a in arrays)
             ran = {donate for (*_, donate), f in step._pure_steps.items() if f._cache_size()}
             assert ran == {True}, ran  # the donated program, whoever holds what
 
-    # hybrid sharding: one replica per process, the state split over the process's 4 devices
-    hybrid = create_device_mesh({"replica": 2, "data": 4})
+
+def hsdp_checks(hybrid: jax.sharding.Mesh, batches: list[dict], want: tuple[list[float], dict]) -> None:
+    """Hybrid sharding: one replica per process, the state split over the process's 4 devices."""
+    ref_losses, ref_params = want
     hybrid_rows = create_data_parallel_sharding(hybrid)  # rows over (replica, data)
     for mode in substrax.MODES:
 
@@ -251,8 +265,11 @@ def checks() -> None:
             for name in ref_params:
                 np.testing.assert_allclose(got[name], ref_params[name], rtol=1e-5, atol=1e-5, err_msg=name)
 
-    # each process passes its own rows as NumPy, to the plain call and to .bind (#51.1)
-    adam_4 = reference(lambda: optax.adam(LR), 4)
+
+def own_rows_checks(
+    mesh: jax.sharding.Mesh, hybrid: jax.sharding.Mesh, batches: list[dict], adam_4: tuple[list[float], dict]
+) -> None:
+    """Each process passes its own rows as NumPy, to the plain call and to .bind (#51.1)."""
     for mode in substrax.MODES:
 
         @check(f"own_rows_{mode}")
@@ -285,7 +302,7 @@ def checks() -> None:
         model, optimizer = make_placed(MLP, optax.adam(LR), mesh)
         before = params(model)
         b = own_rows(batches[0])
-        if me == 1:  # process 1 loaded half the targets
+        if jax.process_index() == 1:  # process 1 loaded half the targets
             b["rows"]["y"] = b["rows"]["y"][: ROWS // 4]
         for mode in substrax.MODES:
             step = substrax.make_train_step(weighted_mse, mode, mesh=mesh)
@@ -300,32 +317,40 @@ def checks() -> None:
         for name, value in params(model).items():  # nothing ran
             np.testing.assert_array_equal(value, before[name], err_msg=name)
 
-    # masked optimizer state (optax.MaskedNode) after shard_state, on two processes (#51.2)
-    def by_kind(p: object) -> object:
-        return jax.tree.map_with_path(lambda path, _: "kernel" if "kernel" in str(path) else "bias", p)
 
-    masked = {
-        "muon": lambda: optax.contrib.muon(LR),
-        "partition": lambda: optax.partition({"kernel": optax.adam(LR), "bias": optax.sgd(LR)}, by_kind),
-    }
+def _by_kind(p: object) -> object:
+    return jax.tree.map_with_path(lambda path, _: "kernel" if "kernel" in str(path) else "bias", p)
+
+
+MASKED = {
+    "muon": lambda: optax.contrib.muon(LR),
+    "partition": lambda: optax.partition({"kernel": optax.adam(LR), "bias": optax.sgd(LR)}, _by_kind),
+}
+
+
+def masked_checks(mesh: jax.sharding.Mesh, batches: list[dict]) -> None:
+    """Masked optimizer state (optax.MaskedNode) after shard_state, on two processes (#51.2)."""
     # each optimizer in both modes and both layouts, in two runs (the launch has a timeout)
     runs = [("muon", "fsdp", "implicit"), ("muon", "replicated", "explicit"),
             ("partition", "fsdp", "explicit"), ("partition", "replicated", "implicit")]  # fmt: skip
-    wants = {name: reference(make_tx, 3) for name, make_tx in masked.items()}
+    wants = {name: reference(batches, make_tx, 3) for name, make_tx in MASKED.items()}
     for name, layout, mode in runs:
 
         @check(f"masked_{name}_{layout}_{mode}")
         def _(name: str = name, layout: str = layout, mode: str = mode) -> None:
-            model, optimizer = make_placed(MLP, masked[name](), mesh, layout=layout, min_size=1)
+            model, optimizer = make_placed(MLP, MASKED[name](), mesh, layout=layout, min_size=1)
             step = substrax.make_train_step(
                 weighted_mse, mode, mesh=mesh, batch_spec={"rows": P("data"), "batch_state": P()}
             )
             losses = []
             for b in batches[:3]:
-                placed = place_batch_on_shards(own_rows(b), shardings)
+                placed = place_batch_on_shards(own_rows(b), batch_shardings(mesh))
                 losses.append(float(local_value(step(model, optimizer, placed))))
             assert_trained_like(model, losses, wants[name])
 
+
+def gather_checks(mesh: jax.sharding.Mesh, batches: list[dict]) -> None:
+    """A gathered metric is replicated: every process reads every row."""
     for mode in substrax.MODES:
 
         @check(f"gather_{mode}")
@@ -345,13 +370,28 @@ def checks() -> None:
             )
             b = batches[0]
             rows = jax.tree.map(lambda a: a[process_slice(ROWS)], b["rows"])
-            placed = place_batch_on_shards({"rows": rows, "batch_state": b["batch_state"]}, shardings)
+            placed = place_batch_on_shards(
+                {"rows": rows, "batch_state": b["batch_state"]}, batch_shardings(mesh)
+            )
             _, metrics = step(model, optimizer, placed)
-            with jax.default_device(device):
+            with jax.default_device(jax.local_devices()[0]):
                 want = np.asarray(MLP()(b["rows"]["x"]))[:, 0] - b["rows"]["y"][:, 0]
             # every process reads every row
             np.testing.assert_allclose(np.asarray(metrics["err"]), want, rtol=1e-5, atol=1e-6)
 
+
+def checks() -> None:
+    """Every check, in one order on every process (their collectives stay in step)."""
+    mesh = create_device_mesh({"data": jax.device_count()})
+    placement_checks(mesh)
+    batches = global_batches()
+    want = reference(batches, lambda: optax.adam(LR), len(batches))
+    step_checks(mesh, batches, want)
+    hybrid = create_device_mesh({"replica": 2, "data": 4})
+    hsdp_checks(hybrid, batches, want)
+    own_rows_checks(mesh, hybrid, batches, reference(batches, lambda: optax.adam(LR), 4))
+    masked_checks(mesh, batches)
+    gather_checks(mesh, batches)
     print("stderr is passed on too", file=sys.stderr)
     if FAILURES:
         raise SystemExit(f"failed checks: {FAILURES}")

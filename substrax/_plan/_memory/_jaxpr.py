@@ -7,7 +7,6 @@ import types
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 from jax.extend import core as jcore
 
 __all__ = ["CALLS", "RECOMPUTED", "called", "inline", "nbytes", "sliced", "stacked", "variables"]
@@ -29,7 +28,7 @@ def variables(vs: Sequence[Any]) -> list[Any]:
 def nbytes(aval: Any) -> int:
     """The bytes of a value typed ``aval`` (0 for one without a shape: a token)."""
     shape = getattr(aval, "shape", None)
-    return 0 if shape is None else math.prod(shape) * np.dtype(aval.dtype).itemsize
+    return 0 if shape is None else math.prod(shape) * aval.dtype.itemsize  # a key type has one too
 
 
 def called(eqn: Any) -> Any:

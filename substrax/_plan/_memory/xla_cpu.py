@@ -29,15 +29,15 @@ VIEW = {
 # fused results XLA will not compute again for a second reader (it keeps them)
 EXPENSIVE = {
     "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "div", "pow", "sqrt", "rsqrt", "cbrt", "erf",
-    "erfc", "erf_inv", "sin", "cos", "tan", "atan2", "rem", "lgamma", "digamma", "asin", "acos", "atan", "sinh",
-    "cosh", "asinh", "acosh", "atanh", "logaddexp",
+    "erfc", "erf_inv", "sin", "cos", "tan", "atan2", "rem", "lgamma", "digamma", "asin", "acos", "atan",
+    "sinh", "cosh", "asinh", "acosh", "atanh", "logaddexp",
 }  # fmt: skip
 # results XLA computes inside their reader's loop (fused), kept only where a reader cannot fuse
 FUSED = EXPENSIVE | {
     "add", "sub", "mul", "neg", "max", "min", "select_n", "convert_element_type", "broadcast_in_dim",
     "integer_pow", "abs", "sign", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor", "is_finite",
-    "square", "add_any", "iota", "transpose", "concatenate", "slice", "dynamic_slice", "pad", "clamp", "floor",
-    "ceil", "round", "one_minus_square", "nextafter", "shift_left", "shift_right_logical",
+    "square", "add_any", "iota", "transpose", "concatenate", "slice", "dynamic_slice", "pad", "clamp",
+    "floor", "ceil", "round", "one_minus_square", "nextafter", "shift_left", "shift_right_logical",
     "shift_right_arithmetic", "population_count", "rev", "stack", "split", "reduce_precision", "clz", "real",
     "imag", "conj", "complex",
 }  # fmt: skip
@@ -45,8 +45,8 @@ JOINS = {"concatenate", "pad", "stack"}  # fused results larger than their opera
 REDUCES = {"psum", "psum_invariant"}  # the all-reduces XLA combines
 # reductions XLA fuses their operands into (a collective reads them written out)
 REDUCTIONS = {
-    "reduce", "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "reduce_xor",
-    "argmax", "argmin",
+    "reduce", "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+    "reduce_xor", "argmax", "argmin",
 }  # fmt: skip
 BITCASTS = {"reshape", "squeeze", "expand_dims"}  # views XLA writes as an instruction of their own
 ALIGN = 64  # bytes: XLA's CPU buffers start at multiples of it

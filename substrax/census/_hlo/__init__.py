@@ -7,7 +7,17 @@ import only ``_module``; ``_sites`` imports ``_module`` and ``_loops``.
 from ._buffers import buffer_op_names, operand_buffers, result_buffers
 from ._groups import Groups, mesh_axes, pair_shift, replica_groups, source_target_pairs
 from ._loops import trip_count
-from ._module import KINDS, Computation, Instruction, Module, Operand, arrays, op_name, operand_name, parse_module
+from ._module import (
+    KINDS,
+    Computation,
+    Instruction,
+    Module,
+    Operand,
+    arrays,
+    op_name,
+    operand_name,
+    parse_module,
+)
 from ._sites import Site, collective_sites
 
 __all__ = [

@@ -10,7 +10,8 @@ from ._module import Computation, Instruction, Module, Operand, arrays, operand_
 def buffer_op_names(
     instruction: Instruction, computation: Computation, name: str, count: int
 ) -> tuple[str, ...]:
-    """Each of ``count`` buffers' operation: from the get-tuple-elements of its results, else split from ``name``."""
+    """Each of ``count`` buffers' operation: from the get-tuple-elements of its results, else split from
+    ``name``."""
     result = computation.done.get(instruction.name, instruction.name)
     pieces = computation.pieces.get(result, {})
     split = _split_combined(name)

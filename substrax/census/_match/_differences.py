@@ -17,12 +17,13 @@ _LISTED = 4  # buffers a difference names one by one (the rest: Comparison.unexp
 
 
 def loop_differences(a: Assignment) -> list[str]:
-    """Each loop that runs a buffer the step expects once per step (matched or not)."""
+    """Each loop that runs a buffer the step expects once per step (matched or not), and each
+    loop whose trip count the program does not show (its bytes per step unknown)."""
     rows: list[Collective] = []
     for i, js in a.assigned.items():
         for j in js:
             row = a.parts[j].row
-            if row.in_loop and not a.items[i].in_loop and row not in rows:
+            if row.in_loop and (not a.items[i].in_loop or row.executions is None) and row not in rows:
                 rows.append(row)
     rows += [a.parts[j].row for j in a.unexpected if a.parts[j].row.in_loop and a.parts[j].row not in rows]
     carried: dict[int, list[str]] = {}
@@ -167,8 +168,13 @@ def _undeclared(a: Assignment, extra: Sequence[Part]) -> str:
 
 
 def _loop_difference(row: Collective, expected: Expected, carried: Sequence[str] = ()) -> str:
-    runs = f"{row.trip_count} times" if row.trip_count is not None else "an unstated number of times"
     what = f", carrying {shorten(list(carried), 4)}," if carried else ""
+    if row.trip_count is None:
+        return (
+            f"{row.kind} {row.name} ({_row_text(row)}){what} sits inside a while loop whose trip count "
+            f"the program does not show: its bytes per step are not known (counted once)"
+        )
+    runs = f"{row.trip_count} times"
     return (
         f"{row.kind} {row.name} ({_row_text(row)}){what} sits inside a while loop and runs {runs} per step; "
         f"the {expected.layout} layout with {expected.microbatches} microbatch(es) expects every "

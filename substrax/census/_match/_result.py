@@ -39,7 +39,7 @@ def match(rows: Sequence[Collective], expected: Expected, *, attribute_model: bo
     differences = loop_differences(a)
     loops = bool(differences)
     differences += rewrite_differences(a) + kind_differences(a)
-    notes = list(a.notes) + _layer_notes(a)
+    notes = list(a.notes) + _layer_notes(a) + _uncounted_notes(a)
     for i, item in enumerate(a.items):
         if item.optional and i not in a.assigned:
             notes.append(f"not compiled, optional: {item}" + (f": {item.why}" if item.why else ""))
@@ -74,6 +74,17 @@ def _found(a: Assignment, differences: list[str], notes: list[str]) -> Match:
         model=tuple(parts[j] for j in sorted({*declared, *a.model})),
         unexpected=tuple(parts[j] for j in a.unexpected),
     )
+
+
+def _uncounted_notes(a: Assignment) -> list[str]:
+    """The model's own buffers inside a loop whose trip count the program does not show."""
+    parts = [a.parts[j] for j in a.model if a.parts[j].row.executions is None]
+    if not parts:
+        return []
+    return [
+        f"the model's own {shorten([str(p) for p in parts], 4)}: inside a loop whose trip count the "
+        f"program does not show, counted once (its bytes per step not known)"
+    ]
 
 
 def _layer_notes(a: Assignment) -> list[str]:
