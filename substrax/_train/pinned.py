@@ -18,8 +18,8 @@ from typing import Any
 
 import jax
 
-from substrax._shared.compiler import TPU_COMPILER_OPTIONS, TPU_REFUSED_OPTIONS
 from substrax._shared.compiled import CachedLowered, CachedTraced, as_class
+from substrax._shared.compiler import TPU_COMPILER_OPTIONS, TPU_REFUSED_OPTIONS
 
 __all__ = ["PinnedLowered", "PinnedTraced", "pinned_jit", "refused"]
 
