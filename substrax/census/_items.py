@@ -262,21 +262,26 @@ def cross_replica_items(
     sizes: dict[str, int],
     precision: Any,
     communicated: Any,
+    platform: str | None = None,
 ) -> list[ExpectedCollective]:
     """Hybrid sharding's once-per-step reduction across replicas: every split gradient's
     slice (a ``1/|data|`` of it, in the policy's reduce dtype), summed over the replica
     axis after the reduce-scatter over the data axis (explicit mode: one all-reduce, a
-    buffer per slice)."""
+    buffer per slice; on a TPU each slice as its block of whole tiles, ``to_tiles``)."""
     n = sizes.get(options.data_axis, 1)  # a mesh without it: one device
     items = []
     for path, shape, dtype, split in leaves:
         if split:
             floating = jnp.issubdtype(np.dtype(dtype), jnp.floating)
             moved = precision.reduce_dtype if precision is not None and floating else dtype
+            elements = math.prod(shape) // n
+            if on_tpu(platform):
+                rows, columns = block_shape(elements, np.dtype(moved).itemsize, True)
+                elements = rows * columns
             items.append(
                 ExpectedCollective(
                     "all-reduce", f"across {options.replica_axis!r}: {path}",
-                    math.prod(shape) // n * _itemsize(moved, communicated),
+                    elements * _itemsize(moved, communicated),
                     "gradients", scopes=(scopes.GRAD_REDUCE,), axes=(options.replica_axis,),
                 )
             )  # fmt: skip

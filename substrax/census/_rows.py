@@ -39,6 +39,14 @@ class Collective:
         (``None`` where not stated); ``()`` outside loops.
       op_name: the JAX operation it came from (all of them for a combined one), or ``""``.
       buffer_op_names: the JAX operation of each buffer of ``parts``, in order.
+      crosses: for a send or recv the TPU runtime runs between slices, the collective it carries
+        (``"all-reduce"``: one part of an all-reduce across the slices), else ``""``.
+      rendezvous: the name that pairs such a send with its recv, else ``""``.
+      fed_by: the instruction whose result it moves (its first operand, read through bitcasts,
+        copies and tuple elements), ``""`` when that operand is computed: what links an
+        all-reduce across slices to the collectives over the slice's own chips around it.
+      unpadded: the bytes its buffer held before the TPU compiler padded it to whole tiles for
+        it (an all-reduce or send across slices of buffers it combined), ``None`` when not padded.
     """
 
     kind: str
@@ -56,6 +64,10 @@ class Collective:
     trip_counts: tuple[int | None, ...] = ()
     op_name: str = ""
     buffer_op_names: tuple[str, ...] = ()
+    crosses: str = ""
+    rendezvous: str = ""
+    fed_by: str = ""
+    unpadded: int | None = None
 
     @property
     def parts(self) -> tuple[Part, ...]:
@@ -232,6 +244,7 @@ def _row(site: _hlo.Site, module: _hlo.Module, mesh: tuple[tuple[str, int], ...]
     raw, groups, hlo_axes = _hlo.replica_groups(instruction.attrs, module.num_devices)
     pairs = _hlo.source_target_pairs(instruction.attrs)
     name = _hlo.op_name(instruction.attrs)
+    crosses, rendezvous = _hlo.crossing(instruction.attrs) if kind in ("send", "recv") else ("", "")
     row = Collective(
         kind=kind,
         name=instruction.name,
@@ -247,6 +260,10 @@ def _row(site: _hlo.Site, module: _hlo.Module, mesh: tuple[tuple[str, int], ...]
         shift=_hlo.pair_shift(pairs, mesh),
         trip_counts=site.trip_counts,
         op_name=name,
+        crosses=crosses,
+        rendezvous=rendezvous,
+        fed_by=_hlo.source_of(instruction, computation),
+        unpadded=_hlo.unpadded(instruction, computation) if kind in ("all-reduce", "send") else None,
     )
     count = len(_part_buffers(row))
     if count <= 1:

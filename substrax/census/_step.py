@@ -148,7 +148,7 @@ def expected_step(
         precision=step.precision,
         communicated_dtype=step.widened,
     )
-    items = [*_written(step, expected.items, leaves, across), *units, *across, *metrics, *declared]
+    items = [*_written(step, [*expected.items, *metrics], leaves, across), *units, *across, *declared]
     items = _optional_reductions(_step_scopes(items, model, options, scoped), metrics, options.mode)
     if not scoped:  # a step that names no scope (or compiled none of its collectives): anywhere
         items = [dataclasses.replace(i, scopes=()) for i in items]
@@ -257,7 +257,7 @@ def _parameter_items(
     units: list[ExpectedCollective] = []
     across = []
     if options.mode == "explicit" and sizes.get(options.replica_axis, 1) > 1:  # hybrid sharding
-        across = cross_replica_items(leaves, options, sizes, step.precision, step.widened)
+        across = cross_replica_items(leaves, options, sizes, step.precision, step.widened, step.platform)
     if options.mode == "explicit" and step.n > 1:  # a unit's parameters move together
         per_tick = options if pipeline is None else options.replace(microbatches=1, schedule=None)
         again = recomputed or (pipeline is not None and pipeline.schedule == "1f1b")
@@ -281,9 +281,9 @@ def _written(
     if options.mode != "explicit" or step.n == 1:
         return list(items)
     written = tiled_scatters(items, leaves, sizes.get(options.data_axis, 1), step.platform)
-    if across:  # each whole gradient summed over the replica and data axes at once (not a slice's sum)
+    if across:  # each whole gradient (the loss, metrics) summed over the replica and data axes at once
         over = tuple(a for a in sizes if a in (options.replica_axis, options.data_axis))
-        whole = [i.kind == "all-reduce" and i.category == "gradients" for i in written]
+        whole = [i.kind == "all-reduce" and i.category in ("gradients", "loss", "metrics") for i in written]
         written = [dataclasses.replace(i, axes=over) if w else i for i, w in zip(written, whole, strict=True)]
     return written
 

@@ -9,6 +9,7 @@ from substrax._base import scopes
 from substrax.census._expected import Expected, ExpectedCollective
 from substrax.census._match._kinds import kind_key
 from substrax.census._match._shapes import dims, same_shape, shape_distance, shapes_of
+from substrax.census._match._slices import across_slices
 from substrax.census._rows import Collective, Part
 from substrax.census._text import shorten
 
@@ -41,6 +42,7 @@ class Assignment:
         # over an axis the layers declare collectives on, every buffer must be one they declared
         self.declared_axes = {a for i in self.items if i.category == "model" for a in i.axes}
         self.layered: dict[int, int] = {}  # item -> layers: moved one layer per iteration of the stack's loop
+        across_slices(self)  # the all-reduces across TPU slices, as the send/recv pairs that carry them
         if self.mode == "implicit":
             self._per_layer()
         self._one_to_one()
