@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 __all__ = [
+    "WIDE",
+    "block_of",
     "block_shape",
     "from_tiles",
     "on_tpu",
@@ -41,6 +43,7 @@ TILES_WIDE = 8
 # span count") 673 rows on 2x4 (the 1.1B model's unit), 191 on 4x4, 101 on 4x8, 59 and 2 x 59 on 8x8,
 # 29 on 8x16; each rounded count compiled on all six
 ROWS_AS_THEY_ARE = 16
+WIDE = LANES * TILES_WIDE  # the columns of a block of more than MAX_TILES tiles
 
 _TILED: contextvars.ContextVar[bool] = contextvars.ContextVar("substrax_scatter_tiled", default=False)
 
@@ -82,6 +85,18 @@ def block_shape(elements: int, itemsize: int, tiles: bool) -> tuple[int, int]:
     if count <= MAX_TILES:
         return rows, LANES * count
     return rows * tile_rows(-(-count // TILES_WIDE)), LANES * TILES_WIDE
+
+
+def block_of(elements: Sequence[int], itemsize: int, tiles: bool) -> tuple[int, int]:
+    """Rows and columns of each device's block of one reduce-scatter of several buffers, ``elements``
+    each per device: ``block_shape`` of them all; of more than ``MAX_TILES`` tiles each buffer from
+    the start of a row of ``WIDE`` (the step's form, ``explicit._units``), the rows rounded as there."""
+    rows, columns = block_shape(sum(elements), itemsize, tiles)
+    if columns != WIDE or len(elements) == 1:
+        return rows, columns
+    tile = max(8, ROW_BYTES // itemsize)
+    lines = sum(-(-k // WIDE) for k in elements)
+    return tile * tile_rows(-(-lines // tile)), WIDE
 
 
 def tile_rows(count: int) -> int:
