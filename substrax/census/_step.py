@@ -276,16 +276,16 @@ def _written(
     across: list[ExpectedCollective],
 ) -> list[ExpectedCollective]:
     """``items`` as the explicit step writes them: each split gradient's reduce-scatter for its
-    platform, and with hybrid sharding each whole gradient summed over both axes at once."""
+    platform, each whole gradient summed over the data axis (with hybrid sharding over the replica
+    and data axes at once, the loss and metrics too)."""
     options, sizes = step.options, step.sizes
     if options.mode != "explicit" or step.n == 1:
         return list(items)
     written = tiled_scatters(items, leaves, sizes.get(options.data_axis, 1), step.platform)
-    if across:  # each whole gradient (the loss, metrics) summed over the replica and data axes at once
-        over = tuple(a for a in sizes if a in (options.replica_axis, options.data_axis))
-        whole = [i.kind == "all-reduce" and i.category in ("gradients", "loss", "metrics") for i in written]
-        written = [dataclasses.replace(i, axes=over) if w else i for i, w in zip(written, whole, strict=True)]
-    return written
+    over = tuple(a for a in sizes if a in (options.data_axis, *((options.replica_axis,) if across else ())))
+    summed = ("gradients", "loss", "metrics") if across else ("gradients",)
+    whole = [i.kind == "all-reduce" and i.category in summed and not i.axes for i in written]
+    return [dataclasses.replace(i, axes=over) if w else i for i, w in zip(written, whole, strict=True)]
 
 
 def _step_scopes(

@@ -208,12 +208,12 @@ def reduce_gradients(
     if replicas and sliced:  # across replicas, once, at the slices' size (on a TPU as whole tiles)
         axis = replicas if len(replicas) > 1 else replicas[0]
         values = [out[i] for i in sliced]
-        if tiled():  # (the barriers keep the compiler from reducing the slices in their own shapes)
-            values = jax.lax.optimization_barrier([to_tiles(v) for v in values])
-        with jax.named_scope(scopes.GRAD_REDUCE):
+        with jax.named_scope(scopes.GRAD_REDUCE):  # (the barriers keep the TPU compiler from summing
+            if tiled():  # the slices in their own shapes, padded in its layout)
+                values = jax.lax.optimization_barrier([to_tiles(v) for v in values])
             summed = jax.lax.psum(values, axis)
-        if tiled():
-            summed = jax.lax.optimization_barrier(summed)
+            if tiled():
+                summed = jax.lax.optimization_barrier(summed)
         out.update(
             {i: from_tiles(v, out[i].shape) if tiled() else v for i, v in zip(sliced, summed, strict=True)}
         )
