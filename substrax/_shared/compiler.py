@@ -2,7 +2,7 @@
 (``compiler_options``).
 
 XLA's CPU compiler refuses these options, and each compiler the other's; each is measured by the census
-(census guide, "On a TPU"; the GPU guide).
+(census guide, "On a TPU"; pod guide, "NVIDIA GPUs").
 """
 
 from __future__ import annotations
