@@ -111,7 +111,7 @@ def test_a_units_reduce_scatter_is_written_for_its_platform() -> None:
     )
     # the TPU's form sums the same rows: each device's block, padded to a tile and cut back to 34
     from substrax._shared.scatter import rows_for
-    from substrax.explicit._units import _scatter_rows
+    from substrax._shared.scatter import scatter_rows as _scatter_rows
 
     buffer = jnp.arange(8 * 8 * 34, dtype=jnp.float32).reshape(8, 8, 34)  # a (8, 34) block a device
 

@@ -25,6 +25,7 @@ __all__ = [
     "on_tpu",
     "platform_of",
     "rows_for",
+    "scatter_rows",
     "scattered_elements",
     "tile_rows",
     "tiled",
@@ -127,3 +128,44 @@ def from_tiles(block: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     for d in shape:
         size *= d
     return jnp.ravel(block)[:size].reshape(shape)
+
+
+def scatter_rows(rows: list[jax.Array], axis: str, scope: str) -> list[jax.Array]:
+    """One ``psum_scatter`` of ``rows`` (each ``(n, k)``): this device's summed row of each ``(k,)``.
+
+    On a TPU each device's rows go as a block of whole tiles, padded to them
+    (``block_of``): the TPU compiler (libtpu 0.0.52) reduces a
+    one-row block, a flat one or one across a tile's lanes whole (census guide, "On a TPU").
+    """
+    n, sizes = rows[0].shape[0], [r.shape[1] for r in rows]
+    lines, columns = block_of(sizes, rows[0].dtype.itemsize, tiled())
+    if lines == 1:
+        with jax.named_scope(scope):
+            flat = jax.lax.psum_scatter(jnp.concatenate(rows, axis=1), axis, scatter_dimension=0, tiled=False)
+        return _cut(flat, sizes, sizes)
+    if columns == WIDE:  # each from the start of a row: concatenated along the lanes instead, the
+        # compiler's time grows with their size (27 s of a 1.1B model's unit's 30; this under 2 s)
+        widths = [WIDE * -(-k // WIDE) for k in sizes]
+        pieces = [_padded(r, w).reshape(n, w // WIDE, WIDE) for r, w in zip(rows, widths, strict=True)]
+        buffer = jnp.concatenate(pieces, axis=1)
+        buffer = jnp.pad(buffer, ((0, 0), (0, lines - buffer.shape[1]), (0, 0)))
+    else:  # one row of tiles
+        widths = sizes
+        buffer = _padded(jnp.concatenate(rows, axis=1), lines * columns).reshape(n, lines, columns)
+    with jax.named_scope(scope):  # (n, lines, columns): as (n * lines, columns) it compiles slowly too
+        block = jax.lax.psum_scatter(buffer, axis, scatter_dimension=0, tiled=False)
+    return _cut(block.reshape(-1), sizes, widths)
+
+
+def _padded(rows: jax.Array, width: int) -> jax.Array:
+    """``rows`` ``(n, k)`` zero-padded to ``(n, width)``."""
+    return jnp.pad(rows, ((0, 0), (0, width - rows.shape[1])))
+
+
+def _cut(flat: jax.Array, sizes: list[int], widths: list[int]) -> list[jax.Array]:
+    """The rows of ``sizes`` elements that start ``widths`` apart in ``flat``."""
+    out, at = [], 0
+    for k, w in zip(sizes, widths, strict=True):
+        out.append(flat[at : at + k])
+        at += w
+    return out

@@ -20,7 +20,7 @@ from substrax._base.hooks import UNIT_HOOK
 from substrax._base.trees import KeyPath, merged, node_at, path_str, picked
 from substrax._layout import note_layers
 from substrax._metrics.collectives import varying_axes, zeros_of_type
-from substrax._shared.scatter import WIDE, block_of, tiled
+from substrax._shared.scatter import scatter_rows
 from substrax.explicit._prefetch import prefetched_layers
 
 __all__ = ["gather_grouped", "run_unit", "scatter_grouped", "units_running", "varying_other"]
@@ -203,49 +203,8 @@ def scatter_grouped(grads: list[jax.Array], shapes: list[tuple[int, ...]], dims:
             g, d, shape = moved[i], dims[i], shapes[i]
             split = g.reshape(*shape[:d], n, shape[d], *shape[d + 1 :])
             rows.append(jnp.moveaxis(split, d, 0).reshape(n, -1))
-        for i, flat in zip(idx, _scatter_rows(rows, axis, scope), strict=True):
+        for i, flat in zip(idx, scatter_rows(rows, axis, scope), strict=True):
             out[i] = flat.reshape(shapes[i])
-    return out
-
-
-def _scatter_rows(rows: list[jax.Array], axis: str, scope: str) -> list[jax.Array]:
-    """One ``psum_scatter`` of ``rows`` (each ``(n, k)``): this device's summed row of each ``(k,)``.
-
-    On a TPU each device's rows go as a block of whole tiles, padded to them
-    (``substrax._shared.scatter.block_of``): the TPU compiler (libtpu 0.0.52) reduces a
-    one-row block, a flat one or one across a tile's lanes whole (census guide, "On a TPU").
-    """
-    n, sizes = rows[0].shape[0], [r.shape[1] for r in rows]
-    lines, columns = block_of(sizes, rows[0].dtype.itemsize, tiled())
-    if lines == 1:
-        with jax.named_scope(scope):
-            flat = jax.lax.psum_scatter(jnp.concatenate(rows, axis=1), axis, scatter_dimension=0, tiled=False)
-        return _cut(flat, sizes, sizes)
-    if columns == WIDE:  # each from the start of a row: concatenated along the lanes instead, the
-        # compiler's time grows with their size (27 s of a 1.1B model's unit's 30; this under 2 s)
-        widths = [WIDE * -(-k // WIDE) for k in sizes]
-        pieces = [_padded(r, w).reshape(n, w // WIDE, WIDE) for r, w in zip(rows, widths, strict=True)]
-        buffer = jnp.concatenate(pieces, axis=1)
-        buffer = jnp.pad(buffer, ((0, 0), (0, lines - buffer.shape[1]), (0, 0)))
-    else:  # one row of tiles
-        widths = sizes
-        buffer = _padded(jnp.concatenate(rows, axis=1), lines * columns).reshape(n, lines, columns)
-    with jax.named_scope(scope):  # (n, lines, columns): as (n * lines, columns) it compiles slowly too
-        block = jax.lax.psum_scatter(buffer, axis, scatter_dimension=0, tiled=False)
-    return _cut(block.reshape(-1), sizes, widths)
-
-
-def _padded(rows: jax.Array, width: int) -> jax.Array:
-    """``rows`` ``(n, k)`` zero-padded to ``(n, width)``."""
-    return jnp.pad(rows, ((0, 0), (0, width - rows.shape[1])))
-
-
-def _cut(flat: jax.Array, sizes: list[int], widths: list[int]) -> list[jax.Array]:
-    """The rows of ``sizes`` elements that start ``widths`` apart in ``flat``."""
-    out, at = [], 0
-    for k, w in zip(sizes, widths, strict=True):
-        out.append(flat[at : at + k])
-        at += w
     return out
 
 
