@@ -62,7 +62,7 @@ def test_a_tpu_block_of_several_buffers_starts_each_on_a_row(elements: tuple, bl
 def test_the_tpu_form_of_several_buffers_sums_each(sizes: tuple) -> None:
     """The step's reduce-scatter of a unit's buffers in the TPU's form, run on the CPU: each
     device's rows of each buffer summed, cut back to their sizes."""
-    from substrax._shared.scatter import scatter_rows as _scatter_rows
+    from substrax._shared.scatter import scatter_rows
 
     mesh = create_device_mesh({"data": 8})
     rng = np.random.default_rng(0)
@@ -70,7 +70,7 @@ def test_the_tpu_form_of_several_buffers_sums_each(sizes: tuple) -> None:
 
     def per_device(*rows: jax.Array) -> tuple:
         with scatter.rows_for("tpu"):
-            return tuple(x[None] for x in _scatter_rows([r[0] for r in rows], "data", "test"))
+            return tuple(x[None] for x in scatter_rows([r[0] for r in rows], "data", "test"))
 
     run = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=jax.P("data"), out_specs=jax.P("data")))
     for got, want in zip(run(*buffers), buffers, strict=True):
