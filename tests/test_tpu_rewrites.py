@@ -1,19 +1,16 @@
-"""Issue 61, items 2-4, on the TPU compiler (libtpu, no TPU; make test-tpu): HSDP across two slices,
-ZeRO-1 with small parameters, and a 1.03B model's FSDP units, each census matching, the plan's
-bytes its census's. See the census guide, "On a TPU" and "Across slices".
+"""Issue 61, items 2 and 3, on the TPU compiler (libtpu, no TPU; make test-tpu): HSDP across two
+slices and ZeRO-1 with small parameters, each census matching, the plan's bytes its census's (item 4,
+a 1.03B model's units: tests/test_tpu_scanned.py). See the census guide, "On a TPU" and "Across slices".
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
-import warnings
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import llama
-import optax
 import pytest
 from conftest import needs_libtpu
 from flax import nnx
@@ -89,31 +86,3 @@ def test_zero1_with_small_parameters_matches_on_v5e_2x4_and_the_plan_is_its_cens
     gathers = [i for i, ps in found.matched if i.category == "update" and i.kind == "all-gather"]
     assert len(gathers) == found.report.count("all-gather") == 38  # every parameter's, none reduced
     assert not _without(found, gathers[-1].what).matches
-
-
-def test_a_1b_models_units_reduce_scatter_as_written_on_v5e_2x4() -> None:
-    """A TinyLlama-shaped model (1.03B parameters: d=2048, 22 blocks stacked by nnx.vmap, scanned
-    under nnx.remat, GQA, SwiGLU, vocab 32,000; AdamW, abstract), FSDP with each block a unit, over
-    8 chips. Measured before: the TPU compiler refused the unit's reduce-scatter ("No feasible span
-    count", f32[43072,1024]: 673 rows of tiles a chip), the step compiled again with its decomposer,
-    each reduce-scatter an all-reduce. Now 688 rows, as written (and compiled in 99 s of CPU, where
-    the unit's buffer reshaped to (n * rows, columns) took 227 s)."""
-    mesh = topology_mesh("v5e:2x4", {"data": 8})
-
-    def build() -> tuple[llama.Llama, nnx.Optimizer]:
-        model = llama.Llama(vocab=32000, d=2048, depth=22, heads=32, kv_heads=4, hidden=5632, remat=True)
-        return model, nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
-
-    model, optimizer = nnx.eval_shape(build)
-    assert sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))) == 1_034_512_384
-    substrax.shard_state(model, optimizer, mesh=mesh, layout="fsdp", units=llama.Block)
-    batch = {k: jax.ShapeDtypeStruct((8, 64), jnp.int32) for k in ("tokens", "targets")}
-    step = substrax.make_train_step(llama.loss_fn, "explicit", mesh=mesh)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the refusal's fallback warns
-        found = step.check_communication(model, optimizer, batch)
-    assert found.matches, str(found)
-    scatters = {str(r.operands[0]): r.trip_counts for r in found.report.rows if r.kind == "reduce-scatter"}
-    # each layer's unit, once per layer of the scan; the root unit (the embedding, the final norm)
-    assert scatters == {"f32[8,5504,1024]": (22,), "f32[8,8064,1024]": ()}
-    assert found.report.count("all-reduce") == 2  # the loss and the non-finite flag: no rewrite
