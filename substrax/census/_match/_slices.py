@@ -13,14 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 from substrax.census._rows import Part
 from substrax.census._text import shorten
 
-if TYPE_CHECKING:
-    from substrax.census._match._assign import Assignment
-
+Assignment = Any  # _assign.Assignment (which imports this module): parts, items, assigned, taken, notes
 __all__ = ["across_slices"]
 
 _BUDGET = 1 << 16  # placements tried per group of axes: a bound on the search's time
