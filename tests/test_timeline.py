@@ -256,3 +256,15 @@ def test_a_fusion_that_slices_an_operand_in_a_nested_fusion_reads_the_slice() ->
     (event,) = [e for e in timeline.events if e.name == "fusion"]
     assert event.bytes == layer + layer + 4  # the slice read, the result written, the index
     assert timeline.compute_seconds == pytest.approx(event.bytes / V5E.hbm_bytes_per_s)
+
+
+def test_a_refused_rows_line_says_the_compiler_refused_it() -> None:
+    """Before: "does not fit 28.5 of 15.75 GiB; 0 B of collectives a step (no seconds: estimated on
+    the CPU)" for a TinyLlama-shaped model's replicated row the TPU compiler refused."""
+    row = dataclasses.replace(
+        _row("replicated", None, 0, 16 * 2**30), compiler="tpu (compiled)", bytes={},
+        refused="RESOURCE_EXHAUSTED: ... Ran out of memory on HBM", device_bytes=16_909_336_064,
+    )  # fmt: skip
+    assert str(row) == (
+        "explicit replicated, on data=8: does not fit: the TPU compiler refused it, needing ~16 of 15.75 GiB"
+    )
