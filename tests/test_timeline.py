@@ -218,6 +218,8 @@ def test_a_rows_one_line_says_what_fits_its_step_mfu_and_what_is_exposed() -> No
     head, _, line = [[c.strip() for c in s.split(" | ")] for s in str(plan).splitlines()]
     assert head[-5:] == ["peak GiB (compiled)", "fits", "step ms", "MFU", "exposed ms"]
     assert line[-5:] == ["9.31", "yes", "410", "0.52", "12"]
+    slow = substrax.Plan((dataclasses.replace(row, step_seconds=1.8612),))
+    assert [c.strip() for c in str(slow).splitlines()[2].split(" | ")][-3] == "1,861"  # not 1.86e+03
     cpu = _row("fsdp", None, 10, 100)
     assert "no seconds: estimated on the CPU" in str(cpu) and "step ms" not in str(substrax.Plan((cpu,)))
 

@@ -242,7 +242,9 @@ def _gib(n: int) -> str:
 
 
 def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1e3:.3g}"
+    if seconds is None:
+        return "-"
+    return f"{seconds * 1e3:,.0f}" if seconds >= 0.1 else f"{seconds * 1e3:.3g}"
 
 
 def _fixed(x: float | None) -> str:
