@@ -102,9 +102,10 @@ def test_a_1b_llama_with_units_is_planned_and_checked_in_one_compile() -> None:
     block a unit, on v5e 2x4: the plan compiles the step, ``lower(...).compile()`` and
     ``check_communication`` compile nothing more; each unit's collectives run 22 times; the plan's
     bytes are the census's (16.15 GB per step; before: 1.76 GB, its loops counted once), its
-    gathers the rule's, required and recomputed. Measured on a loaded 2-core machine: the plan
-    808 s (its step's compile), then 954 s more where the compiler refused a unit's reduce-scatter
-    and the step compiled again with the decomposer; the compile and the census 3.5 s each."""
+    gathers the rule's, required and recomputed. Measured on a loaded 2-core machine (2,064 s in
+    all): the plan 808 s (its step's compile), then 954 s more where the compiler refused a unit's
+    reduce-scatter and the step compiled again with the decomposer; the compile and the census
+    3.5 s each (before: each compiled the step again)."""
     mesh = topology_mesh("v5e:2x4", {"data": 8})
 
     def build() -> tuple[llama.Llama, nnx.Optimizer]:
