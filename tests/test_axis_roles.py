@@ -190,6 +190,10 @@ def test_data_and_model_on_one_axis_are_refused(mode: str) -> None:
     step = substrax.make_train_step(mse, mode, mesh=mesh, data_axis="model")
     with nothing_lowered(), pytest.raises(ValueError, match=want):
         step(model, opt, _batches()[0])
+    rows = r"batch_spec splits the rows of batch\['x'\] as P\('model',\), over 'model', the axis the model's"
+    step = substrax.make_train_step(mse, mode, mesh=mesh, batch_spec=P("model"))  # the same, by batch_spec
+    with nothing_lowered(), pytest.raises(ValueError, match=rows):
+        step(model, opt, _batches()[0])
 
 
 @pytest.mark.parametrize("mode", substrax.MODES)

@@ -9,6 +9,12 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
+import jax
+from jax.sharding import PartitionSpec
+
+from substrax._base.specs import spec_axes
+from substrax._base.trees import path_str
+
 __all__ = ["STAGE_AXIS", "AxisRoles", "axis_roles"]
 
 STAGE_AXIS = "stage"
@@ -35,21 +41,31 @@ class AxisRoles:
     stage: str = STAGE_AXIS
     model: tuple[str, ...] | None = None
 
-    def size(self, axis: str) -> int:
-        """``axis``'s size: 1 where the mesh lacks it."""
-        return int(self.shape.get(axis, 1))
-
-    @property
-    def data_size(self) -> int:
-        """The data axis's size (1 on a mesh without it)."""
-        return self.size(self.data)
-
     @property
     def rows(self) -> str | tuple[str, ...]:
         """The axes a batch's rows are split over: ``data``, after ``replica`` where the mesh
         has it (``("replica", "data")``); those the mesh lacks left out (``()``: rows whole)."""
         axes = tuple(a for a in (self.replica, self.data) if a in self.shape)
         return axes[0] if len(axes) == 1 else axes
+
+    def check_batch(self, specs: Any) -> None:
+        """Refuse a batch leaf split over the stage axis, or its rows over an axis the model's layers
+        split over (``specs``: the batch's tree of ``PartitionSpec``); the ValueError names the leaf."""
+        flat = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda s: isinstance(s, PartitionSpec))[0]
+        for path, spec in flat:
+            if any(self.stage in spec_axes(e) for e in spec):
+                raise ValueError(
+                    f"batch_spec splits {path_str(path, 'batch')} as {spec}, over the pipeline's stage axis "
+                    f"{self.stage!r}: every stage runs every microbatch, so no batch is split over it. "
+                    f"Split the rows over the data axis, or leave them whole on a mesh without it."
+                )
+            shared = [a for a in (spec_axes(spec[0]) if len(spec) else ()) if a in (self.model or ())]
+            if shared:
+                raise ValueError(
+                    f"batch_spec splits the rows of {path_str(path, 'batch')} as {spec}, over {shared[0]!r}, "
+                    f"the axis the model's layers split over: every device of a layer's group must see the "
+                    f"same rows. Split the rows over the data axis, or leave them whole on a mesh without it."
+                )
 
 
 def _checked_name(role: str, name: Any) -> str:

@@ -10,7 +10,6 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from substrax._base.roles import STAGE_AXIS
 from substrax._base.specs import check_fits, check_spec_axes, spec_axes
 from substrax._base.trees import KeyPath, PyTree, broadcast_prefix, path_str
 
@@ -99,8 +98,7 @@ def batch_partition_specs(
       A tree of PartitionSpecs with the structure of ``batch``.
 
     Raises:
-      ValueError: If the prefix does not fit, a spec names an axis the mesh lacks or the
-        pipeline's stage axis, the
+      ValueError: If the prefix does not fit, a spec names an axis the mesh lacks, the
         leaves split over ``data_axis`` differ in their number of rows (names each leaf
         and its count), or a leaf cannot be split as its spec says; names the leaf's path.
       TypeError: If a leaf is a Python list of numbers (``check_batch_leaves``); names
@@ -119,14 +117,8 @@ def batch_partition_specs(
             PartitionSpec() if np.ndim(leaf) == 0 else spec
             for (_, leaf), spec in zip(path_leaves, specs, strict=True)
         ]
-    for (path, _), spec in zip(path_leaves, specs, strict=True):
+    for spec in specs:
         check_spec_axes(spec, mesh, where="batch_spec")
-        if any(STAGE_AXIS in spec_axes(e) for e in spec):
-            raise ValueError(
-                f"batch_spec splits {path_str(path, 'batch')} as {spec}, over the pipeline's stage axis "
-                f"{STAGE_AXIS!r}: every stage runs every microbatch, so no batch is split over it. Split "
-                f"the rows over the data axis, or leave them whole on a mesh without one (PartitionSpec())."
-            )
     check_same_rows(path_leaves, specs, data_axis)
     hint = (
         f"give the step batch_spec=, a prefix tree of PartitionSpecs with PartitionSpec() "

@@ -61,7 +61,9 @@ def plan(
     model of one compiler, XLA:CPU (its fusions, kernels, scheduler and buffer assigner;
     ``PlanRow.compiler`` says ``"XLA:CPU rules (estimated)"``). On a mesh of TPU or GPU
     devices (``substrax.mesh.topology_mesh``'s, or real ones) each configuration is compiled
-    for them instead: its memory and bytes are the program's, exact, at one compile per row.
+    for them instead: its memory and bytes are the program's, exact, at one compile per row
+    (kept: the row's step, built again, compiles it no more for ``lower(...).compile()`` or
+    ``check_communication``).
     The model and batch may be abstract (``nnx.eval_shape``, ``jax.ShapeDtypeStruct``).
     What is not predicted: see the planning guide.
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["SIZE", "CachedLowered", "CachedTraced", "cache_clear", "cached", "program_key"]
+__all__ = ["SIZE", "CachedLowered", "CachedTraced", "as_class", "cache_clear", "cached", "program_key"]
 
 SIZE = 8
 _lock = threading.Lock()

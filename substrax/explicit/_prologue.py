@@ -101,17 +101,20 @@ def open_step(
 
     Raises:
       ValueError: If there is no mesh, two roles share an axis or, on a mesh without
-        ``data_axis``, an axis has none (``model_roles``), the state was placed with
+        ``data_axis``, an axis has none (``model_roles``), the batch is split over another
+        role's axis (``AxisRoles.check_batch``), the state was placed with
         another replica axis, ``batch_spec`` does not fit the batch, ``microbatches`` does
         not divide the rows per device, or a parameter cannot be split as placed.
     """
     mesh = current_mesh(mesh)
-    hybrid = model_roles(model, mesh, data_axis, replica_axis).rows  # the roles checked first
+    roles = model_roles(model, mesh, data_axis, replica_axis)  # the roles checked first
+    hybrid = roles.rows
     if data_axis not in mesh.axis_names and isinstance(hybrid, str):
         data_axis = hybrid  # a data axis of one device: the replica axis alone splits the rows
     if check_replica:
         check_replica_axis(model, replica_axis, hybrid)
     specs = batch_partition_specs(batch, batch_spec, mesh, hybrid)
+    roles.check_batch(specs)
     rows = split_rows_over(specs, data_axis, hybrid)
     check_microbatches(microbatches, batch, specs, mesh, rows)
     plans = parameter_plans(model, optimizer, mesh, data_axis)

@@ -90,10 +90,12 @@ def global_gradients(
         current_mesh(o.mesh)  # raises, naming what is missing
     specs = None
     if found is not None:
-        rows = o.roles(found, model).rows  # data, or (replica, data) for hybrid sharding; checked
+        roles = o.roles(found, model)  # checked
+        rows = roles.rows  # data, or (replica, data) for hybrid sharding
         check_mesh_axes(model, found, "model")
         check_replica_axis(model, o.replica_axis, rows)
         specs = batch_partition_specs(batch, o.batch_spec, found, rows)
+        roles.check_batch(specs)
         check_microbatches(o.microbatches, batch, specs, found, rows)
         batch = jax.lax.with_sharding_constraint(batch, specs)
     out, grads, ways = global_value_and_grad(loss_fn, model, batch, o, found, specs)
