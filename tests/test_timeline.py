@@ -11,7 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import mse
 from jax.sharding import PartitionSpec as P
+from models import abstract_batch, abstract_mlp
 
 import substrax
 from substrax.mesh import create_device_mesh
@@ -269,4 +271,19 @@ def test_a_refused_rows_line_says_the_compiler_refused_it() -> None:
     )  # fmt: skip
     assert str(row) == (
         "explicit replicated, on data=8: does not fit: the TPU compiler refused it, needing ~16 of 15.75 GiB"
+    )
+
+
+def test_plan_predicts_a_compiled_row_on_the_target_it_is_given() -> None:
+    """A CPU's program has no target of its own; target= names one (here: the CPU program's
+    operations timed at an H100's numbers, as a user overriding the table would)."""
+    mesh = create_device_mesh({"data": 8})
+    args = (mse, *abstract_mlp(16, 64, 16), abstract_batch(64, 16, 16))
+    (cpu,) = substrax.plan(*args, mesh=mesh, layouts=["fsdp"], compiled=True).rows
+    assert cpu.compiler.endswith("(compiled)") and cpu.step_seconds is None and cpu.timeline is None
+    slow = dataclasses.replace(TARGETS["h100"], links={"nvlink": 1e9, "network": 1e8})
+    (row,) = substrax.plan(*args, mesh=mesh, layouts=["fsdp"], compiled=True, target=slow).rows
+    assert row.timeline.target is slow and row.communication_seconds > 0 and 0 < row.mfu <= 1
+    assert row.communication_seconds == pytest.approx(
+        sum(e.seconds for e in row.timeline.events if e.lane == "nvlink")
     )
