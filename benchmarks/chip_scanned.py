@@ -7,6 +7,7 @@ The model is ``tests/llama.py``'s (RoPE, grouped-query attention, RMSNorm, SwiGL
 measured in the same rounds.
 
     python benchmarks/chip_scanned.py --json benchmarks/results/chip_scanned_tpu_v5e.json   # on the chip
+    python benchmarks/chip_scanned.py --quick --json benchmarks/results/chip_scanned_quick.json  # make bench
     python benchmarks/chip_scanned.py --smoke --json out.json                                # on a CPU
     python benchmarks/chip_scanned.py --predict --json benchmarks/results/chip_scanned_predicted.json
 
@@ -33,6 +34,7 @@ CONFIGS = {
     "245M-f32": (1024, 16, 16, 4, 3456, 32000, 1024, 4, "f32", True),
     "31M-bf16-remat": (512, 8, 8, 2, 1408, 8192, 512, 32, "bf16", True),
     "31M-bf16": (512, 8, 8, 2, 1408, 8192, 512, 16, "bf16", False),
+    "quick": (128, 2, 4, 2, 352, 512, 128, 8, "bf16", True),
     "smoke": (32, 2, 4, 2, 64, 128, 16, 4, "bf16", True),
 }
 
@@ -129,6 +131,7 @@ def main() -> None:
     parser.add_argument("--configs", default="245M-bf16,245M-f32,31M-bf16-remat,31M-bf16")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--block-s", type=float, default=0.5, help="seconds of steps per sample")
+    parser.add_argument("--quick", action="store_true", help="a small size, 3 rounds (runs on a CPU too)")
     parser.add_argument("--smoke", action="store_true", help="tiny, one round: that it runs")
     parser.add_argument("--predict", action="store_true", help="on a CPU: predicted beside the chip's")
     parser.add_argument("--programs", default=None, help="with --predict: where to keep the programs")
@@ -142,8 +145,8 @@ def main() -> None:
         print(text)
         M.write(args.json, {"machine": M.machine(), "rows": rows}, text + "\n")
         return
-    if args.smoke:
-        args.configs, args.rounds, args.block_s = "smoke", 1, 0.0
+    if args.smoke or args.quick:
+        args.configs, args.rounds, args.block_s = ("smoke", 1, 0.0) if args.smoke else ("quick", 3, 0.2)
 
     import jax
 

@@ -9,6 +9,8 @@ by a sunk constant, compared with a constant in the condition.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -189,3 +191,22 @@ def test_a_loop_of_unknown_trip_count_is_never_counted_once_in_silence() -> None
     )
     # the model's own psum: accepted (the model's communication is its own), and noted
     assert any("inside a loop whose trip count the program does not show" in n for n in found.notes)
+
+
+def test_the_cpu_compilers_stated_counts_are_read_back_from_its_loops() -> None:
+    """One reader for all three compilers: a CPU program's loops (a scan of 5, inside it one of 3)
+    read the same with their ``known_trip_count`` taken out of the text."""
+    mesh = create_device_mesh({"data": 8})
+
+    def inner(x: jax.Array) -> jax.Array:
+        return jax.lax.fori_loop(0, 3, lambda i, v: v + jax.lax.psum(v, "data"), x)
+
+    def f(x: jax.Array) -> jax.Array:
+        return jax.lax.scan(lambda c, _: (inner(c), None), x, None, length=5)[0]
+
+    mapped = jax.shard_map(f, mesh=mesh, in_specs=jax.P("data"), out_specs=jax.P("data"))
+    text = jax.jit(mapped).lower(jnp.ones((8, 4))).compile().as_text()
+    stripped = re.sub(r'"known_trip_count":\{"n":"\d+"\},?', "", text)
+    assert "known_trip_count" in text and "known_trip_count" not in stripped
+    stated, read = (census(t).rows for t in (text, stripped))
+    assert [r.trip_counts for r in read] == [r.trip_counts for r in stated] == [(5, 3)]

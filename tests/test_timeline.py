@@ -11,7 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import mse
 from jax.sharding import PartitionSpec as P
+from models import abstract_batch, abstract_mlp
 
 import substrax
 from substrax.mesh import create_device_mesh
@@ -218,6 +220,8 @@ def test_a_rows_one_line_says_what_fits_its_step_mfu_and_what_is_exposed() -> No
     head, _, line = [[c.strip() for c in s.split(" | ")] for s in str(plan).splitlines()]
     assert head[-5:] == ["peak GiB (compiled)", "fits", "step ms", "MFU", "exposed ms"]
     assert line[-5:] == ["9.31", "yes", "410", "0.52", "12"]
+    slow = substrax.Plan((dataclasses.replace(row, step_seconds=1.8612),))
+    assert [c.strip() for c in str(slow).splitlines()[2].split(" | ")][-3] == "1,861"  # not 1.86e+03
     cpu = _row("fsdp", None, 10, 100)
     assert "no seconds: estimated on the CPU" in str(cpu) and "step ms" not in str(substrax.Plan((cpu,)))
 
@@ -256,3 +260,30 @@ def test_a_fusion_that_slices_an_operand_in_a_nested_fusion_reads_the_slice() ->
     (event,) = [e for e in timeline.events if e.name == "fusion"]
     assert event.bytes == layer + layer + 4  # the slice read, the result written, the index
     assert timeline.compute_seconds == pytest.approx(event.bytes / V5E.hbm_bytes_per_s)
+
+
+def test_a_refused_rows_line_says_the_compiler_refused_it() -> None:
+    """Before: "does not fit 28.5 of 15.75 GiB; 0 B of collectives a step (no seconds: estimated on
+    the CPU)" for a TinyLlama-shaped model's replicated row the TPU compiler refused."""
+    row = dataclasses.replace(
+        _row("replicated", None, 0, 16 * 2**30), compiler="tpu (compiled)", bytes={},
+        refused="RESOURCE_EXHAUSTED: ... Ran out of memory on HBM", device_bytes=16_909_336_064,
+    )  # fmt: skip
+    assert str(row) == (
+        "explicit replicated, on data=8: does not fit: the TPU compiler refused it, needing ~16 of 15.75 GiB"
+    )
+
+
+def test_plan_predicts_a_compiled_row_on_the_target_it_is_given() -> None:
+    """A CPU's program has no target of its own; target= names one (here: the CPU program's
+    operations timed at an H100's numbers, as a user overriding the table would)."""
+    mesh = create_device_mesh({"data": 8})
+    args = (mse, *abstract_mlp(16, 64, 16), abstract_batch(64, 16, 16))
+    (cpu,) = substrax.plan(*args, mesh=mesh, layouts=["fsdp"], compiled=True).rows
+    assert cpu.compiler.endswith("(compiled)") and cpu.step_seconds is None and cpu.timeline is None
+    slow = dataclasses.replace(TARGETS["h100"], links={"nvlink": 1e9, "network": 1e8})
+    (row,) = substrax.plan(*args, mesh=mesh, layouts=["fsdp"], compiled=True, target=slow).rows
+    assert row.timeline.target is slow and row.communication_seconds > 0 and 0 < row.mfu <= 1
+    assert row.communication_seconds == pytest.approx(
+        sum(e.seconds for e in row.timeline.events if e.lane == "nvlink")
+    )

@@ -95,3 +95,27 @@ def test_a_scanned_stacks_loop_counts_its_layers() -> None:
     per_layer = (flops[6] - flops[2]) / 4
     model_per_layer = (model_flops[6] - model_flops[2]) / 4 / 8  # per device
     assert 4 / 3 <= per_layer / model_per_layer < 1.6
+
+
+def test_the_chip_benchmark_predicts_its_steps_beside_the_measured_ones(tmp_path) -> None:
+    """``benchmarks/chip.py --predict``: compiled for v5e:1x1 here, the measured step beside it."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "predicted.json"
+    command = [sys.executable, "benchmarks/chip.py", "--predict", "--sizes", "smoke", "--precisions", "bf16",
+               "--programs", str(tmp_path), "--json", str(out)]  # fmt: skip
+    for _ in range(2):  # the second predicts from the programs the first kept
+        done = subprocess.run(command, cwd=repo, env=os.environ, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["mode"] for r in rows} == {"implicit", "explicit"}
+    assert all(r["predicted_step_s"] > 0 and r["compile_s"] is None for r in rows)  # read back
+    assert sorted(p.name for p in tmp_path.glob("*.hlo")) == [
+        "smoke-bf16_explicit.hlo",
+        "smoke-bf16_implicit.hlo",
+    ]

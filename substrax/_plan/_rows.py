@@ -25,6 +25,7 @@ from substrax._shared.pipeline_record import recording_pipeline
 from substrax._train.chooser import make_train_step
 from substrax.census import census, expected_step, program_platform
 from substrax.mesh import compile_only, device_memory
+from substrax.timeline import Target
 
 __all__ = ["plan"]
 
@@ -52,6 +53,7 @@ def plan(
     placement: Mapping[str, Any] | None = None,
     compiled: bool | None = None,
     schedule: str | None | Sequence[str | None] = None,
+    target: Target | str | None = None,
     **step_options: Any,
 ) -> Plan:
     """Each configuration's collective bytes and memory per device: estimated, or compiled on a TPU.
@@ -61,9 +63,10 @@ def plan(
     model of one compiler, XLA:CPU (its fusions, kernels, scheduler and buffer assigner;
     ``PlanRow.compiler`` says ``"XLA:CPU rules (estimated)"``). On a mesh of TPU or GPU
     devices (``substrax.mesh.topology_mesh``'s, or real ones) each configuration is compiled
-    for them instead: its memory and bytes are the program's, exact, at one compile per row.
-    The model and batch may be abstract (``nnx.eval_shape``, ``jax.ShapeDtypeStruct``).
-    What is not predicted: see the planning guide.
+    for them instead: its memory and bytes are the program's, exact, at one compile per row
+    (kept: the row's step, built again, compiles it no more for ``lower(...).compile()`` or
+    ``check_communication``), and its step is predicted from it. The model and batch may be
+    abstract (``nnx.eval_shape``, ``jax.ShapeDtypeStruct``). See the planning guide.
 
     Args:
       loss_fn: As ``make_train_step`` takes it.
@@ -74,9 +77,8 @@ def plan(
       mode: ``"implicit"``, ``"explicit"``, or both.
       layouts: The layouts to try; default every one the mesh allows (``"hsdp"`` with a
         ``replica`` axis).
-      units: ``shard_state``'s ``units`` to try under FSDP and HSDP (``None`` among them: none),
-        e.g. ``(None, Block)``; default none, and on a model with a stack of blocks (two or more
-        of a module made of layers, or one stacked by ``nnx.vmap``) its block's type too.
+      units: ``shard_state``'s ``units`` to try under FSDP and HSDP (``None``: none), e.g.
+        ``(None, Block)``; default none and, on a model with a stack of blocks, its block's type.
       placement: ``shard_state``'s other keywords for every configuration (``min_size``,
         ``reshard_after_forward``, ``prefetch``, ...).
       compiled: Compile each row's step and read its memory (``memory_analysis()``) and
@@ -84,12 +86,13 @@ def plan(
       schedule: The pipeline schedules to try on a mesh with a ``stage`` axis (``"gpipe"``,
         ``"1f1b"``, or both; ``None``: both), the stack ``placement``'s ``stages`` names split
         over it; a mesh without ``stage`` runs no pipeline (and drops ``stages``).
+      target: What a compiled row's step is predicted on (``substrax.timeline``'s ``Target`` or a
+        ``TARGETS`` name); default the devices'.
       **step_options: ``make_train_step``'s other keywords (``microbatches``, ``has_aux``, ...).
 
     Returns:
-      A ``Plan``; ``print`` it for the table, ``.best()`` to choose. A row compiled for a TPU or a
-      GPU also predicts its step (``step_seconds``, ``mfu``, its ``timeline``: see the planning
-      guide, "Seconds").
+      A ``Plan``; ``print`` it for the table, ``.best()`` to choose (by ``step_seconds``, where
+      compiled for a TPU or a GPU: the planning guide, "Seconds").
 
     Raises:
       TypeError: If ``units`` is not an iterable of candidates (a module type given alone).
@@ -100,7 +103,7 @@ def plan(
     meshes = [mesh] if isinstance(mesh, Mesh) else list(mesh)
     modes = [mode] if isinstance(mode, str) else list(mode)
     rows = []
-    flops: dict[int, float | None] = {}  # per mesh: the model's FLOPs, for a row's MFU
+    timing: dict[int, _seconds.Timing] = {}  # per mesh: the model's FLOPs (a row's MFU), the target
     memory: dict[Any, dict[str, _memory.Memory]] = {}  # per configuration: explicit mode's, for both modes
     for m in meshes:
         replica = step_options.get("replica_axis", "replica")
@@ -112,9 +115,9 @@ def plan(
                     config = (loss_fn, model, optimizer, batch, m, md, kind, unit, place, opts)
                     on_target = _platform(m) != "cpu" if compiled is None else compiled
                     estimate = memory.setdefault((id(m), kind, u, sched), {})
-                    if on_target and id(m) not in flops:
-                        flops[id(m)] = _seconds.model_flops(loss_fn, model, batch, m)
-                    rows.append(_row(*config, memory=estimate, compiled=on_target, flops=flops.get(id(m))))
+                    if on_target and id(m) not in timing:  # a compiled row's: counted once per mesh
+                        timing[id(m)] = _seconds.Timing(_seconds.model_flops(*config[:2], batch, m), target)
+                    rows.append(_row(*config, memory=estimate, compiled=on_target, timing=timing.get(id(m))))
     return Plan(tuple(rows))
 
 
@@ -156,7 +159,7 @@ def _row(
     *,
     memory: dict[str, _memory.Memory],
     compiled: bool = False,
-    flops: float | None = None,
+    timing: _seconds.Timing | None = None,
 ) -> PlanRow:
     """One configuration's row; ``memory`` holds its explicit step's estimate once made."""
     graphdef, state = nnx.split((model, optimizer))
@@ -202,7 +205,7 @@ def _row(
     }
     by_kind, optional = _items.required(expected.items, step.options.microbatches, _unnamed(step, mesh))
     if compiled:  # the program itself: its census and memory_analysis(), exact
-        return _on_target(row, lowered, mesh, by_kind, optional, flops)
+        return _on_target(row, lowered, mesh, by_kind, optional, timing)
     if "explicit" not in memory:  # the memory is explicit mode's (XLA places the implicit step's)
         if mode != "explicit":
             traced = make_train_step(loss_fn, "explicit", mesh=mesh, **opts).traced(m, o, batch, donate=True)
@@ -226,12 +229,12 @@ def _on_target(
     mesh: Mesh,
     by_kind: dict[tuple[str, str], int],
     optional: int,
-    flops: float | None = None,
+    timing: _seconds.Timing | None = None,
 ) -> PlanRow:
     """The row of the compiled program; where the TPU compiler refuses it for memory, its refusal
     with the rule's bytes ``by_kind`` and ``optional`` (no program, no census)."""
     try:
-        return _compiled(row, lowered.compile(), mesh, flops)
+        return _compiled(row, lowered.compile(), mesh, timing)
     except jax.errors.JaxRuntimeError as e:
         if (need := _hbm_refusal(str(e))) is None:
             raise
@@ -245,9 +248,11 @@ def _on_target(
         )
 
 
-def _compiled(row: dict[str, Any], program: Any, mesh: Mesh, flops: float | None = None) -> PlanRow:
+def _compiled(
+    row: dict[str, Any], program: Any, mesh: Mesh, timing: _seconds.Timing | None = None
+) -> PlanRow:
     """``row`` with the bytes of ``program``'s census and its ``memory_analysis()``, and on a TPU or a
-    GPU its predicted step (``flops``: the model's, for its MFU)."""
+    GPU its predicted step (``timing``: the model's FLOPs, for its MFU, and the target)."""
     by_kind: dict[tuple[str, str], int] = {}
     report = census(program, mesh=mesh)
     for found in report.rows:
@@ -270,7 +275,7 @@ def _compiled(row: dict[str, Any], program: Any, mesh: Mesh, flops: float | None
         temp_bytes=stats.temp_size_in_bytes,
         padding_bytes=stats.argument_size_in_bytes - row["state_bytes"] - row["batch_bytes"],
         compiler=f"{program_platform(program)} (compiled)",
-        **_seconds.timed(program, mesh, flops),
+        **_seconds.timed(program, mesh, timing or _seconds.Timing()),
     )
 
 

@@ -5,19 +5,28 @@ the model's FLOPs (``timeline.model_flops``) over what the devices could do in t
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 from jax.sharding import Mesh
 
-from substrax.timeline import model_flops, predict, target_of
+from substrax.timeline import Target, model_flops, predict, target_of
 
-__all__ = ["model_flops", "timed"]
+__all__ = ["Timing", "model_flops", "timed"]
 
 
-def timed(program: Any, mesh: Mesh, flops_of_model: float | None) -> dict[str, Any]:
+class Timing(NamedTuple):
+    """What a compiled row's seconds are predicted with: the model's FLOPs (``None``: no MFU) and the
+    target (``None``: the mesh's devices')."""
+
+    model_flops: float | None = None
+    target: Target | str | None = None
+
+
+def timed(program: Any, mesh: Mesh, timing: Timing) -> dict[str, Any]:
     """A compiled row's predicted fields: ``flops``, the seconds, ``mfu``, its ``timeline``; none on a
-    platform with no ``Target`` (a CPU)."""
-    target = target_of(mesh)
+    platform with no ``Target`` (a CPU) unless ``timing`` names one."""
+    flops_of_model = timing.model_flops
+    target = target_of(mesh, timing.target)
     if target is None:
         return {}
     timeline = predict(program, mesh=mesh, target=target)

@@ -218,7 +218,11 @@ def _summary(row: PlanRow) -> str:
     parts = [
         f"{fits} {row.peak_bytes / 2**30:.3g}{device} GiB" + (" (estimated)" if row.fits is None else "")
     ]
-    if row.step_seconds is None:
+    if row.refused:
+        parts[0] = (
+            f"does not fit: the TPU compiler refused it, needing ~{row.peak_bytes / 2**30:.3g}{device} GiB"
+        )
+    elif row.step_seconds is None:
         parts.append(f"{row.total_bytes:,} B of collectives a step (no seconds: estimated on the CPU)")
     else:
         parts.append(f"~{_human(row.step_seconds)} a step")
@@ -238,7 +242,9 @@ def _gib(n: int) -> str:
 
 
 def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1e3:.3g}"
+    if seconds is None:
+        return "-"
+    return f"{seconds * 1e3:,.0f}" if seconds >= 0.1 else f"{seconds * 1e3:.3g}"
 
 
 def _fixed(x: float | None) -> str:
