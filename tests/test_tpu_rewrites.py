@@ -32,7 +32,13 @@ def _planned(mesh: jax.sharding.Mesh, d: int, layout: str, **placement: object) 
     build = lambda: lm.make_model(d=d, blocks=2, seq=SEQ)  # noqa: E731
     batch = {k: jax.ShapeDtypeStruct((2 * mesh.size, SEQ), jnp.int32) for k in ("tokens", "targets")}
     (row,) = substrax.plan(
-        lm.loss_fn, *nnx.eval_shape(build), batch, mesh=mesh, layouts=[layout], placement=placement
+        lm.loss_fn,
+        *nnx.eval_shape(build),
+        batch,
+        mesh=mesh,
+        layouts=[layout],
+        units=(None,),
+        placement=placement,
     ).rows
     model, optimizer = nnx.eval_shape(build)
     row.shard_state(model, optimizer)
