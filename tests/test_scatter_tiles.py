@@ -29,7 +29,8 @@ from substrax.mesh import create_device_mesh
         (1025, 4, (8, 256)),
         (16 * 1024, 4, (8, 2048)),  # sixteen tiles in a row, the most
         (17 * 1024, 4, (24, 1024)),  # then rows of 8 tiles: 24 tiles
-        (1000 * 1024 + 1, 4, (1008, 1024)),  # 1,001 tiles padded to 1,008
+        (1000 * 1024 + 1, 4, (1024, 1024)),  # 1,001 tiles padded to 128 rows of 8 (5 significant bits)
+        (5_513_216, 4, (5504, 1024)),  # a 1.1B model's unit over 8: 673 rows of tiles (refused), 688
         (100, 2, (16, 128)),  # a 2-byte tile holds 16 rows
         (100, 1, (32, 128)),
     ],
@@ -40,6 +41,40 @@ def test_a_tpu_block_is_whole_tiles_in_counts_the_tpu_emits(
     assert scatter.block_shape(elements, itemsize, True) == block
     assert scatter.block_shape(elements, itemsize, False) == (1, elements)
     assert scatter.scattered_elements(elements * 8, 8, itemsize, True) == 8 * block[0] * block[1]
+
+
+@pytest.mark.parametrize(
+    ("elements", "block"),
+    [
+        ((60, 5), (8, 128)),  # up to 16 tiles: the buffers flat, one after another
+        ((9000, 20, 9000), (24, 1024)),  # more: each from the start of a row of 8 tiles (9 + 1 + 9 rows)
+        ((8192,) * 40, (320, 1024)),  # 40 rows of tiles: 5 significant bits, even
+        ((8193,) * 40, (368, 1024)),  # 9 rows of 1,024 each: 45 rows of tiles, 46
+        ((5_513_216,), (5504, 1024)),  # one buffer: block_shape's
+    ],
+)
+def test_a_tpu_block_of_several_buffers_starts_each_on_a_row(elements: tuple, block: tuple) -> None:
+    assert scatter.block_of(elements, 4, True) == block
+    assert scatter.block_of(elements, 4, False) == (1, sum(elements))
+
+
+@pytest.mark.parametrize("sizes", [(60, 5), (9000, 20, 9000)])
+def test_the_tpu_form_of_several_buffers_sums_each(sizes: tuple) -> None:
+    """The step's reduce-scatter of a unit's buffers in the TPU's form, run on the CPU: each
+    device's rows of each buffer summed, cut back to their sizes."""
+    from substrax._shared.scatter import scatter_rows
+
+    mesh = create_device_mesh({"data": 8})
+    rng = np.random.default_rng(0)
+    buffers = [rng.normal(size=(8, 8, k)).astype(np.float32) for k in sizes]  # (device, n, k)
+
+    def per_device(*rows: jax.Array) -> tuple:
+        with scatter.rows_for("tpu"):
+            return tuple(x[None] for x in scatter_rows([r[0] for r in rows], "data", "test"))
+
+    run = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=jax.P("data"), out_specs=jax.P("data")))
+    for got, want in zip(run(*buffers), buffers, strict=True):
+        np.testing.assert_allclose(np.asarray(got), want.sum(axis=0), rtol=1e-6)
 
 
 class Net(nnx.Module):
@@ -73,7 +108,7 @@ def _trained(
             step(model, optimizer, {"x": x, "y": np.sin(x.sum(axis=1))})
         text = step.lower(model, optimizer, {"x": x, "y": x[:, 0]}).as_text()
     # the form asked for is the one traced: a tile a device, 8 devices of 8 rows
-    assert ("tensor<64x128xf32>" in text or "tensor<32x128xf32>" in text) == tiles
+    assert ("tensor<8x8x128xf32>" in text or "tensor<4x8x128xf32>" in text) == tiles
     return [np.asarray(v) for v in jax.tree.leaves(nnx.state(model, nnx.Param))]
 
 

@@ -110,15 +110,14 @@ def test_a_units_reduce_scatter_is_written_for_its_platform() -> None:
         [str(p.buffer) for p in parts] == ["f32[8,34]"] and i.bytes == 8 * 34 * 4 for i, parts in scatters
     )
     # the TPU's form sums the same rows: each device's block, padded to a tile and cut back to 34
-    from substrax._shared.scatter import rows_for
-    from substrax.explicit._units import _scatter_rows
+    from substrax._shared.scatter import rows_for, scatter_rows
 
     buffer = jnp.arange(8 * 8 * 34, dtype=jnp.float32).reshape(8, 8, 34)  # a (8, 34) block a device
 
     def scattered(platform: str) -> jax.Array:
         def per_device(b: jax.Array) -> jax.Array:
             with rows_for(platform):
-                return _scatter_rows(b[0], "data", "test")[None]
+                return scatter_rows([b[0]], "data", "test")[0][None]
 
         return jax.jit(jax.shard_map(per_device, mesh=MESH, in_specs=jax.P("data"), out_specs=jax.P("data")))(
             buffer
@@ -128,10 +127,10 @@ def test_a_units_reduce_scatter_is_written_for_its_platform() -> None:
     np.testing.assert_array_equal(scattered("cpu"), np.asarray(buffer).sum(axis=0))
     with rows_for("tpu"):
         lowered = jax.jit(jax.shard_map(
-            lambda b: _scatter_rows(b[0], "data", "test")[None], mesh=MESH, in_specs=jax.P("data"),
+            lambda b: scatter_rows([b[0]], "data", "test")[0][None], mesh=MESH, in_specs=jax.P("data"),
             out_specs=jax.P("data"),
         )).lower(buffer).as_text()  # fmt: skip
-    assert "tensor<64x128xf32>" in lowered  # a (8, 128) tile a device: 34 padded to 1,024
+    assert "tensor<8x8x128xf32>" in lowered  # a (8, 128) tile a device: 34 padded to 1,024
 
 
 def _temp_bytes(depth: int, units, width: int = 256) -> int:

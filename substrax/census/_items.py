@@ -25,7 +25,7 @@ from substrax._layout import (
     without_axis,
 )
 from substrax._shared.options import StepOptions
-from substrax._shared.scatter import block_shape, on_tpu
+from substrax._shared.scatter import block_of, block_shape, on_tpu
 from substrax.census._expected import ExpectedCollective, _hlo_type, _itemsize
 
 __all__ = [
@@ -106,12 +106,12 @@ def unit_items(
     k = options.microbatches
     tiles = on_tpu(platform)  # a reduce-scatter's blocks, as the step writes it (_shared.scatter)
     items = []
-    for (unit, kind, dtype, _), elements in _moved(leaves, owner, others, precision).items():
-        size = _itemsize(dtype, communicated)
+    for (unit, kind, dtype, _), sizes in _moved(leaves, owner, others, precision).items():
+        size, elements = _itemsize(dtype, communicated), sum(sizes)
         layers = layered.get(unit, 1) if unit else 1
         buffer = f"{_hlo_type(dtype, size)}[{n},{elements // (n * layers)}]"
         if kind == "reduce" and tiles:  # on a TPU: tiles per device, padded to them (explicit._units)
-            per_layer, buffer = scatter_buffer(elements // layers, n, dtype, size, tiles)
+            per_layer, buffer = scatter_buffer([k // layers for k in sizes], n, dtype, size, tiles)
             elements = per_layer * layers
         if not unit:  # the root unit: gathered once before the forward pass, reduced once after
             items.append(_root_item(kind, elements * size, buffer))
@@ -145,10 +145,11 @@ def _moved(
     owner: dict[str, KeyPath],
     others: dict[str, tuple[str, ...]],
     precision: Any,
-) -> dict[tuple[KeyPath, str, str, tuple[str, ...]], int]:
-    """(unit, pass, dtype, other axes) -> elements: a buffer per dtype and per set of other axes (a
-    parameter split over model and one whole over it do not share one), in the policy's dtypes."""
-    moved: dict[tuple[KeyPath, str, str, tuple[str, ...]], int] = {}
+) -> dict[tuple[KeyPath, str, str, tuple[str, ...]], list[int]]:
+    """(unit, pass, dtype, other axes) -> each parameter's elements: a buffer per dtype and per set of
+    other axes (a parameter split over model and one whole over it do not share one), in the policy's
+    dtypes."""
+    moved: dict[tuple[KeyPath, str, str, tuple[str, ...]], list[int]] = {}
     for path, shape, dtype, _ in leaves:
         if path in owner:
             for kind, want in (
@@ -162,7 +163,7 @@ def _moved(
                     np.dtype(want if want is not None and floating else dtype).name,
                     others[path],
                 )
-                moved[key] = moved.get(key, 0) + math.prod(shape)
+                moved.setdefault(key, []).append(math.prod(shape))
     return moved
 
 
@@ -202,11 +203,11 @@ def _unit_collectives(
     return items
 
 
-def scatter_buffer(elements: int, n: int, dtype: Any, itemsize: int, tiles: bool) -> tuple[int, str]:
-    """The elements and the buffer (``"f32[64,128]"``) of the explicit step's reduce-scatter of
-    ``elements`` over ``n`` devices: one row a device, or with ``tiles`` a TPU's (``block_shape``)."""
-    rows, columns = block_shape(-(-elements // n), np.dtype(dtype).itemsize, tiles)
-    return n * rows * columns, f"{_hlo_type(dtype, itemsize)}[{n * rows},{columns}]"
+def scatter_buffer(sizes: Sequence[int], n: int, dtype: Any, itemsize: int, tiles: bool) -> tuple[int, str]:
+    """The elements and the buffer (``"f32[8,8,128]"``) of the explicit step's reduce-scatter of
+    parameters of ``sizes`` elements over ``n`` devices, with ``tiles`` a TPU's (``block_of``)."""
+    rows, columns = block_of([k // n for k in sizes], np.dtype(dtype).itemsize, tiles)
+    return n * rows * columns, f"{_hlo_type(dtype, itemsize)}[{n},{rows},{columns}]"
 
 
 def tiled_scatters(
@@ -226,7 +227,7 @@ def tiled_scatters(
             e, kind = elements[item.what], item.buffer.split("[")[0]
             rows, columns = block_shape(-(-e // n), item.bytes // e, True)
             item = dataclasses.replace(
-                item, bytes=n * rows * columns * item.bytes // e, buffer=f"{kind}[{n * rows},{columns}]"
+                item, bytes=n * rows * columns * item.bytes // e, buffer=f"{kind}[{n},{rows},{columns}]"
             )
         out.append(item)
     return out
@@ -262,21 +263,26 @@ def cross_replica_items(
     sizes: dict[str, int],
     precision: Any,
     communicated: Any,
+    platform: str | None = None,
 ) -> list[ExpectedCollective]:
     """Hybrid sharding's once-per-step reduction across replicas: every split gradient's
     slice (a ``1/|data|`` of it, in the policy's reduce dtype), summed over the replica
     axis after the reduce-scatter over the data axis (explicit mode: one all-reduce, a
-    buffer per slice)."""
+    buffer per slice; on a TPU each slice as its block of whole tiles, ``to_tiles``)."""
     n = sizes.get(options.data_axis, 1)  # a mesh without it: one device
     items = []
     for path, shape, dtype, split in leaves:
         if split:
             floating = jnp.issubdtype(np.dtype(dtype), jnp.floating)
             moved = precision.reduce_dtype if precision is not None and floating else dtype
+            elements = math.prod(shape) // n
+            if on_tpu(platform):
+                rows, columns = block_shape(elements, np.dtype(moved).itemsize, True)
+                elements = rows * columns
             items.append(
                 ExpectedCollective(
                     "all-reduce", f"across {options.replica_axis!r}: {path}",
-                    math.prod(shape) // n * _itemsize(moved, communicated),
+                    elements * _itemsize(moved, communicated),
                     "gradients", scopes=(scopes.GRAD_REDUCE,), axes=(options.replica_axis,),
                 )
             )  # fmt: skip

@@ -262,10 +262,12 @@ def _format_comparison(comparison: Comparison) -> str:
     rows: dict[tuple[str, str], list[int]] = {}  # (source, kind) -> [expected, optional, compiled]
     seen: set[int] = set()
     for item, parts in comparison.matched:
-        cell = rows.setdefault((item.category, kind_key(item.kind, mode)), [0, 0, 0])
+        crossing = any(p.row.crosses and p.kind == "send" for p in parts)  # across slices: what each sends
+        key = kind_key(item.kind, mode) + (" across slices" if crossing else "")
+        cell = rows.setdefault((item.category, key), [0, 0, 0])
         cell[1 if item.optional else 0] += item.bytes
         for p in parts:
-            if id(p) not in seen:
+            if id(p) not in seen and (not crossing or (p.row.crosses and p.kind == "send")):
                 seen.add(id(p))
                 cell[2] += p.bytes_per_step
     for p in comparison.unexpected:

@@ -24,10 +24,11 @@ class Collective:
       name: the instruction's name in the HLO, e.g. ``"all-reduce.5"``.
       opcode: the HLO opcode as written, e.g. ``"all-reduce-start"``.
       computation: the HLO computation that holds the instruction.
-      operands: the operand buffers (a combined all-reduce has several).
+      operands: the operand buffers (a combined all-reduce or collective-permute has several; an
+        in-place permute's input alone).
       results: the result buffers (for ``all-gather-start``, the gathered ones only).
       bytes: per device and execution, as nccl-tests count "size": the operands; an
-        all-gather's result; a permute's or send's first operand; a recv's buffer.
+        all-gather's result; a send's first operand; a recv's buffer.
       replica_groups: the replica groups as the HLO writes them (``""`` when absent).
       groups: the device groups as logical device ids, or ``None`` when not readable.
       axes: the mesh axes the groups span (from ``mesh=``, else the HLO's names), or ``None``.
@@ -39,6 +40,14 @@ class Collective:
         (``None`` where not stated); ``()`` outside loops.
       op_name: the JAX operation it came from (all of them for a combined one), or ``""``.
       buffer_op_names: the JAX operation of each buffer of ``parts``, in order.
+      crosses: for a send or recv the TPU runtime runs between slices, the collective it carries
+        (``"all-reduce"``: one part of an all-reduce across the slices), else ``""``.
+      rendezvous: the name that pairs such a send with its recv, else ``""``.
+      fed_by: the instruction whose result it moves (its first operand, read through bitcasts,
+        copies and tuple elements), ``""`` when that operand is computed: what links an
+        all-reduce across slices to the collectives over the slice's own chips around it.
+      unpadded: the bytes its buffer held before the TPU compiler padded it to whole tiles for
+        it (an all-reduce or send across slices of buffers it combined), ``None`` when not padded.
     """
 
     kind: str
@@ -56,13 +65,17 @@ class Collective:
     trip_counts: tuple[int | None, ...] = ()
     op_name: str = ""
     buffer_op_names: tuple[str, ...] = ()
+    crosses: str = ""
+    rendezvous: str = ""
+    fed_by: str = ""
+    unpadded: int | None = None
 
     @property
     def parts(self) -> tuple[Part, ...]:
         """Its buffers one by one, each with its own operation and bytes (they sum to ``bytes``).
 
-        An all-gather's parts are its gathered results; a collective-permute's, a send's
-        and a recv's the one buffer ``bytes`` counts; the others' their operands.
+        An all-gather's parts are its gathered results; a send's and a recv's the one buffer
+        ``bytes`` counts; the others' their operands.
         """
         buffers = _part_buffers(self)
         if len(buffers) <= 1:
@@ -188,9 +201,9 @@ class Part:
 def _part_buffers(row: Collective) -> tuple[Operand, ...]:
     if row.kind == "all-gather" or row.kind == "recv":
         return row.results
-    if row.kind in ("collective-permute", "send", "ragged-all-to-all"):
+    if row.kind in ("send", "ragged-all-to-all"):
         return (row.operands or row.results)[:1]
-    return row.operands or row.results
+    return row.operands or row.results  # a collective-permute's: several where XLA combined them
 
 
 def collectives(module: _hlo.Module, mesh: tuple[tuple[str, int], ...] | None) -> tuple[Collective, ...]:
@@ -228,10 +241,13 @@ def _slices(
 def _row(site: _hlo.Site, module: _hlo.Module, mesh: tuple[tuple[str, int], ...] | None) -> Collective:
     kind, instruction, computation = site.kind, site.instruction, site.computation
     operands = _hlo.operand_buffers(instruction, computation, module)
+    if kind == "collective-permute" and "slice_sizes=" in instruction.attrs:
+        operands = operands[:1]  # in place: (input, output, offsets...): the input is what moves
     results = _hlo.result_buffers(kind, instruction, operands)
     raw, groups, hlo_axes = _hlo.replica_groups(instruction.attrs, module.num_devices)
     pairs = _hlo.source_target_pairs(instruction.attrs)
     name = _hlo.op_name(instruction.attrs)
+    crosses, rendezvous = _hlo.crossing(instruction.attrs) if kind in ("send", "recv") else ("", "")
     row = Collective(
         kind=kind,
         name=instruction.name,
@@ -247,6 +263,10 @@ def _row(site: _hlo.Site, module: _hlo.Module, mesh: tuple[tuple[str, int], ...]
         shift=_hlo.pair_shift(pairs, mesh),
         trip_counts=site.trip_counts,
         op_name=name,
+        crosses=crosses,
+        rendezvous=rendezvous,
+        fed_by=_hlo.source_of(instruction, computation),
+        unpadded=_hlo.unpadded(instruction, computation) if kind in ("all-reduce", "send") else None,
     )
     count = len(_part_buffers(row))
     if count <= 1:
@@ -259,7 +279,7 @@ def _row(site: _hlo.Site, module: _hlo.Module, mesh: tuple[tuple[str, int], ...]
 def _buffer_bytes(kind: str, operands: tuple[Operand, ...], results: tuple[Operand, ...]) -> int:
     if kind in ("all-gather", "recv"):
         return sum(b.bytes for b in results)
-    if kind in ("collective-permute", "send", "ragged-all-to-all"):
+    if kind in ("send", "ragged-all-to-all"):
         return operands[0].bytes if operands else sum(b.bytes for b in results[:1])
     if not operands and kind in ("all-reduce", "all-to-all", "collective-broadcast"):
         return sum(b.bytes for b in results)  # same sizes in and out

@@ -148,7 +148,12 @@ def expected_step(
         precision=step.precision,
         communicated_dtype=step.widened,
     )
-    items = [*_written(step, expected.items, leaves, across), *units, *across, *metrics, *declared]
+    items = [
+        *_written(step, [*expected.items, *metrics], leaves, across, pipeline is not None),
+        *units,
+        *across,
+        *declared,
+    ]
     items = _optional_reductions(_step_scopes(items, model, options, scoped), metrics, options.mode)
     if not scoped:  # a step that names no scope (or compiled none of its collectives): anywhere
         items = [dataclasses.replace(i, scopes=()) for i in items]
@@ -257,7 +262,7 @@ def _parameter_items(
     units: list[ExpectedCollective] = []
     across = []
     if options.mode == "explicit" and sizes.get(options.replica_axis, 1) > 1:  # hybrid sharding
-        across = cross_replica_items(leaves, options, sizes, step.precision, step.widened)
+        across = cross_replica_items(leaves, options, sizes, step.precision, step.widened, step.platform)
     if options.mode == "explicit" and step.n > 1:  # a unit's parameters move together
         per_tick = options if pipeline is None else options.replace(microbatches=1, schedule=None)
         again = recomputed or (pipeline is not None and pipeline.schedule == "1f1b")
@@ -274,18 +279,20 @@ def _written(
     items: Sequence[ExpectedCollective],
     leaves: list[tuple[str, tuple[int, ...], Any, bool]],
     across: list[ExpectedCollective],
+    pipelined: bool = False,
 ) -> list[ExpectedCollective]:
     """``items`` as the explicit step writes them: each split gradient's reduce-scatter for its
-    platform, and with hybrid sharding each whole gradient summed over both axes at once."""
+    platform, each whole gradient summed over the rows' axes (the replica and data axes at once
+    where the mesh has both; with hybrid sharding, unpipelined, the loss and metrics too)."""
     options, sizes = step.options, step.sizes
     if options.mode != "explicit" or step.n == 1:
         return list(items)
     written = tiled_scatters(items, leaves, sizes.get(options.data_axis, 1), step.platform)
-    if across:  # each whole gradient summed over the replica and data axes at once (not a slice's sum)
-        over = tuple(a for a in sizes if a in (options.replica_axis, options.data_axis))
-        whole = [i.kind == "all-reduce" and i.category == "gradients" for i in written]
-        written = [dataclasses.replace(i, axes=over) if w else i for i, w in zip(written, whole, strict=True)]
-    return written
+    # each whole gradient summed over the rows' axes at once: the replica axis where the mesh has it
+    over = tuple(a for a in sizes if a in (options.replica_axis, options.data_axis) and sizes[a] > 1)
+    summed = ("gradients", "loss", "metrics") if across and not pipelined else ("gradients",)
+    whole = [i.kind == "all-reduce" and i.category in summed and not i.axes for i in written]
+    return [dataclasses.replace(i, axes=over) if w else i for i, w in zip(written, whole, strict=True)]
 
 
 def _step_scopes(

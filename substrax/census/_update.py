@@ -13,6 +13,7 @@ from substrax._base import scopes
 from substrax._base.trees import KeyPath
 from substrax._layout import gradient_spec
 from substrax._shared.compiled import cached
+from substrax._shared.compiler import compiler_options
 from substrax._shared.options import StepOptions
 from substrax._shared.update import apply_update, donated_state, state_values
 from substrax.census._expected import ExpectedCollective
@@ -62,8 +63,9 @@ def update_census(
             apply_update(model, optimizer, grads, loss, before)
         return jax.tree.leaves(nnx.state((model, optimizer)))
 
+    pinned = compiler_options(mesh, options.mode)  # compiled as the step is (its TPU options)
     with mesh_context(options):
-        lowered = jax.jit(update, donate_argnums=0).lower(arrays, grads, loss)
+        lowered = jax.jit(update, donate_argnums=0, compiler_options=pinned).lower(arrays, grads, loss)
         compiled = cached(lowered, None, lowered.compile)  # once per program: plan's, then the census's
     return census(compiled, mesh=mesh)
 

@@ -20,7 +20,7 @@ from substrax._base.specs import spec_axes
 from substrax._base.trees import KeyPath, PyTree, path_str
 from substrax._layout import STAGE_AXIS, ParamSplit, check_declared_rank, declared_spec, spec_tuple
 from substrax._metrics.collectives import to_varying, to_varying_over, varying_axes
-from substrax._shared.scatter import tiled
+from substrax._shared.scatter import from_tiles, tiled, to_tiles
 from substrax.explicit._units import gather_grouped, scatter_grouped, varying_other
 
 __all__ = [
@@ -205,10 +205,18 @@ def reduce_gradients(
                     tiled=True,
                 )
     sliced = sorted({*split, *(i for i, (p, _) in enumerate(flat) if p in done)})
-    if replicas and sliced:  # across replicas, once, at the slices' size
+    if replicas and sliced:  # across replicas, once, at the slices' size (on a TPU as whole tiles)
         axis = replicas if len(replicas) > 1 else replicas[0]
-        with jax.named_scope(scopes.GRAD_REDUCE):
-            out.update(zip(sliced, jax.lax.psum([out[i] for i in sliced], axis), strict=True))
+        values = [out[i] for i in sliced]
+        with jax.named_scope(scopes.GRAD_REDUCE):  # (the barriers keep the TPU compiler from summing
+            if tiled():  # the slices in their own shapes, padded in its layout)
+                values = jax.lax.optimization_barrier([to_tiles(v) for v in values])
+            summed = jax.lax.psum(values, axis)
+            if tiled():
+                summed = jax.lax.optimization_barrier(summed)
+        out.update(
+            {i: from_tiles(v, out[i].shape) if tiled() else v for i, v in zip(sliced, summed, strict=True)}
+        )
     return nnx.from_flat_state([(p, v.replace(out[i])) for i, (p, v) in enumerate(flat)])
 
 

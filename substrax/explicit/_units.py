@@ -20,7 +20,7 @@ from substrax._base.hooks import UNIT_HOOK
 from substrax._base.trees import KeyPath, merged, node_at, path_str, picked
 from substrax._layout import note_layers
 from substrax._metrics.collectives import varying_axes, zeros_of_type
-from substrax._shared.scatter import block_shape, tiled
+from substrax._shared.scatter import scatter_rows
 from substrax.explicit._prefetch import prefetched_layers
 
 __all__ = ["gather_grouped", "run_unit", "scatter_grouped", "units_running", "varying_other"]
@@ -203,32 +203,9 @@ def scatter_grouped(grads: list[jax.Array], shapes: list[tuple[int, ...]], dims:
             g, d, shape = moved[i], dims[i], shapes[i]
             split = g.reshape(*shape[:d], n, shape[d], *shape[d + 1 :])
             rows.append(jnp.moveaxis(split, d, 0).reshape(n, -1))
-        flat = _scatter_rows(jnp.concatenate(rows, axis=1), axis, scope)
-        at = 0
-        for i in idx:
-            size = math.prod(shapes[i])
-            out[i] = flat[at : at + size].reshape(shapes[i])
-            at += size
+        for i, flat in zip(idx, scatter_rows(rows, axis, scope), strict=True):
+            out[i] = flat.reshape(shapes[i])
     return out
-
-
-def _scatter_rows(buffer: jax.Array, axis: str, scope: str) -> jax.Array:
-    """``psum_scatter`` of ``buffer`` ``(n, k)``: this device's summed row ``(k,)``.
-
-    On a TPU each device's row goes as a block of whole tiles, padded to them
-    (``substrax._shared.scatter.block_shape``): the TPU compiler (libtpu 0.0.52) reduces a
-    one-row block, a flat one or one across a tile's lanes whole (census guide, "On a TPU").
-    """
-    n, k = buffer.shape
-    rows, columns = block_shape(k, buffer.dtype.itemsize, tiled())
-    if rows == 1:
-        with jax.named_scope(scope):
-            return jax.lax.psum_scatter(buffer, axis, scatter_dimension=0, tiled=False)
-    if rows * columns != k:
-        buffer = jnp.pad(buffer, ((0, 0), (0, rows * columns - k)))
-    with jax.named_scope(scope):
-        block = jax.lax.psum_scatter(buffer.reshape(n * rows, columns), axis, scatter_dimension=0, tiled=True)
-    return block.reshape(rows * columns)[:k]
 
 
 def _array_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[jax.Array], Any]:

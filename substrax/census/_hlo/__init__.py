@@ -1,7 +1,7 @@
 """A reader of optimized HLO text: the collective instructions a program runs, and what each says.
 
-It knows HLO, not substrax: ``_module``, and ``_loops``, ``_buffers``, ``_groups``, which
-import only ``_module``; ``_sites`` imports ``_module`` and ``_loops``.
+It knows HLO, not substrax: ``_module``, and ``_loops``, ``_buffers``, ``_groups``, ``_slices``,
+which import only ``_module``; ``_sites`` imports ``_module`` and ``_loops``.
 """
 
 from ._buffers import buffer_op_names, operand_buffers, result_buffers
@@ -19,6 +19,7 @@ from ._module import (
     parse_module,
 )
 from ._sites import Site, collective_sites
+from ._slices import crossing, source_of, unpadded
 
 __all__ = [
     "KINDS",
@@ -31,6 +32,7 @@ __all__ = [
     "arrays",
     "buffer_op_names",
     "collective_sites",
+    "crossing",
     "mesh_axes",
     "op_name",
     "operand_name",
@@ -39,6 +41,8 @@ __all__ = [
     "parse_module",
     "replica_groups",
     "result_buffers",
+    "source_of",
     "source_target_pairs",
     "trip_count",
+    "unpadded",
 ]

@@ -112,8 +112,8 @@ def result_buffers(kind: str, instruction: Instruction, operands: tuple[Operand,
     started = instruction.opcode.endswith("-start")
     if kind == "all-gather" and started and len(results) == 2 * len(operands) > 0:
         return results[len(operands) :]  # all-gather-start: (operands..., gathered...)
-    if kind == "collective-permute" and started and len(results) >= 2:
-        return results[1:2]  # (operand, result, context...)
+    if kind == "collective-permute" and started and len(results) >= 2 * len(operands) > 0:
+        return results[len(operands) : 2 * len(operands)]  # (operands, results, context...)
     if kind == "recv":
         return results[:1]  # (buffer, context, token)
     return results

@@ -9,6 +9,7 @@ from substrax._base import scopes
 from substrax.census._expected import Expected, ExpectedCollective
 from substrax.census._match._kinds import kind_key
 from substrax.census._match._shapes import dims, same_shape, shape_distance, shapes_of
+from substrax.census._match._slices import across_slices
 from substrax.census._rows import Collective, Part
 from substrax.census._text import shorten
 
@@ -41,6 +42,8 @@ class Assignment:
         # over an axis the layers declare collectives on, every buffer must be one they declared
         self.declared_axes = {a for i in self.items if i.category == "model" for a in i.axes}
         self.layered: dict[int, int] = {}  # item -> layers: moved one layer per iteration of the stack's loop
+        across_slices(self)  # the all-reduces across TPU slices, as the send/recv pairs that carry them
+        self._folded()
         if self.mode == "implicit":
             self._per_layer()
         self._one_to_one()
@@ -111,6 +114,38 @@ class Assignment:
                 if self.parts[j].row.trip_counts == (named[0],):  # the stack's loop alone: once per step
                     self.layered[i] = named[0]
                     self.items[i] = replace(item, in_loop=True)
+
+    def _folded(self) -> None:
+        """Two all-reduces of one buffer over disjoint axes compiled as one over both (XLA folds an
+        all-reduce of an all-reduce: the GPU compiler a pipeline's sum over ``stage`` of a whole
+        gradient with its sum over ``data``): the one buffer carries both, each of its bytes."""
+        for j, part in enumerate(self.parts):
+            if j in self.taken or part.kind != "all-reduce" or not part.row.axes:
+                continue
+            pair = self._fold_of(part)
+            if pair is not None:
+                for i in pair:
+                    self._take(i, j)
+                a, b = (self.items[i] for i in pair)
+                self.notes.append(
+                    f"{a.what} over {', '.join(a.axes)} and {b.what} over {', '.join(b.axes)} compiled "
+                    f"as one all-reduce over both ({part}): the compiler folds an all-reduce of an all-reduce"
+                )
+
+    def _fold_of(self, part: Part) -> tuple[int, int] | None:
+        """Two unmatched expected all-reduces of ``part``'s buffer whose axes split ``part``'s."""
+        over = set(part.row.axes or ())
+        free = [
+            i for i, item in enumerate(self.items)
+            if i not in self.assigned and item.kind == "all-reduce" and item.buffer == str(part.buffer)
+            and item.bytes == part.bytes and item.axes and set(item.axes) < over
+        ]  # fmt: skip
+        for x in free:
+            for y in free:
+                ax, ay = set(self.items[x].axes), set(self.items[y].axes)
+                if x < y and not ax & ay and ax | ay == over:
+                    return x, y
+        return None
 
     def _preference(self, item: ExpectedCollective, j: int) -> tuple[int, int, bool, int]:
         part = self.parts[j]
