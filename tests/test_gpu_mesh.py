@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 
 import pytest
 from conftest import needs_cuda_plugin
@@ -87,3 +90,22 @@ def test_without_ptxas_or_libdevice_the_error_says_what_to_install(
     monkeypatch.setattr(_gpu, "cuda_tools", lambda: {k: None if k in absent else v for k, v in tools.items()})
     with pytest.raises(RuntimeError, match=says + r".*pip install 'substrax\[gpu\]' installs both"):
         topology_mesh("h100:1x1x8", {"data": 8})
+
+
+@needs_cuda_plugin
+def test_a_gpu_topology_after_jax_started_its_backends() -> None:
+    """jax discovers its plugins once: where a backend started first (``jax.devices()``, with
+    ``JAX_PLATFORMS`` unset), the CUDA plugin checked for a driver, found none and stayed unregistered,
+    and the GPU topology failed ("topology not implemented for cuda")."""
+    script = (
+        "import jax\n"
+        "jax.devices()\n"
+        "from substrax.mesh import topology_mesh\n"
+        "print(topology_mesh('h100:1x1x8', {'data': 8}).devices.flat[0].device_kind)\n"
+    )
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK")
+    }
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip().endswith("NVIDIA H100 80GB HBM3"), run.stdout

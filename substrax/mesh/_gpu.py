@@ -199,6 +199,21 @@ def gpu_devices(gpu: str, topology: str) -> list[Any]:
             f"CUDA_HOME or /usr/local/cuda: {INSTALL} installs both."
         )
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no GPU, no driver to check
+    _register_plugin()
     from jax.experimental import topologies
 
     return list(topologies.get_topology_desc(platform="cuda", target_config=text, topology=topology).devices)
+
+
+def _register_plugin() -> None:
+    """Register the CUDA plugin where jax found its plugins before the constraints check was skipped.
+
+    jax discovers its plugins once per process; where that ran first (any backend started with
+    ``JAX_PLATFORMS`` unset: ``jax.devices()``), the plugin checked the CUDA driver, found none
+    and stayed unregistered: no topology for ``cuda``. Initialized again, now without the check.
+    """
+    from jax._src import xla_bridge
+
+    xla_bridge._discover_and_register_pjrt_plugins()
+    if "cuda" not in xla_bridge._topology_factories:
+        importlib.import_module(_PLUGIN).initialize()
