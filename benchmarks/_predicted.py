@@ -63,8 +63,10 @@ def predict(
         text = cached.read_text()
     else:
         started = time.perf_counter()
-        step = substrax.make_train_step(loss_fn, mode, mesh=mesh, precision=policy)
-        text = step.lower(model, optimizer, batch, donate=True).compile().as_text()
+        step = substrax.make_train_step(loss_fn, mode.split("-")[0], mesh=mesh, precision=policy)
+        # "explicit-bf16-propagation": the explicit step with the TPU compiler's bfloat16 propagation on
+        options = {"xla_jf_bf16_propagation": True} if mode.endswith("-bf16-propagation") else None
+        text = step.lower(model, optimizer, batch, donate=True).compile(compiler_options=options).as_text()
         compile_s = time.perf_counter() - started
         if cached is not None:
             cached.parent.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,7 @@ topology, its step predicted from the program beside the step the chip measured
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,9 @@ import _measure as M  # benchmarks/_measure.py: run as `python benchmarks/NAME.p
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 MODES = ("implicit", "explicit")
+# a spelling beyond the modes: the explicit step compiled with the TPU compiler's bfloat16 propagation
+# on (substrax._shared.compiler turns it off for the explicit step; the planning guide, "Seconds")
+PROPAGATED = "explicit-bf16-propagation"
 # name: (d, depth, heads, kv_heads, hidden, vocab, seq, batch, precision, remat)
 CONFIGS = {
     "245M-bf16": (1024, 16, 16, 4, 3456, 32000, 1024, 8, "bf16", True),
@@ -39,7 +43,8 @@ CONFIGS = {
 }
 
 
-def run(names: list[str], rounds: int, block_s: float) -> list[dict]:
+def run(names: list[str], rounds: int, block_s: float, modes: tuple[str, ...] = MODES) -> list[dict]:
+
     import jax
     import jax.numpy as jnp
     import llama
@@ -58,18 +63,21 @@ def run(names: list[str], rounds: int, block_s: float) -> list[dict]:
         tokens = np.random.default_rng(0).integers(0, vocab, (rows_, seq + 1)).astype(np.int32)
         batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
         calls, first = {}, {}
-        for mode in MODES:
+        for mode in modes:
             with jax.set_mesh(mesh):
                 model = llama.Llama(vocab, d, depth, heads=heads, kv_heads=kv, hidden=hidden, remat=remat)
                 optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
             params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-            step = substrax.make_train_step(llama.loss_fn, mode, mesh=mesh, precision=policy)
-            fast = step.bind(model, optimizer)
-            calls[mode] = lambda fast=fast: fast(batch)
-            first[mode] = M.first_call_s(calls[mode], warmup=2)
+            with _propagated() if mode == PROPAGATED else contextlib.nullcontext():
+                step = substrax.make_train_step(
+                    llama.loss_fn, mode.split("-")[0], mesh=mesh, precision=policy
+                )
+                fast = step.bind(model, optimizer)
+                calls[mode] = lambda fast=fast: fast(batch)
+                first[mode] = M.first_call_s(calls[mode], warmup=2)  # compiled here
         samples, block = M.interleaved(calls, rounds, block_s, "implicit")
-        ratio = M.paired_ratio(samples["explicit"], [samples["implicit"]])
-        for mode in MODES:
+        for mode in modes:
+            ratio = M.paired_ratio(samples[mode], [samples["implicit"]])
             median = float(np.median(samples[mode]))
             rows.append({
                 "config": name, "params": int(params), "d": d, "depth": depth, "seq": seq, "batch": rows_,
@@ -80,7 +88,20 @@ def run(names: list[str], rounds: int, block_s: float) -> list[dict]:
     return rows
 
 
-def predicted(names: list[str], programs: str | None) -> list[dict]:
+@contextlib.contextmanager
+def _propagated():
+    """The explicit step's TPU options with bfloat16 propagation on, while it compiles."""
+    from substrax._shared import compiler
+
+    was = compiler.TPU_COMPILER_OPTIONS["xla_jf_bf16_propagation"]
+    compiler.TPU_COMPILER_OPTIONS["xla_jf_bf16_propagation"] = True
+    try:
+        yield
+    finally:
+        compiler.TPU_COMPILER_OPTIONS["xla_jf_bf16_propagation"] = was
+
+
+def predicted(names: list[str], programs: str | None, modes: tuple[str, ...] = MODES) -> list[dict]:
     """Each configuration's step predicted from its program compiled for v5e:1x1, beside the chip's."""
     import _predicted as P  # benchmarks/_predicted.py
     import jax
@@ -106,7 +127,7 @@ def predicted(names: list[str], programs: str | None) -> list[dict]:
             batch = {k: jax.ShapeDtypeStruct((rows_, seq), jnp.int32) for k in ("tokens", "targets")}
             return llama.loss_fn, model, optimizer, batch, policy
 
-        for mode in MODES:
+        for mode in modes:
             rows.append(P.predict(name, mode, build, programs))
             print(rows[-1], flush=True)
     return P.joined(rows)
@@ -115,11 +136,11 @@ def predicted(names: list[str], programs: str | None) -> list[dict]:
 def table(rows: list[dict], machine: dict[str, Any]) -> str:
     lines = [
         f"{machine['device_kind']} ({machine['backend']}), jax {machine['jax']}, {machine['date']}",
-        f"{'config':<16} {'params':>8} {'mode':<9} {'step ms':>9} {'expl/impl':>9} {'tokens/s':>11}",
+        f"{'config':<16} {'params':>8} {'mode':<26} {'step ms':>9} {'expl/impl':>9} {'tokens/s':>11}",
     ]
     for r in rows:
         lines.append(
-            f"{r['config']:<16} {r['params'] / 1e6:>7.1f}M {r['mode']:<9} {r['median_step_us'] / 1e3:>9.2f} "
+            f"{r['config']:<16} {r['params'] / 1e6:>7.1f}M {r['mode']:<26} {r['median_step_us'] / 1e3:>9.2f} "
             f"{r['explicit_over_implicit']:>9.3f} {r['tokens_per_s']:>11,.0f}"
         )
     lines.append("expl/impl: the median over rounds of explicit's time / implicit's in that round (same run)")
@@ -129,6 +150,7 @@ def table(rows: list[dict], machine: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default="245M-bf16,245M-f32,31M-bf16-remat,31M-bf16")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"implicit, explicit, {PROPAGATED}")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--block-s", type=float, default=0.5, help="seconds of steps per sample")
     parser.add_argument("--quick", action="store_true", help="a small size, 3 rounds (runs on a CPU too)")
@@ -140,7 +162,7 @@ def main() -> None:
     if args.predict:
         import _predicted as P
 
-        rows = predicted(args.configs.split(","), args.programs)
+        rows = predicted(args.configs.split(","), args.programs, tuple(args.modes.split(",")))
         text = P.table(rows)
         print(text)
         M.write(args.json, {"machine": M.machine(), "rows": rows}, text + "\n")
@@ -150,7 +172,7 @@ def main() -> None:
 
     import jax
 
-    rows = run(args.configs.split(","), args.rounds, args.block_s)
+    rows = run(args.configs.split(","), args.rounds, args.block_s, tuple(args.modes.split(",")))
     machine = {**M.machine(), "device_kind": jax.devices()[0].device_kind}
     text = table(rows, machine)
     print(text)
