@@ -76,6 +76,9 @@ def run_worker(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, str(WORKERS / "ckpt_fault_worker.py"), *args],
         cwd=REPO,
+        # a CPU process: with the gpu extra installed, jax's CUDA plugin would print its failed
+        # driver check (a traceback) on stderr, which test 8 reads line by line
+        env=os.environ | {"JAX_PLATFORMS": "cpu"},
         check=False,
         capture_output=True,
         text=True,
