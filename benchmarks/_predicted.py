@@ -98,7 +98,7 @@ def joined(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 def table(rows: Iterable[dict[str, Any]]) -> str:
     lines = [
         "predicted: compiled for v5e:1x1 on this CPU, substrax.timeline.predict; measured: the chip's median",
-        f"{'config':<16} {'params':>8} {'mode':<9} {'predicted ms':>12} {'measured ms':>11} {'pred/meas':>9} "
+        f"{'config':<16} {'params':>8} {'mode':<26} {'predicted ms':>12} {'measured ms':>11} {'pred/meas':>9} "
         f"{'MFU (pred.)':>11}  measured in",
     ]
     for r in rows:
@@ -107,7 +107,7 @@ def table(rows: Iterable[dict[str, Any]]) -> str:
         mfu = "-" if r["predicted_mfu"] is None else f"{r['predicted_mfu']:.3f}"
         pred = f"{r['predicted_step_s'] * 1e3:.2f}"
         lines.append(
-            f"{r['config']:<16} {r['params'] / 1e6:>7.1f}M {r['mode']:<9} {pred:>12} {meas:>11} {ratio:>9} "
+            f"{r['config']:<16} {r['params'] / 1e6:>7.1f}M {r['mode']:<26} {pred:>12} {meas:>11} {ratio:>9} "
             f"{mfu:>11}  {r['measured_in']}"
         )
     return "\n".join(lines)

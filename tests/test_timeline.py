@@ -37,6 +37,29 @@ def test_a_matrix_product_costs_its_flops_or_its_bytes_whichever_is_longer() -> 
     assert timeline.step_seconds == timeline.compute_seconds
 
 
+@pytest.mark.parametrize(
+    ("window", "padding", "strides", "lhs_dilation"),
+    [
+        ((32,), ((31, 31),), (1,), (1,)),  # the TPU's matrix product over heads: one tap in 32 on input
+        ((3, 5), ((1, 1), (2, 0)), (1, 2), (1, 1)),
+        ((7,), ((3, 3),), (1,), (2,)),  # a dilated input's holes
+    ],
+)
+def test_a_convolution_counts_the_taps_that_meet_input_not_padding(
+    window, padding, strides, lhs_dilation
+) -> None:
+    """Against the convolution of ones (each result element: the features times its taps on input)."""
+    spatial = (1,) if window == (32,) else (9, 8) if len(window) == 2 else (4,)
+    lhs, rhs = (2, 16, *spatial), (8, 16, *window)
+
+    def conv(x, w):
+        return jax.lax.conv_general_dilated(x, w, strides, padding, lhs_dilation=lhs_dilation)
+
+    ones = conv(jnp.ones(lhs, jnp.float32), jnp.ones(rhs, jnp.float32))
+    timeline = predict(_compiled(conv, (lhs, jnp.float32), (rhs, jnp.float32)), target="v5e")
+    assert timeline.flops == pytest.approx(2 * float(ones.sum()))
+
+
 def test_a_float32_product_runs_at_the_targets_float32_rate() -> None:
     m = k = n = 1024  # large enough to be bound by the matrix units on an H100
     timeline = predict(_compiled(jnp.matmul, ((m, k), jnp.float32), ((k, n), jnp.float32)), target="h100")

@@ -107,8 +107,8 @@ def _flops(module: Any, computation: Any, instruction: Any) -> Cost:
     return Cost(float(_elements(instruction.shape)))
 
 
-def _summed(computation: Any, instruction: Any) -> int:
-    """How many products each result element of a matrix product sums."""
+def _summed(computation: Any, instruction: Any) -> float:
+    """How many products each result element of a matrix product sums (on average, for a convolution)."""
     lhs = arrays(_shape(computation, instruction.operands[0]))
     if instruction.opcode == "convolution":
         return _window_taps(computation, instruction)
@@ -119,19 +119,60 @@ def _summed(computation: Any, instruction: Any) -> int:
     return math.prod(lhs[0].shape[d] for d in dims if d < len(lhs[0].shape))
 
 
-def _window_taps(computation: Any, instruction: Any) -> int:
-    """A convolution's input features times the window positions that meet input (not dilation's holes):
-    the TPU writes a batched matrix product as a convolution whose window spans the batch, dilated."""
+def _window_taps(computation: Any, instruction: Any) -> float:
+    """A convolution's input features times the window taps, per result element, that meet input:
+    not dilation's holes (the TPU writes a batched matrix product as a convolution whose window spans
+    the batch, dilated), nor padding (and a matrix product as one whose window spans the heads over
+    an input of one position padded to them: ``size=32 pad=31_31``, one tap in 32 on input)."""
     labels = _LABELS.search(instruction.attrs)
+    lhs = arrays(_shape(computation, instruction.operands[0]))
     kernel = arrays(_shape(computation, instruction.operands[1])) if len(instruction.operands) > 1 else ()
-    if labels is None or not kernel:
+    if labels is None or not kernel or not lhs:
         return 1
     features = math.prod(k for k, c in zip(kernel[0].shape, labels.group(2), strict=False) if c == "i")
     window = _WINDOW.search(instruction.attrs)
     text = window.group(1) if window else ""
     sizes = _dims(text, "size")
-    dilations = _dims(text, "lhs_dilate") or [1] * len(sizes)
-    return features * math.prod(-(-s // max(1, d)) for s, d in zip(sizes, dilations, strict=False))
+    n = len(sizes)
+    inputs = [lhs[0].shape[labels.group(1).index(str(d))] for d in range(n)]
+    pads = [tuple(int(x) for x in p.split("_")) for p in re.findall(r"\d+_\d+", _field(text, "pad"))]
+    pads = pads if len(pads) == n else [(0, 0)] * n
+    strides = _dims(text, "stride") or [1] * n
+    lhs_dilations = _dims(text, "lhs_dilate") or [1] * n
+    rhs_dilations = _dims(text, "rhs_dilate") or [1] * n
+    taps = 1.0
+    for i in range(n):
+        taps *= _taps_on_input(inputs[i], sizes[i], pads[i], strides[i], lhs_dilations[i], rhs_dilations[i])
+    return features * taps
+
+
+def _taps_on_input(size: int, window: int, pad: tuple[int, int], stride: int, lhs: int, rhs: int) -> float:
+    """Along one dimension: the window's taps per output position that fall on an input element
+    (not padding, not a hole of the input's dilation), averaged over the output positions."""
+    span = (size - 1) * lhs + 1 + pad[0] + pad[1]  # the dilated, padded input
+    outputs = max(0, (span - ((window - 1) * rhs + 1)) // stride + 1)
+    if outputs == 0:
+        return 0.0
+    hits = 0
+    for k in range(window):  # output o meets input at o * stride + k * rhs - pad[0]: in range, on an element
+        at = k * rhs - pad[0]
+        first = -(at // stride) if at < 0 else 0  # ceil(-at / stride)
+        last = min(outputs - 1, ((size - 1) * lhs - at) // stride)
+        if last < first:
+            continue
+        if lhs == 1:
+            hits += last - first + 1
+        elif stride == 1:  # the o congruent to -at modulo the dilation
+            r = -at % lhs
+            hits += (last - r) // lhs - (first - 1 - r) // lhs
+        else:
+            hits += sum(1 for o in range(first, last + 1) if (o * stride + at) % lhs == 0)
+    return hits / outputs
+
+
+def _field(window: str, key: str) -> str:
+    found = re.search(rf"\b{key}=(\S+)", window)
+    return found.group(1) if found else ""
 
 
 def _dims(window: str, key: str) -> list[int]:
