@@ -127,3 +127,35 @@ def test_an_item_over_in_slice_axes_alone_is_not_carried_across() -> None:
     inside = [dataclasses.replace(i, axes=("data",)) if i.what.startswith("w") else i for i in expected.items]
     found = compare(census(HLO, mesh=MESH), dataclasses.replace(expected, items=tuple(inside)))
     assert not found.matches
+
+
+# the loss alone summed over both axes (measured: TinyLlama's shape, HSDP over two v5e 16x16, every
+# gradient split): a row of 128 lanes over the slice, then across, no ZeroCrop saying it held 4 B
+SCALAR = f"""HloModule step, num_partitions=8
+
+%add (x: f32[], y: f32[]) -> f32[] {{
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %sum = f32[] add(%x, %y)
+}}
+
+ENTRY %main (loss: f32[1,1,128]) -> f32[1,1,128] {{
+  %loss = f32[1,1,128]{{2,1,0:T(1,128)}} parameter(0)
+  %all-reduce.1 = f32[1,1,128]{{2,1,0:T(1,128)}} all-reduce(%loss), channel_id=1, \
+replica_groups={{{{0,1,2,3,4,5,6,7}}}}, use_global_device_ids=true, to_apply=%add
+  {_pair(1, "all-reduce.1", "f32[1,1,128]{2,1,0:T(1,128)}")}
+  ROOT %out = f32[1,1,128]{{2,1,0:T(1,128)}} copy(%summed.1)
+}}
+""".replace("\\\n", "")
+
+
+@pytest.mark.parametrize(("items", "matches"), [(("loss",), True), ((), False), (("loss", "again"), True)])
+def test_a_scalar_padded_to_a_row_of_lanes_carries_up_to_its_bytes(items: tuple, matches: bool) -> None:
+    """Its padding unrecorded, the row holds up to its 512 B: the loss (4 B) matches; nothing is a
+    difference; the loss twice (8 B) matches too, the one case this cannot tell apart."""
+    both = ("replica", "data")
+    expected = Expected(
+        "hsdp", "explicit", 1, tuple(ExpectedCollective("all-reduce", w, 4, "loss", axes=both) for w in items)
+    )
+    found = compare(census(SCALAR, mesh=MESH), expected)
+    assert found.matches == matches, found
