@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import warnings
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import llama
+import optax
 import pytest
 from conftest import needs_libtpu
 from flax import nnx
@@ -92,3 +95,29 @@ def test_zero1_with_small_parameters_matches_on_v5e_2x4_and_the_plan_is_its_cens
     gathers = [i for i, ps in found.matched if i.category == "update" and i.kind == "all-gather"]
     assert len(gathers) == found.report.count("all-gather") == 38  # every parameter's, none reduced
     assert not _without(found, gathers[-1].what).matches
+
+
+def test_a_scanned_llamas_hsdp_across_two_slices_matches_without_a_refusal() -> None:
+    """``tests/llama.py`` (2 blocks by ``nnx.vmap``, d=256: every matrix split, its norms' stacked
+    ``[2, 256]`` scales whole) over two v5e 2x4 slices. Measured before: the compiler split the norms'
+    sum over ``replica`` and ``data`` into a reduce-scatter of its own it then refused ("2nd-minor
+    compaction"), the step compiled again with the decomposer (warning), and the census did not
+    match (the norms' all-reduce unexpected, their sends too). Now the step sums each whole gradient
+    flat across slices: one padded all-reduce, one pair, matched byte for byte with the loss."""
+    mesh = topology_mesh("v5e:2x4", {"replica": 2, "data": 8}, slices=2)
+
+    def build() -> tuple:
+        model = llama.Llama(vocab=1024, d=256, depth=2, heads=4, kv_heads=2, hidden=512)
+        return model, nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+
+    model, optimizer = nnx.eval_shape(build)
+    batch = {k: jax.ShapeDtypeStruct((32, 64), jnp.int32) for k in ("tokens", "targets")}
+    substrax.shard_state(model, optimizer, mesh=mesh, layout="hsdp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the refusal's warning would fail this
+        found = substrax.make_train_step(llama.loss_fn, "explicit", mesh=mesh).check_communication(
+            model, optimizer, batch
+        )
+    assert found.matches, str(found)
+    norms = [i for i, _ in found.matched if "norm" in i.what]
+    assert len(norms) == 3 and all(i.axes == ("replica", "data") for i in norms)

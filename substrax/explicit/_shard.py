@@ -180,9 +180,15 @@ def reduce_gradients(
     whole = [i for i, (p, _) in enumerate(flat) if plans[p].update_dim is None and p not in done]
     split = [i for i, (p, _) in enumerate(flat) if plans[p].update_dim is not None and p not in done]
     over = (*replicas, data_axis) if replicas else data_axis
-    with jax.named_scope(scopes.GRAD_REDUCE):
-        summed = jax.lax.psum([flat[i][1].get_value() for i in whole], over) if whole else []
-    out = dict(zip(whole, summed, strict=True))
+    values = [flat[i][1].get_value() for i in whole]
+    flatten = bool(replicas) and tiled() and whole  # on a TPU, across slices: each flat, the barriers
+    with jax.named_scope(scopes.GRAD_REDUCE):  # keeping it so (a stacked norm's [2, 256]: the compiler
+        if flatten:  # refused its own reduce-scatter of it; census guide, "Across slices")
+            values = jax.lax.optimization_barrier([jnp.ravel(v) for v in values])
+        summed = jax.lax.psum(values, over) if whole else []
+        if flatten:
+            summed = jax.lax.optimization_barrier(summed)
+    out = {i: v.reshape(flat[i][1].get_value().shape) for i, v in zip(whole, summed, strict=True)}
     out.update({i: v.get_value() for i, (p, v) in enumerate(flat) if p in done})
     if split and (grouped or tiled()):  # on a TPU each its own group, in tiles (_shared.scatter)
         n = jax.lax.axis_size(data_axis)
