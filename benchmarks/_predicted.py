@@ -98,8 +98,8 @@ def joined(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 def table(rows: Iterable[dict[str, Any]]) -> str:
     lines = [
         "predicted: compiled for v5e:1x1 on this CPU, substrax.timeline.predict; measured: the chip's median",
-        f"{'config':<16} {'params':>8} {'mode':<26} {'predicted ms':>12} {'measured ms':>11} {'pred/meas':>9} "
-        f"{'MFU (pred.)':>11}  measured in",
+        f"{'config':<16} {'params':>8} {'mode':<26} {'predicted ms':>12} {'measured ms':>11} "
+        f"{'pred/meas':>9} {'MFU (pred.)':>11}  measured in",
     ]
     for r in rows:
         meas = "-" if r["measured_step_s"] is None else f"{r['measured_step_s'] * 1e3:.2f}"
