@@ -6,12 +6,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from jax.extend import core as jcore
-
 from substrax._base import scopes
+from substrax._base.jaxprs import equations
 
 __all__ = ["gathered", "one_run", "recomputes", "required", "traced_gathers"]
 
@@ -54,16 +53,7 @@ def one_run(item: Any) -> int:
 def recomputes(jaxpr: Any) -> bool:
     """Whether the traced step recomputes under remat (``nnx.remat``, ``jax.checkpoint``), as
     ``check_communication`` reads it from the compiled program's op names."""
-    return any("rematted_computation" in str(e.source_info.name_stack) for e, _ in _eqns(jaxpr, 1))
-
-
-def _eqns(jaxpr: Any, runs: int) -> Iterable[tuple[Any, int]]:
-    """Each equation of ``jaxpr`` and those inside it, with how often it runs (a scan's trips counted)."""
-    for e in jaxpr.eqns:
-        yield e, runs
-        inner = runs * (e.params["length"] if e.primitive.name == "scan" else 1)
-        for sub in jcore.jaxprs_in_params(e.params):
-            yield from _eqns(getattr(sub, "jaxpr", sub), inner)
+    return any("rematted_computation" in str(e.source_info.name_stack) for e, _ in equations(jaxpr))
 
 
 def traced_gathers(items: Sequence[Any], jaxpr: Any) -> tuple[Any, ...]:
@@ -78,7 +68,7 @@ def traced_gathers(items: Sequence[Any], jaxpr: Any) -> tuple[Any, ...]:
     except Exception:  # noqa: BLE001  (another jax: the optional gathers stay optional)
         return tuple(items)
     runs: dict[tuple[int, ...], int] = {}
-    for e, n in _eqns(jaxpr, 1):
+    for e, n in equations(jaxpr):
         if e.primitive.name == "all_gather" and scopes.UNIT in str(e.source_info.name_stack):
             shape = tuple(e.outvars[0].aval.shape)
             runs[shape] = runs.get(shape, 0) + n

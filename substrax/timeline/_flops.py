@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
-from jax.extend import core as jcore
+
+from substrax._base.jaxprs import equations
 
 __all__ = ["matmul_flops", "model_flops"]
 
@@ -45,7 +46,7 @@ def model_flops(
 def matmul_flops(jaxpr: Any) -> float:
     """The FLOPs of ``jaxpr``'s matrix products (``dot_general``, ``conv_general_dilated``), a scan's
     body counted its length times."""
-    return float(sum(_product_flops(e) * runs for e, runs in _eqns(jaxpr, 1)))
+    return float(sum(_product_flops(e) * runs for e, runs in equations(jaxpr)))
 
 
 def _product_flops(eqn: Any) -> int:
@@ -60,14 +61,6 @@ def _product_flops(eqn: Any) -> int:
         per_output = rhs[spec[1]] * math.prod(rhs[d] for d in spec[2:])
         return 2 * math.prod(eqn.outvars[0].aval.shape) * per_output
     return 0
-
-
-def _eqns(jaxpr: Any, runs: int) -> Iterable[tuple[Any, int]]:
-    for e in jaxpr.eqns:
-        yield e, runs
-        inner = runs * (e.params["length"] if e.primitive.name == "scan" else 1)
-        for sub in jcore.jaxprs_in_params(e.params):
-            yield from _eqns(getattr(sub, "jaxpr", sub), inner)
 
 
 def _abstract(x: Any) -> Any:
