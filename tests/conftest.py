@@ -114,6 +114,20 @@ needs_cuda_plugin = pytest.mark.skipif(
     "(pip install 'substrax[gpu]', or make test-gpu)",
 )
 
+
+def assert_consistent(row: substrax.PlanRow, target: str) -> None:
+    """The fields of a row compiled for ``target`` (a ``substrax.timeline.TARGETS`` name) hold together
+    (issue 62's invariants; tests/test_tpu_timeline.py, tests/test_gpu_timeline.py)."""
+    from substrax.timeline import TARGETS
+
+    assert row.timeline is not None and row.timeline.target is TARGETS[target], row
+    assert row.flops > 0 and row.compute_seconds > 0, row
+    assert 0 <= row.exposed_seconds <= row.communication_seconds, row
+    assert row.compute_seconds <= row.step_seconds <= row.compute_seconds + row.communication_seconds, row
+    assert row.step_seconds == pytest.approx(row.compute_seconds + row.exposed_seconds)
+    assert 0 < row.mfu <= 1, row
+
+
 # The layouts of a mesh with one data axis; "hsdp" needs a replica axis too (tests/test_hsdp.py).
 FLAT_LAYOUTS = tuple(layout for layout in substrax.LAYOUTS if layout != "hsdp")
 
