@@ -212,8 +212,12 @@ def _register_plugin() -> None:
     ``JAX_PLATFORMS`` unset: ``jax.devices()``), the plugin checked the CUDA driver, found none
     and stayed unregistered: no topology for ``cuda``. Initialized again, now without the check.
     """
-    from jax._src import xla_bridge
+    from jax._src import xla_bridge  # private: where another jax lacks these, the topology call says why
 
-    xla_bridge._discover_and_register_pjrt_plugins()
-    if "cuda" not in xla_bridge._topology_factories:
+    discover = getattr(xla_bridge, "_discover_and_register_pjrt_plugins", None)
+    factories = getattr(xla_bridge, "_topology_factories", None)
+    if discover is None or factories is None:
+        return
+    discover()
+    if "cuda" not in factories:
         importlib.import_module(_PLUGIN).initialize()
