@@ -87,7 +87,7 @@ $(FLOOR_STAMP): pyproject.toml .ci/floor_requirements.py
 
 test-floor: $(FLOOR_STAMP)
 	$(FLOOR_PY) -c 'import jax, flax, optax, numpy; print("floor:", "jax", jax.__version__, "flax", flax.__version__, "optax", optax.__version__, "numpy", numpy.__version__)'
-	$(FLOOR_PY) -m pytest -q -p no:cacheprovider -n $(WORKERS) --dist loadfile --ignore=tests/test_notebooks.py
+	$(FLOOR_PY) -m pytest -q -p no:cacheprovider -n $(WORKERS) --dist loadfile --ignore=tests/test_notebooks.py --ignore=tests/test_tpu_notebooks.py
 
 bench: $(STAMP)
 	$(PY) benchmarks/train_step.py --quick --json benchmarks/results/train_step_quick.json
