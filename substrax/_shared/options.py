@@ -90,7 +90,7 @@ class StepOptions:
                     )
         axis_roles(None, self.data_axis, self.replica_axis)  # the names alone: two roles never share one
         check_microbatches(self.microbatches)
-        check_schedule(self.schedule, self.microbatches)
+        check_schedule(self.schedule, self.microbatches, self.mode)
         if not isinstance(self.skip_nonfinite, bool):
             raise TypeError(f"skip_nonfinite must be True or False; got {self.skip_nonfinite!r}.")
         limit = self.max_skips_in_a_row

@@ -22,6 +22,7 @@ with it from stage to stage. The modes run the pieces on a schedule
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -291,6 +292,64 @@ class Staged:
                 f"{jax.typeof(y).str_short()}; its layers must keep the carry's shape and dtype."
             )
         return (y, arrays), streams
+
+    def stage_pullbacks(
+        self, stack: nnx.State, carry: tuple[Any, list[Any]], streams: nnx.State
+    ) -> tuple[tuple[Any, list[Any]], nnx.State, list[Any]]:
+        """``stage`` keeping each layer's pullback (``jax.vjp`` of the layer in its parameters and
+        the carry's floating leaves): the carry after, the streams after, and the pullbacks' leaves
+        but the parameters (``stack`` holds those), stacked over layers (ZB-H1: ``input_grads``
+        and ``weight_grads`` run them)."""
+        assert self.static is not None, "the prologue is traced first"
+        static = self.static
+
+        def layer(params: nnx.State, floats: list[Any], layer_streams: nnx.State) -> tuple[list[Any], Any]:
+            h, arrays = with_floats(carry, floats)
+            args, kwargs = static.rebuild(arrays)
+            merged = nnx.merge(self.stack_graphdef, params, layer_streams)
+            return floats_of((merged(h, *args, **kwargs), arrays)), nnx.state(merged, nnx.RngState)
+
+        if static.remat:
+            layer = jax.checkpoint(layer)
+
+        def body(floats: list[Any], xs: tuple[nnx.State, nnx.State]) -> tuple[list[Any], Any]:
+            params, layer_streams = xs
+            run = functools.partial(layer, layer_streams=layer_streams)
+            out, pullback, drawn = jax.vjp(run, params, floats, has_aux=True)
+            leaves, treedef = jax.tree.flatten(pullback)
+            where = {id(x): i for i, x in enumerate(jax.tree.leaves(params))}
+            self.pullback_def = (treedef, tuple(where.get(id(x), -1) for x in leaves))
+            return out, ([x for x in leaves if id(x) not in where], drawn)
+
+        floats, (pullbacks, drawn) = jax.lax.scan(body, floats_of(carry), (stack, streams))
+        return with_floats(carry, floats), drawn, pullbacks
+
+    def _pullback(self, kept: list[Any], params: nnx.State) -> Any:
+        """A layer's pullback from its kept leaves and its parameters."""
+        treedef, which = self.pullback_def
+        it, own = iter(kept), jax.tree.leaves(params)
+        return jax.tree.unflatten(treedef, [next(it) if i < 0 else own[i] for i in which])
+
+    def input_grads(
+        self, stack: nnx.State, pullbacks: list[Any], ct: list[Any]
+    ) -> tuple[list[Any], list[Any]]:
+        """The stage's input cotangent from its output's ``ct``, the layers run backward through their
+        pullbacks (the weights' half left to XLA to drop); and each layer's output cotangent."""
+
+        def body(ct: list[Any], xs: tuple[list[Any], nnx.State]) -> tuple[list[Any], list[Any]]:
+            _, d_in = self._pullback(*xs)(ct)
+            return [d.astype(c.dtype) for d, c in zip(d_in, ct, strict=True)], ct
+
+        return jax.lax.scan(body, ct, (pullbacks, stack), reverse=True)
+
+    def weight_grads(self, stack: nnx.State, pullbacks: list[Any], cts: list[Any]) -> nnx.State:
+        """The stack's gradient from each layer's pullback and output cotangent (``input_grads``'s)."""
+
+        def body(_: None, xs: tuple[list[Any], nnx.State, list[Any]]) -> tuple[None, nnx.State]:
+            d_params, _ = self._pullback(xs[0], xs[1])(xs[2])
+            return None, d_params
+
+        return jax.lax.scan(body, None, (pullbacks, stack, cts))[1]
 
     def keep_draws(self, model: nnx.Module, streams: nnx.State) -> None:
         """Set the counts of ``model``'s stack to those of ``streams`` (the whole stack's, after the

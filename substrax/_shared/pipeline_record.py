@@ -26,11 +26,11 @@ class PipelineRun:
     """One pipelined step as traced.
 
     Attributes:
-      schedule: ``"gpipe"`` or ``"1f1b"``.
+      schedule: One of ``SCHEDULES``.
       stages: The size of the ``stage`` axis.
       microbatches: The microbatches per step.
       ticks: The schedule's ticks (``Schedule.ticks``).
-      phases: ``Schedule.phases``: ``(start, stop, forward, backward)`` per loop.
+      phases: ``Schedule.phases``: ``(start, stop, forward, backward, weight)`` per loop.
       mode: ``"explicit"`` or ``"implicit"``.
       carry: One stage's carry on one device, ``(shape, dtype)`` per leaf (the stack's input
         and the arrays that travel with it).
@@ -41,7 +41,7 @@ class PipelineRun:
     stages: int
     microbatches: int
     ticks: int
-    phases: tuple[tuple[int, int, bool, bool], ...]
+    phases: tuple[tuple[int, int, bool, bool, bool], ...]
     mode: str
     carry: tuple[tuple[tuple[int, ...], np.dtype[Any]], ...] = ()
     aux: tuple[tuple[tuple[int, ...], np.dtype[Any]], ...] = ()

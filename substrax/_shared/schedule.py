@@ -16,26 +16,36 @@ __all__ = [
     "SCHEDULES",
     "STAGE_AXIS",
     "PipelineSchedule",
+    "EXPLICIT_ONLY",
     "Schedule",
     "bubble_fraction",
     "check_schedule",
     "check_stage_axis",
 ]
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 """The pipeline schedules ``make_train_step(..., schedule=)`` takes (see the pipelines guide)."""
 
+EXPLICIT_ONLY = ("zb-h1",)
+"""Schedules only explicit mode writes (a backward split in two ``jax.vjp``s per layer)."""
 
-def check_schedule(schedule: Any, microbatches: int) -> None:
-    """Refuse an unknown ``schedule``, or one with fewer than two microbatches.
+
+def check_schedule(schedule: Any, microbatches: int, mode: str = "explicit") -> None:
+    """Refuse an unknown ``schedule``, one with fewer than two microbatches, or one ``mode`` lacks.
 
     Raises:
-      ValueError: Naming the schedule, or the microbatches.
+      ValueError: Naming the schedule, the microbatches, or the mode.
     """
     if schedule is None:
         return
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES} or None (no pipeline); got {schedule!r}.")
+    if schedule in EXPLICIT_ONLY and mode != "explicit":
+        raise ValueError(
+            f"schedule={schedule!r} splits each layer's backward pass in two jax.vjps and runs the weights' "
+            f"half ticks later, which only explicit mode writes (under jit, XLA keeps one backward pass). "
+            f"Use mode='explicit', or schedule='1f1b' in {mode} mode."
+        )
     if microbatches < 2:
         raise ValueError(
             f"schedule={schedule!r} runs the stages as a pipeline over microbatches; with microbatches="
@@ -55,9 +65,23 @@ def check_stage_axis(schedule: str | None, mesh: Any) -> None:
         )
 
 
-def bubble_fraction(stages: int, microbatches: int) -> float:
-    """The share of a pipelined step's ticks a stage idles: ``(stages - 1) / (microbatches + stages - 1)``."""
+def bubble_fraction(stages: int, microbatches: int, schedule: str = "1f1b") -> float:
+    """The share of a pipelined step's time a stage idles (pipelines guide, "The bubble").
+
+    ``"gpipe"``, ``"1f1b"``: ``(stages - 1) / (microbatches + stages - 1)``. ``"zb-h1"``, in
+    units of one forward pass (``F`` 1, ``B`` 2: the forward recomputed and the input's
+    gradient, ``W`` 1: the weights'): ``3 (S - 1) / (4 k + 3 (S - 1))``.
+    """
+    if schedule == "zb-h1":
+        return 3 * (stages - 1) / (4 * microbatches + 3 * (stages - 1))
     return (stages - 1) / (microbatches + stages - 1)
+
+
+def _bubble(stages: int, microbatches: int, schedule: str) -> fractions.Fraction:
+    idle = stages - 1
+    if schedule == "zb-h1":
+        return fractions.Fraction(3 * idle, 4 * microbatches + 3 * idle)
+    return fractions.Fraction(idle, microbatches + idle)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,11 +93,14 @@ class PipelineSchedule:
     ``"1f1b"``: ``ticks`` ticks of a forward slot then a backward slot: microbatch ``t - s``
     forward, ``t - (2 * stages - 2 - s)`` backward (the last stage runs the loss and its
     backward in the tick its forward ends); a stage keeps at most ``stash`` stage inputs.
+    ``"zb-h1"``: 1F1B's ticks with the backward slot ``B`` computing the input's gradient
+    only and a third slot ``W`` the weights', microbatch ``t - (2 * stages - 2)`` on every
+    stage (stage ``s`` defers it ``s`` ticks, holding at most ``deferred`` layers' pullbacks).
 
     ``str()`` draws ``table()``, a row per stage. See the pipelines guide.
 
     Attributes:
-      name: ``"gpipe"`` or ``"1f1b"``.
+      name: One of ``SCHEDULES``.
       stages: The size of the ``stage`` axis.
       microbatches: The microbatches per step.
 
@@ -103,7 +130,7 @@ class PipelineSchedule:
     def __str__(self) -> str:
         rows = self.table()
         width = max(len(c) for row in rows for c in row)
-        idle = fractions.Fraction(self.stages - 1, self.microbatches + self.stages - 1)
+        idle = _bubble(self.stages, self.microbatches, self.name)
         head = f"{self.name}, {self.stages} stages, {self.microbatches} microbatches: {self.ticks} ticks"
         head += f", bubble {idle}"
         lines = [f"stage {s} | " + " | ".join(c.ljust(width) for c in row) for s, row in enumerate(rows)]
@@ -111,7 +138,7 @@ class PipelineSchedule:
 
     @property
     def ticks(self) -> int:
-        """Loop iterations: ``k + S - 1`` (GPipe's forward) or ``k + 2S - 2`` (1F1B)."""
+        """Loop iterations: ``k + S - 1`` (GPipe's forward) or ``k + 2S - 2`` (1F1B, ZB-H1)."""
         extra = self.stages - 1 if self.name == "gpipe" else 2 * self.stages - 2
         return self.microbatches + extra
 
@@ -122,24 +149,32 @@ class PipelineSchedule:
         return 0 if self.name == "gpipe" else 2 * self.stages - 1
 
     @property
-    def bubble(self) -> float:
-        """``bubble_fraction(stages, microbatches)``, for both schedules."""
-        return bubble_fraction(self.stages, self.microbatches)
+    def deferred(self) -> int:
+        """Microbatches whose weights' gradient a ZB-H1 stage holds back at most (``stages``; 0 else)."""
+        return self.stages if self.name == "zb-h1" else 0
 
     @property
-    def phases(self) -> tuple[tuple[int, int, bool, bool], ...]:
-        """1F1B's ticks as ``(start, stop, forward, backward)`` runs: the warm-up runs forward
-        slots only (no stage has a backward yet), the steady state both, the cool-down backward
-        only; each phase is one loop. GPipe: its forward ticks, one phase."""
+    def bubble(self) -> float:
+        """``bubble_fraction(stages, microbatches, name)``."""
+        return bubble_fraction(self.stages, self.microbatches, self.name)
+
+    @property
+    def phases(self) -> tuple[tuple[int, int, bool, bool, bool], ...]:
+        """The ticks as ``(start, stop, forward, backward, weight)`` runs, a loop each, with the
+        slots some stage runs there: 1F1B's warm-up forward slots only (no stage has a backward
+        yet), its steady state both, its cool-down backward only; ZB-H1 adds the weight slot from
+        tick ``2S - 2`` on. GPipe: its forward ticks, one phase. ``weight`` is False but in ZB-H1
+        (1F1B's backward slot computes the weights' gradient too)."""
         if self.name == "gpipe":
-            return ((0, self.ticks, True, False),)
+            return ((0, self.ticks, True, False, False),)
         s, k = self.stages, self.microbatches
-        runs = (
-            (0, s - 1, True, False),
-            (s - 1, k + s - 1, True, True),
-            (k + s - 1, k + 2 * s - 2, False, True),
-        )
-        return tuple(r for r in runs if r[1] > r[0])
+        w = 2 * s - 2 if self.name == "zb-h1" else self.ticks
+        cuts = sorted({0, s - 1, w, k + s - 1, self.ticks})
+        runs = []
+        for start, stop in zip(cuts, cuts[1:], strict=False):
+            if stop > start:
+                runs.append((start, stop, start < k + s - 1, start >= s - 1, start >= w))
+        return tuple(runs)
 
     def forward(self, tick: Any, stage: Any) -> Any:
         """The microbatch ``stage`` forwards at ``tick`` (ints or arrays; in range only when it runs)."""
@@ -149,8 +184,13 @@ class PipelineSchedule:
         """The microbatch ``stage`` runs backward at ``tick`` of a 1F1B step (in range only when it runs)."""
         return tick - (2 * self.stages - 2 - stage)
 
+    def weight(self, tick: Any, stage: Any) -> Any:
+        """The microbatch whose weights' gradient ``stage`` computes at ``tick`` of a ZB-H1 step."""
+        return tick - (2 * self.stages - 2) + 0 * stage
+
     def table(self) -> list[list[str]]:
-        """Stage by tick, what each slot runs: ``"F3"``, ``"B1"``, ``"F3 B1"`` or ``""`` (idle).
+        """Stage by tick, what each slot runs: ``"F3"``, ``"B1"``, ``"F3 B1"``, ``"F3 B1 W0"``
+        (ZB-H1) or ``""`` (idle).
 
         GPipe's table lists its forward ticks, then its backward ones (``2 * ticks`` columns).
         """
@@ -162,8 +202,10 @@ class PipelineSchedule:
             else:
                 row = []
                 for t in range(self.ticks):
-                    jf, jb = self.forward(t, s), self.backward(t, s)
-                    row.append(" ".join(x for x in (f"F{jf}" * (0 <= jf < k), f"B{jb}" * (0 <= jb < k)) if x))
+                    jf, jb, jw = self.forward(t, s), self.backward(t, s), self.weight(t, s)
+                    jw = jw if self.name == "zb-h1" else -1
+                    cells = (f"F{jf}" * (0 <= jf < k), f"B{jb}" * (0 <= jb < k), f"W{jw}" * (0 <= jw < k))
+                    row.append(" ".join(x for x in cells if x))
                 rows.append(row)
         return rows
 

@@ -13,6 +13,7 @@ loop and their transpose in another; 1F1B its warm-up, steady state and cool-dow
 from __future__ import annotations
 
 import dataclasses
+import fractions
 import math
 from typing import Any
 
@@ -52,20 +53,26 @@ def _ticks(n: int) -> str:
     return f"{n} tick{'s' * (n != 1)}"
 
 
-def _loops(run: PipelineRun) -> list[tuple[str, int, bool, bool]]:
-    """``(name, iterations, forward, backward)`` per loop of the schedule: GPipe's forward ticks
-    and their transpose; 1F1B's warm-up (forward slots), steady state (both), cool-down (backward)."""
+_PHASES = {
+    (True, False, False): "warm-up",
+    (True, True, False): "steady state",
+    (False, True, False): "cool-down",
+    (True, True, True): "steady state with weight slots",
+    (False, True, True): "cool-down with weight slots",
+}
+
+
+def _loops(run: PipelineRun) -> list[tuple[str, int, bool, bool, bool]]:
+    """``(name, iterations, forward, backward, weight)`` per loop of the schedule: GPipe's forward
+    ticks and their transpose; 1F1B's warm-up (forward slots), steady state (both), cool-down
+    (backward); ZB-H1's the same, its weight slots from tick ``2S - 2`` on."""
     if run.schedule == "gpipe":
         return [
-            ("GPipe's forward loop", run.ticks, True, False),
-            ("GPipe's backward loop", run.ticks, False, True),
+            ("GPipe's forward loop", run.ticks, True, False, False),
+            ("GPipe's backward loop", run.ticks, False, True, False),
         ]
-    names = {
-        (True, False): "1F1B's warm-up",
-        (True, True): "1F1B's steady state",
-        (False, True): "1F1B's cool-down",
-    }
-    return [(names[f, b], stop - start, f, b) for start, stop, f, b in run.phases]
+    label = {"1f1b": "1F1B", "zb-h1": "ZB-H1"}[run.schedule]
+    return [(f"{label}'s {_PHASES[f, b, w]}", stop - start, f, b, w) for start, stop, f, b, w in run.phases]
 
 
 def stage_unit_items(units: list[ExpectedCollective], run: PipelineRun) -> list[ExpectedCollective]:
@@ -73,24 +80,37 @@ def stage_unit_items(units: list[ExpectedCollective], run: PipelineRun) -> list[
     tick (one microbatch); each runs in the loops that run its slot, once per tick and layer (the
     census counts the bubble's ticks too: the tick's ``cond`` skips them at run time). A forward
     gather runs in the forward slots; the backward slots run the reduce-scatter, the backward
-    gather and, in 1F1B (which recomputes the stage's forward pass there), the forward gather again."""
+    gather and, in 1F1B (which recomputes the stage's forward pass there), the forward gather again.
+    ZB-H1's backward slots run the forward gather again and the backward gather; its weight slots
+    the backward gather again (a layer's pullback gathers its parameters each time it runs) and
+    the reduce-scatter."""
     out = []
+    zb = run.schedule == "zb-h1"
     for item in units:
         if item.what.startswith("root unit"):  # the parameters outside every unit: once per step
             out.append(item)
             continue
         recomputed = item.what.endswith("recomputed")
         forward = item.kind == "all-gather" and not item.optional
-        for loop, ticks, has_forward, has_backward in _loops(run):
-            if not (has_forward if forward else has_backward):
-                continue
-            required = recomputed and run.schedule == "1f1b"
-            out.append(
-                dataclasses.replace(
-                    item, what=f"{item.what}, {_ticks(ticks)} of {loop}", bytes=item.bytes * ticks,
-                    in_loop=True, optional=item.optional and not required, why="" if required else item.why,
-                )
-            )  # fmt: skip
+        for loop, ticks, has_forward, has_backward, has_weight in _loops(run):
+            if forward:
+                slots = [("", has_forward)]
+            elif zb and item.kind == "reduce-scatter":
+                slots = [("", has_weight)]
+            elif zb and not recomputed:  # the backward gather: both halves' pullbacks gather
+                slots = [(" (input-gradient slot)", has_backward), (" (weight slot)", has_weight)]
+            else:
+                slots = [("", has_backward)]
+            required = recomputed and run.schedule in ("1f1b", "zb-h1")
+            for slot, runs in slots:
+                if runs:
+                    out.append(
+                        dataclasses.replace(
+                            item, what=f"{item.what}{slot}, {_ticks(ticks)} of {loop}",
+                            bytes=item.bytes * ticks, in_loop=True, optional=item.optional and not required,
+                            why="" if required else item.why,
+                        )
+                    )  # fmt: skip
     return out
 
 
@@ -106,7 +126,7 @@ def permute_items(run: PipelineRun, implicit: bool = False) -> list[ExpectedColl
     items = []
     floating = [a for a in run.carry if np.issubdtype(a[1], np.inexact)]
     gpipe = run.schedule == "gpipe"
-    for loop, ticks, forward, backward in _loops(run):
+    for loop, ticks, forward, backward, _ in _loops(run):
         for name, leaves, shift, on in (
             ("carry", run.carry, 1, forward),
             ("cotangent", floating, -1, backward),
@@ -194,12 +214,18 @@ def pipeline_items(
 
 def pipeline_note(run: PipelineRun) -> str:
     """The schedule in a line: its loops, their ticks, the bubble."""
-    loops = ", ".join(f"{loop} {ticks}" for loop, ticks, _, _ in _loops(run))
-    idle = run.stages - 1
+    loops = ", ".join(f"{loop} {ticks}" for loop, ticks, *_ in _loops(run))
+    idle, k = run.stages - 1, run.microbatches
+    zb = run.schedule == "zb-h1"
+    bubble = fractions.Fraction(*((3 * idle, 4 * k + 3 * idle) if zb else (idle, k + idle)))
+    formula = (
+        "3 (stages - 1) / (4 microbatches + 3 (stages - 1))"
+        if run.schedule == "zb-h1"
+        else "(stages - 1) / (microbatches + stages - 1)"
+    )
     return (
-        f"pipeline: {run.schedule} over {run.stages} stages, {run.microbatches} microbatches; ticks per "
-        f"loop: {loops}; bubble (stages - 1) / (microbatches + stages - 1) = "
-        f"{idle}/{run.microbatches + idle} ({idle / (run.microbatches + idle):.0%}). The census counts a "
+        f"pipeline: {run.schedule} over {run.stages} stages, {k} microbatches; ticks per "
+        f"loop: {loops}; bubble {formula} = {bubble} ({float(bubble):.0%}). The census counts a "
         f"collective inside these loops once per tick; a stage's own work there (a unit's gathers) runs "
         f"under the tick's cond, skipped in the bubble"
     )

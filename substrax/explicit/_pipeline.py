@@ -1,4 +1,4 @@
-"""The explicit pipeline: one device's stage of a GPipe or 1F1B schedule inside the step's ``shard_map``.
+"""The explicit pipeline: a device's stage of a GPipe, 1F1B or ZB-H1 schedule inside the step's ``shard_map``.
 
 Each device holds its stage's consecutive layers (the stack split over ``stage``) and the
 whole microbatches of its rows. A tick of a ``lax.scan`` runs this stage's slot on the
@@ -7,7 +7,9 @@ bubble, runs nothing); the carry moves to the next stage by ``ppermute`` (forwar
 cotangent to the previous one (backward). Stage 0 runs the prologue, the last stage the
 epilogue (``substrax._shared.pipeline.Staged``). GPipe is the autodiff of the forward
 ticks; 1F1B writes each tick's forward slot and backward slot (``jax.vjp`` of the stage,
-recomputed from the stage input it stashed). See the pipelines guide.
+recomputed from the stage input it stashed); ZB-H1 splits that backward slot in two, the input's
+gradient sent on at once and the weights' run in a later tick from each layer's kept pullback.
+See the pipelines guide.
 """
 
 from __future__ import annotations
@@ -101,6 +103,10 @@ class _Stages:
         out, drawn = self.staged.stage(stack, carry, streams)
         return _typed_like(self.varying(out), carry), _typed_like(drawn, streams)
 
+    def stage_pullbacks(self, stack: nnx.State, carry: Any, streams: nnx.State) -> tuple[Any, nnx.State, Any]:
+        out, drawn, pullbacks = self.staged.stage_pullbacks(stack, carry, streams)
+        return _typed_like(self.varying(out), carry), _typed_like(drawn, streams), pullbacks
+
     def epilogue(self, outside: nnx.State, carry: Any, j: Any) -> tuple[Any, Any]:
         loss, aux = self.staged.epilogue(outside, carry, self.microbatch(j))
         return self.varying((loss, aux))
@@ -158,11 +164,11 @@ def _gpipe(
 def _one_f_one_b(
     p: _Stages, outside: nnx.State, stack: nnx.State, scale: float, dtype: Any
 ) -> tuple[Any, Any, Any, Any, nnx.State]:
-    """1F1B's ticks: ``(loss sum, aux, outside grads, stack grads, streams)``, this device's unreduced
-    share, and its layers' random streams after their draws."""
+    """1F1B's or ZB-H1's ticks: ``(loss sum, aux, outside grads, stack grads, streams)``, this
+    device's unreduced share, and its layers' random streams after their draws."""
     zero_carry = p.carry_type(outside, stack)
     zero_out = p.loss_type(outside, zero_carry)
-    depth = p.schedule.stash
+    depth, held = p.schedule.stash, p.schedule.deferred
 
     def backward(c: Any, used: nnx.State, g: list[Any], j: Any) -> tuple[Any, ...]:
         """The stage's backward slot on microbatch ``j`` (its input ``c``, the streams it drew from
@@ -181,10 +187,41 @@ def _one_f_one_b(
         d_outside, d_stack, d_c = vjp(ct)
         return d_outside, d_stack, d_c, loss, aux, drawn
 
-    zero_back = (_zeros_like(outside), _zeros_like(stack), floats_of(zero_carry), *zero_out, p.streams)
+    def backward_input(c: Any, used: nnx.State, g: list[Any], j: Any) -> tuple[Any, ...]:
+        """ZB-H1's backward slot: ``backward``'s without the stack's weights' gradient, each layer's
+        pullback and output cotangent kept for the weight slot (the outside parameters' here)."""
 
-    def tick(state: Any, t: Any, forward: bool, backward_: bool) -> tuple[Any, None]:
-        (recv, streams), recv_g, stash, (g_out, g_stack), losses, auxes = state
+        def pro(outside: nnx.State, floats: list[Any]) -> list[Any]:
+            c_in = with_floats(c, floats)
+            c_in = jax.lax.cond(p.first, lambda: _typed_like(p.prologue(outside, j), c_in), lambda: c_in)
+            return floats_of(c_in)
+
+        c_floats, pro_vjp = jax.vjp(pro, outside, floats_of(c))
+        out, drawn, pullbacks = p.stage_pullbacks(stack, with_floats(c, c_floats), used)
+
+        def epi(outside: nnx.State, floats: list[Any]) -> tuple[Any, Any]:
+            loss = lambda: p.epilogue(outside, with_floats(out, floats), j)  # noqa: E731
+            return jax.lax.cond(p.last, loss, lambda: zero_out)
+
+        loss, epi_vjp, aux = jax.vjp(epi, outside, floats_of(out), has_aux=True)
+        d_epi, d_out = epi_vjp(jnp.full_like(loss, scale))
+        ct = jax.lax.cond(p.last, lambda: _typed_like(d_out, g), lambda: g)
+        d_in, cts = p.staged.input_grads(stack, pullbacks, ct)
+        d_pro, d_c = pro_vjp(_typed_like(d_in, floats_of(c)))
+        d_outside = jax.tree.map(lambda a, b: a + b, d_pro, d_epi)
+        return d_outside, d_c, loss, aux, drawn, (pullbacks, cts)
+
+    zip_ = held > 0  # ZB-H1: the weights' gradient in a slot of its own
+    zero_back = (_zeros_like(outside), _zeros_like(stack), floats_of(zero_carry), *zero_out, p.streams)
+    if zip_:
+        with declared.silenced():  # a trace for the types of what the weight slot takes
+            probe = backward_input(zero_carry, p.streams, floats_of(zero_carry), 0)
+        zero_input = _zeros_like(probe)
+        deferred = jax.tree.map(lambda z: jnp.zeros((held, *z.shape), z.dtype), zero_input[-1])
+        deferred = _typed_like(deferred, jax.tree.map(lambda z: z[None], zero_input[-1]))
+
+    def tick(state: Any, t: Any, forward: bool, backward_: bool, weight: bool) -> tuple[Any, None]:
+        (recv, streams), recv_g, stash, (g_out, g_stack), losses, auxes, held_ = state
         if forward:  # its forward slot: microbatch jf from the previous stage (stage 0: the prologue)
             jf = p.schedule.forward(t, p.s)
             carry = jax.lax.cond(
@@ -196,7 +233,25 @@ def _one_f_one_b(
                 p.valid(jf) & ~p.last, lambda: p.stage(stack, carry, streams), lambda: (carry, streams)
             )
             recv = p.send(out, 1)
-        if backward_:  # its backward slot: microbatch jb's cotangent from the next stage (the last: the loss)
+        if backward_ and zip_:  # ZB-H1's: the input's gradient sent on, the weights' held back
+            jb = p.schedule.backward(t, p.s)
+            d_out, d_c, loss, aux, drawn, kept = jax.lax.cond(
+                p.valid(jb), lambda: backward_input(*take(stash, jb % depth), recv_g, jb), lambda: zero_input
+            )
+            held_ = jax.lax.cond(p.valid(jb), lambda: put(held_, jb % held, kept), lambda: held_)
+            streams = advanced(streams, drawn, p.last & p.valid(jb))
+            g_out = jax.tree.map(lambda a, d: a + d.astype(a.dtype), g_out, d_out)
+            auxes = jax.lax.cond(p.last & p.valid(jb), lambda: put(auxes, jb, aux), lambda: auxes)
+            losses, recv_g = losses + loss, p.send(d_c, -1)
+        if weight:  # ZB-H1's weight slot: microbatch jw's, from its layers' pullbacks
+            jw = p.schedule.weight(t, p.s)
+            d_stack = jax.lax.cond(
+                p.valid(jw),
+                lambda: _typed_like(p.staged.weight_grads(stack, *take(held_, jw % held)), stack),
+                lambda: _zeros_like(stack),
+            )
+            g_stack = jax.tree.map(lambda a, d: a + d.astype(a.dtype), g_stack, d_stack)
+        if backward_ and not zip_:  # its backward slot: microbatch jb's cotangent from the next stage
             jb = p.schedule.backward(t, p.s)
             d_out, d_stack, d_c, loss, aux, drawn = jax.lax.cond(
                 p.valid(jb), lambda: backward(*take(stash, jb % depth), recv_g, jb), lambda: zero_back
@@ -207,17 +262,26 @@ def _one_f_one_b(
             )
             auxes = jax.lax.cond(p.last & p.valid(jb), lambda: put(auxes, jb, aux), lambda: auxes)
             losses, recv_g = losses + loss, p.send(d_c, -1)
-        return ((recv, streams), recv_g, stash, (g_out, g_stack), losses, auxes), None
+        return ((recv, streams), recv_g, stash, (g_out, g_stack), losses, auxes, held_), None
 
     stash = jax.tree.map(lambda z: jnp.zeros((depth, *z.shape), z.dtype), zero_carry)
     stash = (p.varying(stash), jax.tree.map(lambda x: jnp.broadcast_to(x, (depth, *x.shape)), p.streams))
     auxes = jax.tree.map(lambda z: jnp.zeros((p.k, *z.shape), z.dtype), zero_out[1])
     grads = (_zeros_like(outside, dtype), _zeros_like(stack, dtype))
-    state = ((zero_carry, p.streams), floats_of(zero_carry), stash, grads, zero_out[0], p.varying(auxes))
-    for start, stop, forward, backward_ in p.schedule.phases:
-        body = functools.partial(tick, forward=forward, backward_=backward_)
+    held_ = deferred if zip_ else ()
+    state = (
+        (zero_carry, p.streams),
+        floats_of(zero_carry),
+        stash,
+        grads,
+        zero_out[0],
+        p.varying(auxes),
+        held_,
+    )
+    for start, stop, forward, backward_, weight in p.schedule.phases:
+        body = functools.partial(tick, forward=forward, backward_=backward_, weight=weight)
         state, _ = jax.lax.scan(body, state, jnp.arange(start, stop))
-    (_, streams), _, _, (g_out, g_stack), losses, auxes = state
+    (_, streams), _, _, (g_out, g_stack), losses, auxes, _ = state
     return losses, auxes, g_out, g_stack, streams
 
 

@@ -244,7 +244,7 @@ def _one_f_one_b(
         return ((carry, streams), cts, stash, (g_out, g_stack), total, auxes), None
 
     state = _first_state(g, (carry0, out0), (outside, stack), streams, dtype)
-    for start, stop, forward, backward in g.schedule.phases:
+    for start, stop, forward, backward, _ in g.schedule.phases:
         body = functools.partial(tick, forward=forward, backward=backward)
         state, _ = jax.lax.scan(body, state, jnp.arange(start, stop))
     (_, streams), _, _, (g_out, g_stack), total, auxes = state
