@@ -131,6 +131,14 @@ def assert_consistent(row: substrax.PlanRow, target: str) -> None:
 # The layouts of a mesh with one data axis; "hsdp" needs a replica axis too (tests/test_hsdp.py).
 FLAT_LAYOUTS = tuple(layout for layout in substrax.LAYOUTS if layout != "hsdp")
 
+# Each mode with each pipeline schedule it runs (implicit mode refuses the explicit-only ones).
+PIPELINES = tuple(
+    (mode, schedule)
+    for mode in substrax.MODES
+    for schedule in substrax.SCHEDULES
+    if mode == "explicit" or schedule != "zb-h1"
+)
+
 
 def reference_training(
     batches: list[dict], *, lr: float = 1e-2, seed: int = 0, tx: optax.GradientTransformation | None = None

@@ -1,13 +1,14 @@
-"""Pipelines (#54 items 1-3): a stack split over ``stage``, GPipe and 1F1B, both modes, against one device.
+"""Pipelines (#54 items 1-3, #63 item 2): a stack split over ``stage``, GPipe, 1F1B and ZB-H1 (explicit
+mode), both modes, against one device.
 
 The model: an embedding, 8 residual layers stacked by ``nnx.vmap`` (a LayerNorm, then a
 column-parallel and a row-parallel linear: split over ``model`` on a mesh with it) applied by
 ``substrax.nn.scan_layers`` with a gate computed from a parameter (an argument every stage
 reads, so its gradient is summed over the stages) and a static keyword, then a head.
 
-Parity: each mode x schedule on four meshes, ``stage=8`` (``data=1``), ``(stage=4, data=2)``,
+Parity: each mode x schedule it runs on four meshes, ``stage=8`` (``data=1``), ``(stage=4, data=2)``,
 ``(stage=2, data=2, model=2)`` and ``(replica=2, data=2, stage=2)``, with 8, 4, 8 and 4 microbatches
-and the layouts replicated, FSDP with each layer a unit, ZeRO-1 and HSDP (16 cases, not the full
+and the layouts replicated, FSDP with each layer a unit, ZeRO-1 and HSDP (20 cases, not the full
 product of layouts and microbatches: each case compiles a step); SGD held strictly (float32
 round-off), Adam to the noise floor measured by the reference run on permuted rows (two cases, FSDP). Then the
 placement, ``compare_gradients`` on the pipelined steps, a checkpoint restored onto a mesh
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import PIPELINES
 from flax import nnx
 from models import Residual, Tower, mse, one_device_params, params_of, sine_batches, stack
 
@@ -96,8 +98,7 @@ def _train(mode: str, schedule: str, case: str, optimizer: str = "sgd") -> tuple
 
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("mode", substrax.MODES)
+@pytest.mark.parametrize(("mode", "schedule"), PIPELINES)
 def test_a_pipelined_stack_trains_like_one_device(
     mode: str, schedule: str, case: str, sgd_reference: dict
 ) -> None:
@@ -111,7 +112,9 @@ def test_a_pipelined_stack_trains_like_one_device(
         )
 
 
-@pytest.mark.parametrize(("mode", "schedule"), [("explicit", "1f1b"), ("implicit", "gpipe")])
+@pytest.mark.parametrize(
+    ("mode", "schedule"), [("explicit", "1f1b"), ("implicit", "gpipe"), ("explicit", "zb-h1")]
+)
 def test_adam_pipelined_trains_like_one_device_within_the_floor(mode: str, schedule: str) -> None:
     """Adam: the reference run again on the rows permuted three times; the floor is the largest
     difference between any two runs, the tolerance ``SAFETY`` times it (the mesh fuzzer's rule)."""
@@ -174,12 +177,12 @@ def test_shard_state_splits_the_stack_over_stage_consecutive_layers_a_stage() ->
     assert model.layers.norm.scale.get_value().sharding.spec[0] == "stage"
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", substrax.SCHEDULES)
 def test_compare_gradients_checks_the_pipelined_steps(schedule: str) -> None:
     mesh, model, _ = _placed({"data": 2, "stage": 4}, "fsdp")
     report = compare_gradients(model, mse, _batches(1)[0], mesh, microbatches=4, schedule=schedule)
     assert report.ok, str(report)
-    assert report.methods == ("implicit", "explicit")
+    assert report.methods == (("explicit",) if schedule == "zb-h1" else ("implicit", "explicit"))
     assert report.max_abs_diff < 1e-5
 
 
@@ -216,20 +219,48 @@ def test_pipelined_state_restores_onto_a_mesh_without_stage(tmp_path, sgd_refere
 # --- the schedules -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("stages", "k"), [(2, 3), (4, 4), (4, 8), (1, 2)])
+def _tick(row: list[str], slot: str) -> int:
+    return next(i for i, c in enumerate(row) if slot in c.split())
+
+
+@pytest.mark.parametrize(("stages", "k"), [(2, 3), (4, 4), (4, 8), (1, 2), (4, 2)])
 def test_each_stage_runs_each_microbatch_forward_then_backward_once(stages: int, k: int) -> None:
-    for name in ("gpipe", "1f1b"):
+    """Every slot once; a microbatch's backward after its forward (ZB-H1: its weights' slot after
+    both, or in the same tick, which runs F, B, W in that order); each forward a tick after the
+    previous stage's, each backward a tick after the next stage's (what the permutes carry)."""
+    for name in substrax.SCHEDULES:
         schedule = Schedule(name, stages, k)
-        for s, row in enumerate(schedule.table()):
+        table = schedule.table()
+        kinds = "FBW" if name == "zb-h1" else "FB"
+        for s, row in enumerate(table):
             slots = [x for cell in row for x in cell.split()]
-            assert sorted(slots) == sorted([f"F{j}" for j in range(k)] + [f"B{j}" for j in range(k)]), (
-                name,
-                s,
-            )
+            assert sorted(slots) == sorted(f"{x}{j}" for x in kinds for j in range(k)), (name, s)
             for j in range(k):  # a microbatch's backward after its forward, on every stage
-                f = next(i for i, c in enumerate(row) if f"F{j}" in c.split())
-                b = next(i for i, c in enumerate(row) if f"B{j}" in c.split())
-                assert f < b or (name == "1f1b" and f == b and s == stages - 1)
+                f, b = _tick(row, f"F{j}"), _tick(row, f"B{j}")
+                assert f < b or (name != "gpipe" and f == b and s == stages - 1)
+                if name == "zb-h1":
+                    assert _tick(row, f"W{j}") >= b
+                if s > 0 and name != "gpipe":
+                    assert f > _tick(table[s - 1], f"F{j}")
+                    assert _tick(table[s - 1], f"B{j}") > b
+
+
+def test_zb_h1_defers_at_most_its_held_weight_slots() -> None:
+    """Stage ``s`` runs a microbatch's weights' slot ``s`` ticks after its input's: it holds at most
+    ``s + 1`` microbatches' pullbacks, ``deferred`` (the stages) on stage 0 ... the last."""
+    stages, k = 4, 8
+    schedule = Schedule("zb-h1", stages, k)
+    for s, row in enumerate(schedule.table()):
+        live, most = set(), 0
+        for cell in row:
+            for slot in cell.split():  # in the tick's order: F, then B, then W
+                if slot[0] == "B":
+                    live.add(slot[1:])
+                most = max(most, len(live))
+                if slot[0] == "W":
+                    live.discard(slot[1:])
+        assert most == s + 1 <= schedule.deferred == stages
+    assert Schedule("1f1b", stages, k).deferred == Schedule("gpipe", stages, k).deferred == 0
 
 
 def test_1f1b_keeps_at_most_its_stash_and_gpipe_every_microbatch() -> None:
@@ -258,9 +289,24 @@ def test_the_bubble_is_the_idle_share_of_each_stage() -> None:
             == pytest.approx((stages - 1) / (k + stages - 1))
         )
         phases = Schedule("1f1b", stages, k).phases
-        f = sum(stop - start for start, stop, fwd, _ in phases if fwd)
-        b = sum(stop - start for start, stop, _, bwd in phases if bwd)
+        f = sum(stop - start for start, stop, fwd, _, _ in phases if fwd)
+        b = sum(stop - start for start, stop, _, bwd, _ in phases if bwd)
         assert f == b == k + stages - 1
+
+
+@pytest.mark.parametrize(("stages", "k"), [(2, 4), (4, 4), (4, 8), (4, 2), (8, 8)])
+def test_each_schedules_bubble_is_its_loops_idle_share(stages: int, k: int) -> None:
+    """Each loop's tick costs its slots (in forward passes: F 1; 1F1B's B 3, the forward recomputed
+    and both gradients; ZB-H1's B 2 and W 1); the bubble is the share of the loops' time beyond a
+    stage's own work (``k`` times 4)."""
+    cost = {"1f1b": (1, 3, 0), "zb-h1": (1, 2, 1)}
+    for name, (f, b, w) in cost.items():
+        schedule = Schedule(name, stages, k)
+        total = sum(
+            (stop - start) * (f * fwd + b * bwd + w * wgt) for start, stop, fwd, bwd, wgt in schedule.phases
+        )
+        assert 1 - 4 * k / total == pytest.approx(schedule.bubble), name
+    assert Schedule("zb-h1", stages, k).bubble < Schedule("1f1b", stages, k).bubble
 
 
 # --- refusals -------------------------------------------------------------------------------
@@ -314,8 +360,15 @@ def test_stages_on_a_mesh_without_stage_or_with_prefetch_are_refused() -> None:
 
 def test_schedule_options_are_refused_by_name() -> None:
     mesh = create_device_mesh({"data": 2, "stage": 4})
-    with pytest.raises(ValueError, match=r"schedule must be one of \('gpipe', '1f1b'\) or None .* got 'zb'"):
+    with pytest.raises(
+        ValueError, match=r"schedule must be one of \('gpipe', '1f1b', 'zb-h1'\) or None .* got 'zb'"
+    ):
         substrax.make_train_step(mse, mesh=mesh, microbatches=4, schedule="zb")
+    with pytest.raises(
+        ValueError,
+        match=r"schedule='zb-h1' splits each layer's backward .* only explicit mode .* mode='explicit'",
+    ):
+        substrax.make_train_step(mse, "implicit", mesh=mesh, microbatches=4, schedule="zb-h1")
     with pytest.raises(ValueError, match=r"schedule='1f1b' runs the stages as a pipeline .* microbatches=1"):
         substrax.make_train_step(mse, mesh=mesh, schedule="1f1b")
     with pytest.raises(

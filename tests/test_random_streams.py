@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import PIPELINES
 from flax import nnx
 from models import one_device_params, params_of, sine_batches, stack
 
@@ -175,13 +176,15 @@ def unstaged() -> dict[str, tuple]:
         ("explicit", "gpipe", "replicated", False),
         ("implicit", "gpipe", "fsdp", True),
         ("implicit", "1f1b", "replicated", False),
+        ("explicit", "zb-h1", "fsdp", True),
+        ("explicit", "zb-h1", "replicated", False),
     ],
 )
 def test_a_pipelined_stack_draws_the_masks_of_the_step_without_stages(
     mode: str, schedule: str, layout: str, remat: bool, unstaged: dict
 ) -> None:
     """(stage=4, data=2), 4 microbatches: each stage carries its layers' counts from microbatch to
-    microbatch (1F1B's backward slot redraws from the stashed ones), as the step without stages
+    microbatch (1F1B's and ZB-H1's backward slot redraws from the stashed ones), as the step without stages
     carries the model's. ``remat``: ``scan_layers(..., remat=True)``, recomputed in the backward pass."""
     mesh, model, opt = _placed({"data": 2, "stage": 4}, layout, stages=True, remat=remat)
     masks, got, counts = _trained(mesh, model, opt, mode, schedule=schedule)
@@ -196,8 +199,7 @@ def test_a_pipelined_stack_draws_the_masks_of_the_step_without_stages(
 
 
 @pytest.mark.parametrize("wrap", ["jax.checkpoint", "nnx.remat"])
-@pytest.mark.parametrize("schedule", substrax.SCHEDULES)
-@pytest.mark.parametrize("mode", substrax.MODES)
+@pytest.mark.parametrize(("mode", "schedule"), PIPELINES)
 def test_the_stack_under_the_users_own_remat_in_a_pipeline_is_refused(
     mode: str, schedule: str, wrap: str
 ) -> None:

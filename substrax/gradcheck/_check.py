@@ -96,8 +96,9 @@ def compare_gradients(
       precision: A ``substrax.MixedPrecision`` policy to run the two paths under, checked
         to the policy's wider tolerance.
       microbatches: With ``schedule``, the microbatches of the pipelined steps.
-      schedule: ``"gpipe"`` or ``"1f1b"``: the implicit and explicit gradients are those of
-        the pipelined steps (``make_train_step(..., schedule=)``), on ``model`` as
+      schedule: One of ``substrax.SCHEDULES``: the implicit and explicit gradients are those of
+        the pipelined steps (``make_train_step(..., schedule=)``; ``"zb-h1"``: the explicit
+        one only, implicit mode refuses it), on ``model`` as
         ``shard_state(..., stages=)`` placed it on ``mesh`` (see the pipelines guide);
         ``candidate`` and ``precision`` do not apply then.
 

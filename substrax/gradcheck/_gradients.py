@@ -16,6 +16,7 @@ from substrax._batch.leaves import BatchSpec
 from substrax._batch.placement import place_batch_on_shards
 from substrax._shared.options import StepOptions
 from substrax._shared.precision import MixedPrecision
+from substrax._shared.schedule import EXPLICIT_ONLY
 
 
 def _rng_counts(state: nnx.State) -> dict[str, int]:
@@ -162,12 +163,17 @@ def pipelined_gradients(
     own gradient halves run on it, the pipeline's ticks and permutes included.
     """
     shardings = _batch_shardings(host_batch, mesh, data_axis, batch_spec)
-    options = StepOptions(
-        mesh=mesh, data_axis=data_axis, batch_spec=batch_spec, microbatches=microbatches, schedule=schedule
-    )
+    steps = {"implicit": spmd.STEPS, "explicit": explicit.STEPS}
+    if schedule in EXPLICIT_ONLY:  # implicit mode refuses it
+        del steps["implicit"]
+    out = {}
     with jax.set_mesh(mesh):
         placed = place_batch_on_shards(host_batch, shardings)
-        return {
-            "implicit": nnx.jit(lambda m, b: spmd.STEPS.gradients(m, loss_fn, b, options))(model, placed),
-            "explicit": nnx.jit(lambda m, b: explicit.STEPS.gradients(m, loss_fn, b, options))(model, placed),
-        }
+        for mode, mode_steps in steps.items():
+            options = StepOptions(
+                mode=mode, mesh=mesh, data_axis=data_axis, batch_spec=batch_spec, microbatches=microbatches,
+                schedule=schedule,
+            )  # fmt: skip
+            gradients = lambda m, b, s=mode_steps, o=options: s.gradients(m, loss_fn, b, o)  # noqa: E731
+            out[mode] = nnx.jit(gradients)(model, placed)
+    return out
