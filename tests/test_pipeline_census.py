@@ -1,4 +1,4 @@
-"""The census of a pipelined step (#54 item 4): each schedule's permutes per tick between
+"""The census of a pipelined step (#54 item 4, #63 item 4): each schedule's permutes per tick between
 neighbouring stages, the sums over ``stage`` once per step, the gradients over ``data`` once
 per step, held against the compiled program.
 
@@ -58,6 +58,8 @@ EXPLICIT = [
     Case("1f1b", (("data", 2), ("stage", 4)), "units", 8),
     Case("gpipe", (("data", 2), ("stage", 2), ("model", 2)), "replicated", 8),
     Case("1f1b", (("data", 1), ("stage", 8)), "replicated", 8),
+    Case("zb-h1", (("data", 2), ("stage", 4)), "units", 8),
+    Case("zb-h1", (("data", 1), ("stage", 8)), "replicated", 4),
 ]
 IMPLICIT = [Case(s, (("data", 2), ("stage", 4)), "replicated", 4) for s in ("gpipe", "1f1b")]
 _RESULTS: dict[tuple[str, Case], object] = {}
@@ -84,11 +86,12 @@ def checked(mode: str, case: Case):  # noqa: ANN201
 
 def loops(schedule: substrax.PipelineSchedule) -> list[tuple[int, int]]:
     """``(ticks, direction)`` per loop and permute: GPipe's forward loop sends on, its transpose back;
-    1F1B's warm-up sends on, its steady state both ways, its cool-down back."""
+    1F1B's (and ZB-H1's) warm-up sends on, its steady state both ways, its cool-down back (ZB-H1's
+    weight slots send nothing)."""
     if schedule.name == "gpipe":
         return [(schedule.ticks, 1), (schedule.ticks, -1)]
     out = []
-    for start, stop, forward, backward in schedule.phases:
+    for start, stop, forward, backward, _ in schedule.phases:
         out += [(stop - start, 1)] * forward + [(stop - start, -1)] * backward
     return out
 

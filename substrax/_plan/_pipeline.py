@@ -7,17 +7,17 @@ from typing import Any
 
 from jax.sharding import Mesh
 
-from substrax._shared.schedule import SCHEDULES, STAGE_AXIS, bubble_fraction
+from substrax._shared.schedule import EXPLICIT_ONLY, SCHEDULES, STAGE_AXIS, bubble_fraction
 
 
-def schedules(mesh: Mesh, schedule: str | None | Sequence[str | None]) -> list[str | None]:
-    """The schedules to try on ``mesh``: on a ``stage`` axis the candidates (both when none are
-    named), without one none (``[None]``: no pipeline)."""
+def schedules(mesh: Mesh, schedule: str | None | Sequence[str | None], mode: str) -> list[str | None]:
+    """The schedules to try on ``mesh`` in ``mode``: on a ``stage`` axis the candidates (each that
+    ``mode`` runs when none are named), without one none (``[None]``: no pipeline)."""
     if STAGE_AXIS not in mesh.axis_names:
         return [None]
     candidates = [schedule] if schedule is None or isinstance(schedule, str) else list(schedule)
     named = [c for c in candidates if c is not None]
-    return named or list(SCHEDULES)
+    return named or [s for s in SCHEDULES if mode == "explicit" or s not in EXPLICIT_ONLY]
 
 
 def piped(
@@ -36,5 +36,5 @@ def fields(mesh: Mesh, opts: Mapping[str, Any]) -> dict[str, Any]:
     schedule = opts.get("schedule")
     if schedule is None:
         return {}
-    bubble = bubble_fraction(mesh.shape[STAGE_AXIS], opts.get("microbatches", 1))
+    bubble = bubble_fraction(mesh.shape[STAGE_AXIS], opts.get("microbatches", 1), schedule)
     return {"schedule": schedule, "bubble": bubble}

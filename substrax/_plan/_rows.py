@@ -83,9 +83,10 @@ def plan(
         ``reshard_after_forward``, ``prefetch``, ...).
       compiled: Compile each row's step and read its memory (``memory_analysis()``) and
         bytes (its census) from the program; ``None``: on a mesh whose devices are not CPUs.
-      schedule: The pipeline schedules to try on a mesh with a ``stage`` axis (``"gpipe"``,
-        ``"1f1b"``, or both; ``None``: both), the stack ``placement``'s ``stages`` names split
-        over it; a mesh without ``stage`` runs no pipeline (and drops ``stages``).
+      schedule: The pipeline schedules to try on a mesh with a ``stage`` axis (one of
+        ``SCHEDULES`` or several; ``None``: each the mode runs), the stack ``placement``'s
+        ``stages`` names split over it; a mesh without ``stage`` runs no pipeline (and drops
+        ``stages``).
       target: What a compiled row's step is predicted on (``substrax.timeline``'s ``Target`` or a
         ``TARGETS`` name); default the devices'.
       **step_options: ``make_train_step``'s other keywords (``microbatches``, ``has_aux``, ...).
@@ -110,7 +111,8 @@ def plan(
         names = layouts or [k for k in _layout.LAYOUTS if k != "hsdp" or replica in m.axis_names]
         for kind in names:
             for u, unit in enumerate(units if kind in ("fsdp", "hsdp") else (None,)):
-                for md, sched in ((md, sched) for md in modes for sched in _pipeline.schedules(m, schedule)):
+                pairs = [(md, sched) for md in modes for sched in _pipeline.schedules(m, schedule, md)]
+                for md, sched in pairs:
                     place, opts = _pipeline.piped(m, sched, placement, step_options)
                     config = (loss_fn, model, optimizer, batch, m, md, kind, unit, place, opts)
                     on_target = _platform(m) != "cpu" if compiled is None else compiled

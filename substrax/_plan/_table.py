@@ -38,10 +38,10 @@ class PlanRow:
       compiler: Where the bytes come from: ``"XLA:CPU rules (estimated)"``, or the platform
         the step was compiled for, ``"tpu (compiled)"``.
       notes: What the prediction could not read.
-      schedule: The pipeline's schedule (``"gpipe"``, ``"1f1b"``) on a mesh with a ``stage``
+      schedule: The pipeline's schedule (one of ``SCHEDULES``) on a mesh with a ``stage``
         axis, ``"-"`` for none.
-      bubble: The share of a pipelined step's ticks a stage idles, ``(stages - 1) /
-        (microbatches + stages - 1)``; 0 without a pipeline. The peak and state bytes of a
+      bubble: The share of a pipelined step's time a stage idles, ``bubble_fraction`` of the
+        schedule; 0 without a pipeline. The peak and state bytes of a
         pipelined row are one stage's (every device holds one stage).
       refused: The TPU compiler's refusal of a step that does not fit (its message; ``peak_bytes``
         then holds the arguments plus the temporaries it says it needed, to its 0.01 GB, and

@@ -306,7 +306,7 @@ class Staged:
         def layer(params: nnx.State, floats: list[Any], layer_streams: nnx.State) -> tuple[list[Any], Any]:
             h, arrays = with_floats(carry, floats)
             args, kwargs = static.rebuild(arrays)
-            merged = nnx.merge(self.stack_graphdef, params, layer_streams, copy=True)  # this trace's variables
+            merged = nnx.merge(self.stack_graphdef, params, layer_streams, copy=True)  # this trace's
             return floats_of((merged(h, *args, **kwargs), arrays)), nnx.state(merged, nnx.RngState)
 
         if static.remat:
