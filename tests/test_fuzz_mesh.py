@@ -21,9 +21,10 @@ expected from what the layers declare (``substrax.nn.declare_forward``, ...).
 
 The pipeline is an axis too (drawn last, so the other axes draw as before): ``stages``
 (none, 2 or 4: the blocks stacked by ``nnx.vmap``, as many or twice as many as the stages,
-split over a ``stage`` axis), ``schedule`` (``"gpipe"`` or ``"1f1b"``) and microbatches (2 or
-4), held to one device the same way; in explicit mode a pipelined draw's census must match
-too (its permutes per tick and loop, its sums over ``stage``: the census guide, "Pipelines").
+split over a ``stage`` axis), ``schedule`` (``"gpipe"``, ``"1f1b"``, in explicit mode
+``"zb-h1"``) and microbatches (2 or 4), held to one device the same way; in explicit mode a
+pipelined draw's census must match too (its permutes per tick and loop, its sums over
+``stage``: the census guide, "Pipelines").
 13 random pipelined draws (2026-12-07) found four Adam draws of 4 to 8 blocks past the floor
 then measured (permuted float32 runs against each other, the candidate held to the float32
 reference), e.g. ``SEED_71`` (``blocks/up/bias`` 1.07x its tolerance): the float32 reference
@@ -113,7 +114,7 @@ class MeshConfig:
     steps: int = 2
     units: bool = False  # under FSDP: each tensor-parallel layer (attention, up, down) an FSDP unit
     stages: int | None = None  # the pipeline: the blocks stacked, split over a stage axis of this size
-    schedule: str = "gpipe"  # with stages: "gpipe" or "1f1b"
+    schedule: str = "gpipe"  # with stages: "gpipe", "1f1b" or (explicit mode) "zb-h1"
 
     @property
     def shape(self) -> dict[str, int]:
@@ -152,13 +153,10 @@ def _with_pipeline(draw: st.DrawFn, c: MeshConfig) -> MeshConfig:
         return c
     microbatches = draw(st.sampled_from([k for k in (2, 4) if (ROWS // c.data) % k == 0]))
     blocks = draw(st.sampled_from([stages, 2 * stages]))
-    return dataclasses.replace(
-        c,
-        stages=stages,
-        schedule=draw(st.sampled_from(["gpipe", "1f1b"])),
-        microbatches=microbatches,
-        blocks=blocks,
-    )
+    schedule = draw(st.sampled_from(["gpipe", "1f1b"]))
+    if c.mode == "explicit" and schedule == "1f1b" and draw(st.booleans()):  # last: earlier draws as before
+        schedule = "zb-h1"
+    return dataclasses.replace(c, stages=stages, schedule=schedule, microbatches=microbatches, blocks=blocks)
 
 
 class Block(nnx.Module):
@@ -407,7 +405,7 @@ CURATED = [
     # each tensor-parallel layer an FSDP unit: a buffer per dtype and per model-split or not
     MeshConfig(mode="explicit", data=4, model=2, layout="fsdp", microbatches=2, blocks=2, units=True),
     MeshConfig(mode="explicit", data=1, model=8, layout="replicated", heads=8, width=32, causal=False),
-    # the pipeline axis: 1F1B beside data, model and FSDP units; GPipe under Adam on stage x data
+    # the pipeline axis: 1F1B beside data, model and FSDP units; GPipe under Adam on stage x data;
     MeshConfig(
         mode="explicit",
         data=2,
@@ -429,6 +427,19 @@ CURATED = [
         blocks=4,
         stages=4,
         schedule="gpipe",
+    ),  # fmt: skip
+    # ZB-H1: tensor parallelism and FSDP units inside a stage, under Adam
+    MeshConfig(
+        mode="explicit",
+        data=2,
+        model=2,
+        layout="fsdp",
+        microbatches=4,
+        optimizer="adam",
+        blocks=4,
+        units=True,
+        stages=2,
+        schedule="zb-h1",
     ),  # fmt: skip
 ]
 

@@ -21,7 +21,18 @@ from flax import nnx
 
 from substrax._base.trees import path_str
 
-__all__ = ["KINDS", "Declared", "name_of", "naming", "recorder", "recording", "silenced", "silenced_until"]
+__all__ = [
+    "KINDS",
+    "Declared",
+    "name_of",
+    "naming",
+    "optional",
+    "optional_why",
+    "recorder",
+    "recording",
+    "silenced",
+    "silenced_until",
+]
 
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
@@ -43,6 +54,7 @@ class Declared:
         operand of the others.
       dtype: its element type.
       why: what it moves, in a few words.
+      dead_if: for a backward collective recorded inside ``optional(why)``, that ``why``.
     """
 
     layer: str
@@ -52,6 +64,7 @@ class Declared:
     shape: tuple[int, ...]
     dtype: np.dtype[Any]
     why: str
+    dead_if: str = ""  # recorded inside ``optional(why)``: why XLA may drop its backward collectives
 
     @property
     def bytes(self) -> int:
@@ -82,6 +95,24 @@ def recording() -> Iterator[list[Declared]]:
         yield declared
     finally:
         _RECORD.reset(token)
+
+
+_OPTIONAL: contextvars.ContextVar[str] = contextvars.ContextVar("substrax_nn_optional", default="")
+
+
+@contextlib.contextmanager
+def optional(why: str) -> Iterator[None]:
+    """Record the backward collectives declared in this context as ones XLA may drop (``why``)."""
+    token = _OPTIONAL.set(why)
+    try:
+        yield
+    finally:
+        _OPTIONAL.reset(token)
+
+
+def optional_why(phase: str) -> str:
+    """Why a collective of ``phase`` declared here may be dropped (``optional``), else ``""``."""
+    return _OPTIONAL.get() if phase == "backward" else ""
 
 
 @contextlib.contextmanager

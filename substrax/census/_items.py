@@ -321,6 +321,8 @@ def layer_items(
             axes=() if (sizes or {}).get(i.axis) == 1 else (i.axis,),
             in_loop=microbatches > 1,
             per_run=True,
+            optional=bool(i.dead_if),
+            why=i.dead_if,
         )
         for i in layers
     ] + [

@@ -14,6 +14,7 @@ See the pipelines guide.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -36,6 +37,12 @@ from substrax._shared.schedule import Schedule
 from substrax.explicit._prologue import Share
 
 __all__ = ["pipelined_value_and_grad"]
+
+
+_UNREAD = (
+    "ZB-H1's last tick, a loop of its own, sends an input gradient nothing reads: XLA may drop the first "
+    "layer's backward collectives there"
+)
 
 
 def _typed_like(tree: PyTree, like: PyTree) -> PyTree:
@@ -220,7 +227,9 @@ def _one_f_one_b(
         deferred = jax.tree.map(lambda z: jnp.zeros((held, *z.shape), z.dtype), zero_input[-1])
         deferred = _typed_like(deferred, jax.tree.map(lambda z: z[None], zero_input[-1]))
 
-    def tick(state: Any, t: Any, forward: bool, backward_: bool, weight: bool) -> tuple[Any, None]:
+    def tick(
+        state: Any, t: Any, forward: bool, backward_: bool, weight: bool, last: bool
+    ) -> tuple[Any, None]:
         (recv, streams), recv_g, stash, (g_out, g_stack), losses, auxes, held_ = state
         if forward:  # its forward slot: microbatch jf from the previous stage (stage 0: the prologue)
             jf = p.schedule.forward(t, p.s)
@@ -235,9 +244,12 @@ def _one_f_one_b(
             recv = p.send(out, 1)
         if backward_ and zip_:  # ZB-H1's: the input's gradient sent on, the weights' held back
             jb = p.schedule.backward(t, p.s)
-            d_out, d_c, loss, aux, drawn, kept = jax.lax.cond(
-                p.valid(jb), lambda: backward_input(*take(stash, jb % depth), recv_g, jb), lambda: zero_input
-            )
+            with declared.optional(_UNREAD) if last else contextlib.nullcontext():
+                d_out, d_c, loss, aux, drawn, kept = jax.lax.cond(
+                    p.valid(jb),
+                    lambda: backward_input(*take(stash, jb % depth), recv_g, jb),
+                    lambda: zero_input,
+                )
             held_ = jax.lax.cond(p.valid(jb), lambda: put(held_, jb % held, kept), lambda: held_)
             streams = advanced(streams, drawn, p.last & p.valid(jb))
             g_out = jax.tree.map(lambda a, d: a + d.astype(a.dtype), g_out, d_out)
@@ -245,11 +257,14 @@ def _one_f_one_b(
             losses, recv_g = losses + loss, p.send(d_c, -1)
         if weight:  # ZB-H1's weight slot: microbatch jw's, from its layers' pullbacks
             jw = p.schedule.weight(t, p.s)
-            d_stack = jax.lax.cond(
-                p.valid(jw),
-                lambda: _typed_like(p.staged.weight_grads(stack, *take(held_, jw % held)), stack),
-                lambda: _zeros_like(stack),
-            )
+            # the layers' backward collectives are counted in the backward slot (one declared in a
+            # custom_vjp's bwd would be declared again by this pullback, whose input half XLA drops)
+            with declared.silenced():
+                d_stack = jax.lax.cond(
+                    p.valid(jw),
+                    lambda: _typed_like(p.staged.weight_grads(stack, *take(held_, jw % held)), stack),
+                    lambda: _zeros_like(stack),
+                )
             g_stack = jax.tree.map(lambda a, d: a + d.astype(a.dtype), g_stack, d_stack)
         if backward_ and not zip_:  # its backward slot: microbatch jb's cotangent from the next stage
             jb = p.schedule.backward(t, p.s)
@@ -279,7 +294,8 @@ def _one_f_one_b(
         held_,
     )
     for start, stop, forward, backward_, weight in p.schedule.phases:
-        body = functools.partial(tick, forward=forward, backward_=backward_, weight=weight)
+        last = stop - start == 1 and stop == p.schedule.ticks  # its input gradient sent to no one
+        body = functools.partial(tick, forward=forward, backward_=backward_, weight=weight, last=last)
         state, _ = jax.lax.scan(body, state, jnp.arange(start, stop))
     (_, streams), _, _, (g_out, g_stack), losses, auxes, _ = state
     return losses, auxes, g_out, g_stack, streams

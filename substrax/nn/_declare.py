@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 from substrax._base import scopes
-from substrax._base.declared import KINDS, Declared, name_of, recorder
+from substrax._base.declared import KINDS, Declared, name_of, optional_why, recorder
 from substrax._metrics.collectives import to_varying, varying_axes
 
 __all__ = ["Declared", "copy_to_model_axis", "declare_backward", "declare_forward"]
@@ -31,9 +31,8 @@ def _declared(
         )
     if not isinstance(axis, str):
         raise TypeError(f"declare_{phase}: axis must be one mesh axis name, a str; got {axis!r}.")
-    return Declared(
-        layer, phase, kind, axis, tuple(like.shape if shape is None else shape), np.dtype(like.dtype), why
-    )
+    shape = tuple(like.shape if shape is None else shape)
+    return Declared(layer, phase, kind, axis, shape, np.dtype(like.dtype), why, optional_why(phase))
 
 
 def declare_forward(
