@@ -128,9 +128,10 @@ def test_each_unit_reduce_scatters_its_gradient_on_the_gpu() -> None:
     assert sum(r.bytes for r in scatters) == 860_160
 
 
-def test_a_pipelines_census_matches_on_the_gpu() -> None:
-    """test_pipeline_census's GPipe case (data 2 x stage 4, units) compiled for H100 1x1x8."""
-    case = pipeline_census.EXPLICIT[0]
+@pytest.mark.parametrize("case", [c for c in pipeline_census.EXPLICIT if c.layout == "units"], ids=str)
+def test_a_pipelines_census_matches_on_the_gpu(case: pipeline_census.Case) -> None:
+    """test_pipeline_census's cases with units (data 2 x stage 4: GPipe, 1F1B, ZB-H1) compiled for
+    H100 1x1x8."""
     mesh = topology_mesh("h100:1x1x8", dict(case.mesh))
     model, optimizer = nnx.eval_shape(
         lambda: (m := pipeline_census.Net(), nnx.Optimizer(m, optax.adam(1e-2), wrt=nnx.Param))

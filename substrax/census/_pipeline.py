@@ -37,7 +37,10 @@ _DEAD = (
 _IMPLICIT = (
     "implicit mode: XLA places an argument that travels with the carry (it may stay whole on every stage)"
 )
-_LAST = "the cool-down's last tick sends a cotangent nothing reads: XLA drops a one-tick loop's"
+_LAST = (
+    "the last loop with this slot runs one tick, whose send nothing reads (no later tick receives it): "
+    "XLA may drop it"
+)
 
 
 def _buffer(aval: _Aval) -> str:
@@ -126,7 +129,10 @@ def permute_items(run: PipelineRun, implicit: bool = False) -> list[ExpectedColl
     items = []
     floating = [a for a in run.carry if np.issubdtype(a[1], np.inexact)]
     gpipe = run.schedule == "gpipe"
-    for loop, ticks, forward, backward, _ in _loops(run):
+    loops = _loops(run)
+    # the last loop with forward (backward) slots: a tick of its own sends a carry (cotangent) nothing reads
+    final = {shift: max(i for i, lp in enumerate(loops) if lp[2 if shift == 1 else 3]) for shift in (1, -1)}
+    for index, (loop, ticks, forward, backward, _) in enumerate(loops):
         for name, leaves, shift, on in (
             ("carry", run.carry, 1, forward),
             ("cotangent", floating, -1, backward),
@@ -135,8 +141,8 @@ def permute_items(run: PipelineRun, implicit: bool = False) -> list[ExpectedColl
             to = "next" if shift == 1 else "previous"
             for i, aval in enumerate(leaves if on else ()):
                 leaf = "" if len(leaves) == 1 else f" leaf {i}"
-                # the stack's input's cotangent is leaf 0; a cool-down of one tick sends one nothing reads
-                last = shift == -1 and ticks == 1 and not forward and not gpipe
+                # the stack's input's cotangent is leaf 0
+                last = ticks == 1 and index == final[shift] and not gpipe
                 optional = last or (i > 0 and (shift == -1 or implicit))
                 items.append(
                     ExpectedCollective(
