@@ -1,4 +1,4 @@
-"""Pipelines: step time and memory of GPipe and 1F1B against the data-parallel step of the same model.
+"""Pipelines: step time and memory of GPipe, 1F1B and ZB-H1 against the data-parallel step of the same model.
 
 One model, an embedding, ``--depth`` residual blocks (``Linear(width, width)``, ``tanh``)
 stacked by ``nnx.vmap`` and applied by ``substrax.nn.scan_layers``, a head; mean squared
@@ -9,14 +9,15 @@ Timed, interleaved round by round after warm-up (``.bind``, the state donated):
   (gradient accumulation): the bound each pipelined row is a ratio to;
 - ``stage4xdata2:MODE:SCHEDULE:kK``: the blocks split over ``stage=4`` (``shard_state(...,
   stages=Block)``) beside ``data=2``, replicated over ``data``, ``make_train_step(...,
-  microbatches=K, schedule=...)``.
+  microbatches=K, schedule=...)``, each schedule the mode runs (ZB-H1: explicit mode).
 
 Each row: the median step time, its ratio to the same mode's data-parallel row (of each
 round, the paired ratio), the compiled step's memory per device (``memory_analysis()``:
 arguments, temporaries, peak), its collectives per step from the census (bytes, the
-permutes' among them), whether the census matches, and the bubble ``(S - 1) / (K + S - 1)``.
+permutes' among them), whether the census matches, and the schedule's bubble (``bubble_fraction``).
 On emulated devices sharing 2 cores the stages do not run at once: the times say what
-the schedules cost in work (1F1B's recomputed forward, the bubble's idle slots skipped),
+the schedules cost in work (1F1B's recomputed forward, ZB-H1's held pullbacks, the bubble's idle
+slots skipped),
 not what a pipeline gains on real devices (see docs/benchmarks.md).
 
     python benchmarks/pipeline.py --quick
@@ -39,7 +40,7 @@ from typing import Any
 import _measure as M  # benchmarks/_measure.py: run as `python benchmarks/NAME.py`
 
 MODES = ("explicit", "implicit")
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = {"explicit": ("gpipe", "1f1b", "zb-h1"), "implicit": ("gpipe", "1f1b")}
 
 
 def _model(width: int, depth: int) -> tuple[Any, Any, Callable[..., Any]]:
@@ -83,7 +84,7 @@ def _spellings(modes: tuple[str, ...], ks: list[int], stages: int) -> list[str]:
     for k in ks:
         for mode in modes:
             names.append(f"data8:{mode}:k{k}")
-            names += [f"stage{stages}xdata{8 // stages}:{mode}:{s}:k{k}" for s in SCHEDULES]
+            names += [f"stage{stages}xdata{8 // stages}:{mode}:{s}:k{k}" for s in SCHEDULES[mode]]
     return names
 
 
@@ -125,7 +126,7 @@ def _build(
         "schedule": schedule or "-",
         "k": k,
     }
-    row["bubble"] = 0.0 if schedule is None else substrax.bubble_fraction(stages, k)
+    row["bubble"] = 0.0 if schedule is None else substrax.bubble_fraction(stages, k, schedule)
     row |= M.memory(step.lower(model, optimizer, batch).compile())  # the program the call runs
     comparison = step.check_communication(model, optimizer, batch)
     row["census_matches"] = comparison.matches
@@ -197,7 +198,7 @@ def table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             "median: per step (.bind, donated); ratio: the paired ratio to the same mode's data8 row at the "
             "same K"
         ),
-        "(each round's time over that row's, median over rounds). bubble: (S - 1) / (K + S - 1).",
+        "(each round's time over that row's, median over rounds). bubble: the schedule's bubble_fraction.",
         "arg, temp, peak: memory_analysis() of one device's program (arguments: its state and batch; peak:",
         "argument + output + temp - alias); temp/dp: temp over the data8 row's. comm: collective bytes per",
         (
