@@ -161,20 +161,20 @@ class PipelineSchedule:
     @property
     def phases(self) -> tuple[tuple[int, int, bool, bool, bool], ...]:
         """The ticks as ``(start, stop, forward, backward, weight)`` runs, a loop each, with the
-        slots some stage runs there: 1F1B's warm-up forward slots only (no stage has a backward
-        yet), its steady state both, its cool-down backward only; ZB-H1 adds the weight slot from
-        tick ``2S - 2`` on. GPipe: its forward ticks, one phase. ``weight`` is False but in ZB-H1
-        (1F1B's backward slot computes the weights' gradient too)."""
+        slots its ticks run: 1F1B's warm-up forward slots only (no stage has a backward yet), its
+        steady state both, its cool-down backward only; ZB-H1's the same loops, its weight slot
+        beside each backward slot (no stage has one before tick ``2S - 2``: the tick's cond skips
+        it there). GPipe: its forward ticks, one phase. ``weight`` is False but in ZB-H1 (1F1B's
+        backward slot computes the weights' gradient too)."""
         if self.name == "gpipe":
             return ((0, self.ticks, True, False, False),)
-        s, k = self.stages, self.microbatches
-        w = 2 * s - 2 if self.name == "zb-h1" else self.ticks
-        cuts = sorted({0, s - 1, w, k + s - 1, self.ticks})
-        runs = []
-        for start, stop in zip(cuts, cuts[1:], strict=False):
-            if stop > start:
-                runs.append((start, stop, start < k + s - 1, start >= s - 1, start >= w))
-        return tuple(runs)
+        s, k, zb = self.stages, self.microbatches, self.name == "zb-h1"
+        runs = (
+            (0, s - 1, True, False, False),
+            (s - 1, k + s - 1, True, True, zb),
+            (k + s - 1, k + 2 * s - 2, False, True, zb),
+        )
+        return tuple(r for r in runs if r[1] > r[0])
 
     def forward(self, tick: Any, stage: Any) -> Any:
         """The microbatch ``stage`` forwards at ``tick`` (ints or arrays; in range only when it runs)."""

@@ -56,26 +56,20 @@ def _ticks(n: int) -> str:
     return f"{n} tick{'s' * (n != 1)}"
 
 
-_PHASES = {
-    (True, False, False): "warm-up",
-    (True, True, False): "steady state",
-    (False, True, False): "cool-down",
-    (True, True, True): "steady state with weight slots",
-    (False, True, True): "cool-down with weight slots",
-}
+_PHASES = {(True, False): "warm-up", (True, True): "steady state", (False, True): "cool-down"}
 
 
 def _loops(run: PipelineRun) -> list[tuple[str, int, bool, bool, bool]]:
     """``(name, iterations, forward, backward, weight)`` per loop of the schedule: GPipe's forward
     ticks and their transpose; 1F1B's warm-up (forward slots), steady state (both), cool-down
-    (backward); ZB-H1's the same, its weight slots from tick ``2S - 2`` on."""
+    (backward); ZB-H1's the same, with its weight slots beside the backward ones."""
     if run.schedule == "gpipe":
         return [
             ("GPipe's forward loop", run.ticks, True, False, False),
             ("GPipe's backward loop", run.ticks, False, True, False),
         ]
     label = {"1f1b": "1F1B", "zb-h1": "ZB-H1"}[run.schedule]
-    return [(f"{label}'s {_PHASES[f, b, w]}", stop - start, f, b, w) for start, stop, f, b, w in run.phases]
+    return [(f"{label}'s {_PHASES[f, b]}", stop - start, f, b, w) for start, stop, f, b, w in run.phases]
 
 
 def stage_unit_items(units: list[ExpectedCollective], run: PipelineRun) -> list[ExpectedCollective]:
