@@ -29,7 +29,7 @@ K, ROWS = 8, 256
 # GPipe 0.978, 1F1B 1.115, and over widths 32-128, 4 or 8 blocks, MLP 2-4x, 64-256 rows, with and
 # without remat, GPipe 0.956-1.032, 1F1B 1.095-1.351 (4 blocks of width 128, MLP 4x: the 1.351).
 # ZB-H1 (its layers' pullbacks held in the loop's carry, which the rules count as copies): the residual
-# stack 1.367, the Llama-style one 1.825; held to never below the compiled peak (a row that "fits"
+# stack 1.299, the Llama-style one 1.793; held to never below the compiled peak (a row that "fits"
 # fits), and ``compiled=True`` to the program exactly.
 BAND = {"gpipe": (0.85, 1.05), "1f1b": (1.05, 1.30), "zb-h1": (1.0, 2.0)}
 
