@@ -526,6 +526,21 @@ def test_regression_an_implicit_pipeline_nearer_float64_than_the_float32_losses(
     check(SEED_36716)
 
 
+SEED_62 = MeshConfig(
+    mode="explicit", data=1, model=2, layout="fsdp", microbatches=2, optimizer="sgd", heads=4, causal=True,
+    blocks=4, width=32, seed=62, steps=2, units=False, stages=4, schedule="zb-h1",
+)  # fmt: skip
+
+
+def test_regression_zb_h1s_weight_slot_keeps_only_the_collectives_a_weight_needs() -> None:
+    """Found by the pipeline axis drawing ZB-H1 (2026-12-07): ``SEED_62``'s census expected each
+    tensor-parallel input gradient's all-reduce in the weight slot too (a ``declare_backward`` tap
+    recorded into the list it was created with, wherever its pullback ran again), 8,192 B more than
+    compiled: XLA keeps one of a block's two there (the LayerNorm's weights need the up projection's
+    input gradient) and drops the other. Now the weight slot's are optional (``declared.optional``)."""
+    check(SEED_62)
+
+
 @pytest.mark.slow  # 30 one-device runs of a 4-block model: make test-slow
 @pytest.mark.parametrize("config", [SEED_71, CURATED[-1]], ids=["seed71-1f1b", "gpipe-adam"])
 def test_the_floor_rule_fails_a_zeroed_negated_or_halved_gradient(config: MeshConfig) -> None:

@@ -54,7 +54,8 @@ class Declared:
         operand of the others.
       dtype: its element type.
       why: what it moves, in a few words.
-      dead_if: for a backward collective recorded inside ``optional(why)``, that ``why``.
+      dead_if: for a backward collective whose transpose was traced inside ``optional(why)``,
+        that ``why`` (the census expects it optionally).
     """
 
     layer: str
@@ -64,7 +65,7 @@ class Declared:
     shape: tuple[int, ...]
     dtype: np.dtype[Any]
     why: str
-    dead_if: str = ""  # recorded inside ``optional(why)``: why XLA may drop its backward collectives
+    dead_if: str = ""  # its transpose traced inside ``optional(why)``: why XLA may drop it
 
     @property
     def bytes(self) -> int:
@@ -102,7 +103,8 @@ _OPTIONAL: contextvars.ContextVar[str] = contextvars.ContextVar("substrax_nn_opt
 
 @contextlib.contextmanager
 def optional(why: str) -> Iterator[None]:
-    """Record the backward collectives declared in this context as ones XLA may drop (``why``)."""
+    """Record the backward collectives whose transposes are traced in this context as ones XLA may
+    drop (``why``)."""
     token = _OPTIONAL.set(why)
     try:
         yield
@@ -111,7 +113,8 @@ def optional(why: str) -> Iterator[None]:
 
 
 def optional_why(phase: str) -> str:
-    """Why a collective of ``phase`` declared here may be dropped (``optional``), else ``""``."""
+    """Why a collective of ``phase`` whose transpose is traced here may be dropped (``optional``),
+    else ``""``."""
     return _OPTIONAL.get() if phase == "backward" else ""
 
 

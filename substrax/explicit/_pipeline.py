@@ -14,7 +14,6 @@ See the pipelines guide.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
@@ -39,9 +38,9 @@ from substrax.explicit._prologue import Share
 __all__ = ["pipelined_value_and_grad"]
 
 
-_UNREAD = (
-    "ZB-H1's last tick, a loop of its own, sends an input gradient nothing reads: XLA may drop the first "
-    "layer's backward collectives there"
+_WEIGHT = (
+    "ZB-H1's weight slot runs each layer's pullback again for the weights' gradient: XLA keeps a "
+    "backward collective there only where a weight's gradient needs it"
 )
 
 
@@ -227,9 +226,7 @@ def _one_f_one_b(
         deferred = jax.tree.map(lambda z: jnp.zeros((held, *z.shape), z.dtype), zero_input[-1])
         deferred = _typed_like(deferred, jax.tree.map(lambda z: z[None], zero_input[-1]))
 
-    def tick(
-        state: Any, t: Any, forward: bool, backward_: bool, weight: bool, last: bool
-    ) -> tuple[Any, None]:
+    def tick(state: Any, t: Any, forward: bool, backward_: bool, weight: bool) -> tuple[Any, None]:
         (recv, streams), recv_g, stash, (g_out, g_stack), losses, auxes, held_ = state
         if forward:  # its forward slot: microbatch jf from the previous stage (stage 0: the prologue)
             jf = p.schedule.forward(t, p.s)
@@ -244,12 +241,9 @@ def _one_f_one_b(
             recv = p.send(out, 1)
         if backward_ and zip_:  # ZB-H1's: the input's gradient sent on, the weights' held back
             jb = p.schedule.backward(t, p.s)
-            with declared.optional(_UNREAD) if last else contextlib.nullcontext():
-                d_out, d_c, loss, aux, drawn, kept = jax.lax.cond(
-                    p.valid(jb),
-                    lambda: backward_input(*take(stash, jb % depth), recv_g, jb),
-                    lambda: zero_input,
-                )
+            d_out, d_c, loss, aux, drawn, kept = jax.lax.cond(
+                p.valid(jb), lambda: backward_input(*take(stash, jb % depth), recv_g, jb), lambda: zero_input
+            )
             held_ = jax.lax.cond(p.valid(jb), lambda: put(held_, jb % held, kept), lambda: held_)
             streams = advanced(streams, drawn, p.last & p.valid(jb))
             g_out = jax.tree.map(lambda a, d: a + d.astype(a.dtype), g_out, d_out)
@@ -257,9 +251,9 @@ def _one_f_one_b(
             losses, recv_g = losses + loss, p.send(d_c, -1)
         if weight:  # ZB-H1's weight slot: microbatch jw's, from its layers' pullbacks
             jw = p.schedule.weight(t, p.s)
-            # the layers' backward collectives are counted in the backward slot (one declared in a
-            # custom_vjp's bwd would be declared again by this pullback, whose input half XLA drops)
-            with declared.silenced():
+            # the pullbacks run again: their collectives the weights' gradient needs stay, those of the
+            # input's gradient alone XLA drops (which: the layer's; a norm's weights need its input's)
+            with declared.optional(_WEIGHT):
                 d_stack = jax.lax.cond(
                     p.valid(jw),
                     lambda: _typed_like(p.staged.weight_grads(stack, *take(held_, jw % held)), stack),
@@ -294,8 +288,7 @@ def _one_f_one_b(
         held_,
     )
     for start, stop, forward, backward_, weight in p.schedule.phases:
-        last = stop - start == 1 and stop == p.schedule.ticks  # its input gradient sent to no one
-        body = functools.partial(tick, forward=forward, backward_=backward_, weight=weight, last=last)
+        body = functools.partial(tick, forward=forward, backward_=backward_, weight=weight)
         state, _ = jax.lax.scan(body, state, jnp.arange(start, stop))
     (_, streams), _, _, (g_out, g_stack), losses, auxes, _ = state
     return losses, auxes, g_out, g_stack, streams

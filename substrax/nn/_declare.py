@@ -8,6 +8,7 @@ exactly the declared collectives, per layer and phase. See the tensor-parallelis
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -32,7 +33,7 @@ def _declared(
     if not isinstance(axis, str):
         raise TypeError(f"declare_{phase}: axis must be one mesh axis name, a str; got {axis!r}.")
     shape = tuple(like.shape if shape is None else shape)
-    return Declared(layer, phase, kind, axis, shape, np.dtype(like.dtype), why, optional_why(phase))
+    return Declared(layer, phase, kind, axis, shape, np.dtype(like.dtype), why)
 
 
 def declare_forward(
@@ -86,7 +87,8 @@ def declare_backward(
         return x, None
 
     def tap_bwd(_: None, cotangent: Any) -> tuple[Any]:
-        record.append(declared)
+        if recorder() is record:  # where its pullback runs: in a silenced trace it is not recorded
+            record.append(dataclasses.replace(declared, dead_if=optional_why("backward")))
         return (cotangent,)
 
     tap.defvjp(tap_fwd, tap_bwd)
