@@ -12,9 +12,11 @@ CPU): width 64, explicit, GPipe 174,144 -> 299,200 B, 1F1B 122,312 B at both; im
 ZB-H1 (#63 item 2, explicit mode) holds, beside 1F1B's stage inputs, each layer's pullback for up
 to ``stages`` microbatches until its weight slot: a ``tanh(Linear)`` layer's input, output and
 output cotangent, one stage input each. Its temporaries stay flat in ``k`` and exceed 1F1B's by
-that hold, within 1.25x of it. Measured (jax 0.12.1, XLA CPU, k = 4, 8, 32): width 32, 77,408 B
-against 1F1B's 51,272 B (1.51x; the hold 24,576 B); width 64, 206,688 B against 155,080 B (1.33x;
-the hold 49,152 B).
+that hold and at most 1.4x it. Measured (XLA CPU, k = 4, 8, 32): jax 0.12.1, width 32, 77,408 B
+against 1F1B's 51,272 B (1.51x; the excess 1.06x the hold of 24,576 B), width 64, 206,688 B
+against 155,080 B (the excess 1.05x the hold of 49,152 B); at the floor, jax 0.11.1, 87,912 B
+against 55,112 B (1.33x the hold) and 227,432 B against 162,632 B (1.32x): that XLA keeps a
+copy of part of the hold.
 """
 
 from __future__ import annotations
@@ -62,4 +64,4 @@ def test_zb_h1_holds_its_pullbacks_and_stays_flat(width: int) -> None:
     held = STAGES * (DEPTH // STAGES) * 3 * stage_input  # deferred x layers x (input, output, cotangent)
     assert got["zb-h1", 32] - got["zb-h1", 4] < stage_input, got
     extra = got["zb-h1", 32] - got["1f1b", 32]
-    assert held <= extra <= 1.25 * held, (extra, held, got)
+    assert held <= extra <= 1.4 * held, (extra, held, got)
