@@ -49,7 +49,7 @@ class StepOptions:
       precision: A ``MixedPrecision`` policy, or ``None``.
       max_skips_in_a_row: Skipped steps in a row after which ``TrainStep`` raises, or ``None``.
       replica_axis: The replica axis of hybrid sharding (rows split over it too: ``row_axes``).
-      schedule: ``"gpipe"`` or ``"1f1b"``: the staged stack runs as a pipeline; or ``None``.
+      schedule: One of ``SCHEDULES``: the staged stack runs as a pipeline; or ``None``.
 
     Raises:
       ValueError: If ``mode`` is unknown, ``data_axis`` and ``replica_axis`` name one axis or

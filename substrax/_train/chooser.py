@@ -81,9 +81,10 @@ def make_train_step(
         row (default 10); ``None`` never raises.
       replica_axis: On a mesh with this axis, hybrid sharding: rows split over it and
         ``data_axis``, ``"hsdp"`` state replicated across it (layouts guide, "Hybrid sharding").
-      schedule: ``"gpipe"`` or ``"1f1b"``: on a mesh with a ``stage`` axis, run the stack
-        ``shard_state(..., stages=)`` split over it as a pipeline over the ``microbatches``
-        (at least 2); ``None`` (the default): no pipeline (see the pipelines guide).
+      schedule: One of ``SCHEDULES`` (``"gpipe"``, ``"1f1b"``; ``"zb-h1"`` in explicit mode):
+        on a mesh with a ``stage`` axis, run the stack ``shard_state(..., stages=)`` split over
+        it as a pipeline over the ``microbatches`` (at least 2); ``None`` (the default): no
+        pipeline (see the pipelines guide).
 
     Returns:
       A ``TrainStep``: ``step(model, optimizer, batch)`` updates both in place and returns
@@ -95,7 +96,7 @@ def make_train_step(
       ValueError: At once: an unknown ``mode``, ``reduce`` without ``has_aux`` or with an
         unknown operation, two roles (``data_axis``, ``replica_axis``, the stage axis) on one
         axis, ``microbatches`` below 1, an unknown ``schedule``, one with fewer than two
-        microbatches or a ``mesh`` without ``stage``. When called, before compiling: a layer's
+        microbatches, one ``mode`` does not run or a ``mesh`` without ``stage``. When called, before compiling: a layer's
         axis that is another role's, a mesh without ``data_axis`` one axis of which has no
         role (a misnamed data axis), a batch that does not split over ``data_axis`` (or
         ``batch_spec``) or into ``microbatches``, a ``batch_spec`` over the stage axis (or
