@@ -96,10 +96,11 @@ def make_train_step(
       ValueError: At once: an unknown ``mode``, ``reduce`` without ``has_aux`` or with an
         unknown operation, two roles (``data_axis``, ``replica_axis``, the stage axis) on one
         axis, ``microbatches`` below 1, an unknown ``schedule``, one with fewer than two
-        microbatches, one ``mode`` does not run or a ``mesh`` without ``stage``. When called, before compiling: a layer's
-        axis that is another role's, a mesh without ``data_axis`` one axis of which has no
-        role (a misnamed data axis), a batch that does not split over ``data_axis`` (or
-        ``batch_spec``) or into ``microbatches``, a ``batch_spec`` over the stage axis (or
+        microbatches, one ``mode`` does not run or a ``mesh`` without ``stage``. When called,
+        before compiling: a layer's axis that is another role's, a mesh without ``data_axis``
+        one axis of which has no role (a misnamed data axis), a batch that does not split
+        over ``data_axis`` (or ``batch_spec``) or into ``microbatches``, a ``batch_spec`` over
+        the stage axis (or
         its rows over a layer's axis), an output that does not match ``has_aux``,
         ``schedule`` on a model without a staged stack (or a staged model without
         ``schedule``), a ``reduce`` metric not returned, (explicit) state sharded other than
