@@ -100,8 +100,8 @@ def make_train_step(
         before compiling: a layer's axis that is another role's, a mesh without ``data_axis``
         one axis of which has no role (a misnamed data axis), a batch that does not split
         over ``data_axis`` (or ``batch_spec``) or into ``microbatches``, a ``batch_spec`` over
-        the stage axis (or
-        its rows over a layer's axis), an output that does not match ``has_aux``,
+        the stage axis (or its rows over a layer's axis), an output that does not match
+        ``has_aux``,
         ``schedule`` on a model without a staged stack (or a staged model without
         ``schedule``), a ``reduce`` metric not returned, (explicit) state sharded other than
         by ``shard_state``, ``"hsdp"`` state placed with another ``replica_axis``, or on
