@@ -115,6 +115,8 @@ def test_a_scanned_llamas_hsdp_across_two_slices_matches_without_a_refusal() -> 
     substrax.shard_state(model, optimizer, mesh=mesh, layout="hsdp")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the refusal's warning would fail this
+        # not jax's own about a topology's program in the persistent cache (make test with libtpu)
+        warnings.filterwarnings("ignore", message="Error reading persistent compilation cache entry")
         found = substrax.make_train_step(llama.loss_fn, "explicit", mesh=mesh).check_communication(
             model, optimizer, batch
         )

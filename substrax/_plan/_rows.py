@@ -111,8 +111,7 @@ def plan(
         names = layouts or [k for k in _layout.LAYOUTS if k != "hsdp" or replica in m.axis_names]
         for kind in names:
             for u, unit in enumerate(units if kind in ("fsdp", "hsdp") else (None,)):
-                pairs = [(md, sched) for md in modes for sched in _pipeline.schedules(m, schedule, md)]
-                for md, sched in pairs:
+                for md, sched in [(d, s) for d in modes for s in _pipeline.schedules(m, schedule, d)]:
                     place, opts = _pipeline.piped(m, sched, placement, step_options)
                     config = (loss_fn, model, optimizer, batch, m, md, kind, unit, place, opts)
                     on_target = _platform(m) != "cpu" if compiled is None else compiled

@@ -167,6 +167,55 @@ def _gpipe(
     return jnp.sum(losses) * scale, (jnp.sum(losses), aux, streams)
 
 
+def _backward(
+    p: _Stages, outside: nnx.State, stack: nnx.State, zero_out: Any, scale: float,
+    c: Any, used: nnx.State, g: list[Any], j: Any,
+) -> tuple[Any, ...]:  # fmt: skip
+    """1F1B's backward slot on microbatch ``j`` (its input ``c``, the streams it drew from ``used``,
+    the output's cotangent ``g``): its forward recomputed, with the prologue on stage 0 and the loss
+    on the last stage. ``(d outside, d stack, d input, loss, aux, streams after, ())``."""
+
+    def f(outside: nnx.State, stack: nnx.State, floats: list[Any]) -> tuple[Any, Any]:
+        c_in = with_floats(c, floats)
+        c_in = jax.lax.cond(p.first, lambda: _typed_like(p.prologue(outside, j), c_in), lambda: c_in)
+        out, drawn = p.stage(stack, c_in, used)
+        loss, aux = jax.lax.cond(p.last, lambda: p.epilogue(outside, out, j), lambda: zero_out)
+        return (floats_of(out), loss), (aux, drawn)
+
+    (out, loss), vjp, (aux, drawn) = jax.vjp(f, outside, stack, floats_of(c), has_aux=True)
+    ct = (jax.lax.cond(p.last, lambda: _zeros_like(out), lambda: g), jnp.full_like(loss, scale))
+    d_outside, d_stack, d_c = vjp(ct)
+    return d_outside, d_stack, d_c, loss, aux, drawn, ()
+
+
+def _backward_input(
+    p: _Stages, outside: nnx.State, stack: nnx.State, zero_out: Any, scale: float,
+    c: Any, used: nnx.State, g: list[Any], j: Any,
+) -> tuple[Any, ...]:  # fmt: skip
+    """ZB-H1's backward slot: ``_backward``'s without the stack's weights' gradient (``()`` in its
+    place; the outside parameters' here), each layer's pullback and output cotangent kept last."""
+
+    def pro(outside: nnx.State, floats: list[Any]) -> list[Any]:
+        c_in = with_floats(c, floats)
+        c_in = jax.lax.cond(p.first, lambda: _typed_like(p.prologue(outside, j), c_in), lambda: c_in)
+        return floats_of(c_in)
+
+    c_floats, pro_vjp = jax.vjp(pro, outside, floats_of(c))
+    out, drawn, pullbacks = p.stage_pullbacks(stack, with_floats(c, c_floats), used)
+
+    def epi(outside: nnx.State, floats: list[Any]) -> tuple[Any, Any]:
+        loss = lambda: p.epilogue(outside, with_floats(out, floats), j)  # noqa: E731
+        return jax.lax.cond(p.last, loss, lambda: zero_out)
+
+    loss, epi_vjp, aux = jax.vjp(epi, outside, floats_of(out), has_aux=True)
+    d_epi, d_out = epi_vjp(jnp.full_like(loss, scale))
+    ct = jax.lax.cond(p.last, lambda: _typed_like(d_out, g), lambda: g)
+    d_in, cts = p.staged.input_grads(stack, pullbacks, ct)
+    d_pro, d_c = pro_vjp(_typed_like(d_in, floats_of(c)))
+    d_outside = jax.tree.map(lambda a, b: a + b, d_pro, d_epi)
+    return d_outside, (), d_c, loss, aux, drawn, (pullbacks, cts)
+
+
 def _one_f_one_b(
     p: _Stages, outside: nnx.State, stack: nnx.State, scale: float, dtype: Any
 ) -> tuple[Any, Any, Any, Any, nnx.State]:
@@ -175,58 +224,14 @@ def _one_f_one_b(
     zero_carry = p.carry_type(outside, stack)
     zero_out = p.loss_type(outside, zero_carry)
     depth, held = p.schedule.stash, p.schedule.deferred
-
-    def backward(c: Any, used: nnx.State, g: list[Any], j: Any) -> tuple[Any, ...]:
-        """The stage's backward slot on microbatch ``j`` (its input ``c``, the streams it drew from
-        ``used``, the output's cotangent ``g``): its forward recomputed, with the prologue on stage 0
-        and the loss on the last stage; the streams after its draws last."""
-
-        def f(outside: nnx.State, stack: nnx.State, floats: list[Any]) -> tuple[Any, Any]:
-            c_in = with_floats(c, floats)
-            c_in = jax.lax.cond(p.first, lambda: _typed_like(p.prologue(outside, j), c_in), lambda: c_in)
-            out, drawn = p.stage(stack, c_in, used)
-            loss, aux = jax.lax.cond(p.last, lambda: p.epilogue(outside, out, j), lambda: zero_out)
-            return (floats_of(out), loss), (aux, drawn)
-
-        (out, loss), vjp, (aux, drawn) = jax.vjp(f, outside, stack, floats_of(c), has_aux=True)
-        ct = (jax.lax.cond(p.last, lambda: _zeros_like(out), lambda: g), jnp.full_like(loss, scale))
-        d_outside, d_stack, d_c = vjp(ct)
-        return d_outside, d_stack, d_c, loss, aux, drawn
-
-    def backward_input(c: Any, used: nnx.State, g: list[Any], j: Any) -> tuple[Any, ...]:
-        """ZB-H1's backward slot: ``backward``'s without the stack's weights' gradient, each layer's
-        pullback and output cotangent kept for the weight slot (the outside parameters' here)."""
-
-        def pro(outside: nnx.State, floats: list[Any]) -> list[Any]:
-            c_in = with_floats(c, floats)
-            c_in = jax.lax.cond(p.first, lambda: _typed_like(p.prologue(outside, j), c_in), lambda: c_in)
-            return floats_of(c_in)
-
-        c_floats, pro_vjp = jax.vjp(pro, outside, floats_of(c))
-        out, drawn, pullbacks = p.stage_pullbacks(stack, with_floats(c, c_floats), used)
-
-        def epi(outside: nnx.State, floats: list[Any]) -> tuple[Any, Any]:
-            loss = lambda: p.epilogue(outside, with_floats(out, floats), j)  # noqa: E731
-            return jax.lax.cond(p.last, loss, lambda: zero_out)
-
-        loss, epi_vjp, aux = jax.vjp(epi, outside, floats_of(out), has_aux=True)
-        d_epi, d_out = epi_vjp(jnp.full_like(loss, scale))
-        ct = jax.lax.cond(p.last, lambda: _typed_like(d_out, g), lambda: g)
-        d_in, cts = p.staged.input_grads(stack, pullbacks, ct)
-        d_pro, d_c = pro_vjp(_typed_like(d_in, floats_of(c)))
-        d_outside = jax.tree.map(lambda a, b: a + b, d_pro, d_epi)
-        return d_outside, d_c, loss, aux, drawn, (pullbacks, cts)
-
     zip_ = held > 0  # ZB-H1: the weights' gradient in a slot of its own
-    zero_back = (_zeros_like(outside), _zeros_like(stack), floats_of(zero_carry), *zero_out, p.streams)
-    if zip_:
-        with declared.silenced():  # a trace for the types of what the weight slot takes
-            probe = backward_input(zero_carry, p.streams, floats_of(zero_carry), 0)
-        zero_input = _zeros_like(probe)
-        deferred = jax.tree.map(lambda z: jnp.zeros((held, *z.shape), z.dtype), zero_input[-1])
-        deferred = _typed_like(deferred, jax.tree.map(lambda z: z[None], zero_input[-1]))
+    slot = functools.partial(_backward_input if zip_ else _backward, p, outside, stack, zero_out, scale)
+    with declared.silenced():  # a trace for the types of what the backward slot returns
+        zero_back = _zeros_like(slot(zero_carry, p.streams, floats_of(zero_carry), 0))
+    held_ = jax.tree.map(lambda z: jnp.zeros((held, *z.shape), z.dtype), zero_back[-1])
+    held_ = _typed_like(held_, jax.tree.map(lambda z: z[None], zero_back[-1]))
 
-    def tick(state: Any, t: Any, forward: bool, backward_: bool, weight: bool) -> tuple[Any, None]:
+    def tick(state: Any, t: Any, forward: bool, backward: bool, weight: bool) -> tuple[Any, None]:
         (recv, streams), recv_g, stash, (g_out, g_stack), losses, auxes, held_ = state
         if forward:  # its forward slot: microbatch jf from the previous stage (stage 0: the prologue)
             jf = p.schedule.forward(t, p.s)
@@ -239,12 +244,15 @@ def _one_f_one_b(
                 p.valid(jf) & ~p.last, lambda: p.stage(stack, carry, streams), lambda: (carry, streams)
             )
             recv = p.send(out, 1)
-        if backward_ and zip_:  # ZB-H1's: the input's gradient sent on, the weights' held back
+        if backward:  # its backward slot: microbatch jb's cotangent from the next stage (the last: the loss)
             jb = p.schedule.backward(t, p.s)
-            d_out, d_c, loss, aux, drawn, kept = jax.lax.cond(
-                p.valid(jb), lambda: backward_input(*take(stash, jb % depth), recv_g, jb), lambda: zero_input
+            d_out, d_stack, d_c, loss, aux, drawn, kept = jax.lax.cond(
+                p.valid(jb), lambda: slot(*take(stash, jb % depth), recv_g, jb), lambda: zero_back
             )
-            held_ = jax.lax.cond(p.valid(jb), lambda: put(held_, jb % held, kept), lambda: held_)
+            if zip_:  # ZB-H1: the input's gradient sent on, the weights' held back
+                held_ = jax.lax.cond(p.valid(jb), lambda: put(held_, jb % held, kept), lambda: held_)
+            else:
+                g_stack = jax.tree.map(lambda a, d: a + d.astype(a.dtype), g_stack, d_stack)
             streams = advanced(streams, drawn, p.last & p.valid(jb))
             g_out = jax.tree.map(lambda a, d: a + d.astype(a.dtype), g_out, d_out)
             auxes = jax.lax.cond(p.last & p.valid(jb), lambda: put(auxes, jb, aux), lambda: auxes)
@@ -260,24 +268,12 @@ def _one_f_one_b(
                     lambda: _zeros_like(stack),
                 )
             g_stack = jax.tree.map(lambda a, d: a + d.astype(a.dtype), g_stack, d_stack)
-        if backward_ and not zip_:  # its backward slot: microbatch jb's cotangent from the next stage
-            jb = p.schedule.backward(t, p.s)
-            d_out, d_stack, d_c, loss, aux, drawn = jax.lax.cond(
-                p.valid(jb), lambda: backward(*take(stash, jb % depth), recv_g, jb), lambda: zero_back
-            )
-            streams = advanced(streams, drawn, p.last & p.valid(jb))
-            g_out, g_stack = jax.tree.map(
-                lambda a, d: a + d.astype(a.dtype), (g_out, g_stack), (d_out, d_stack)
-            )
-            auxes = jax.lax.cond(p.last & p.valid(jb), lambda: put(auxes, jb, aux), lambda: auxes)
-            losses, recv_g = losses + loss, p.send(d_c, -1)
         return ((recv, streams), recv_g, stash, (g_out, g_stack), losses, auxes, held_), None
 
     stash = jax.tree.map(lambda z: jnp.zeros((depth, *z.shape), z.dtype), zero_carry)
     stash = (p.varying(stash), jax.tree.map(lambda x: jnp.broadcast_to(x, (depth, *x.shape)), p.streams))
     auxes = jax.tree.map(lambda z: jnp.zeros((p.k, *z.shape), z.dtype), zero_out[1])
     grads = (_zeros_like(outside, dtype), _zeros_like(stack, dtype))
-    held_ = deferred if zip_ else ()
     state = (
         (zero_carry, p.streams),
         floats_of(zero_carry),
@@ -287,8 +283,8 @@ def _one_f_one_b(
         p.varying(auxes),
         held_,
     )
-    for start, stop, forward, backward_, weight in p.schedule.phases:
-        body = functools.partial(tick, forward=forward, backward_=backward_, weight=weight)
+    for start, stop, forward, backward, weight in p.schedule.phases:
+        body = functools.partial(tick, forward=forward, backward=backward, weight=weight)
         state, _ = jax.lax.scan(body, state, jnp.arange(start, stop))
     (_, streams), _, _, (g_out, g_stack), losses, auxes, _ = state
     return losses, auxes, g_out, g_stack, streams
