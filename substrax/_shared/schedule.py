@@ -19,6 +19,7 @@ __all__ = [
     "EXPLICIT_ONLY",
     "Schedule",
     "bubble_fraction",
+    "bubble_ratio",
     "check_schedule",
     "check_stage_axis",
 ]
@@ -72,12 +73,11 @@ def bubble_fraction(stages: int, microbatches: int, schedule: str = "1f1b") -> f
     units of one forward pass (``F`` 1, ``B`` 2: the forward recomputed and the input's
     gradient, ``W`` 1: the weights'): ``3 (S - 1) / (4 k + 3 (S - 1))``.
     """
-    if schedule == "zb-h1":
-        return 3 * (stages - 1) / (4 * microbatches + 3 * (stages - 1))
-    return (stages - 1) / (microbatches + stages - 1)
+    return float(bubble_ratio(stages, microbatches, schedule))
 
 
-def _bubble(stages: int, microbatches: int, schedule: str) -> fractions.Fraction:
+def bubble_ratio(stages: int, microbatches: int, schedule: str) -> fractions.Fraction:
+    """``bubble_fraction`` as an exact fraction (what the tables print)."""
     idle = stages - 1
     if schedule == "zb-h1":
         return fractions.Fraction(3 * idle, 4 * microbatches + 3 * idle)
@@ -130,7 +130,7 @@ class PipelineSchedule:
     def __str__(self) -> str:
         rows = self.table()
         width = max(len(c) for row in rows for c in row)
-        idle = _bubble(self.stages, self.microbatches, self.name)
+        idle = bubble_ratio(self.stages, self.microbatches, self.name)
         head = f"{self.name}, {self.stages} stages, {self.microbatches} microbatches: {self.ticks} ticks"
         head += f", bubble {idle}"
         lines = [f"stage {s} | " + " | ".join(c.ljust(width) for c in row) for s, row in enumerate(rows)]
@@ -186,7 +186,7 @@ class PipelineSchedule:
 
     def weight(self, tick: Any, stage: Any) -> Any:
         """The microbatch whose weights' gradient ``stage`` computes at ``tick`` of a ZB-H1 step."""
-        return tick - (2 * self.stages - 2) + 0 * stage
+        return tick - (2 * self.stages - 2)
 
     def table(self) -> list[list[str]]:
         """Stage by tick, what each slot runs: ``"F3"``, ``"B1"``, ``"F3 B1"``, ``"F3 B1 W0"``

@@ -13,7 +13,6 @@ loop and their transpose in another; 1F1B its warm-up, steady state and cool-dow
 from __future__ import annotations
 
 import dataclasses
-import fractions
 import math
 from typing import Any
 
@@ -25,6 +24,7 @@ from substrax._base.specs import spec_axes
 from substrax._base.trees import path_str
 from substrax._layout import STAGE_AXIS, STAGE_KEY, spec_tuple, without_axis
 from substrax._shared.pipeline_record import PipelineRun
+from substrax._shared.schedule import bubble_ratio
 from substrax.census._expected import ExpectedCollective, _hlo_type
 
 __all__ = ["outside_leaves", "permute_items", "pipeline_items", "pipeline_note", "stage_unit_items"]
@@ -215,9 +215,8 @@ def pipeline_items(
 def pipeline_note(run: PipelineRun) -> str:
     """The schedule in a line: its loops, their ticks, the bubble."""
     loops = ", ".join(f"{loop} {ticks}" for loop, ticks, *_ in _loops(run))
-    idle, k = run.stages - 1, run.microbatches
-    zb = run.schedule == "zb-h1"
-    bubble = fractions.Fraction(*((3 * idle, 4 * k + 3 * idle) if zb else (idle, k + idle)))
+    k = run.microbatches
+    bubble = bubble_ratio(run.stages, k, run.schedule)
     formula = (
         "3 (stages - 1) / (4 microbatches + 3 (stages - 1))"
         if run.schedule == "zb-h1"
