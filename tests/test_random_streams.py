@@ -79,14 +79,15 @@ def _batches(steps: int = 2) -> list[dict]:
 
 
 def _placed(
-    shape: dict, layout: str, stages: bool = False, **probe: bool
+    shape: dict, layout: str, stages: bool = False, chunks: int = 1, **probe: bool
 ) -> tuple[jax.sharding.Mesh, Probe, nnx.Optimizer]:
     mesh = create_device_mesh(shape)
     with jax.set_mesh(mesh):
         model = Probe(**probe)
         opt = nnx.Optimizer(model, optax.sgd(SGD), wrt=nnx.Param)
     substrax.shard_state(
-        model, opt, mesh=mesh, layout=layout, min_size=1, stages=Shifting if stages else None
+        model, opt, mesh=mesh, layout=layout, min_size=1, stages=Shifting if stages else None,
+        virtual_stages=chunks,
     )
     return mesh, model, opt
 
@@ -178,6 +179,8 @@ def unstaged() -> dict[str, tuple]:
         ("implicit", "1f1b", "replicated", False),
         ("explicit", "zb-h1", "fsdp", True),
         ("explicit", "zb-h1", "replicated", False),
+        ("explicit", "interleaved-1f1b", "fsdp", True),
+        ("explicit", "interleaved-1f1b", "replicated", False),
     ],
 )
 def test_a_pipelined_stack_draws_the_masks_of_the_step_without_stages(
@@ -185,8 +188,11 @@ def test_a_pipelined_stack_draws_the_masks_of_the_step_without_stages(
 ) -> None:
     """(stage=4, data=2), 4 microbatches: each stage carries its layers' counts from microbatch to
     microbatch (1F1B's and ZB-H1's backward slot redraws from the stashed ones), as the step without stages
-    carries the model's. ``remat``: ``scan_layers(..., remat=True)``, recomputed in the backward pass."""
-    mesh, model, opt = _placed({"data": 2, "stage": 4}, layout, stages=True, remat=remat)
+    carries the model's (interleaved: two chunks a stage, the counts moved with them and back).
+    ``remat``: ``scan_layers(..., remat=True)``, recomputed in the backward pass."""
+    chunks = 2 if schedule == "interleaved-1f1b" else 1  # (stage=2, data=2): 2 x 2 chunks of one layer
+    shape = {"data": 2, "stage": 4 // chunks}
+    mesh, model, opt = _placed(shape, layout, stages=True, chunks=chunks, remat=remat)
     masks, got, counts = _trained(mesh, model, opt, mode, schedule=schedule)
     want_masks, want, want_counts = unstaged[mode]
     for step, (m, w) in enumerate(zip(masks, want_masks)):
@@ -215,7 +221,8 @@ def test_the_stack_under_the_users_own_remat_in_a_pipeline_is_refused(
             out = nnx.remat(lambda layers, h: substrax.nn.scan_layers(layers, h))(model.layers, h)
         return jnp.mean((model.head(out[:, DEPTH:])[:, 0] - batch["y"]) ** 2)
 
-    mesh, model, opt = _placed({"data": 2, "stage": 4}, "replicated", stages=True)
+    chunks = 2 if schedule == "interleaved-1f1b" else 1
+    mesh, model, opt = _placed({"data": 2, "stage": 4 // chunks}, "replicated", stages=True, chunks=chunks)
     step = substrax.make_train_step(remat_loss, mode, mesh=mesh, microbatches=4, schedule=schedule)
     with pytest.raises(
         ValueError,

@@ -44,7 +44,7 @@ from substrax._layout._specs import (
     without_axes,
     without_axis,
 )
-from substrax._layout._stages import STAGE_AXIS, STAGE_KEY, staged_stack
+from substrax._layout._stages import STAGE_AXIS, STAGE_KEY, staged_chunks, staged_stack
 from substrax._layout._units import (
     PREFETCH_KEY,
     RESHARD_KEY,
@@ -61,6 +61,7 @@ from substrax._layout._units import (
 __all__ = [
     "STAGE_AXIS",
     "STAGE_KEY",
+    "staged_chunks",
     "staged_stack",
     "PREFETCH_KEY",
     "RESHARD_KEY",

@@ -50,6 +50,7 @@ class ShardDecision:
       reshard_after_forward: With ``units``: gather a unit again for its backward pass.
       prefetch: With ``units``: a stacked unit gathers layer i+1 while layer i computes.
       stage: The pipelined stack's path, or ``None``.
+      virtual_stages: The chunks of the stack each stage runs (an interleaved schedule's).
       left_whole: The parameters a splitting layout leaves whole, and why.
     """
 
@@ -66,6 +67,7 @@ class ShardDecision:
     prefetch: bool
     stage: KeyPath | None
     left_whole: tuple[LeftWhole, ...]
+    virtual_stages: int = 1
 
     @property
     def size(self) -> int:
@@ -132,13 +134,14 @@ def decide(
     prefetch: bool,
     replica_axis: str,
     stages: UnitsSpec,
+    virtual_stages: int = 1,
 ) -> ShardDecision:
     """``shard_state``'s decision for a checked ``layout`` on a concrete ``mesh``; moves nothing.
 
     Raises ``shard_state``'s errors about ``stages``, ``units``, ``prefetch``, the optimizer
     and the declared ranks.
     """
-    stage = find_stages(model, stages, mesh)
+    stage = find_stages(model, stages, mesh, virtual_stages=virtual_stages)
     if stage is not None and prefetch:
         raise ValueError(
             "prefetch=True runs a stacked unit in the step's own loop, and stages= runs the stack as a "
@@ -192,5 +195,5 @@ def decide(
     return ShardDecision(
         mesh, layout, layout if splits else "replicated", axis, min_size, replica_axis, specs,
         _declared(variables, said, mesh), tuple(unit_list), reshard_after_forward, prefetch, stage,
-        tuple(left_whole),
+        tuple(left_whole), virtual_stages,
     )  # fmt: skip

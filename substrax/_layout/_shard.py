@@ -163,7 +163,7 @@ def _apply(model: nnx.Module, optimizer: nnx.Optimizer[Any], decision: ShardDeci
         if isinstance(v, nnx.Param) and fsdp and split_dim_of(spec_tuple(v), d.axis) is not None
     }
     mark_units(model, list(d.units), d.reshard_after_forward, split, d.prefetch)
-    mark_stages(model, d.stage)
+    mark_stages(model, d.stage, d.virtual_stages)
     hsdp = d.layout == "hsdp"
     # the replica axis recorded: the steps refuse another (check_replica_axis)
     for variable in variables["model"].values():
@@ -215,6 +215,7 @@ def shard_state(
     prefetch: bool = False,
     replica_axis: str = REPLICA_AXIS,
     stages: UnitsSpec = None,
+    virtual_stages: int = 1,
 ) -> Layout:
     """Place ``model``'s and ``optimizer``'s state over ``data_axis``, in place: FSDP, ZeRO-1 or replicated.
 
@@ -248,6 +249,9 @@ def shard_state(
         tuple of them, or ``(path, module) -> bool``. Its parameters (and their optimizer
         state, and its random streams' counts) are split on the layer axis over ``stage``,
         consecutive layers a stage; the layout applies within a stage (see the pipelines guide).
+      virtual_stages: With ``stages``: the chunks of consecutive layers each stage runs under
+        ``schedule="interleaved-1f1b"`` (stage ``s`` runs chunks ``s, s + S, ...``; the state keeps
+        the model's order and the step moves the chunks, see the pipelines guide). 1: one chunk.
 
     Returns:
       The ``Layout``: which leaf went where, the bytes per device, and the parameters
@@ -276,7 +280,7 @@ def shard_state(
     found = _mesh_for(model, optimizer, mesh, data_axis, kind, replica_axis)
     decision = decide(model, optimizer, found, layout=kind, axis=data_axis, min_size=min_size, units=units,
                       reshard_after_forward=reshard_after_forward, prefetch=prefetch,
-                      replica_axis=replica_axis, stages=stages)  # fmt: skip
+                      replica_axis=replica_axis, stages=stages, virtual_stages=virtual_stages)  # fmt: skip
     placed = _apply(model, optimizer, decision)  # what it decided, done: nothing moved before here
     _warn_left_whole(decision, stacklevel=2)
     return placed

@@ -34,7 +34,7 @@ from jax.extend.core import get_opaque_trace_state
 from substrax._base import declared
 from substrax._base.hooks import STAGE_HOOK
 from substrax._base.trees import KeyPath, PyTree, node_at, path_str
-from substrax._layout import STAGE_AXIS, staged_stack
+from substrax._layout import STAGE_AXIS, staged_chunks, staged_stack
 from substrax._shared.schedule import check_stage_axis
 
 __all__ = [
@@ -78,6 +78,19 @@ def pipeline_of(options: Any, mesh: Any, model: nnx.Module) -> KeyPath | None:
             f"schedule={options.schedule!r} pipelines the stack that shard_state split over {STAGE_AXIS!r}, "
             f"and no parameter of the model is placed so. Place the state with shard_state(model, "
             f"optimizer, mesh=mesh, stages=Block) (Block: the stacked layers' type) first."
+        )
+    chunks, interleaved = staged_chunks(model), options.schedule == "interleaved-1f1b"
+    if interleaved and chunks == 1:
+        raise ValueError(
+            f"schedule='interleaved-1f1b' runs several chunks of {path_str(stack, 'model')} a stage, and "
+            f"shard_state placed it with one (virtual_stages=1: that is schedule='1f1b'). Place the state "
+            f"with shard_state(..., stages=Block, virtual_stages=2), or use schedule='1f1b'."
+        )
+    if chunks > 1 and not interleaved:
+        raise ValueError(
+            f"shard_state placed {path_str(stack, 'model')} with virtual_stages={chunks} chunks a stage, "
+            f"which only schedule='interleaved-1f1b' runs; schedule={options.schedule!r} runs one. Build "
+            f"the step with schedule='interleaved-1f1b', or place the state without virtual_stages=."
         )
     return stack
 

@@ -32,7 +32,7 @@ from substrax._shared.loss import loss_and_metrics
 from substrax._shared.microbatch import split_microbatches
 from substrax._shared.pipeline import Staged, advanced, floats_of, put, take, with_floats
 from substrax._shared.pipeline_record import note_pipeline
-from substrax._shared.schedule import Schedule
+from substrax._shared.schedule import Schedule, chunk_rounds
 from substrax.explicit._prologue import Share
 
 __all__ = ["pipelined_value_and_grad"]
@@ -74,6 +74,32 @@ def _stage_streams(streams: nnx.State, layers: int, axis: str) -> nnx.State:
     return jax.tree.map(own, streams)
 
 
+def _moved(tree: PyTree, axis: str, virtual: int, back: bool = False) -> PyTree:
+    """Each leaf's stage slice (``virtual`` chunks of consecutive layers, as placed) with its chunks
+    moved to the stages that run them (``chunk_rounds``: one ``ppermute`` a round); ``back``: home."""
+    n = jax.lax.axis_size(axis)
+    rounds, s = chunk_rounds(n, virtual), jax.lax.axis_index(axis)
+
+    def leaf(x: Any) -> Any:
+        m, key = x.shape[0] // virtual, jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+        impl = jax.random.key_impl(x) if key else None
+        data = jax.random.key_data(x) if key else x
+        out = _zeros_like(data)
+        for moves in rounds:
+            pairs = [(e, d) if back else (d, e) for d, _, e, _ in moves]
+            src, dst = [0] * n, [0] * n
+            for d, a, e, b in moves:
+                src[e if back else d], dst[d if back else e] = (b, a) if back else (a, b)
+            piece = jax.lax.dynamic_slice_in_dim(data, jnp.asarray(src)[s] * m, m)
+            if any(i != j for i, j in pairs):
+                with jax.named_scope(scopes.PIPELINE):
+                    piece = jax.lax.ppermute(piece, axis, pairs)
+            out = jax.lax.dynamic_update_slice_in_dim(out, piece, jnp.asarray(dst)[s] * m, 0)
+        return jax.random.wrap_key_data(out, impl=impl) if key else out
+
+    return jax.tree.map(leaf, tree)
+
+
 @dataclasses.dataclass(eq=False)
 class _Stages:
     """This device's view of the pipeline: its stage index, the pieces, the permutes.
@@ -89,9 +115,30 @@ class _Stages:
     streams: nnx.State  # this stage's layers' random streams, as the step starts
 
     def __post_init__(self) -> None:
-        self.k, self.n = self.schedule.microbatches, self.schedule.stages
+        self.k, self.n, self.v = self.schedule.microbatches, self.schedule.stages, self.schedule.virtual_stages
         self.s = jax.lax.axis_index(self.axis)
         self.first, self.last = self.s == 0, self.s == self.n - 1
+        self.m = jax.tree.leaves(self.staged.stack)[0].shape[0] // self.v  # layers a chunk
+
+    def starts(self, u: Any) -> Any:
+        """Whether chunk ``u`` of this stage is the pipeline's first (it runs the prologue)."""
+        return self.first if self.v == 1 else self.first & (u == 0)
+
+    def ends(self, u: Any) -> Any:
+        """Whether chunk ``u`` of this stage is the pipeline's last (it runs the loss)."""
+        return self.last if self.v == 1 else self.last & (u == self.v - 1)
+
+    def chunk(self, tree: PyTree, u: Any) -> PyTree:
+        """Chunk ``u``'s layers of a tree over this stage's layers (the tree itself when ``v`` is 1)."""
+        if self.v == 1:
+            return tree
+        return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, u * self.m, self.m), tree)
+
+    def with_chunk(self, tree: PyTree, u: Any, part: PyTree) -> PyTree:
+        """``tree`` with chunk ``u``'s layers set to ``part``'s."""
+        if self.v == 1:
+            return part
+        return jax.tree.map(lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, u * self.m, 0), tree, part)
 
     def varying(self, tree: PyTree) -> PyTree:
         return jax.tree.map(lambda x: to_varying_over(x, self.axes), tree)
@@ -119,9 +166,12 @@ class _Stages:
 
     def send(self, tree: PyTree, step: int) -> PyTree:
         """``tree`` to the next stage (``step=1``) or the previous one (``-1``); zeros arrive at the ends."""
-        if self.n == 1:
+        if self.n == 1 and self.v == 1:
             return _zeros_like(tree)
-        pairs = [(i, i + step) for i in range(self.n) if 0 <= i + step < self.n]
+        if self.v > 1:  # interleaved: around the ring, the last stage's chunk u feeding stage 0's u + 1
+            pairs = [(i, (i + step) % self.n) for i in range(self.n)]
+        else:
+            pairs = [(i, i + step) for i in range(self.n) if 0 <= i + step < self.n]
         with jax.named_scope(scopes.PIPELINE):
             return jax.lax.ppermute(tree, self.axis, pairs)
 
@@ -129,7 +179,7 @@ class _Stages:
         """Zeros of the carry's type: the prologue's output, varying over every axis a stage's output does."""
         with declared.silenced():  # a trace for types: the ticks' own traces record the layers' collectives
             carry = self.prologue(outside, 0)
-            out, _ = self.stage(stack, carry, self.streams)
+            out, _ = self.stage(self.chunk(stack, 0), carry, self.chunk(self.streams, 0))
         typed = jax.tree.map(lambda c, o: to_varying_over(c, tuple(varying_axes(o) or ())), carry, out)
         zeros = _zeros_like(typed)
         note_pipeline(carry=zeros)  # for the census: the permutes' buffers
@@ -169,30 +219,32 @@ def _gpipe(
 
 def _backward(
     p: _Stages, outside: nnx.State, stack: nnx.State, zero_out: Any, scale: float,
-    c: Any, used: nnx.State, g: list[Any], j: Any,
+    c: Any, used: nnx.State, g: list[Any], j: Any, u: Any,
 ) -> tuple[Any, ...]:  # fmt: skip
-    """1F1B's backward slot on microbatch ``j`` (its input ``c``, the streams it drew from ``used``,
-    the output's cotangent ``g``): its forward recomputed, with the prologue on stage 0 and the loss
-    on the last stage. ``(d outside, d stack, d input, loss, aux, streams after, ())``."""
+    """1F1B's backward slot on microbatch ``j`` through chunk ``u`` (its input ``c``, the streams it
+    drew from ``used``, the output's cotangent ``g``): its forward recomputed, with the prologue on
+    the first chunk and the loss on the last. ``(d outside, d chunk, d input, loss, aux, streams
+    after, ())``."""
+    first, last = p.starts(u), p.ends(u)
 
     def f(outside: nnx.State, stack: nnx.State, floats: list[Any]) -> tuple[Any, Any]:
         c_in = with_floats(c, floats)
-        c_in = jax.lax.cond(p.first, lambda: _typed_like(p.prologue(outside, j), c_in), lambda: c_in)
+        c_in = jax.lax.cond(first, lambda: _typed_like(p.prologue(outside, j), c_in), lambda: c_in)
         out, drawn = p.stage(stack, c_in, used)
-        loss, aux = jax.lax.cond(p.last, lambda: p.epilogue(outside, out, j), lambda: zero_out)
+        loss, aux = jax.lax.cond(last, lambda: p.epilogue(outside, out, j), lambda: zero_out)
         return (floats_of(out), loss), (aux, drawn)
 
-    (out, loss), vjp, (aux, drawn) = jax.vjp(f, outside, stack, floats_of(c), has_aux=True)
-    ct = (jax.lax.cond(p.last, lambda: _zeros_like(out), lambda: g), jnp.full_like(loss, scale))
+    (out, loss), vjp, (aux, drawn) = jax.vjp(f, outside, p.chunk(stack, u), floats_of(c), has_aux=True)
+    ct = (jax.lax.cond(last, lambda: _zeros_like(out), lambda: g), jnp.full_like(loss, scale))
     d_outside, d_stack, d_c = vjp(ct)
     return d_outside, d_stack, d_c, loss, aux, drawn, ()
 
 
 def _backward_input(
     p: _Stages, outside: nnx.State, stack: nnx.State, zero_out: Any, scale: float,
-    c: Any, used: nnx.State, g: list[Any], j: Any,
+    c: Any, used: nnx.State, g: list[Any], j: Any, u: Any,
 ) -> tuple[Any, ...]:  # fmt: skip
-    """ZB-H1's backward slot: ``_backward``'s without the stack's weights' gradient (``()`` in its
+    """ZB-H1's backward slot (``u`` is 0: one chunk a stage): ``_backward``'s without the stack's weights' gradient (``()`` in its
     place; the outside parameters' here), each layer's pullback and output cotangent kept last."""
 
     def pro(outside: nnx.State, floats: list[Any]) -> list[Any]:
@@ -227,35 +279,40 @@ def _one_f_one_b(
     zip_ = held > 0  # ZB-H1: the weights' gradient in a slot of its own
     slot = functools.partial(_backward_input if zip_ else _backward, p, outside, stack, zero_out, scale)
     with declared.silenced():  # a trace for the types of what the backward slot returns
-        zero_back = _zeros_like(slot(zero_carry, p.streams, floats_of(zero_carry), 0))
+        zero_back = _zeros_like(slot(zero_carry, p.chunk(p.streams, 0), floats_of(zero_carry), 0, 0))
     held_ = jax.tree.map(lambda z: jnp.zeros((held, *z.shape), z.dtype), zero_back[-1])
     held_ = _typed_like(held_, jax.tree.map(lambda z: z[None], zero_back[-1]))
 
     def tick(state: Any, t: Any, forward: bool, backward: bool, weight: bool) -> tuple[Any, None]:
         (recv, streams), recv_g, stash, (g_out, g_stack), losses, auxes, held_ = state
         if forward:  # its forward slot: microbatch jf from the previous stage (stage 0: the prologue)
-            jf = p.schedule.forward(t, p.s)
+            jf, uf = p.schedule.forward(t, p.s), p.schedule.forward_chunk(t, p.s)
             carry = jax.lax.cond(
-                p.first & p.valid(jf), lambda: _typed_like(p.prologue(outside, jf), recv), lambda: recv
+                p.starts(uf) & p.valid(jf), lambda: _typed_like(p.prologue(outside, jf), recv), lambda: recv
             )
-            # the stage's input and the streams it draws from (the last stage draws in its backward slot)
-            stash = jax.lax.cond(p.valid(jf), lambda: put(stash, jf % depth, (carry, streams)), lambda: stash)
-            out, streams = jax.lax.cond(
-                p.valid(jf) & ~p.last, lambda: p.stage(stack, carry, streams), lambda: (carry, streams)
+            # the chunk's input and the streams it draws from (the last chunk draws in its backward slot)
+            own = p.chunk(streams, uf)
+            stash = jax.lax.cond(
+                p.valid(jf), lambda: put(stash, uf * depth + jf % depth, (carry, own)), lambda: stash
             )
-            recv = p.send(out, 1)
+            out, own = jax.lax.cond(
+                p.valid(jf) & ~p.ends(uf), lambda: p.stage(p.chunk(stack, uf), carry, own), lambda: (carry, own)
+            )
+            streams, recv = p.with_chunk(streams, uf, own), p.send(out, 1)
         if backward:  # its backward slot: microbatch jb's cotangent from the next stage (the last: the loss)
-            jb = p.schedule.backward(t, p.s)
+            jb, ub = p.schedule.backward(t, p.s), p.schedule.backward_chunk(t, p.s)
             d_out, d_stack, d_c, loss, aux, drawn, kept = jax.lax.cond(
-                p.valid(jb), lambda: slot(*take(stash, jb % depth), recv_g, jb), lambda: zero_back
+                p.valid(jb), lambda: slot(*take(stash, ub * depth + jb % depth), recv_g, jb, ub), lambda: zero_back
             )
             if zip_:  # ZB-H1: the input's gradient sent on, the weights' held back
                 held_ = jax.lax.cond(p.valid(jb), lambda: put(held_, jb % held, kept), lambda: held_)
             else:
-                g_stack = jax.tree.map(lambda a, d: a + d.astype(a.dtype), g_stack, d_stack)
-            streams = advanced(streams, drawn, p.last & p.valid(jb))
+                g_stack = p.with_chunk(g_stack, ub, jax.tree.map(
+                    lambda a, d: a + d.astype(a.dtype), p.chunk(g_stack, ub), d_stack))  # fmt: skip
+            last = p.ends(ub) & p.valid(jb)
+            streams = p.with_chunk(streams, ub, advanced(p.chunk(streams, ub), drawn, last))
             g_out = jax.tree.map(lambda a, d: a + d.astype(a.dtype), g_out, d_out)
-            auxes = jax.lax.cond(p.last & p.valid(jb), lambda: put(auxes, jb, aux), lambda: auxes)
+            auxes = jax.lax.cond(last, lambda: put(auxes, jb, aux), lambda: auxes)
             losses, recv_g = losses + loss, p.send(d_c, -1)
         if weight:  # ZB-H1's weight slot: microbatch jw's, from its layers' pullbacks
             jw = p.schedule.weight(t, p.s)
@@ -270,8 +327,10 @@ def _one_f_one_b(
             g_stack = jax.tree.map(lambda a, d: a + d.astype(a.dtype), g_stack, d_stack)
         return ((recv, streams), recv_g, stash, (g_out, g_stack), losses, auxes, held_), None
 
-    stash = jax.tree.map(lambda z: jnp.zeros((depth, *z.shape), z.dtype), zero_carry)
-    stash = (p.varying(stash), jax.tree.map(lambda x: jnp.broadcast_to(x, (depth, *x.shape)), p.streams))
+    slots = depth * p.v
+    stash = jax.tree.map(lambda z: jnp.zeros((slots, *z.shape), z.dtype), zero_carry)
+    own = p.chunk(p.streams, 0)
+    stash = (p.varying(stash), jax.tree.map(lambda x: jnp.broadcast_to(x, (slots, *x.shape)), own))
     auxes = jax.tree.map(lambda z: jnp.zeros((p.k, *z.shape), z.dtype), zero_out[1])
     grads = (_zeros_like(outside, dtype), _zeros_like(stack, dtype))
     state = (
@@ -299,18 +358,21 @@ def pipelined_value_and_grad(
     schedule: str,
     stage_axis: str,
     stack_path: KeyPath,
+    virtual_stages: int = 1,
 ) -> tuple[jax.Array, Any, nnx.State]:
     """``local_value_and_grad``'s contract for a pipelined step: the global loss, the metrics
     stacked over microbatches, and this device's share of the gradient, unreduced over
     ``share.rows`` (the parameters outside the stack already summed over ``stage_axis``).
 
     ``model``'s parameters hold their whole values over ``share.rows`` (varying there unless
-    ``share.one_device``); the stack's are this stage's layers.
+    ``share.one_device``); the stack's are this stage's layers (``virtual_stages`` chunks of them,
+    moved to the stages that run them for an interleaved schedule and their gradients back).
     """
     microbatches = share.microbatches
     rows = () if share.one_device else spec_axes(share.rows)
     axes = (*rows, stage_axis)
-    schedule_ = Schedule(schedule, jax.lax.axis_size(stage_axis), microbatches)
+    v = virtual_stages
+    schedule_ = Schedule(schedule, jax.lax.axis_size(stage_axis), microbatches, v)
     note_pipeline(schedule_, mode="explicit")
     devices = math.prod(jax.lax.axis_size(a) for a in rows)
     slices = split_microbatches(shard, share.specs, share.rows, microbatches)
@@ -318,6 +380,8 @@ def pipelined_value_and_grad(
     streams = _stage_streams(staged.streams, jax.tree.leaves(staged.stack)[0].shape[0], stage_axis)
     p = _Stages(staged, slices, schedule_, stage_axis, axes, streams)
     outside, stack = p.varying(staged.outside), p.varying(staged.stack)
+    if v > 1:  # interleaved: each chunk to the stage that runs it (shard_state keeps them consecutive)
+        stack, p.streams = _moved(stack, stage_axis, v), _moved(streams, stage_axis, v)
     scale = 1.0 / (microbatches * devices)
     if schedule == "gpipe":
         (_, (total, aux, streams)), (g_out, g_stack) = jax.value_and_grad(
@@ -325,6 +389,8 @@ def pipelined_value_and_grad(
         )(outside, stack)
     else:
         total, aux, g_out, g_stack, streams = _one_f_one_b(p, outside, stack, scale, share.accumulate_dtype)
+    if v > 1:  # the chunks' gradients and draws home
+        g_stack, streams = _moved(g_stack, stage_axis, v, back=True), _moved(streams, stage_axis, v, back=True)
     staged.keep_draws(model, streams)  # this stage's layers' counts (split over stage_axis, as placed)
     note_pipeline(aux=aux)
     with jax.named_scope(scopes.PIPELINE):  # the outside parameters' gradient, from the first and last stages

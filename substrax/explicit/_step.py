@@ -22,7 +22,15 @@ from jax.sharding import PartitionSpec
 from substrax._base import scopes
 from substrax._base.specs import spec_axes
 from substrax._base.trees import KeyPath, PyTree
-from substrax._layout import STAGE_AXIS, UNIT_KEY, ParamSplit, gradient_spec, prefetched_units, unit_paths
+from substrax._layout import (
+    STAGE_AXIS,
+    UNIT_KEY,
+    ParamSplit,
+    gradient_spec,
+    prefetched_units,
+    staged_chunks,
+    unit_paths,
+)
 from substrax._shared.microbatch import fold_microbatch_metrics
 from substrax._shared.options import ModeSteps, StepOptions, options_from
 from substrax._shared.pipeline import pipeline_of
@@ -211,7 +219,8 @@ def _device_step(model: nnx.Module, loss_fn: Callable[..., Any], p: Prologue, o:
     stack = pipeline_of(o, p.mesh, model)  # the staged stack's path, or None: no pipeline
     if stack is not None:
         value_and_grad = functools.partial(
-            pipelined_value_and_grad, schedule=o.schedule, stage_axis=STAGE_AXIS, stack_path=stack
+            pipelined_value_and_grad, schedule=o.schedule, stage_axis=STAGE_AXIS, stack_path=stack,
+            virtual_stages=staged_chunks(model),
         )
     precision = o.precision
     split_loss = with_aux(loss_fn if precision is None else precision.loss_fn(loss_fn, o.has_aux), o.has_aux)
