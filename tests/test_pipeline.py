@@ -1,5 +1,5 @@
-"""Pipelines (#54 items 1-3, #63 item 2): a stack split over ``stage``, GPipe, 1F1B and ZB-H1 (explicit
-mode), both modes, against one device.
+"""Pipelines (#54 items 1-3, #63 items 1-2): a stack split over ``stage``, GPipe, 1F1B, ZB-H1 and
+interleaved 1F1B (the last two explicit mode), both modes, against one device.
 
 The model: an embedding, 8 residual layers stacked by ``nnx.vmap`` (a LayerNorm, then a
 column-parallel and a row-parallel linear: split over ``model`` on a mesh with it) applied by
@@ -8,8 +8,9 @@ reads, so its gradient is summed over the stages) and a static keyword, then a h
 
 Parity: each mode x schedule it runs on four meshes, ``stage=8`` (``data=1``), ``(stage=4, data=2)``,
 ``(stage=2, data=2, model=2)`` and ``(replica=2, data=2, stage=2)``, with 8, 4, 8 and 4 microbatches
-and the layouts replicated, FSDP with each layer a unit, ZeRO-1 and HSDP (20 cases, not the full
-product of layouts and microbatches: each case compiles a step); SGD held strictly (float32
+and the layouts replicated, FSDP with each layer a unit, ZeRO-1 and HSDP (24 cases, not the full
+product of layouts and microbatches: each case compiles a step; interleaved on a stack of 16, two
+chunks a stage); SGD held strictly (float32
 round-off), Adam to the noise floor measured by the reference run on permuted rows (two cases, FSDP). Then the
 placement, ``compare_gradients`` on the pipelined steps, a checkpoint restored onto a mesh
 without ``stage``, the schedules' tables, and every refusal by name.
@@ -30,7 +31,7 @@ from models import Residual, Tower, mse, one_device_params, params_of, sine_batc
 
 import substrax
 from substrax import checkpoint
-from substrax._shared.schedule import Schedule, bubble_fraction
+from substrax._shared.schedule import EXPLICIT_ONLY, Schedule, bubble_fraction, chunk_rounds
 from substrax.explicit import compare_gradients
 from substrax.mesh import create_device_mesh
 
@@ -71,26 +72,40 @@ def _reference(optimizer: str, batches: list[dict]) -> dict[str, np.ndarray]:
     return one_device_params(Net, _tx(optimizer), batches)
 
 
+def _chunks(schedule: str) -> int:
+    """The chunks a stage runs: two for the interleaved schedule (on a stack of ``2 * DEPTH``), else one."""
+    return 2 if schedule == "interleaved-1f1b" else 1
+
+
 @pytest.fixture(scope="module")
 def sgd_reference() -> dict[str, np.ndarray]:
     return _reference("sgd", _batches())
 
 
-def _placed(shape: dict, layout: str, optimizer: str = "sgd") -> tuple[jax.sharding.Mesh, Net, nnx.Optimizer]:
+@pytest.fixture(scope="module")
+def deep_reference() -> dict[str, np.ndarray]:
+    """The interleaved cases' reference: the stack of ``2 * DEPTH`` layers on one device."""
+    return one_device_params(lambda: Net(depth=2 * DEPTH), _tx("sgd"), _batches())
+
+
+def _placed(
+    shape: dict, layout: str, optimizer: str = "sgd", chunks: int = 1
+) -> tuple[jax.sharding.Mesh, Net, nnx.Optimizer]:
     mesh = create_device_mesh(shape)
     with jax.set_mesh(mesh):
-        model = Net()
+        model = Net(depth=DEPTH * chunks)
         opt = nnx.Optimizer(model, _tx(optimizer), wrt=nnx.Param)
     units = Layer if layout == "units" else None
     substrax.shard_state(
-        model, opt, mesh=mesh, layout="fsdp" if units else layout, min_size=1, units=units, stages=Layer
-    )
+        model, opt, mesh=mesh, layout="fsdp" if units else layout, min_size=1, units=units, stages=Layer,
+        virtual_stages=chunks,
+    )  # fmt: skip
     return mesh, model, opt
 
 
 def _train(mode: str, schedule: str, case: str, optimizer: str = "sgd") -> tuple[Net, nnx.Optimizer, object]:
     shape, layout, k = CASES[case]
-    mesh, model, opt = _placed(shape, layout, optimizer)
+    mesh, model, opt = _placed(shape, layout, optimizer, _chunks(schedule))
     step = substrax.make_train_step(mse, mode, mesh=mesh, microbatches=k, schedule=schedule)
     for b in _batches():
         step(model, opt, b)
@@ -100,29 +115,31 @@ def _train(mode: str, schedule: str, case: str, optimizer: str = "sgd") -> tuple
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize(("mode", "schedule"), PIPELINES)
 def test_a_pipelined_stack_trains_like_one_device(
-    mode: str, schedule: str, case: str, sgd_reference: dict
+    mode: str, schedule: str, case: str, sgd_reference: dict, deep_reference: dict
 ) -> None:
     model, _, _ = _train(mode, schedule, case)
     for path, variable in nnx.to_flat_state(nnx.state(model.layers, nnx.Param)):
         assert variable.get_value().sharding.spec[0] == "stage", path  # still split over the stages
-    got = params_of(model)
-    for key in sgd_reference:
-        np.testing.assert_allclose(
-            got[key], sgd_reference[key], rtol=STRICT_RTOL, atol=STRICT_ATOL, err_msg=key
-        )
+    got, want = params_of(model), deep_reference if _chunks(schedule) > 1 else sgd_reference
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=STRICT_RTOL, atol=STRICT_ATOL, err_msg=key)
 
 
 @pytest.mark.parametrize(
-    ("mode", "schedule"), [("explicit", "1f1b"), ("implicit", "gpipe"), ("explicit", "zb-h1")]
+    ("mode", "schedule"),
+    [("explicit", "1f1b"), ("implicit", "gpipe"), ("explicit", "zb-h1"), ("explicit", "interleaved-1f1b")],
 )
 def test_adam_pipelined_trains_like_one_device_within_the_floor(mode: str, schedule: str) -> None:
     """Adam: the reference run again on the rows permuted three times; the floor is the largest
     difference between any two runs, the tolerance ``SAFETY`` times it (the mesh fuzzer's rule)."""
-    runs = [_reference("adam", _batches())]
+    net = lambda: Net(depth=DEPTH * _chunks(schedule))  # noqa: E731
+    runs = [one_device_params(net, _tx("adam"), _batches())]
     for seed in (1, 2, 3):
         order = np.random.default_rng(seed).permutation(ROWS)
-        runs.append(_reference("adam", [{k: v[order] for k, v in b.items()} for b in _batches()]))
-    mesh, model, opt = _placed({"data": 2, "stage": 4}, "fsdp", "adam")
+        runs.append(
+            one_device_params(net, _tx("adam"), [{k: v[order] for k, v in b.items()} for b in _batches()])
+        )
+    mesh, model, opt = _placed({"data": 2, "stage": 4}, "fsdp", "adam", _chunks(schedule))
     step = substrax.make_train_step(mse, mode, mesh=mesh, microbatches=4, schedule=schedule)
     for b in _batches():
         step(model, opt, b)
@@ -179,10 +196,10 @@ def test_shard_state_splits_the_stack_over_stage_consecutive_layers_a_stage() ->
 
 @pytest.mark.parametrize("schedule", substrax.SCHEDULES)
 def test_compare_gradients_checks_the_pipelined_steps(schedule: str) -> None:
-    mesh, model, _ = _placed({"data": 2, "stage": 4}, "fsdp")
+    mesh, model, _ = _placed({"data": 2, "stage": 4}, "fsdp", chunks=_chunks(schedule))
     report = compare_gradients(model, mse, _batches(1)[0], mesh, microbatches=4, schedule=schedule)
     assert report.ok, str(report)
-    assert report.methods == (("explicit",) if schedule == "zb-h1" else ("implicit", "explicit"))
+    assert report.methods == (("explicit",) if schedule in EXPLICIT_ONLY else ("implicit", "explicit"))
     assert report.max_abs_diff < 1e-5
 
 
@@ -312,6 +329,62 @@ def test_each_schedules_bubble_is_its_idle_share(stages: int, k: int) -> None:
     assert Schedule("zb-h1", stages, k).bubble < Schedule("1f1b", stages, k).bubble
 
 
+@pytest.mark.parametrize(
+    ("stages", "k", "v"), [(2, 2, 2), (2, 4, 3), (4, 4, 2), (4, 8, 2), (3, 6, 2), (8, 8, 2)]
+)
+def test_interleaved_runs_each_chunk_in_turn_around_the_ring(stages: int, k: int, v: int) -> None:
+    """Chunk ``c`` on stage ``c % S`` (its chunk ``c // S``): every microbatch forward and backward
+    once through each chunk; a forward a tick after the previous chunk's (stage 0's chunk ``u`` after
+    the last stage's ``u - 1``: the ring), a backward a tick after the next chunk's, the last chunk's
+    backward in its forward's tick; at most ``stash`` inputs held a chunk; the bubble its idle share
+    (a tick costs the slots some stage runs, F 1, B 3, in a chunk's forward passes)."""
+    schedule = Schedule("interleaved-1f1b", stages, k, v)
+    table, chunks = schedule.table(), stages * v
+    at = {}  # (F or B, microbatch, chunk) -> tick
+    for s, row in enumerate(table):
+        live: dict[int, set] = {u: set() for u in range(v)}
+        for t, cell in enumerate(row):
+            for slot in cell.split():
+                j, u = map(int, slot[1:].split("."))
+                assert (slot[0], j, u * stages + s) not in at
+                at[slot[0], j, u * stages + s] = t
+                (live[u].add if slot[0] == "F" else live[u].discard)(j)
+                assert len(live[u]) <= schedule.stash, (s, t)
+    assert len(at) == 2 * k * chunks
+    for j in range(k):
+        for c in range(1, chunks):
+            assert at["F", j, c] == at["F", j, c - 1] + 1 and at["B", j, c - 1] == at["B", j, c] + 1
+        assert at["B", j, chunks - 1] == at["F", j, chunks - 1]
+    total = 0
+    for t in range(schedule.ticks):
+        kinds = {w[0] for row in table for w in row[t].split()}
+        total += sum({"F": 1, "B": 3}[x] for x in kinds)
+        _, _, fwd, bwd, _ = next(p for p in schedule.phases if p[0] <= t < p[1])
+        assert kinds <= {x for x, on in zip("FB", (fwd, bwd)) if on}, t
+    assert (
+        1 - 4 * k * v / total
+        == pytest.approx(schedule.bubble)
+        == pytest.approx((stages - 1) / (v * k + stages - 1))
+    )
+    assert schedule.bubble < Schedule("1f1b", stages, k).bubble
+
+
+def test_chunk_rounds_move_each_chunk_once_a_round_a_stage() -> None:
+    """From where ``shard_state`` places them (stage ``d``: chunks ``d v ... d v + v - 1``) to where
+    they run (chunk ``c`` on stage ``c % S``, slot ``c // S``): ``v`` rounds, each a permutation."""
+    for stages, v in ((2, 2), (4, 2), (4, 3), (3, 2), (8, 2), (2, 4), (1, 3)):
+        moved = set()
+        rounds = chunk_rounds(stages, v)
+        assert len(rounds) == v
+        for moves in rounds:
+            assert sorted(m[0] for m in moves) == sorted(m[2] for m in moves) == list(range(stages))
+            for d, a, e, b in moves:
+                c = d * v + a
+                assert (e, b) == (c % stages, c // stages)
+                moved.add(c)
+        assert moved == set(range(stages * v))
+
+
 # --- refusals -------------------------------------------------------------------------------
 
 
@@ -364,7 +437,8 @@ def test_stages_on_a_mesh_without_stage_or_with_prefetch_are_refused() -> None:
 def test_schedule_options_are_refused_by_name() -> None:
     mesh = create_device_mesh({"data": 2, "stage": 4})
     with pytest.raises(
-        ValueError, match=r"schedule must be one of \('gpipe', '1f1b', 'zb-h1'\) or None .* got 'zb'"
+        ValueError,
+        match=r"schedule must be one of \('gpipe', '1f1b', 'zb-h1', 'interleaved-1f1b'\) or None .* got 'zb'",
     ):
         substrax.make_train_step(mse, mesh=mesh, microbatches=4, schedule="zb")
     with pytest.raises(
@@ -378,6 +452,46 @@ def test_schedule_options_are_refused_by_name() -> None:
         ValueError, match=r"schedule='gpipe' pipelines .* 'stage' axis, which the mesh \{'data': 8\} lacks"
     ):
         substrax.make_train_step(mse, mesh=create_device_mesh({"data": 8}), microbatches=4, schedule="gpipe")
+
+
+def test_virtual_stages_are_refused_by_name_where_they_do_not_fit() -> None:
+    """Chunks that do not divide the stack, without stages=, not an int; a placement and a schedule
+    that disagree (two chunks under 1F1B, one under interleaved); microbatches the stages do not
+    divide; interleaved in implicit mode. Nothing runs: the state as it was."""
+    mesh, model, opt = _unplaced({"data": 2, "stage": 4})
+    with pytest.raises(
+        ValueError,
+        match=r"has 8 layers, which 4 stages of 'stage' x virtual_stages=3 .* multiple of 12, or virtual_stages among \[1, 2\]",
+    ):
+        substrax.shard_state(model, opt, mesh=mesh, stages=Layer, virtual_stages=3)
+    with pytest.raises(ValueError, match=r"virtual_stages=2: .* only with stages="):
+        substrax.shard_state(model, opt, mesh=create_device_mesh({"data": 8}), virtual_stages=2)
+    with pytest.raises(TypeError, match=r"virtual_stages must be an int .* got 2.0"):
+        substrax.shard_state(model, opt, mesh=mesh, stages=Layer, virtual_stages=2.0)
+    batch = _batches(1)[0]
+    _, two, opt2 = _placed({"data": 2, "stage": 4}, "replicated", chunks=2)
+    _, one, opt1 = _placed({"data": 2, "stage": 4}, "replicated")
+    before = params_of(two)
+    with pytest.raises(
+        ValueError, match=r"virtual_stages=2 chunks a stage, which only schedule='interleaved-1f1b'"
+    ):
+        substrax.make_train_step(mse, "explicit", mesh=mesh, microbatches=4, schedule="1f1b")(
+            two, opt2, batch
+        )
+    with pytest.raises(ValueError, match=r"placed it with one \(virtual_stages=1: that is schedule='1f1b'\)"):
+        substrax.make_train_step(mse, "explicit", mesh=mesh, microbatches=4, schedule="interleaved-1f1b")(
+            one, opt1, batch
+        )
+    with pytest.raises(ValueError, match=r"groups of the 4 stages; microbatches=2 is not a multiple of 4"):
+        substrax.make_train_step(mse, "explicit", mesh=mesh, microbatches=2, schedule="interleaved-1f1b")(
+            two, opt2, batch
+        )
+    with pytest.raises(
+        ValueError, match=r"schedule='interleaved-1f1b' runs each stage's chunks .* mode='explicit'"
+    ):
+        substrax.make_train_step(mse, "implicit", mesh=mesh, microbatches=4, schedule="interleaved-1f1b")
+    after = params_of(two)
+    assert all(np.array_equal(before[k], after[k]) for k in before)
 
 
 @pytest.mark.parametrize("mode", substrax.MODES)

@@ -86,7 +86,12 @@ def _placed(
         model = Probe(**probe)
         opt = nnx.Optimizer(model, optax.sgd(SGD), wrt=nnx.Param)
     substrax.shard_state(
-        model, opt, mesh=mesh, layout=layout, min_size=1, stages=Shifting if stages else None,
+        model,
+        opt,
+        mesh=mesh,
+        layout=layout,
+        min_size=1,
+        stages=Shifting if stages else None,
         virtual_stages=chunks,
     )
     return mesh, model, opt

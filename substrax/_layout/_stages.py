@@ -15,7 +15,15 @@ from substrax._base.roles import STAGE_AXIS
 from substrax._base.trees import KeyPath, path_str
 from substrax._layout._units import UnitsSpec, matched_modules, stacked_modules
 
-__all__ = ["CHUNKS_KEY", "STAGE_AXIS", "STAGE_KEY", "find_stages", "mark_stages", "staged_chunks", "staged_stack"]
+__all__ = [
+    "CHUNKS_KEY",
+    "STAGE_AXIS",
+    "STAGE_KEY",
+    "find_stages",
+    "mark_stages",
+    "staged_chunks",
+    "staged_stack",
+]
 
 STAGE_KEY = "pipeline_stack"
 CHUNKS_KEY = "pipeline_chunks"

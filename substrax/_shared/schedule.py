@@ -50,7 +50,9 @@ def check_schedule(schedule: Any, microbatches: int, mode: str = "explicit") -> 
             else "runs each stage's chunks of layers in turn and moves them between stages each step, which "
             "only explicit mode writes (ppermutes of the chunks and the carry around the ring of stages)"
         )
-        raise ValueError(f"schedule={schedule!r} {why}. Use mode='explicit', or schedule='1f1b' in {mode} mode.")
+        raise ValueError(
+            f"schedule={schedule!r} {why}. Use mode='explicit', or schedule='1f1b' in {mode} mode."
+        )
     if microbatches < 2:
         raise ValueError(
             f"schedule={schedule!r} runs the stages as a pipeline over microbatches; with microbatches="
@@ -81,7 +83,9 @@ def bubble_fraction(stages: int, microbatches: int, schedule: str = "1f1b", virt
     return float(bubble_ratio(stages, microbatches, schedule, virtual_stages))
 
 
-def bubble_ratio(stages: int, microbatches: int, schedule: str, virtual_stages: int = 1) -> fractions.Fraction:
+def bubble_ratio(
+    stages: int, microbatches: int, schedule: str, virtual_stages: int = 1
+) -> fractions.Fraction:
     """``bubble_fraction`` as an exact fraction (what the tables print)."""
     idle = stages - 1
     if schedule == "zb-h1":
@@ -185,7 +189,10 @@ class PipelineSchedule:
             return 2 * self.stages - 1
         most = 0
         for c in range(self._chunks):
-            spans = [(self._base(j) + c, self._base(j) + 2 * self._chunks - 2 - c) for j in range(self.microbatches)]
+            spans = [
+                (self._base(j) + c, self._base(j) + 2 * self._chunks - 2 - c)
+                for j in range(self.microbatches)
+            ]
             most = max(most, max(sum(a <= t <= b for a, b in spans) for t in range(self.ticks)))
         return most
 
@@ -226,7 +233,9 @@ class PipelineSchedule:
         """A stage's ``n``-th forward (or backward) slot's ``(microbatch, chunk)``."""
         group, rest = n // self._chunks, n % self._chunks
         chunk = rest // self.stages
-        return group * self.stages + rest % self.stages, (self.virtual_stages - 1 - chunk) if backward else chunk
+        return group * self.stages + rest % self.stages, (
+            self.virtual_stages - 1 - chunk
+        ) if backward else chunk
 
     def forward(self, tick: Any, stage: Any) -> Any:
         """The microbatch ``stage`` forwards at ``tick`` (ints or arrays; in range only when it runs)."""
@@ -265,9 +274,11 @@ class PipelineSchedule:
             for t in range(self.ticks):
                 jf, jb, jw = self.forward(t, s), self.backward(t, s), self.weight(t, s)
                 jw = jw if self.name == "zb-h1" else -1
-                uf, ub = (f".{self.forward_chunk(t, s)}", f".{self.backward_chunk(t, s)}") if (
-                    self.virtual_stages > 1
-                ) else ("", "")
+                uf, ub = (
+                    (f".{self.forward_chunk(t, s)}", f".{self.backward_chunk(t, s)}")
+                    if (self.virtual_stages > 1)
+                    else ("", "")
+                )
                 cells = (f"F{jf}{uf}" * (0 <= jf < k), f"B{jb}{ub}" * (0 <= jb < k), f"W{jw}" * (0 <= jw < k))
                 row.append(" ".join(x for x in cells if x))
             rows.append(row)

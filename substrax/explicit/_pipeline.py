@@ -115,7 +115,11 @@ class _Stages:
     streams: nnx.State  # this stage's layers' random streams, as the step starts
 
     def __post_init__(self) -> None:
-        self.k, self.n, self.v = self.schedule.microbatches, self.schedule.stages, self.schedule.virtual_stages
+        self.k, self.n, self.v = (
+            self.schedule.microbatches,
+            self.schedule.stages,
+            self.schedule.virtual_stages,
+        )
         self.s = jax.lax.axis_index(self.axis)
         self.first, self.last = self.s == 0, self.s == self.n - 1
         self.m = jax.tree.leaves(self.staged.stack)[0].shape[0] // self.v  # layers a chunk
@@ -296,13 +300,17 @@ def _one_f_one_b(
                 p.valid(jf), lambda: put(stash, uf * depth + jf % depth, (carry, own)), lambda: stash
             )
             out, own = jax.lax.cond(
-                p.valid(jf) & ~p.ends(uf), lambda: p.stage(p.chunk(stack, uf), carry, own), lambda: (carry, own)
+                p.valid(jf) & ~p.ends(uf),
+                lambda: p.stage(p.chunk(stack, uf), carry, own),
+                lambda: (carry, own),
             )
             streams, recv = p.with_chunk(streams, uf, own), p.send(out, 1)
         if backward:  # its backward slot: microbatch jb's cotangent from the next stage (the last: the loss)
             jb, ub = p.schedule.backward(t, p.s), p.schedule.backward_chunk(t, p.s)
             d_out, d_stack, d_c, loss, aux, drawn, kept = jax.lax.cond(
-                p.valid(jb), lambda: slot(*take(stash, ub * depth + jb % depth), recv_g, jb, ub), lambda: zero_back
+                p.valid(jb),
+                lambda: slot(*take(stash, ub * depth + jb % depth), recv_g, jb, ub),
+                lambda: zero_back,
             )
             if zip_:  # ZB-H1: the input's gradient sent on, the weights' held back
                 held_ = jax.lax.cond(p.valid(jb), lambda: put(held_, jb % held, kept), lambda: held_)
@@ -390,7 +398,10 @@ def pipelined_value_and_grad(
     else:
         total, aux, g_out, g_stack, streams = _one_f_one_b(p, outside, stack, scale, share.accumulate_dtype)
     if v > 1:  # the chunks' gradients and draws home
-        g_stack, streams = _moved(g_stack, stage_axis, v, back=True), _moved(streams, stage_axis, v, back=True)
+        g_stack, streams = (
+            _moved(g_stack, stage_axis, v, back=True),
+            _moved(streams, stage_axis, v, back=True),
+        )
     staged.keep_draws(model, streams)  # this stage's layers' counts (split over stage_axis, as placed)
     note_pipeline(aux=aux)
     with jax.named_scope(scopes.PIPELINE):  # the outside parameters' gradient, from the first and last stages

@@ -219,7 +219,10 @@ def _device_step(model: nnx.Module, loss_fn: Callable[..., Any], p: Prologue, o:
     stack = pipeline_of(o, p.mesh, model)  # the staged stack's path, or None: no pipeline
     if stack is not None:
         value_and_grad = functools.partial(
-            pipelined_value_and_grad, schedule=o.schedule, stage_axis=STAGE_AXIS, stack_path=stack,
+            pipelined_value_and_grad,
+            schedule=o.schedule,
+            stage_axis=STAGE_AXIS,
+            stack_path=stack,
             virtual_stages=staged_chunks(model),
         )
     precision = o.precision
