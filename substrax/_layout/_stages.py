@@ -95,7 +95,7 @@ def _checked_depth(model: nnx.Module, path: KeyPath, stages: int, axis: str, vir
             f"The stack {path_str(path, 'model')} has {layers} layers, which {stages} stages of {axis!r} x "
             f"virtual_stages={virtual} chunks do not divide (each chunk runs layers / (stages x "
             f"virtual_stages) consecutive layers). Use a depth that is a multiple of {stages * virtual}, or "
-            f"virtual_stages among {[v for v in range(1, layers // stages + 1) if layers % (stages * v) == 0]}."
+            f"virtual_stages among {[v for v in range(1, layers // stages + 1) if not layers % (stages * v)]}."
         )
     if layers % stages:
         fits = [n for n in range(1, layers + 1) if layers % n == 0]
@@ -130,7 +130,7 @@ def staged_stack(model: nnx.Module) -> KeyPath | None:
 
 
 def staged_chunks(model: nnx.Module) -> int:
-    """The chunks a stage runs (``shard_state(..., virtual_stages=)``), read from the parameters: 1 if unset."""
+    """The chunks a stage runs (``shard_state(..., virtual_stages=)``), read from the parameters (1 unset)."""
     for _, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         chunks = variable.get_metadata().get(CHUNKS_KEY)
         if chunks is not None:

@@ -35,6 +35,10 @@ class PipelineRun:
       carry: One stage's carry on one device, ``(shape, dtype)`` per leaf (the stack's input
         and the arrays that travel with it).
       aux: The metrics stacked over microbatches on one device, ``(shape, dtype)`` per leaf.
+      virtual_stages: The chunks a stage runs (interleaved; 1 otherwise).
+      moved: Each ``ppermute`` moving a chunk between stages (interleaved), in trace order:
+        ``("out" or "back", (shape, dtype))``, a parameter's (or random stream's) piece to the
+        stage that runs it, or its gradient (or advanced stream) home.
     """
 
     schedule: str
@@ -45,6 +49,8 @@ class PipelineRun:
     mode: str
     carry: tuple[tuple[tuple[int, ...], np.dtype[Any]], ...] = ()
     aux: tuple[tuple[tuple[int, ...], np.dtype[Any]], ...] = ()
+    virtual_stages: int = 1
+    moved: tuple[tuple[str, tuple[tuple[int, ...], np.dtype[Any]]], ...] = ()
 
 
 _RECORD: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
@@ -68,16 +74,28 @@ def _avals(tree: Any) -> tuple[tuple[tuple[int, ...], np.dtype[Any]], ...]:
     return tuple((tuple(x.shape), np.dtype(x.dtype)) for x in jax.tree.leaves(tree))
 
 
-def note_pipeline(schedule: Any = None, *, mode: str = "", carry: Any = None, aux: Any = None) -> None:
-    """Record (inside ``recording_pipeline``) the ``Schedule``, one stage's ``carry``, the stacked ``aux``."""
+def note_pipeline(
+    schedule: Any = None,
+    *,
+    mode: str = "",
+    carry: Any = None,
+    aux: Any = None,
+    moved: Any = None,
+    back: bool = False,
+) -> None:
+    """Record (inside ``recording_pipeline``) the ``Schedule``, one stage's ``carry``, the stacked ``aux``,
+    a chunk's piece ``moved`` between stages (``back``: home)."""
     fields = _RECORD.get()
     if fields is None:
         return
     if schedule is not None:
         fields.update(schedule=schedule.name, stages=int(schedule.stages),
                       microbatches=int(schedule.microbatches), ticks=int(schedule.ticks),
-                      phases=tuple(schedule.phases), mode=mode)  # fmt: skip
+                      phases=tuple(schedule.phases), mode=mode,
+                      virtual_stages=int(schedule.virtual_stages))  # fmt: skip
     if carry is not None:
         fields["carry"] = _avals(carry)
     if aux is not None:
         fields["aux"] = _avals(aux)
+    if moved is not None:
+        fields["moved"] = fields.get("moved", ()) + (("back" if back else "out", _avals(moved)[0]),)

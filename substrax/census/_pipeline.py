@@ -8,6 +8,9 @@ gradient of the parameters outside the stack (the first and last stages hold the
 shares) and of the metrics stacked over microbatches (the last stage's); on a ``data``
 axis of one device, the loss's sum over ``stage``. GPipe runs its forward ticks in one
 loop and their transpose in another; 1F1B its warm-up, steady state and cool-down in three.
+Interleaved 1F1B permutes around the ring of stages (the last stage's chunk feeding stage 0's
+next), a tick running one chunk's layers, and moves the chunks to their stages before the
+loops and their gradients home after (``chunk_rounds``).
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ def _loops(run: PipelineRun) -> list[tuple[str, int, bool, bool, bool]]:
             ("GPipe's forward loop", run.ticks, True, False, False),
             ("GPipe's backward loop", run.ticks, False, True, False),
         ]
-    label = {"1f1b": "1F1B", "zb-h1": "ZB-H1"}[run.schedule]
+    label = {"1f1b": "1F1B", "zb-h1": "ZB-H1", "interleaved-1f1b": "interleaved 1F1B"}[run.schedule]
     return [(f"{label}'s {_PHASES[f, b]}", stop - start, f, b, w) for start, stop, f, b, w in run.phases]
 
 
@@ -98,13 +101,13 @@ def stage_unit_items(units: list[ExpectedCollective], run: PipelineRun) -> list[
                 slots = [(" (input-gradient slot)", has_backward), (" (weight slot)", has_weight)]
             else:
                 slots = [("", has_backward)]
-            required = recomputed and run.schedule in ("1f1b", "zb-h1")
+            required = recomputed and run.schedule != "gpipe"
             for slot, runs in slots:
                 if runs:
                     out.append(
                         dataclasses.replace(
                             item, what=f"{item.what}{slot}, {_ticks(ticks)} of {loop}",
-                            bytes=item.bytes * ticks, in_loop=True, optional=item.optional and not required,
+                            bytes=item.bytes * ticks // run.virtual_stages, in_loop=True, optional=item.optional and not required,
                             why="" if required else item.why,
                         )
                     )  # fmt: skip
@@ -133,6 +136,7 @@ def permute_items(run: PipelineRun, implicit: bool = False) -> list[ExpectedColl
         ):
             phase = ("forward" if shift == 1 else "backward") if gpipe else None
             to = "next" if shift == 1 else "previous"
+            ring = run.virtual_stages > 1  # around the ring: the pairs are no one step
             for i, aval in enumerate(leaves if on else ()):
                 leaf = "" if len(leaves) == 1 else f" leaf {i}"
                 # the stack's input's cotangent is leaf 0
@@ -141,9 +145,10 @@ def permute_items(run: PipelineRun, implicit: bool = False) -> list[ExpectedColl
                 items.append(
                     ExpectedCollective(
                         "collective-permute",
-                        f"pipeline: {name}{leaf} to the {to} stage, {_ticks(ticks)} of {loop}",
+                        f"pipeline: {name}{leaf} to the {to} stage{' (a ring)' * ring}, {_ticks(ticks)} of {loop}",
                         _bytes(aval) * ticks, "pipeline", scopes=(scopes.PIPELINE,), buffer=_buffer(aval),
-                        phase=phase, axes=(STAGE_AXIS,), in_loop=ticks > 1, shift=shift, optional=optional,
+                        phase=phase, axes=(STAGE_AXIS,), in_loop=ticks > 1, shift=None if ring else shift,
+                        optional=optional,
                         why=(_LAST if last else _IMPLICIT if implicit else _DEAD) if optional else "",
                     )
                 )  # fmt: skip
@@ -187,6 +192,12 @@ def pipeline_items(
     if run.stages < 2:
         return items
     common = dict(scopes=(scopes.PIPELINE,), axes=(STAGE_AXIS,))
+    for way, aval in run.moved:  # interleaved: a chunk's piece a round, to its stage and home
+        what = "to the stage that runs it" if way == "out" else "its gradient (or draws) home"
+        items.append(ExpectedCollective(
+            "collective-permute", f"pipeline: a chunk {what}", _bytes(aval), "pipeline", buffer=_buffer(aval),
+            **common,
+        ))  # fmt: skip
     for path, aval in outside_leaves(model, data_axes, sizes):
         items.append(
             ExpectedCollective(
@@ -216,12 +227,11 @@ def pipeline_note(run: PipelineRun) -> str:
     """The schedule in a line: its loops, their ticks, the bubble."""
     loops = ", ".join(f"{loop} {ticks}" for loop, ticks, *_ in _loops(run))
     k = run.microbatches
-    bubble = bubble_ratio(run.stages, k, run.schedule)
-    formula = (
-        "3 (stages - 1) / (4 microbatches + 3 (stages - 1))"
-        if run.schedule == "zb-h1"
-        else "(stages - 1) / (microbatches + stages - 1)"
-    )
+    bubble = bubble_ratio(run.stages, k, run.schedule, run.virtual_stages)
+    formula = {
+        "zb-h1": "3 (stages - 1) / (4 microbatches + 3 (stages - 1))",
+        "interleaved-1f1b": f"(stages - 1) / ({run.virtual_stages} microbatches + stages - 1)",
+    }.get(run.schedule, "(stages - 1) / (microbatches + stages - 1)")
     return (
         f"pipeline: {run.schedule} over {run.stages} stages, {k} microbatches; ticks per "
         f"loop: {loops}; bubble {formula} = {bubble} ({float(bubble):.0%}). The census counts a "

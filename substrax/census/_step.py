@@ -265,7 +265,7 @@ def _parameter_items(
         across = cross_replica_items(leaves, options, sizes, step.precision, step.widened, step.platform)
     if options.mode == "explicit" and step.n > 1:  # a unit's parameters move together
         per_tick = options if pipeline is None else options.replace(microbatches=1, schedule=None)
-        again = recomputed or (pipeline is not None and pipeline.schedule in ("1f1b", "zb-h1"))
+        again = recomputed or (pipeline is not None and pipeline.schedule != "gpipe")
         leaves, units = unit_items(
             step.model, leaves, per_tick, sizes.get(options.data_axis, 1), step.precision, step.widened,
             layered, again, step.platform,

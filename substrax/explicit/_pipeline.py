@@ -92,6 +92,7 @@ def _moved(tree: PyTree, axis: str, virtual: int, back: bool = False) -> PyTree:
                 src[e if back else d], dst[d if back else e] = (b, a) if back else (a, b)
             piece = jax.lax.dynamic_slice_in_dim(data, jnp.asarray(src)[s] * m, m)
             if any(i != j for i, j in pairs):
+                note_pipeline(moved=piece, back=back)
                 with jax.named_scope(scopes.PIPELINE):
                     piece = jax.lax.ppermute(piece, axis, pairs)
             out = jax.lax.dynamic_update_slice_in_dim(out, piece, jnp.asarray(dst)[s] * m, 0)
@@ -248,8 +249,9 @@ def _backward_input(
     p: _Stages, outside: nnx.State, stack: nnx.State, zero_out: Any, scale: float,
     c: Any, used: nnx.State, g: list[Any], j: Any, u: Any,
 ) -> tuple[Any, ...]:  # fmt: skip
-    """ZB-H1's backward slot (``u`` is 0: one chunk a stage): ``_backward``'s without the stack's weights' gradient (``()`` in its
-    place; the outside parameters' here), each layer's pullback and output cotangent kept last."""
+    """ZB-H1's backward slot (``u`` is 0: one chunk a stage): ``_backward``'s without the stack's
+    weights' gradient (``()`` in its place; the outside parameters' here), each layer's pullback and
+    output cotangent kept last."""
 
     def pro(outside: nnx.State, floats: list[Any]) -> list[Any]:
         c_in = with_floats(c, floats)
