@@ -24,6 +24,7 @@ from models import Residual, Tower, mse, sine_batches
 
 import substrax
 from substrax.census import compare
+from substrax._shared.schedule import chunk_rounds
 from substrax.census._hlo import pair_shift
 from substrax.mesh import create_device_mesh
 
@@ -46,6 +47,7 @@ class Case:
     mesh: tuple[tuple[str, int], ...]
     layout: str
     microbatches: int
+    chunks: int = 1  # interleaved: a stack of DEPTH * chunks layers, this many chunks a stage
 
     def __str__(self) -> str:
         return (
@@ -62,7 +64,13 @@ EXPLICIT = [
     Case("zb-h1", (("data", 1), ("stage", 8)), "replicated", 4),
 ]
 IMPLICIT = [Case(s, (("data", 2), ("stage", 4)), "replicated", 4) for s in ("gpipe", "1f1b")]
+INTERLEAVED = [
+    Case("interleaved-1f1b", (("data", 2), ("stage", 4)), "units", 8, 2),
+    Case("interleaved-1f1b", (("data", 1), ("stage", 8)), "replicated", 8, 2),
+    Case("interleaved-1f1b", (("data", 2), ("stage", 2), ("model", 2)), "replicated", 4, 3),
+]
 _RESULTS: dict[tuple[str, Case], object] = {}
+_MODELS: dict[tuple[str, Case], nnx.Module] = {}
 
 
 def checked(mode: str, case: Case):  # noqa: ANN201
@@ -70,13 +78,15 @@ def checked(mode: str, case: Case):  # noqa: ANN201
     if (mode, case) not in _RESULTS:
         mesh = create_device_mesh(dict(case.mesh))
         with jax.set_mesh(mesh):
-            model = Net()
+            model = Net(DEPTH * case.chunks)
             optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
         units = Residual if case.layout == "units" else None
         layout = "fsdp" if units else case.layout
         substrax.shard_state(
-            model, optimizer, mesh=mesh, layout=layout, units=units, stages=Residual, min_size=1
-        )
+            model, optimizer, mesh=mesh, layout=layout, units=units, stages=Residual, min_size=1,
+            virtual_stages=case.chunks,
+        )  # fmt: skip
+        _MODELS[mode, case] = model
         step = substrax.make_train_step(
             mse, mode, mesh=mesh, microbatches=case.microbatches, schedule=case.schedule
         )
@@ -160,3 +170,32 @@ def test_pair_shift() -> None:
     assert pair_shift(((0, 4),), mesh) == 1  # one step along data
     assert pair_shift(((0, 5),), mesh) is None  # two axes at once
     assert pair_shift(((0, 1),), None) is None and pair_shift((), mesh) is None
+
+
+@pytest.mark.parametrize("case", INTERLEAVED, ids=str)
+def test_interleaved_census_permutes_around_the_ring_and_moves_the_chunks(case: Case) -> None:
+    """Interleaved 1F1B: each loop's permute of the carry (forward) and its cotangent (backward) around
+    the ring of stages, a tick each; before the loops each chunk moved to the stage that runs it, after
+    them its gradient home: ``chunk_rounds``' rounds that move anything, each a piece of every stack
+    leaf (this stage's share of it over ``chunks``), both ways."""
+    found = checked("explicit", case)
+    assert found.matches, str(found)
+    sizes = dict(case.mesh)
+    schedule = substrax.PipelineSchedule(case.schedule, sizes["stage"], case.microbatches, case.chunks)
+    carry = ROWS // case.microbatches // sizes["data"] * WIDTH * F32
+    permutes = [r for r in found.report.rows if r.kind == "collective-permute"]
+    assert {r.axes for r in permutes} == {("stage",)}
+    ring = sorted((r.trip_count or 1, r.bytes) for r in permutes if r.in_loop and r.bytes == carry)
+    assert ring == sorted((n, carry) for n, _ in loops(schedule) if n > 1), ring
+    model = _MODELS["explicit", case]
+    local = [
+        v.get_value().addressable_shards[0].data
+        for _, v in nnx.to_flat_state(nnx.state(model.layers, nnx.Param))
+    ]
+    rounds = [m for m in chunk_rounds(sizes["stage"], case.chunks) if any(d != e for d, _, e, _ in m)]
+    want = sorted(x.nbytes // case.chunks for x in local for _ in rounds) * 2  # out and home
+    moved = sorted(
+        r.bytes for r in permutes if not r.in_loop and r.trip_count in (None, 1) and r.shift is None
+    )
+    assert sorted(want) == moved, (sorted(want), moved)
+    assert any(n.startswith(f"pipeline: interleaved-1f1b over {sizes['stage']} stages") for n in found.notes)
