@@ -461,7 +461,8 @@ def test_virtual_stages_are_refused_by_name_where_they_do_not_fit() -> None:
     mesh, model, opt = _unplaced({"data": 2, "stage": 4})
     with pytest.raises(
         ValueError,
-        match=r"has 8 layers, which 4 stages of 'stage' x virtual_stages=3 .* multiple of 12, or virtual_stages among \[1, 2\]",
+        match=r"8 layers, which 4 stages of 'stage' x virtual_stages=3 .* multiple of 12, or virtual_stages "
+        r"among \[1, 2\]",
     ):
         substrax.shard_state(model, opt, mesh=mesh, stages=Layer, virtual_stages=3)
     with pytest.raises(ValueError, match=r"virtual_stages=2: .* only with stages="):

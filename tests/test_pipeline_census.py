@@ -23,8 +23,8 @@ from flax import nnx
 from models import Residual, Tower, mse, sine_batches
 
 import substrax
-from substrax.census import compare
 from substrax._shared.schedule import chunk_rounds
+from substrax.census import compare
 from substrax.census._hlo import pair_shift
 from substrax.mesh import create_device_mesh
 

@@ -91,11 +91,12 @@ def _checked_depth(model: nnx.Module, path: KeyPath, stages: int, axis: str, vir
     leaves = [v for _, v in nnx.to_flat_state(nnx.state(node_at(model, path), nnx.Param))]
     layers = int(np.shape(leaves[0].get_value())[0])
     if virtual > 1 and layers % (stages * virtual):
+        fits = [v for v in range(1, layers // stages + 1) if not layers % (v * stages)]
         raise ValueError(
             f"The stack {path_str(path, 'model')} has {layers} layers, which {stages} stages of {axis!r} x "
             f"virtual_stages={virtual} chunks do not divide (each chunk runs layers / (stages x "
             f"virtual_stages) consecutive layers). Use a depth that is a multiple of {stages * virtual}, or "
-            f"virtual_stages among {[v for v in range(1, layers // stages + 1) if not layers % (stages * v)]}."
+            f"virtual_stages among {fits}."
         )
     if layers % stages:
         fits = [n for n in range(1, layers + 1) if layers % n == 0]

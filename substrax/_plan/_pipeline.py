@@ -9,15 +9,25 @@ from jax.sharding import Mesh
 
 from substrax._shared.schedule import EXPLICIT_ONLY, SCHEDULES, STAGE_AXIS, bubble_fraction
 
+_INTERLEAVED = "interleaved-1f1b"
 
-def schedules(mesh: Mesh, schedule: str | None | Sequence[str | None], mode: str) -> list[str | None]:
-    """The schedules to try on ``mesh`` in ``mode``: on a ``stage`` axis the candidates (each that
-    ``mode`` runs when none are named), without one none (``[None]``: no pipeline)."""
+
+def schedules(
+    mesh: Mesh, schedule: str | None | Sequence[str | None], mode: str, chunks: int = 1
+) -> list[str | None]:
+    """The schedules to try on ``mesh`` in ``mode``: on a ``stage`` axis the candidates (when none are
+    named, each that ``mode`` runs on a placement of ``chunks`` a stage), without one none (``[None]``:
+    no pipeline)."""
     if STAGE_AXIS not in mesh.axis_names:
         return [None]
     candidates = [schedule] if schedule is None or isinstance(schedule, str) else list(schedule)
     named = [c for c in candidates if c is not None]
-    return named or [s for s in SCHEDULES if mode == "explicit" or s not in EXPLICIT_ONLY]
+    runs = [
+        s
+        for s in SCHEDULES
+        if (mode == "explicit" or s not in EXPLICIT_ONLY) and (s == _INTERLEAVED) == (chunks > 1)
+    ]
+    return named or runs
 
 
 def piped(
@@ -28,13 +38,18 @@ def piped(
     place = dict(placement or {})
     if STAGE_AXIS not in mesh.axis_names:
         place.pop("stages", None)
+    if schedule == _INTERLEAVED:  # two chunks a stage unless the placement says how many
+        place.setdefault("virtual_stages", 2)
+    elif place.get("virtual_stages", 1) > 1:
+        place.pop("virtual_stages")  # a schedule of one chunk a stage
     return place, {**opts, **({"schedule": schedule} if schedule is not None else {})}
 
 
-def fields(mesh: Mesh, opts: Mapping[str, Any]) -> dict[str, Any]:
-    """A row's ``schedule`` and ``bubble``."""
+def fields(mesh: Mesh, opts: Mapping[str, Any], place: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A row's ``schedule`` and ``bubble`` (``place``: its ``shard_state`` keywords, the chunks a stage)."""
     schedule = opts.get("schedule")
     if schedule is None:
         return {}
-    bubble = bubble_fraction(mesh.shape[STAGE_AXIS], opts.get("microbatches", 1), schedule)
+    chunks = (place or {}).get("virtual_stages", 1)
+    bubble = bubble_fraction(mesh.shape[STAGE_AXIS], opts.get("microbatches", 1), schedule, chunks)
     return {"schedule": schedule, "bubble": bubble}

@@ -111,7 +111,8 @@ def plan(
         names = layouts or [k for k in _layout.LAYOUTS if k != "hsdp" or replica in m.axis_names]
         for kind in names:
             for u, unit in enumerate(units if kind in ("fsdp", "hsdp") else (None,)):
-                for md, sched in [(d, s) for d in modes for s in _pipeline.schedules(m, schedule, d)]:
+                chunks = (placement or {}).get("virtual_stages", 1)
+                for md, sched in [(d, s) for d in modes for s in _pipeline.schedules(m, schedule, d, chunks)]:
                     place, opts = _pipeline.piped(m, sched, placement, step_options)
                     config = (loss_fn, model, optimizer, batch, m, md, kind, unit, place, opts)
                     on_target = _platform(m) != "cpu" if compiled is None else compiled
@@ -200,7 +201,7 @@ def _row(
         "gathered_bytes": _items.gathered(expected.items, kind, unit is not None and mode == "explicit"),
         "device_bytes": device_memory(mesh),
         "notes": notes,
-        **_pipeline.fields(mesh, opts),
+        **_pipeline.fields(mesh, opts, placement),
         "shard_options": shard_options,
         "step_options": {"mesh": mesh, **opts},
     }

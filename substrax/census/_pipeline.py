@@ -107,7 +107,8 @@ def stage_unit_items(units: list[ExpectedCollective], run: PipelineRun) -> list[
                     out.append(
                         dataclasses.replace(
                             item, what=f"{item.what}{slot}, {_ticks(ticks)} of {loop}",
-                            bytes=item.bytes * ticks // run.virtual_stages, in_loop=True, optional=item.optional and not required,
+                            bytes=item.bytes * ticks // run.virtual_stages, in_loop=True,
+                            optional=item.optional and not required,
                             why="" if required else item.why,
                         )
                     )  # fmt: skip
@@ -145,7 +146,8 @@ def permute_items(run: PipelineRun, implicit: bool = False) -> list[ExpectedColl
                 items.append(
                     ExpectedCollective(
                         "collective-permute",
-                        f"pipeline: {name}{leaf} to the {to} stage{' (a ring)' * ring}, {_ticks(ticks)} of {loop}",
+                        f"pipeline: {name}{leaf} to the {to} stage{' (a ring)' * ring}, "
+                        f"{_ticks(ticks)} of {loop}",
                         _bytes(aval) * ticks, "pipeline", scopes=(scopes.PIPELINE,), buffer=_buffer(aval),
                         phase=phase, axes=(STAGE_AXIS,), in_loop=ticks > 1, shift=None if ring else shift,
                         optional=optional,
