@@ -87,8 +87,8 @@ def test_the_schedule_is_a_candidate_axis_with_its_bubble() -> None:
 
 def _interleaved() -> substrax.Plan:
     mesh = create_device_mesh({"data": 2, "stage": 4})
-    return substrax.plan(mse, *build(), batch(), mesh=mesh, layouts=("replicated",), placement={"stages": Residual},
-                         microbatches=K, schedule="interleaved-1f1b")  # fmt: skip
+    return substrax.plan(mse, *build(), batch(), mesh=mesh, layouts=("replicated",),
+                         placement={"stages": Residual}, microbatches=K, schedule="interleaved-1f1b")  # fmt: skip
 
 
 @pytest.mark.parametrize("schedule", substrax.SCHEDULES)
@@ -131,9 +131,9 @@ def test_interleaved_rows_bubble_below_1f1b_and_move_the_chunks() -> None:
         and two.bytes[("collective-permute", "stage")] > one.bytes[("collective-permute", "stage")]
     )
     model = Net(depth=12, width=64)
-    three = substrax.plan(mse, model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param), batch(), mesh=mesh,
-                          layouts=("replicated",), placement={"stages": Residual, "virtual_stages": 3},
-                          microbatches=K)  # fmt: skip
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    three = substrax.plan(mse, model, optimizer, batch(), mesh=mesh, layouts=("replicated",),
+                          placement={"stages": Residual, "virtual_stages": 3}, microbatches=K)  # fmt: skip
     assert [(r.schedule, r.bubble) for r in three.rows] == [("interleaved-1f1b", 3 / 27)]
     assert three.rows[0].shard_options["virtual_stages"] == 3
 
