@@ -87,8 +87,9 @@ def test_the_schedule_is_a_candidate_axis_with_its_bubble() -> None:
 
 def _interleaved() -> substrax.Plan:
     mesh = create_device_mesh({"data": 2, "stage": 4})
-    return substrax.plan(mse, *build(), batch(), mesh=mesh, layouts=("replicated",),
-                         placement={"stages": Residual}, microbatches=K, schedule="interleaved-1f1b")  # fmt: skip
+    placement = {"stages": Residual}
+    return substrax.plan(mse, *build(), batch(), mesh=mesh, layouts=("replicated",), placement=placement,
+                         microbatches=K, schedule="interleaved-1f1b")  # fmt: skip
 
 
 @pytest.mark.parametrize("schedule", substrax.SCHEDULES)
