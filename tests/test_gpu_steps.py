@@ -128,17 +128,24 @@ def test_each_unit_reduce_scatters_its_gradient_on_the_gpu() -> None:
     assert sum(r.bytes for r in scatters) == 860_160
 
 
-@pytest.mark.parametrize("case", [c for c in pipeline_census.EXPLICIT if c.layout == "units"], ids=str)
+_UNITS = [c for c in pipeline_census.EXPLICIT + pipeline_census.INTERLEAVED if c.layout == "units"]
+
+
+@pytest.mark.parametrize("case", _UNITS, ids=str)
 def test_a_pipelines_census_matches_on_the_gpu(case: pipeline_census.Case) -> None:
-    """test_pipeline_census's cases with units (data 2 x stage 4: GPipe, 1F1B, ZB-H1) compiled for
-    H100 1x1x8."""
+    """test_pipeline_census's cases with units (data 2 x stage 4: GPipe, 1F1B, ZB-H1, interleaved 1F1B)
+    compiled for H100 1x1x8."""
     mesh = topology_mesh("h100:1x1x8", dict(case.mesh))
     model, optimizer = nnx.eval_shape(
-        lambda: (m := pipeline_census.Net(), nnx.Optimizer(m, optax.adam(1e-2), wrt=nnx.Param))
+        lambda: (
+            m := pipeline_census.Net(pipeline_census.DEPTH * case.chunks),
+            nnx.Optimizer(m, optax.adam(1e-2), wrt=nnx.Param),
+        )
     )
     substrax.shard_state(
-        model, optimizer, mesh=mesh, layout="fsdp", units=Residual, stages=Residual, min_size=1
-    )
+        model, optimizer, mesh=mesh, layout="fsdp", units=Residual, stages=Residual, min_size=1,
+        virtual_stages=case.chunks,
+    )  # fmt: skip
     step = substrax.make_train_step(
         mse, "explicit", mesh=mesh, microbatches=case.microbatches, schedule=case.schedule
     )
@@ -146,4 +153,5 @@ def test_a_pipelines_census_matches_on_the_gpu(case: pipeline_census.Case) -> No
     found = step.check_communication(model, optimizer, batch)
     assert found.matches, found
     permutes = [r for r in found.report.rows if r.kind == "collective-permute"]
-    assert permutes and {r.axes for r in permutes} == {("stage",)} and {r.shift for r in permutes} == {1, -1}
+    shifts = {None} if case.chunks > 1 else {1, -1}  # interleaved: around the ring, and the chunks' moves
+    assert permutes and {r.axes for r in permutes} == {("stage",)} and {r.shift for r in permutes} == shifts
