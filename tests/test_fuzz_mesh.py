@@ -22,7 +22,9 @@ expected from what the layers declare (``substrax.nn.declare_forward``, ...).
 The pipeline is an axis too (drawn last, so the other axes draw as before): ``stages``
 (none, 2 or 4: the blocks stacked by ``nnx.vmap``, as many or twice as many as the stages,
 split over a ``stage`` axis), ``schedule`` (``"gpipe"``, ``"1f1b"``, in explicit mode
-``"zb-h1"``) and microbatches (2 or 4), held to one device the same way; in explicit mode a
+``"zb-h1"`` and, where the blocks are twice the stages and the microbatches a multiple of them,
+``"interleaved-1f1b"`` with two chunks a stage) and microbatches (2 or 4), held to one device the
+same way; in explicit mode a
 pipelined draw's census must match too (its permutes per tick and loop, its sums over
 ``stage``: the census guide, "Pipelines").
 13 random pipelined draws (2026-12-07) found four Adam draws of 4 to 8 blocks past the floor
@@ -114,7 +116,8 @@ class MeshConfig:
     steps: int = 2
     units: bool = False  # under FSDP: each tensor-parallel layer (attention, up, down) an FSDP unit
     stages: int | None = None  # the pipeline: the blocks stacked, split over a stage axis of this size
-    schedule: str = "gpipe"  # with stages: "gpipe", "1f1b" or (explicit mode) "zb-h1"
+    schedule: str = "gpipe"  # with stages: "gpipe", "1f1b" or (explicit mode) "zb-h1", "interleaved-1f1b"
+    chunks: int = 1  # interleaved: the chunks a stage runs (shard_state's virtual_stages)
 
     @property
     def shape(self) -> dict[str, int]:
@@ -156,7 +159,13 @@ def _with_pipeline(draw: st.DrawFn, c: MeshConfig) -> MeshConfig:
     schedule = draw(st.sampled_from(["gpipe", "1f1b"]))
     if c.mode == "explicit" and schedule == "1f1b" and draw(st.booleans()):  # last: earlier draws as before
         schedule = "zb-h1"
-    return dataclasses.replace(c, stages=stages, schedule=schedule, microbatches=microbatches, blocks=blocks)
+    chunks = 1
+    interleaves = blocks == 2 * stages and microbatches % stages == 0
+    if c.mode == "explicit" and schedule == "1f1b" and interleaves and draw(st.booleans()):  # after ZB-H1's
+        schedule, chunks = "interleaved-1f1b", 2
+    return dataclasses.replace(
+        c, stages=stages, schedule=schedule, microbatches=microbatches, blocks=blocks, chunks=chunks
+    )
 
 
 class Block(nnx.Module):
@@ -341,6 +350,7 @@ def check(c: MeshConfig) -> None:
     substrax.shard_state(
         model, optimizer, mesh=mesh, layout=c.layout, min_size=64,
         units=units if c.layout == "fsdp" else None, stages=None if c.stages is None else Block,
+        virtual_stages=c.chunks,
     )  # fmt: skip
     schedule = None if c.stages is None else c.schedule
     step = substrax.make_train_step(
@@ -440,6 +450,20 @@ CURATED = [
         units=True,
         stages=2,
         schedule="zb-h1",
+    ),  # fmt: skip
+    # interleaved 1F1B: two chunks a stage, tensor parallelism and FSDP units inside a chunk, under Adam
+    MeshConfig(
+        mode="explicit",
+        data=2,
+        model=2,
+        layout="fsdp",
+        microbatches=2,
+        optimizer="adam",
+        blocks=4,
+        units=True,
+        stages=2,
+        schedule="interleaved-1f1b",
+        chunks=2,
     ),  # fmt: skip
 ]
 
