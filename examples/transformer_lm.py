@@ -19,8 +19,9 @@ data axis (replicated, ZeRO-1: optimizer state split, FSDP: parameters split too
 ``--microbatches`` how many accumulation steps each device's rows are split into; all
 give the same losses to float32 round-off. ``--mesh stage=4,data=2`` with ``--scan``
 pipelines the stacked blocks over 4 stages (``--blocks`` a multiple of them), each stage
-its consecutive blocks, ``--schedule`` ``gpipe`` or ``1f1b`` over ``--microbatches``: the
-same losses again (see the pipelines guide); a checkpoint resumes with or without a stage
+its consecutive blocks, ``--schedule`` ``gpipe``, ``1f1b``, ``zb-h1`` or ``interleaved-1f1b``
+(``--virtual-stages`` chunks a stage) over ``--microbatches``: the same losses again (see the
+pipelines guide); a checkpoint resumes with or without a stage
 axis. So do one process and several: every process
 draws the same global batch and places only its own rows (``process_slice``); the step
 is the same.
@@ -338,6 +339,12 @@ def make_parser() -> argparse.ArgumentParser:
         default=None,
         help="with a stage axis in --mesh and --scan: pipeline the blocks over it, over --microbatches",
     )
+    parser.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=1,
+        help="with --schedule interleaved-1f1b: the chunks of blocks each stage runs",
+    )
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=32, help="global batch size, over all processes")
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -414,6 +421,7 @@ def main(argv: list[str] | None = None) -> list[float]:
         units=Block if args.units else None,
         prefetch=args.prefetch,
         stages=Block if "stage" in shape else None,  # the pipeline's stages
+        virtual_stages=args.virtual_stages,  # its chunks a stage (interleaved 1F1B)
     )
     per_device = f"{layout.bytes_per_device:,} of {layout.total_bytes:,} bytes per device"
     state_note = f"{args.layout} state ({per_device})"

@@ -140,8 +140,9 @@ def test_a_run_resumes_from_its_checkpoint_with_the_same_losses(losses: dict, tm
 def test_pipelined_blocks_give_the_data_parallel_losses_and_resume_without_stage(tmp_path: Any) -> None:
     """4 stacked blocks on data=8 (no pipeline), against the same blocks pipelined over stage=4,data=2
     in 8 microbatches: explicit 1F1B for steps 1-2, saved, resumed on data=8 (no stage axis) for
-    steps 3-4; implicit GPipe and explicit ZB-H1 for steps 1-2. (data=8 equals one device to round-off:
-    the tests above.)"""
+    steps 3-4; implicit GPipe, explicit ZB-H1 and explicit interleaved 1F1B (8 blocks, two chunks a
+    stage, against their own data=8 run) for steps 1-2. (data=8 equals one device to round-off: the
+    tests above.)"""
     example = load_example()
     stacked = ["--log-every", "1", "--sample", "0", "--blocks", "4", "--scan"]
     pipe = ["--mesh", "stage=4,data=2", "--microbatches", "8", "--steps", "2"]
@@ -151,12 +152,17 @@ def test_pipelined_blocks_give_the_data_parallel_losses_and_resume_without_stage
         first = example.main([*stacked, *pipe, *saved, "--mode", "explicit", "--schedule", "1f1b"])
         gpipe = example.main([*stacked, *pipe, "--mode", "implicit", "--schedule", "gpipe"])
         zb = example.main([*stacked, *pipe, "--mode", "explicit", "--schedule", "zb-h1"])
+        deep = [*stacked[:-2], "8", "--scan"]  # 8 blocks: 4 stages x 2 chunks of one
+        want8 = example.main([*deep, "--steps", "2", "--mesh", "data=8"])
+        chunked = ["--schedule", "interleaved-1f1b", "--virtual-stages", "2"]
+        interleaved = example.main([*deep, *pipe, "--mode", "explicit", *chunked])
     with contextlib.redirect_stdout(io.StringIO()) as printed:
         resumed = example.main([*stacked, *saved, "--steps", str(STEPS), "--mesh", "data=8"])
     assert "resumed from step 2" in printed.getvalue()
     np.testing.assert_allclose(first, want[:2], rtol=RTOL_2D)
     np.testing.assert_allclose(gpipe, want[:2], rtol=RTOL_2D)
     np.testing.assert_allclose(zb, want[:2], rtol=RTOL_2D)
+    np.testing.assert_allclose(interleaved, want8, rtol=RTOL_2D)
     np.testing.assert_allclose(resumed, want[2:], rtol=RTOL_2D)
 
 
