@@ -90,7 +90,9 @@ def test_each_schedule_matches_and_the_plan_is_its_census(schedule: str) -> None
     assert found.matches, str(found)
     assert not found.report.uncounted()
     chunks = 2 if schedule == "interleaved-1f1b" else 1  # the plan's default: two chunks a stage
-    ticks = {n for n, _ in loops(substrax.PipelineSchedule(schedule, 4, 4, chunks))} | ({1} if chunks > 1 else set())
+    ticks = {n for n, _ in loops(substrax.PipelineSchedule(schedule, 4, 4, chunks))} | (
+        {1} if chunks > 1 else set()
+    )
     permutes = [r for r in found.report.rows if r.kind == "collective-permute"]
     assert permutes and {r.trip_count or 1 for r in permutes} <= ticks, [r.trip_counts for r in permutes]
     assert row.total_bytes == found.report.bytes_per_step()
