@@ -36,8 +36,11 @@ def test_each_processs_rows_place_as_the_concatenation(rows_run: Run, mesh: str)
     assert results(rows_run, f"placed_{mesh}") == {"[p0]": "ok", "[p1]": "ok"}, rows_run.output
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("mode", substrax.MODES)
+RUNS = [(mode, schedule) for mode in substrax.MODES for schedule in ("gpipe", "1f1b")]
+RUNS.append(("explicit", "interleaved-1f1b"))  # two chunks a stage: moved between the processes
+
+
+@pytest.mark.parametrize(("mode", "schedule"), RUNS)
 @pytest.mark.parametrize("mesh", MESHES)
 def test_a_pipeline_trains_on_each_processs_rows_like_one_device(
     rows_run: Run, mesh: str, mode: str, schedule: str

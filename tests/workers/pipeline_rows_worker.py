@@ -5,7 +5,9 @@
 Trains: on 2 processes x 4 devices, a stack of 4 residual layers pipelined over ``stage``
 on the meshes ``(stage 4, data 2)`` (the stage axis spans the processes: each holds both
 data shards) and ``(data 2, stage 4)`` (each process one data shard), in both modes and
-both schedules. Each process passes its own 16 of the 32 rows, to the plain call as NumPy
+both schedules, and explicit interleaved 1F1B (a stack of 8, two chunks a stage: the chunks
+moved between the processes' stages and home). Each process passes its own 16 of the 32
+rows, to the plain call as NumPy
 and through ``place_batch_on_shards``; the losses and parameters must be a one-device
 run's on the whole 32 rows, and a NaN in process 1's rows must skip the step.
 
@@ -55,8 +57,12 @@ FAILURES: list[str] = []
 
 
 class Net(Tower):
-    def __init__(self) -> None:
-        super().__init__(Residual, DEPTH, WIDTH, gate=True, scale=0.5)
+    def __init__(self, depth: int = DEPTH) -> None:
+        super().__init__(Residual, depth, WIDTH, gate=True, scale=0.5)
+
+
+RUNS = [(mode, schedule) for mode in substrax.MODES for schedule in ("gpipe", "1f1b")]
+RUNS.append(("explicit", "interleaved-1f1b"))  # two chunks a stage, on a stack of 2 * DEPTH
 
 
 def check(name: str):
@@ -108,13 +114,14 @@ def trains() -> None:
     poisoned = {k: v.copy() for k, v in sine_batches(1, ROWS, seed=1)[0].items()}
     poisoned["y"][ROWS - 1] = np.nan  # in process 1's rows
 
-    want_losses, trained = one_device_training(
-        batches, optax.sgd(LR), model=Net, loss_fn=mse, device=jax.local_devices()[0]
-    )
-    want = {
-        "/".join(map(str, k)): np.asarray(v.get_value())
-        for k, v in nnx.to_flat_state(nnx.state(trained, nnx.Param))
-    }
+    wants = {}  # chunks a stage: the one-device run of its stack (DEPTH * chunks layers)
+    for chunks in (1, 2):
+        losses, trained = one_device_training(
+            batches, optax.sgd(LR), model=lambda c=chunks: Net(DEPTH * c), loss_fn=mse,
+            device=jax.local_devices()[0],
+        )  # fmt: skip
+        params = nnx.to_flat_state(nnx.state(trained, nnx.Param))
+        wants[chunks] = losses, {"/".join(map(str, k)): np.asarray(v.get_value()) for k, v in params}
 
     for shape in ({"stage": 4, "data": 2}, {"data": 2, "stage": 4}):
         mesh = create_device_mesh(shape)
@@ -130,28 +137,30 @@ def trains() -> None:
             for s in placed.addressable_shards:
                 np.testing.assert_array_equal(np.asarray(s.data), x[s.index], err_msg=str(s.device))
 
-        for mode in substrax.MODES:
-            for schedule in ("gpipe", "1f1b"):
+        for mode, schedule in RUNS:
+            chunks = 2 if schedule == "interleaved-1f1b" else 1
 
-                @check(f"trains_{axes}_{mode}_{schedule}")
-                def _(mesh=mesh, sharding=sharding, mode=mode, schedule=schedule) -> None:
-                    model, opt = make_placed(Net, optax.sgd(LR), mesh, stages=Residual)
-                    step = substrax.make_train_step(
-                        mse, mode, mesh=mesh, microbatches=MICROBATCHES, schedule=schedule
-                    )
-                    losses = [scalar(step(model, opt, own(batches[0])))]  # NumPy rows, to the call
-                    before = gathered(model)
-                    skipped = scalar(step(model, opt, own(poisoned)))  # NaN in process 1's rows
-                    after = gathered(model)
-                    for b in batches[1:]:  # placed by place_batch_on_shards
-                        losses.append(scalar(step(model, opt, place_batch_on_shards(own(b), sharding))))
-                    got = gathered(model)  # every collective first: a failed check stops none
-                    assert np.isnan(skipped), f"a NaN in process 1's rows gave the loss {skipped}"
-                    for name, value in before.items():
-                        np.testing.assert_array_equal(after[name], value, err_msg=f"skipped step: {name}")
-                    np.testing.assert_allclose(losses, want_losses, rtol=RTOL, err_msg="losses")
-                    for name, value in want.items():
-                        np.testing.assert_allclose(got[name], value, rtol=RTOL, atol=ATOL, err_msg=name)
+            @check(f"trains_{axes}_{mode}_{schedule}")
+            def _(mesh=mesh, sharding=sharding, mode=mode, schedule=schedule, chunks=chunks) -> None:
+                want_losses, want = wants[chunks]
+                net = lambda: Net(DEPTH * chunks)  # noqa: E731
+                model, opt = make_placed(net, optax.sgd(LR), mesh, stages=Residual, virtual_stages=chunks)
+                step = substrax.make_train_step(
+                    mse, mode, mesh=mesh, microbatches=MICROBATCHES, schedule=schedule
+                )
+                losses = [scalar(step(model, opt, own(batches[0])))]  # NumPy rows, to the call
+                before = gathered(model)
+                skipped = scalar(step(model, opt, own(poisoned)))  # NaN in process 1's rows
+                after = gathered(model)
+                for b in batches[1:]:  # placed by place_batch_on_shards
+                    losses.append(scalar(step(model, opt, place_batch_on_shards(own(b), sharding))))
+                got = gathered(model)  # every collective first: a failed check stops none
+                assert np.isnan(skipped), f"a NaN in process 1's rows gave the loss {skipped}"
+                for name, value in before.items():
+                    np.testing.assert_array_equal(after[name], value, err_msg=f"skipped step: {name}")
+                np.testing.assert_allclose(losses, want_losses, rtol=RTOL, err_msg="losses")
+                for name, value in want.items():
+                    np.testing.assert_allclose(got[name], value, rtol=RTOL, atol=ATOL, err_msg=name)
 
 
 def refusals() -> None:
