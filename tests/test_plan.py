@@ -362,6 +362,17 @@ def test_units_that_match_nothing_are_refused_before_planning() -> None:
         substrax.plan(mse, model, optimizer, batch, mesh=mesh, units=nnx.Linear)
 
 
+def test_the_default_plan_tries_the_models_stacked_block_as_units() -> None:
+    """``units=None``: FSDP without units, and with the block of an ``nnx.vmap`` stack where the
+    model has one (Llama's ``Block``); an MLP of two ``Linear`` layers has none."""
+    model = llama.Llama(d=32, depth=2, hidden=64)
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    mesh = create_device_mesh({"data": 8})
+    planned = substrax.plan(llama.loss_fn, model, optimizer, llama.batch(64), mesh=mesh, layouts=["fsdp"])
+    assert [r.units for r in planned.rows] == ["-", "Block"]
+    assert [r.units for r in _mlp_plan(layouts=["fsdp"]).rows] == ["-"]
+
+
 def test_a_layout_that_splits_nothing_says_so_in_its_row_and_the_table() -> None:
     # regression (#51): below min_size the fsdp row was the replicated one, labelled fsdp, no note
     model = MLP(4, 16, seed=0)  # 64 and 16 elements: below the default min_size

@@ -125,7 +125,7 @@ def _documented_masks(keys: np.ndarray, counts: np.ndarray, mode: str, devices: 
     return np.stack(columns, axis=1)
 
 
-@pytest.mark.parametrize("layout", ["replicated", "fsdp", "hsdp"])
+@pytest.mark.parametrize("layout", ["replicated", "zero1", "fsdp", "hsdp"])
 @pytest.mark.parametrize("mode", substrax.MODES)
 def test_each_layer_and_device_draws_the_documented_mask(mode: str, layout: str) -> None:
     """On 8 devices (HSDP: ``(replica=2, data=4)``, the rows over both, device ``4 r + d``)."""
