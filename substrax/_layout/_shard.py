@@ -249,29 +249,25 @@ def shard_state(
         tuple of them, or ``(path, module) -> bool``. Its parameters (and their optimizer
         state, and its random streams' counts) are split on the layer axis over ``stage``,
         consecutive layers a stage; the layout applies within a stage (see the pipelines guide).
-      virtual_stages: With ``stages``: the chunks of consecutive layers each stage runs under
-        ``schedule="interleaved-1f1b"`` (stage ``s`` runs chunks ``s, s + S, ...``; the state keeps
-        the model's order and the step moves the chunks, see the pipelines guide). 1: one chunk.
+      virtual_stages: With ``stages``: the chunks each stage runs under ``"interleaved-1f1b"``
+        (the state keeps the model's order; the step moves the chunks: pipelines guide).
 
     Returns:
       The ``Layout``: which leaf went where, the bytes per device, and the parameters
       left whole and why (``Layout.left_whole``).
 
     Raises:
-      TypeError: If ``optimizer`` is not an ``nnx.Optimizer`` or ``min_size`` not an int.
-      ValueError: If ``units`` comes with a layout other than ``"fsdp"``, matches no submodule (naming the
-        model's module types), the model itself or a module inside another, or ``prefetch`` comes without
-        ``units`` or with ``reshard_after_forward=False``; the mesh has a ``stage`` axis without ``stages``,
-        or ``stages`` comes without one, with ``prefetch``, matches nothing (naming the module types), a
-        module that is no stack or two of them, or a stack whose layers the stages do not divide; ``layout``
-        is unknown or contradicts ``params``; ``axis`` contradicts ``data_axis``; two roles (the data,
-        replica and stage axes, the layers' own) share an axis, or the mesh lacks the data axis and another
-        axis has no role (batches guide, "Axis roles"); ``min_size`` is negative; or the optimizer is not
-        the model's. Each names the axis or leaf.
+      TypeError: If ``optimizer`` is not an ``nnx.Optimizer``, ``min_size`` or ``virtual_stages`` not an int.
+      ValueError: If ``units`` comes with a layout other than ``"fsdp"``, matches no submodule (naming
+        the model's module types), the model or a module inside another; ``prefetch`` without ``units``
+        or with ``reshard_after_forward=False``; a ``stage`` axis without ``stages``, or ``stages``
+        without one, with ``prefetch``, matching nothing, no stack or two, or a stack the stages (times
+        ``virtual_stages``) do not divide; ``layout`` unknown or contradicting ``params``; ``axis``
+        contradicting ``data_axis``; two roles on one axis, or an axis without a role (batches guide,
+        "Axis roles"); a negative ``min_size``; an optimizer not the model's. Each names the axis or leaf.
 
     Warns:
-      UserWarning: Once per call, naming each parameter of at least ``min_size`` elements
-        that a splitting layout leaves whole because no dimension divides by the axis size.
+      UserWarning: Once per call, naming each parameter of ``min_size`` or more left whole by a split.
     """
     _checked_arguments(optimizer, min_size)
     adopt_assigned_arrays(optimizer)  # an array assigned where the optimizer held a variable

@@ -13,13 +13,17 @@ _INTERLEAVED = "interleaved-1f1b"
 
 
 def schedules(
-    mesh: Mesh, schedule: str | None | Sequence[str | None], mode: str, chunks: int = 1
+    mesh: Mesh,
+    schedule: str | None | Sequence[str | None],
+    mode: str,
+    placement: Mapping[str, Any] | None = None,
 ) -> list[str | None]:
     """The schedules to try on ``mesh`` in ``mode``: on a ``stage`` axis the candidates (when none are
-    named, each that ``mode`` runs on a placement of ``chunks`` a stage), without one none (``[None]``:
-    no pipeline)."""
+    named, each that ``mode`` runs on ``placement``: interleaved alone where it places several chunks a
+    stage, else the others), without one none (``[None]``: no pipeline)."""
     if STAGE_AXIS not in mesh.axis_names:
         return [None]
+    chunks = (placement or {}).get("virtual_stages", 1)
     candidates = [schedule] if schedule is None or isinstance(schedule, str) else list(schedule)
     named = [c for c in candidates if c is not None]
     runs = [
@@ -28,6 +32,13 @@ def schedules(
         if (mode == "explicit" or s not in EXPLICIT_ONLY) and (s == _INTERLEAVED) == (chunks > 1)
     ]
     return named or runs
+
+
+def runs(
+    mesh: Mesh, schedule: str | None | Sequence[str | None], modes: Sequence[str], placement: Any
+) -> list[tuple[str, str | None]]:
+    """Each ``(mode, schedule)`` to try on ``mesh`` (``schedules``' for each mode)."""
+    return [(mode, s) for mode in modes for s in schedules(mesh, schedule, mode, placement)]
 
 
 def piped(

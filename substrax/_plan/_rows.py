@@ -111,8 +111,7 @@ def plan(
         names = layouts or [k for k in _layout.LAYOUTS if k != "hsdp" or replica in m.axis_names]
         for kind in names:
             for u, unit in enumerate(units if kind in ("fsdp", "hsdp") else (None,)):
-                chunks = (placement or {}).get("virtual_stages", 1)
-                for md, sched in [(d, s) for d in modes for s in _pipeline.schedules(m, schedule, d, chunks)]:
+                for md, sched in _pipeline.runs(m, schedule, modes, placement):
                     place, opts = _pipeline.piped(m, sched, placement, step_options)
                     config = (loss_fn, model, optimizer, batch, m, md, kind, unit, place, opts)
                     on_target = _platform(m) != "cpu" if compiled is None else compiled

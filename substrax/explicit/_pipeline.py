@@ -32,7 +32,8 @@ from substrax._shared.loss import loss_and_metrics
 from substrax._shared.microbatch import split_microbatches
 from substrax._shared.pipeline import Staged, advanced, floats_of, put, take, with_floats
 from substrax._shared.pipeline_record import note_pipeline
-from substrax._shared.schedule import Schedule, chunk_rounds
+from substrax._shared.schedule import Schedule
+from substrax.explicit._chunks import moved
 from substrax.explicit._prologue import Share
 
 __all__ = ["pipelined_value_and_grad"]
@@ -56,6 +57,11 @@ def _zeros_like(tree: PyTree, dtype: Any = None) -> PyTree:
     )
 
 
+def _added(tree: PyTree, d: PyTree) -> PyTree:
+    """``tree + d``, leaf by leaf, in ``tree``'s dtypes (a gradient accumulated)."""
+    return jax.tree.map(lambda a, x: a + x.astype(a.dtype), tree, d)
+
+
 def _from_last(x: Any, last: Any, axis: str) -> Any:
     """The last stage's ``x`` on every stage: a ``psum`` of it and the others' zeros (exact)."""
     wide = x.astype(jnp.int32) if x.dtype == jnp.bool_ else x
@@ -72,33 +78,6 @@ def _stage_streams(streams: nnx.State, layers: int, axis: str) -> nnx.State:
         return x if x.shape[0] == layers else jax.lax.dynamic_slice_in_dim(x, first, layers)
 
     return jax.tree.map(own, streams)
-
-
-def _moved(tree: PyTree, axis: str, virtual: int, back: bool = False) -> PyTree:
-    """Each leaf's stage slice (``virtual`` chunks of consecutive layers, as placed) with its chunks
-    moved to the stages that run them (``chunk_rounds``: one ``ppermute`` a round); ``back``: home."""
-    n = jax.lax.axis_size(axis)
-    rounds, s = chunk_rounds(n, virtual), jax.lax.axis_index(axis)
-
-    def leaf(x: Any) -> Any:
-        m, key = x.shape[0] // virtual, jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-        impl = jax.random.key_impl(x) if key else None
-        data = jax.random.key_data(x) if key else x
-        out = _zeros_like(data)
-        for moves in rounds:
-            pairs = [(e, d) if back else (d, e) for d, _, e, _ in moves]
-            src, dst = [0] * n, [0] * n
-            for d, a, e, b in moves:
-                src[e if back else d], dst[d if back else e] = (b, a) if back else (a, b)
-            piece = jax.lax.dynamic_slice_in_dim(data, jnp.asarray(src)[s] * m, m)
-            if any(i != j for i, j in pairs):
-                note_pipeline(moved=piece, back=back)
-                with jax.named_scope(scopes.PIPELINE):
-                    piece = jax.lax.ppermute(piece, axis, pairs)
-            out = jax.lax.dynamic_update_slice_in_dim(out, piece, jnp.asarray(dst)[s] * m, 0)
-        return jax.random.wrap_key_data(out, impl=impl) if key else out
-
-    return jax.tree.map(leaf, tree)
 
 
 @dataclasses.dataclass(eq=False)
@@ -274,6 +253,20 @@ def _backward_input(
     return d_outside, (), d_c, loss, aux, drawn, (pullbacks, cts)
 
 
+def _start(
+    p: _Stages, outside: nnx.State, stack: nnx.State, zero_carry: Any, zero_out: Any, held: Any, dtype: Any
+) -> tuple[Any, ...]:
+    """The ticks' state before the first: nothing received, ``v x stash`` empty slots of chunk inputs
+    and streams, zero gradients (in ``dtype``), losses and metrics, the held pullbacks' zeros."""
+    slots = p.schedule.stash * p.v
+    stash = jax.tree.map(lambda z: jnp.zeros((slots, *z.shape), z.dtype), zero_carry)
+    own = p.chunk(p.streams, 0)
+    stash = (p.varying(stash), jax.tree.map(lambda x: jnp.broadcast_to(x, (slots, *x.shape)), own))
+    auxes = jax.tree.map(lambda z: jnp.zeros((p.k, *z.shape), z.dtype), zero_out[1])
+    grads = (_zeros_like(outside, dtype), _zeros_like(stack, dtype))
+    return (zero_carry, p.streams), floats_of(zero_carry), stash, grads, zero_out[0], p.varying(auxes), held
+
+
 def _one_f_one_b(
     p: _Stages, outside: nnx.State, stack: nnx.State, scale: float, dtype: Any
 ) -> tuple[Any, Any, Any, Any, nnx.State]:
@@ -317,11 +310,10 @@ def _one_f_one_b(
             if zip_:  # ZB-H1: the input's gradient sent on, the weights' held back
                 held_ = jax.lax.cond(p.valid(jb), lambda: put(held_, jb % held, kept), lambda: held_)
             else:
-                g_stack = p.with_chunk(g_stack, ub, jax.tree.map(
-                    lambda a, d: a + d.astype(a.dtype), p.chunk(g_stack, ub), d_stack))  # fmt: skip
+                g_stack = p.with_chunk(g_stack, ub, _added(p.chunk(g_stack, ub), d_stack))
             last = p.ends(ub) & p.valid(jb)
             streams = p.with_chunk(streams, ub, advanced(p.chunk(streams, ub), drawn, last))
-            g_out = jax.tree.map(lambda a, d: a + d.astype(a.dtype), g_out, d_out)
+            g_out = _added(g_out, d_out)
             auxes = jax.lax.cond(last, lambda: put(auxes, jb, aux), lambda: auxes)
             losses, recv_g = losses + loss, p.send(d_c, -1)
         if weight:  # ZB-H1's weight slot: microbatch jw's, from its layers' pullbacks
@@ -334,24 +326,10 @@ def _one_f_one_b(
                     lambda: _typed_like(p.staged.weight_grads(stack, *take(held_, jw % held)), stack),
                     lambda: _zeros_like(stack),
                 )
-            g_stack = jax.tree.map(lambda a, d: a + d.astype(a.dtype), g_stack, d_stack)
+            g_stack = _added(g_stack, d_stack)
         return ((recv, streams), recv_g, stash, (g_out, g_stack), losses, auxes, held_), None
 
-    slots = depth * p.v
-    stash = jax.tree.map(lambda z: jnp.zeros((slots, *z.shape), z.dtype), zero_carry)
-    own = p.chunk(p.streams, 0)
-    stash = (p.varying(stash), jax.tree.map(lambda x: jnp.broadcast_to(x, (slots, *x.shape)), own))
-    auxes = jax.tree.map(lambda z: jnp.zeros((p.k, *z.shape), z.dtype), zero_out[1])
-    grads = (_zeros_like(outside, dtype), _zeros_like(stack, dtype))
-    state = (
-        (zero_carry, p.streams),
-        floats_of(zero_carry),
-        stash,
-        grads,
-        zero_out[0],
-        p.varying(auxes),
-        held_,
-    )
+    state = _start(p, outside, stack, zero_carry, zero_out, held_, dtype)
     for start, stop, forward, backward, weight in p.schedule.phases:
         body = functools.partial(tick, forward=forward, backward=backward, weight=weight)
         state, _ = jax.lax.scan(body, state, jnp.arange(start, stop))
@@ -391,7 +369,7 @@ def pipelined_value_and_grad(
     p = _Stages(staged, slices, schedule_, stage_axis, axes, streams)
     outside, stack = p.varying(staged.outside), p.varying(staged.stack)
     if v > 1:  # interleaved: each chunk to the stage that runs it (shard_state keeps them consecutive)
-        stack, p.streams = _moved(stack, stage_axis, v), _moved(streams, stage_axis, v)
+        stack, p.streams = moved(stack, stage_axis, v), moved(streams, stage_axis, v)
     scale = 1.0 / (microbatches * devices)
     if schedule == "gpipe":
         (_, (total, aux, streams)), (g_out, g_stack) = jax.value_and_grad(
@@ -401,8 +379,8 @@ def pipelined_value_and_grad(
         total, aux, g_out, g_stack, streams = _one_f_one_b(p, outside, stack, scale, share.accumulate_dtype)
     if v > 1:  # the chunks' gradients and draws home
         g_stack, streams = (
-            _moved(g_stack, stage_axis, v, back=True),
-            _moved(streams, stage_axis, v, back=True),
+            moved(g_stack, stage_axis, v, back=True),
+            moved(streams, stage_axis, v, back=True),
         )
     staged.keep_draws(model, streams)  # this stage's layers' counts (split over stage_axis, as placed)
     note_pipeline(aux=aux)
