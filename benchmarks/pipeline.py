@@ -193,7 +193,7 @@ def table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         ("temp", ">10", M.bytes_cell("temp_bytes")),
         ("temp/dp", ">7", M.ratio_cell("temp_ratio")),
         ("peak", ">10", M.bytes_cell("peak_bytes")),
-        ("comm/step", ">10", M.bytes_cell("comm_bytes")),
+        ("comm/step", ">11", M.bytes_cell("comm_bytes")),
         ("permutes", ">10", M.bytes_cell("permute_bytes")),
         ("rule", ">4", M.rule_cell),
         ("compile s", ">9", M.compile_cell),
