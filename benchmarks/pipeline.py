@@ -1,4 +1,4 @@
-"""Pipelines: step time and memory of GPipe, 1F1B and ZB-H1 against the data-parallel step of the same model.
+"""Pipelines: step time and memory of GPipe, 1F1B, ZB-H1 and interleaved 1F1B against the data-parallel step.
 
 One model, an embedding, ``--depth`` residual blocks (``Linear(width, width)``, ``tanh``)
 stacked by ``nnx.vmap`` and applied by ``substrax.nn.scan_layers``, a head; mean squared
@@ -9,16 +9,17 @@ Timed, interleaved round by round after warm-up (``.bind``, the state donated):
   (gradient accumulation): the bound each pipelined row is a ratio to;
 - ``stage4xdata2:MODE:SCHEDULE:kK``: the blocks split over ``stage=4`` (``shard_state(...,
   stages=Block)``) beside ``data=2``, replicated over ``data``, ``make_train_step(...,
-  microbatches=K, schedule=...)``, each schedule the mode runs (ZB-H1: explicit mode).
+  microbatches=K, schedule=...)``, each schedule the mode runs (ZB-H1 and interleaved 1F1B:
+  explicit mode; interleaved with ``virtual_stages=2``, two chunks of blocks a stage).
 
 Each row: the median step time, its ratio to the same mode's data-parallel row (of each
 round, the paired ratio), the compiled step's memory per device (``memory_analysis()``:
 arguments, temporaries, peak), its collectives per step from the census (bytes, the
 permutes' among them), whether the census matches, and the schedule's bubble (``bubble_fraction``).
 On emulated devices sharing 2 cores the stages do not run at once: the times say what
-the schedules cost in work (1F1B's recomputed forward, ZB-H1's held pullbacks, the bubble's idle
-slots skipped),
-not what a pipeline gains on real devices (see docs/benchmarks.md).
+the schedules cost in work (1F1B's recomputed forward, ZB-H1's held pullbacks, interleaved
+1F1B's chunk moves and its ticks of one chunk each, about twice as many; the bubble's idle slots
+skipped), not what a pipeline gains on real devices (see docs/benchmarks.md).
 
     python benchmarks/pipeline.py --quick
     python benchmarks/pipeline.py --json benchmarks/results/pipeline.json
@@ -40,7 +41,8 @@ from typing import Any
 import _measure as M  # benchmarks/_measure.py: run as `python benchmarks/NAME.py`
 
 MODES = ("explicit", "implicit")
-SCHEDULES = {"explicit": ("gpipe", "1f1b", "zb-h1"), "implicit": ("gpipe", "1f1b")}
+SCHEDULES = {"explicit": ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b"), "implicit": ("gpipe", "1f1b")}
+CHUNKS = 2  # interleaved 1F1B's chunks a stage (virtual_stages): the depth must divide by stages x 2
 
 
 def _model(width: int, depth: int) -> tuple[Any, Any, Callable[..., Any]]:
@@ -110,9 +112,11 @@ def _build(
     with jax.set_mesh(mesh):
         model = Net(nnx.Rngs(0))
         optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    chunks = CHUNKS if schedule == "interleaved-1f1b" else 1
     substrax.shard_state(
-        model, optimizer, mesh=mesh, layout="replicated", stages=None if schedule is None else Block
-    )
+        model, optimizer, mesh=mesh, layout="replicated", stages=None if schedule is None else Block,
+        **({"virtual_stages": chunks} if chunks > 1 else {}),
+    )  # fmt: skip
     rng = np.random.default_rng(0)
     batch = {
         "x": rng.normal(size=(batch_size, 16)).astype(np.float32),
@@ -125,8 +129,9 @@ def _build(
         "mode": mode,
         "schedule": schedule or "-",
         "k": k,
+        "virtual_stages": chunks,
     }
-    row["bubble"] = 0.0 if schedule is None else substrax.bubble_fraction(stages, k, schedule)
+    row["bubble"] = 0.0 if schedule is None else substrax.bubble_fraction(stages, k, schedule, chunks)
     row |= M.memory(step.lower(model, optimizer, batch).compile())  # the program the call runs
     comparison = step.check_communication(model, optimizer, batch)
     row["census_matches"] = comparison.matches
@@ -181,14 +186,14 @@ def table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"global batch {meta['batch']}, Adam, 8 emulated {meta['backend']} devices; {meta['cpus']} CPUs; "
         f"jax {meta['jax']}, flax {meta['flax']}, optax {meta['optax']}; {meta['date']}"
     )
-    columns = M.timing_columns(32, 15) + [
+    columns = M.timing_columns(42, 15) + [
         ("ratio", ">6", M.ratio_cell("paired_ratio")),
         ("bubble", ">6", lambda r: f"{r['bubble']:.0%}"),
         ("arg", ">10", M.bytes_cell("argument_bytes")),
         ("temp", ">10", M.bytes_cell("temp_bytes")),
         ("temp/dp", ">7", M.ratio_cell("temp_ratio")),
         ("peak", ">10", M.bytes_cell("peak_bytes")),
-        ("comm/step", ">10", M.bytes_cell("comm_bytes")),
+        ("comm/step", ">11", M.bytes_cell("comm_bytes")),
         ("permutes", ">10", M.bytes_cell("permute_bytes")),
         ("rule", ">4", M.rule_cell),
         ("compile s", ">9", M.compile_cell),
@@ -198,7 +203,10 @@ def table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             "median: per step (.bind, donated); ratio: the paired ratio to the same mode's data8 row at the "
             "same K"
         ),
-        "(each round's time over that row's, median over rounds). bubble: the schedule's bubble_fraction.",
+        (
+            "(each round's time over that row's, median over rounds). bubble: the schedule's bubble_fraction "
+            f"(interleaved: {CHUNKS} chunks a stage)."
+        ),
         "arg, temp, peak: memory_analysis() of one device's program (arguments: its state and batch; peak:",
         "argument + output + temp - alias); temp/dp: temp over the data8 row's. comm: collective bytes per",
         (
