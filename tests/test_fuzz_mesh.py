@@ -565,6 +565,22 @@ def test_regression_zb_h1s_weight_slot_keeps_only_the_collectives_a_weight_needs
     check(SEED_62)
 
 
+SEED_56222 = MeshConfig(
+    mode="explicit", data=2, model=1, layout="fsdp", microbatches=4, optimizer="sgd", heads=2, causal=False,
+    blocks=8, width=16, seed=56222, steps=2, units=True, stages=4, schedule="interleaved-1f1b", chunks=2,
+)  # fmt: skip
+
+
+def test_regression_a_model_axis_of_one_device_splits_no_units_buffer() -> None:
+    """Found by the pipeline axis drawing interleaved 1F1B (2026-12-08, under Adam; here SGD: the census
+    is the optimizer's alike): each block an FSDP unit beside a ``model`` axis of one device. The census
+    expected a unit's parameters split over ``model`` in a buffer apart from the rest (their specs name
+    it), the step gathered them in one (nothing varies over an axis of one device): every unit's
+    gather and reduce-scatter unmatched. 1F1B failed the same (4 blocks, 4 stages, or 8). Now an
+    axis of one device is no other axis of a unit's buffer."""
+    check(SEED_56222)
+
+
 SEED_1189 = MeshConfig(
     mode="explicit", data=2, model=2, layout="zero1", microbatches=4, optimizer="sgd", heads=4, causal=True,
     blocks=2, width=16, seed=1189, steps=2, units=True, stages=2, schedule="1f1b",

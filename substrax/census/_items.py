@@ -128,15 +128,18 @@ def unit_items(
 def _unit_owners(
     model: nnx.Module, leaves: list[tuple[str, tuple[int, ...], Any, bool]], axis: str
 ) -> tuple[dict[str, KeyPath], dict[str, tuple[str, ...]]]:
-    """Each split parameter's unit (the root: ``()``), and the other mesh axes it is split over."""
+    """Each split parameter's unit (the root: ``()``), and the other mesh axes it is split over (an axis
+    of one device splits nothing: nothing varies over it, so its buffer is the unsplit ones')."""
     split = {leaf[0] for leaf in leaves if leaf[3]}
     owner, others = {}, {}
     for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         name = path_str(tuple(p), "model")
         if name in split:
             owner[name] = tuple(v.get_metadata().get(UNIT_KEY) or ())
-            axes = {a for entry in spec_tuple(v) or () for a in spec_axes(entry)} - {axis}
-            others[name] = tuple(sorted(axes))
+            mesh = getattr(getattr(v.get_value(), "sharding", None), "mesh", None)
+            sizes = dict(getattr(mesh, "shape", {}) or {})
+            axes = {a for entry in spec_tuple(v) or () for a in spec_axes(entry) if sizes.get(a, 2) > 1}
+            others[name] = tuple(sorted(axes - {axis}))
     return owner, others
 
 
