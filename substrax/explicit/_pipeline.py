@@ -1,4 +1,4 @@
-"""The explicit pipeline: a device's stage of a GPipe, 1F1B or ZB-H1 schedule inside the step's ``shard_map``.
+"""The explicit pipeline: a device's stage of a pipeline schedule inside the step's ``shard_map``.
 
 Each device holds its stage's consecutive layers (the stack split over ``stage``) and the
 whole microbatches of its rows. A tick of a ``lax.scan`` runs this stage's slot on the
@@ -8,8 +8,9 @@ cotangent to the previous one (backward). Stage 0 runs the prologue, the last st
 epilogue (``substrax._shared.pipeline.Staged``). GPipe is the autodiff of the forward
 ticks; 1F1B writes each tick's forward slot and backward slot (``jax.vjp`` of the stage,
 recomputed from the stage input it stashed); ZB-H1 splits that backward slot in two, the input's
-gradient sent on at once and the weights' run in a later tick from each layer's kept pullback.
-See the pipelines guide.
+gradient sent on at once and the weights' run in a later tick from each layer's kept pullback;
+interleaved 1F1B is 1F1B over ``v`` chunks a stage, the carry going around the ring of stages
+and the chunks moved to their stages first (``substrax.explicit._chunks``). See the pipelines guide.
 """
 
 from __future__ import annotations
