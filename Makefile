@@ -103,6 +103,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/plan.py --json benchmarks/results/plan_quick.json
 	$(PY) benchmarks/chip.py --quick --json benchmarks/results/chip_quick.json
 	$(PY) benchmarks/chip_scanned.py --quick --json benchmarks/results/chip_scanned_quick.json
+	$(PY) benchmarks/tinyllama_plan.py --quick --json benchmarks/results/tinyllama_plan_quick.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis $(TEST_CACHE)

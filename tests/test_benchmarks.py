@@ -41,6 +41,7 @@ TIMED = {  # in the order they are started: the longest first
     "plan": "ratio",  # compiled, not run: its rows measure the estimate against the compiled peak
     "chip": "median_step_us",  # on the first device jax finds (here one CPU device)
     "chip_scanned": "median_step_us",  # likewise
+    "tinyllama_plan": "peak_bytes",  # planned, not run (--smoke: on 8 emulated CPU devices)
 }
 # conftest's LLVM level (set here even under SUBSTRAX_TEST_XLA_OPT=default), and fewer passes
 FAST_COMPILE = f"{conftest.FAST_COMPILE} --xla_llvm_disable_expensive_passes=true"
