@@ -268,7 +268,10 @@ def table(rows: list[dict], machine: dict[str, Any]) -> str:
             f"{r['paired_ratio']:>8.3f} {r['tokens_per_s']:>11,.0f} {mfu:>6} {M.fmt_bytes(peak):>14} "
             f"{M.fmt_bytes(plan):>12} {ratio:>9}"
         )
-    lines.append("x bound: the median over rounds of the step's time / the bound's in that round (same run)")
+    lines.append(
+        "x bound: the median over rounds of the step's time / the bound's in that round (same run); "
+        "without the bound, the first spelling's"
+    )
     lines.append(
         "MFU: 6 * parameters * tokens / step time / the chip's bf16 peak; peaks: memory_analysis(), donated"
     )
@@ -287,7 +290,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a small size, 3 rounds (runs on a CPU too)")
     parser.add_argument("--smoke", action="store_true", help="tiny, one round of one step: that it runs")
     parser.add_argument("--spellings", default="bound,plain,bind", help="of bound, plain, bind")
-    parser.add_argument("--modes", default=",".join(MODES), help="of implicit, explicit")
+    parser.add_argument(
+        "--modes", default=",".join(MODES), help="implicit, explicit (--predict: explicit-bf16-propagation)"
+    )
     parser.add_argument("--no-plan", action="store_true", help="skip substrax.plan's peak (a compile each)")
     parser.add_argument(
         "--no-memory", action="store_true", help="skip the compiled step's memory_analysis (a compile each)"

@@ -13,7 +13,10 @@ measured in the same rounds.
 
 ``--predict`` runs on a CPU (with libtpu): each configuration and mode compiled for a one-chip v5e
 topology, its step predicted from the program beside the step the chip measured
-(``benchmarks/_predicted.py``).
+(``benchmarks/_predicted.py``). ``--modes implicit,explicit,explicit-bf16-propagation`` adds the
+explicit step compiled with the TPU compiler's bfloat16 propagation on; ``--programs-read`` compiles
+each mode's step once more and sums its program up (length, digest, bfloat16 and float32 arrays),
+to see that the modes' programs differ as their options say.
 """
 
 from __future__ import annotations
