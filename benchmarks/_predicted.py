@@ -18,17 +18,18 @@ from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
-# Measured on the chip but not written to a results file: the design card's 102M step (2026-12-06/07,
-# jax 0.10.2; both modes within 1.011-1.025x a hand-written bound of ~100 ms).
-DESIGN_CARD = {("102M-bf16", "implicit"): 100.3e-3, ("102M-bf16", "explicit"): 100.3e-3}
-
 
 def measured() -> dict[tuple[str, str], tuple[float, str]]:
     """Each configuration's measured step, ``(name, mode) -> (seconds, source)``, from the chip's
-    result files (their ``bind:MODE`` rows, and ``chip_scanned``'s ``mode`` rows)."""
-    found: dict[tuple[str, str], tuple[float, str]] = {k: (v, "design card") for k, v in DESIGN_CARD.items()}
-    for path in sorted(RESULTS.glob("chip_*tpu_v5e.json")):
-        for row in json.loads(path.read_text())["rows"]:
+    result files ``chip_*tpu_v5e*.json`` (their ``bind:MODE`` rows, and ``chip_scanned``'s ``mode``
+    rows); where two files measured the same configuration, the later run's: by the run's date, and
+    on one date a file named with that date (``chip_tpu_v5e_2026-12-07.json``) after one without."""
+    found: dict[tuple[str, str], tuple[float, str]] = {}
+    for result, name in sorted(
+        ((json.loads(path.read_text()), path.name) for path in RESULTS.glob("chip_*tpu_v5e*.json")),
+        key=_run_order,
+    ):
+        for row in result["rows"]:
             if "error" in row or "median_step_us" not in row:
                 continue
             if "config" in row:  # chip_scanned.py's
@@ -37,8 +38,14 @@ def measured() -> dict[tuple[str, str], tuple[float, str]]:
                 key = (f"{row['size']}-{row['precision']}", row["spelling"].split(":")[1])
             else:
                 continue
-            found[key] = (row["median_step_us"] * 1e-6, path.name)
+            found[key] = (row["median_step_us"] * 1e-6, name)
     return found
+
+
+def _run_order(run: tuple[dict[str, Any], str]) -> tuple[str, bool, str]:
+    """A results file's place among the chip's runs: its date, whether its name says it, its name."""
+    date = run[0]["machine"].get("date", "")
+    return date, bool(date) and run[1].endswith(f"_{date}.json"), run[1]
 
 
 def predict(

@@ -62,6 +62,7 @@ def run(
     spellings: tuple[str, ...] = ("bound", "plain", "bind"),
     planned: bool = True,
     modes: tuple[str, ...] = MODES,
+    compiled: bool = True,
 ) -> list[dict]:
     import jax
     import jax.numpy as jnp
@@ -98,7 +99,9 @@ def run(
             label = {"size": size, "params": int(params), "precision": precision_name}
             for mode in modes:
                 try:
-                    made = _mode_calls(example, mode, mesh, policy, batch, fresh, spellings, planned)
+                    made = _mode_calls(
+                        example, mode, mesh, policy, batch, fresh, spellings, planned, compiled
+                    )
                     memory[mode], more = made
                     calls |= more
                 except Exception as e:  # a mode the library refuses: its row says why, the run goes on
@@ -161,17 +164,27 @@ def predicted(
 
 
 def _mode_calls(
-    example: Any, mode: str, mesh: Any, policy: Any, batch: Any, fresh: Any, spellings: Any, planned: bool
+    example: Any,
+    mode: str,
+    mesh: Any,
+    policy: Any,
+    batch: Any,
+    fresh: Any,
+    spellings: Any,
+    planned: bool,
+    compiled: bool = True,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """One mode's compiled memory (and plan peak), and its timed spellings' calls."""
+    """One mode's compiled memory (and plan peak) where asked, and its timed spellings' calls."""
     import substrax
 
     step = substrax.make_train_step(example.loss_fn, mode, mesh=mesh, precision=policy)
     model, optimizer = fresh()
-    started = time.perf_counter()
-    compiled = step.lower(model, optimizer, batch, donate=True).compile()
-    memory = {**M.memory(compiled), "compile_s": time.perf_counter() - started}
-    del compiled
+    memory: dict[str, Any] = {}
+    if compiled:  # a compile of its own: the timed calls compile theirs on the first call
+        started = time.perf_counter()
+        program = step.lower(model, optimizer, batch, donate=True).compile()
+        memory = {**M.memory(program), "compile_s": time.perf_counter() - started}
+        del program
     if planned:
         plan = substrax.plan(
             example.loss_fn, model, optimizer, batch, mesh=mesh, mode=mode,
@@ -255,7 +268,10 @@ def table(rows: list[dict], machine: dict[str, Any]) -> str:
             f"{r['paired_ratio']:>8.3f} {r['tokens_per_s']:>11,.0f} {mfu:>6} {M.fmt_bytes(peak):>14} "
             f"{M.fmt_bytes(plan):>12} {ratio:>9}"
         )
-    lines.append("x bound: the median over rounds of the step's time / the bound's in that round (same run)")
+    lines.append(
+        "x bound: the median over rounds of the step's time / the bound's in that round (same run); "
+        "without the bound, the first spelling's"
+    )
     lines.append(
         "MFU: 6 * parameters * tokens / step time / the chip's bf16 peak; peaks: memory_analysis(), donated"
     )
@@ -274,8 +290,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a small size, 3 rounds (runs on a CPU too)")
     parser.add_argument("--smoke", action="store_true", help="tiny, one round of one step: that it runs")
     parser.add_argument("--spellings", default="bound,plain,bind", help="of bound, plain, bind")
-    parser.add_argument("--modes", default=",".join(MODES), help="of implicit, explicit")
+    parser.add_argument(
+        "--modes", default=",".join(MODES), help="implicit, explicit (--predict: explicit-bf16-propagation)"
+    )
     parser.add_argument("--no-plan", action="store_true", help="skip substrax.plan's peak (a compile each)")
+    parser.add_argument(
+        "--no-memory", action="store_true", help="skip the compiled step's memory_analysis (a compile each)"
+    )
     parser.add_argument("--predict", action="store_true", help="on a CPU: predicted beside the chip's")
     parser.add_argument("--programs", default=None, help="with --predict: where to keep the programs")
     parser.add_argument("--json", default=None)
@@ -301,7 +322,7 @@ def main() -> None:
     spellings = tuple(args.spellings.split(","))
     rows = run(
         args.sizes.split(","), args.precisions.split(","), args.rounds, args.block_s, args.peak_tflops,
-        spellings, not args.no_plan, tuple(args.modes.split(",")),
+        spellings, not args.no_plan, tuple(args.modes.split(",")), not args.no_memory,
     )  # fmt: skip
     machine = {**M.machine(), "device_kind": jax.devices()[0].device_kind}
     text = table(rows, machine)

@@ -13,7 +13,10 @@ measured in the same rounds.
 
 ``--predict`` runs on a CPU (with libtpu): each configuration and mode compiled for a one-chip v5e
 topology, its step predicted from the program beside the step the chip measured
-(``benchmarks/_predicted.py``).
+(``benchmarks/_predicted.py``). ``--modes implicit,explicit,explicit-bf16-propagation`` adds the
+explicit step compiled with the TPU compiler's bfloat16 propagation on; ``--programs-read`` compiles
+each mode's step once more and sums its program up (length, digest, bfloat16 and float32 arrays),
+to see that the modes' programs differ as their options say.
 """
 
 from __future__ import annotations
@@ -43,8 +46,9 @@ CONFIGS = {
 }
 
 
-def run(names: list[str], rounds: int, block_s: float, modes: tuple[str, ...] = MODES) -> list[dict]:
-
+def run(
+    names: list[str], rounds: int, block_s: float, modes: tuple[str, ...] = MODES, programs: bool = False
+) -> list[dict]:
     import jax
     import jax.numpy as jnp
     import llama
@@ -62,7 +66,7 @@ def run(names: list[str], rounds: int, block_s: float, modes: tuple[str, ...] = 
         policy = substrax.MixedPrecision(jnp.bfloat16) if precision == "bf16" else None
         tokens = np.random.default_rng(0).integers(0, vocab, (rows_, seq + 1)).astype(np.int32)
         batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
-        calls, first = {}, {}
+        calls, first, program = {}, {}, {}
         for mode in modes:
             with jax.set_mesh(mesh):
                 model = llama.Llama(vocab, d, depth, heads=heads, kv_heads=kv, hidden=hidden, remat=remat)
@@ -75,6 +79,8 @@ def run(names: list[str], rounds: int, block_s: float, modes: tuple[str, ...] = 
                 fast = step.bind(model, optimizer)
                 calls[mode] = lambda fast=fast: fast(batch)
                 first[mode] = M.first_call_s(calls[mode], warmup=2)  # compiled here
+                if programs:  # compiled once more, with the options this mode's step took
+                    program[mode] = _program(fast.lower(batch).compile().as_text())
         samples, block = M.interleaved(calls, rounds, block_s, "implicit")
         for mode in modes:
             ratio = M.paired_ratio(samples[mode], [samples["implicit"]])
@@ -84,8 +90,18 @@ def run(names: list[str], rounds: int, block_s: float, modes: tuple[str, ...] = 
                 "precision": precision, "remat": remat, "mode": mode, "median_step_us": median * 1e6,
                 "first_call_s": first[mode], "explicit_over_implicit": ratio["paired_ratio"],
                 "tokens_per_s": rows_ * seq / median, "block": block, "rounds": rounds,
-            })  # fmt: skip
+            } | ({"program": program[mode]} if mode in program else {}))  # fmt: skip
     return rows
+
+
+def _program(text: str) -> dict[str, Any]:
+    """What tells two compiled programs apart: their length, digest, and arrays of each dtype."""
+    import hashlib
+
+    return {
+        "chars": len(text), "sha256": hashlib.sha256(text.encode()).hexdigest()[:16],
+        "bf16_arrays": text.count("bf16["), "f32_arrays": text.count("f32["),
+    }  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -142,6 +158,7 @@ def table(rows: list[dict], machine: dict[str, Any]) -> str:
         lines.append(
             f"{r['config']:<16} {r['params'] / 1e6:>7.1f}M {r['mode']:<26} {r['median_step_us'] / 1e3:>9.2f} "
             f"{r['explicit_over_implicit']:>9.3f} {r['tokens_per_s']:>11,.0f}"
+            + (f"  {r['program']}" if "program" in r else "")
         )
     lines.append("expl/impl: the median over rounds of explicit's time / implicit's in that round (same run)")
     return "\n".join(lines)
@@ -157,6 +174,9 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny, one round: that it runs")
     parser.add_argument("--predict", action="store_true", help="on a CPU: predicted beside the chip's")
     parser.add_argument("--programs", default=None, help="with --predict: where to keep the programs")
+    parser.add_argument(
+        "--programs-read", action="store_true", help="each mode's compiled program summed up (a compile more)"
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.predict:
@@ -172,7 +192,9 @@ def main() -> None:
 
     import jax
 
-    rows = run(args.configs.split(","), args.rounds, args.block_s, tuple(args.modes.split(",")))
+    rows = run(
+        args.configs.split(","), args.rounds, args.block_s, tuple(args.modes.split(",")), args.programs_read
+    )
     machine = {**M.machine(), "device_kind": jax.devices()[0].device_kind}
     text = table(rows, machine)
     print(text)
