@@ -24,6 +24,8 @@ from substrax._base.trees import path_str
 __all__ = [
     "KINDS",
     "Declared",
+    "looped",
+    "looping",
     "name_of",
     "naming",
     "optional",
@@ -56,6 +58,8 @@ class Declared:
       why: what it moves, in a few words.
       dead_if: for a backward collective whose transpose was traced inside ``optional(why)``,
         that ``why`` (the census expects it optionally).
+      in_loop: whether it was traced inside a loop of more than one iteration (``looping``), or
+        ``None`` where no loop said (the census then goes by the microbatches).
     """
 
     layer: str
@@ -66,6 +70,7 @@ class Declared:
     dtype: np.dtype[Any]
     why: str
     dead_if: str = ""  # its transpose traced inside ``optional(why)``: why XLA may drop it
+    in_loop: bool | None = None
 
     @property
     def bytes(self) -> int:
@@ -110,6 +115,25 @@ def optional(why: str) -> Iterator[None]:
         yield
     finally:
         _OPTIONAL.reset(token)
+
+
+_LOOPED: contextvars.ContextVar[bool | None] = contextvars.ContextVar("substrax_nn_looped", default=None)
+
+
+@contextlib.contextmanager
+def looping(iterations: int) -> Iterator[None]:
+    """Trace a loop body of ``iterations`` here: what is declared inside runs in a loop if this loop or
+    one around it iterates more than once (XLA unrolls a loop of one iteration: its body runs once)."""
+    token = _LOOPED.set(bool(_LOOPED.get()) or iterations > 1)
+    try:
+        yield
+    finally:
+        _LOOPED.reset(token)
+
+
+def looped() -> bool | None:
+    """Whether a collective declared here runs in a loop (``looping``), ``None`` outside every one."""
+    return _LOOPED.get()
 
 
 def optional_why(phase: str) -> str:

@@ -108,7 +108,13 @@ def _scan_stack(
 
     if remat:
         body = jax.checkpoint(body)
-    return jax.lax.scan(body, x, (params, streams))
+    with declared.looping(_layers(params)):
+        return jax.lax.scan(body, x, (params, streams))
+
+
+def _layers(stack: nnx.State) -> int:
+    """The layers of a stack's slice (its leaves' leading axis)."""
+    return int(jax.tree.leaves(stack)[0].shape[0])
 
 
 def take(tree: PyTree, i: Any) -> PyTree:
@@ -334,7 +340,8 @@ class Staged:
             self.pullback_def = (treedef, tuple(where.get(id(x), -1) for x in leaves))
             return out, ([x for x in leaves if id(x) not in where], drawn)
 
-        floats, (pullbacks, drawn) = jax.lax.scan(body, floats_of(carry), (stack, streams))
+        with declared.looping(_layers(stack)):
+            floats, (pullbacks, drawn) = jax.lax.scan(body, floats_of(carry), (stack, streams))
         return with_floats(carry, floats), drawn, pullbacks
 
     def _pullback(self, kept: list[Any], params: nnx.State) -> Any:
@@ -353,7 +360,8 @@ class Staged:
             _, d_in = self._pullback(*xs)(ct)
             return [d.astype(c.dtype) for d, c in zip(d_in, ct, strict=True)], ct
 
-        return jax.lax.scan(body, ct, (pullbacks, stack), reverse=True)
+        with declared.looping(_layers(stack)):
+            return jax.lax.scan(body, ct, (pullbacks, stack), reverse=True)
 
     def weight_grads(self, stack: nnx.State, pullbacks: list[Any], cts: list[Any]) -> nnx.State:
         """The stack's gradient from each layer's pullback and output cotangent (``input_grads``'s)."""
@@ -362,7 +370,8 @@ class Staged:
             d_params, _ = self._pullback(xs[0], xs[1])(xs[2])
             return None, d_params
 
-        return jax.lax.scan(body, None, (pullbacks, stack, cts))[1]
+        with declared.looping(_layers(stack)):
+            return jax.lax.scan(body, None, (pullbacks, stack, cts))[1]
 
     def keep_draws(self, model: nnx.Module, streams: nnx.State) -> None:
         """Set the counts of ``model``'s stack to those of ``streams`` (the whole stack's, after the

@@ -333,7 +333,8 @@ def _one_f_one_b(
     state = _start(p, outside, stack, zero_carry, zero_out, held_, dtype)
     for start, stop, forward, backward, weight in p.schedule.phases:
         body = functools.partial(tick, forward=forward, backward=backward, weight=weight)
-        state, _ = jax.lax.scan(body, state, jnp.arange(start, stop))
+        with declared.looping(stop - start):  # a loop of one tick: XLA runs its body once, outside loops
+            state, _ = jax.lax.scan(body, state, jnp.arange(start, stop))
     (_, streams), _, _, (g_out, g_stack), losses, auxes, _ = state
     return losses, auxes, g_out, g_stack, streams
 

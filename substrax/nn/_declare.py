@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from substrax._base import scopes
-from substrax._base.declared import KINDS, Declared, name_of, optional_why, recorder
+from substrax._base.declared import KINDS, Declared, looped, name_of, optional_why, recorder
 from substrax._metrics.collectives import to_varying, varying_axes
 
 __all__ = ["Declared", "copy_to_model_axis", "declare_backward", "declare_forward"]
@@ -33,7 +33,7 @@ def _declared(
     if not isinstance(axis, str):
         raise TypeError(f"declare_{phase}: axis must be one mesh axis name, a str; got {axis!r}.")
     shape = tuple(like.shape if shape is None else shape)
-    return Declared(layer, phase, kind, axis, shape, np.dtype(like.dtype), why)
+    return Declared(layer, phase, kind, axis, shape, np.dtype(like.dtype), why, in_loop=looped())
 
 
 def declare_forward(
@@ -88,7 +88,7 @@ def declare_backward(
 
     def tap_bwd(_: None, cotangent: Any) -> tuple[Any]:
         if recorder() is record:  # where its pullback runs: in a silenced trace it is not recorded
-            record.append(dataclasses.replace(declared, dead_if=optional_why("backward")))
+            record.append(dataclasses.replace(declared, dead_if=optional_why("backward"), in_loop=looped()))
         return (cotangent,)
 
     tap.defvjp(tap_fwd, tap_bwd)
